@@ -1,0 +1,32 @@
+"""segflow: run neural-network graphs in bulk segments through a dependency engine.
+
+>>> import segflow
+>>> sess = segflow.InferenceSession("model.onnx", device="cpu")   # doctest: +SKIP
+>>> outs = sess.run(None, {"input": x})                           # doctest: +SKIP
+>>> sess.last_run_stats                                           # doctest: +SKIP
+>>> print(sess.explain())                                         # doctest: +SKIP
+"""
+
+from segflow.errors import (
+    ExecutionError,
+    InvalidInput,
+    InvalidModel,
+    SegflowError,
+    UnsupportedOp,
+)
+from segflow.runtime.session import InferenceSession, NodeArg
+from segflow.runtime.stats import RunStats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ExecutionError",
+    "InferenceSession",
+    "InvalidInput",
+    "InvalidModel",
+    "NodeArg",
+    "RunStats",
+    "SegflowError",
+    "UnsupportedOp",
+    "__version__",
+]

@@ -1,0 +1,23 @@
+"""The errors segflow raises to users. Each carries a one-line message naming the culprit."""
+
+from __future__ import annotations
+
+
+class SegflowError(Exception):
+    """Base class of every error segflow raises on purpose."""
+
+
+class InvalidModel(SegflowError):
+    """The model file is missing, unreadable, malformed or structurally inconsistent."""
+
+
+class UnsupportedOp(InvalidModel):
+    """The model uses an operator (or opset version) segflow does not implement."""
+
+
+class InvalidInput(SegflowError, ValueError):
+    """A feed does not match the model: unknown or missing name, wrong dtype, rank or dim."""
+
+
+class ExecutionError(SegflowError, RuntimeError):
+    """A kernel failed at run time; the message names the node (``While executing ...``)."""

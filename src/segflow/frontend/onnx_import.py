@@ -1,0 +1,264 @@
+"""ONNX frontend: ModelProto (or a path to one) -> :class:`segflow.ir.Graph`.
+
+Everything ONNX-specific is parsed here, once: element types become
+:class:`DType`, attributes become Python values (tensors become torch tensors,
+graphs become subgraphs), Constant nodes become constant values, and every
+node is checked against the op registry so an unsupported model fails at
+load, naming the op, its domain, the opset and the node.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import torch
+from onnx import numpy_helper
+
+from segflow.errors import InvalidModel, UnsupportedOp
+from segflow.ir.graph import Graph, Node, Value
+from segflow.ir.types import Dim, DType, TensorSpec
+from segflow.ops.registry import OpRegistry, default_registry
+
+
+def load_model(model: str | os.PathLike[str] | bytes | onnx.ModelProto) -> onnx.ModelProto:
+    """Read a model file (with its external data) or pass a ModelProto through."""
+    if isinstance(model, onnx.ModelProto):
+        return model
+    if isinstance(model, bytes):
+        try:
+            return onnx.load_from_string(model)
+        except Exception as exc:
+            raise InvalidModel(f"cannot parse model bytes: {_one_line(exc)}") from None
+    path = Path(model)
+    if not path.exists():
+        raise InvalidModel(f"model file not found: {path}")
+    if path.is_dir():
+        raise InvalidModel(f"model path is a directory, not an ONNX file: {path}")
+    try:
+        proto = onnx.load(str(path), load_external_data=True)
+    except Exception as exc:
+        raise InvalidModel(f"cannot read ONNX model {path}: {_one_line(exc)}") from None
+    if not proto.HasField("graph") or (not proto.graph.node and not proto.graph.output):
+        raise InvalidModel(f"{path} is not an ONNX model (no graph found)")
+    return proto
+
+
+def import_model(model: str | os.PathLike[str] | bytes | onnx.ModelProto,
+                 registry: OpRegistry | None = None) -> Graph:
+    """Parse and check a model; return the segflow graph.
+
+    >>> graph = import_model("resnet50.onnx")  # doctest: +SKIP
+    """
+    proto = load_model(model)
+    opsets = {(imp.domain if imp.domain != "ai.onnx" else ""): imp.version
+              for imp in proto.opset_import}
+    opsets.setdefault("", 1)
+    proto = _with_inferred_shapes(proto)
+    importer = _Importer(registry or default_registry(), opsets)
+    graph = importer.graph(proto.graph, parent=None, scope={})
+    graph.name = proto.graph.name or "main"
+    return graph
+
+
+def _with_inferred_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """ONNX's own shape inference, best effort: it only enriches value specs."""
+    try:
+        return onnx.shape_inference.infer_shapes(proto, strict_mode=False, data_prop=True)
+    except Exception:
+        return proto
+
+
+class _Importer:
+    def __init__(self, registry: OpRegistry, opsets: dict[str, int]) -> None:
+        self.registry = registry
+        self.opsets = opsets
+
+    def graph(self, gp: onnx.GraphProto, parent: Graph | None,
+              scope: dict[str, Value]) -> Graph:
+        graph = Graph(gp.name or "subgraph", parent=parent)
+        graph.opsets = dict(self.opsets)
+        # Visible names: the enclosing scope, shadowed by this graph's own definitions.
+        names: dict[str, Value] = dict(scope)
+        infos = {vi.name: vi for vi in [*gp.value_info, *gp.input, *gp.output]}
+
+        for tensor in gp.initializer:
+            value = Value(tensor.name, const=_tensor(tensor))
+            value.spec = _spec_of_tensor(value.const)
+            graph.add_initializer(value)
+            names[tensor.name] = value
+        for tensor in gp.sparse_initializer:
+            dense = _sparse_to_dense(tensor)
+            value = Value(tensor.values.name, const=dense)
+            value.spec = _spec_of_tensor(dense)
+            graph.add_initializer(value)
+            names[value.name] = value
+        for vi in gp.input:
+            if vi.name in graph.initializers:
+                continue  # an overridable default (old-style models): stays a constant
+            value = Value(vi.name, _spec(vi.type))
+            graph.add_input(value)
+            names[vi.name] = value
+
+        for np_ in gp.node:
+            self._node(graph, np_, names, infos)
+
+        for vi in gp.output:
+            if vi.name not in names:
+                raise InvalidModel(f"graph output {vi.name!r} is not produced by any node")
+            value = names[vi.name]
+            declared = _spec(vi.type)
+            if value.spec.shape is None and declared.shape is not None:
+                value.spec = declared
+            elif value.spec.dtype is None:
+                value.spec = TensorSpec(declared.dtype, value.spec.shape)
+            graph.outputs.append(value)
+        return graph
+
+    def _node(self, graph: Graph, np_: onnx.NodeProto, names: dict[str, Value],
+              infos: dict[str, onnx.ValueInfoProto]) -> None:
+        domain = "" if np_.domain in ("", "ai.onnx") else np_.domain
+        label = np_.name or (np_.output[0] if np_.output else np_.op_type)
+        if domain not in self.opsets:
+            raise UnsupportedOp(f"op {np_.op_type} in node {label!r} uses domain "
+                                f"{domain!r}, which the model does not import")
+        opset = self.opsets[domain]
+        if np_.op_type == "Constant" and domain == "":
+            const = _constant_value(np_)
+            value = Value(np_.output[0], _spec_of_tensor(const), const=const)
+            graph.add_initializer(value)
+            names[value.name] = value
+            return
+        opdef = self.registry.lookup(domain, np_.op_type, opset, label)
+        inputs: list[Value | None] = []
+        for name in np_.input:
+            if name == "":
+                inputs.append(None)
+                continue
+            if name not in names:
+                raise InvalidModel(f"node {label!r} ({np_.op_type}) reads {name!r}, "
+                                   f"which is not defined before it")
+            inputs.append(names[name])
+        attrs: dict[str, Any] = {}
+        subgraphs: dict[str, Graph] = {}
+        for attr in np_.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                subgraphs[attr.name] = self.graph(attr.g, graph, names)
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                raise UnsupportedOp(f"attribute {attr.name} of node {label!r} holds a list "
+                                    f"of graphs, which segflow does not support")
+            else:
+                attrs[attr.name] = _attribute(attr)
+        outputs = []
+        for name in np_.output:
+            spec = _spec(infos[name].type) if name in infos else TensorSpec()
+            outputs.append(Value(name or f"{label}:unused{len(outputs)}", spec))
+        node = Node(np_.op_type, inputs, outputs, attrs, name=np_.name or label,
+                    domain=domain, opset=opset, subgraphs=subgraphs)
+        graph.append(node)
+        for value in outputs:
+            names[value.name] = value
+        _ = opdef  # validated above; the planner looks it up again when binding
+
+
+def _attribute(attr: onnx.AttributeProto) -> Any:
+    value = onnx.helper.get_attribute_value(attr)
+    if attr.type == onnx.AttributeProto.TENSOR:
+        return _tensor(value)
+    if attr.type == onnx.AttributeProto.SPARSE_TENSOR:
+        return _sparse_to_dense(value)
+    if attr.type == onnx.AttributeProto.STRING:
+        return value.decode("utf-8", errors="replace")
+    if attr.type == onnx.AttributeProto.STRINGS:
+        return [v.decode("utf-8", errors="replace") for v in value]
+    if attr.type == onnx.AttributeProto.TENSORS:
+        return [_tensor(t) for t in value]
+    if attr.type in (onnx.AttributeProto.INTS, onnx.AttributeProto.FLOATS):
+        return list(value)
+    return value
+
+
+def _constant_value(np_: onnx.NodeProto) -> torch.Tensor:
+    for attr in np_.attribute:
+        v = onnx.helper.get_attribute_value(attr)
+        if attr.name == "value":
+            return _tensor(v)
+        if attr.name == "sparse_value":
+            return _sparse_to_dense(v)
+        if attr.name == "value_float":
+            return torch.tensor(v, dtype=torch.float32)
+        if attr.name == "value_floats":
+            return torch.tensor(list(v), dtype=torch.float32)
+        if attr.name == "value_int":
+            return torch.tensor(v, dtype=torch.int64)
+        if attr.name == "value_ints":
+            return torch.tensor(list(v), dtype=torch.int64)
+        if attr.name in ("value_string", "value_strings"):
+            raise UnsupportedOp(f"Constant node {np_.name!r} holds strings, "
+                                "which segflow's torch kernels do not support")
+    raise InvalidModel(f"Constant node {np_.name!r} has no value attribute")
+
+
+def _tensor(tp: onnx.TensorProto) -> torch.Tensor:
+    try:
+        array = numpy_helper.to_array(tp)
+    except Exception as exc:
+        raise InvalidModel(f"cannot read tensor {tp.name!r}: {_one_line(exc)}") from None
+    if array.dtype == object or array.dtype.kind in ("U", "S"):
+        raise UnsupportedOp(f"tensor {tp.name!r} holds strings, which segflow does not support")
+    if tp.data_type == onnx.TensorProto.BFLOAT16:
+        return torch.from_numpy(array.astype(np.float32)).to(torch.bfloat16)
+    if array.dtype.kind not in "biufc?":  # float8/int4 and other exotic types
+        raise UnsupportedOp(f"tensor {tp.name!r} has element type "
+                            f"{onnx.TensorProto.DataType.Name(tp.data_type)}, "
+                            "which segflow does not support")
+    return torch.from_numpy(np.array(array, copy=True))
+
+
+def _sparse_to_dense(sp: onnx.SparseTensorProto) -> torch.Tensor:
+    values = _tensor(sp.values)
+    indices = _tensor(sp.indices).to(torch.int64)
+    shape = list(sp.dims)
+    dense = torch.zeros(int(np.prod(shape)), dtype=values.dtype)
+    if indices.dim() == 2:
+        flat = torch.zeros(indices.shape[0], dtype=torch.int64)
+        for axis, size in enumerate(shape):
+            flat = flat * size + indices[:, axis]
+        indices = flat
+    dense[indices.reshape(-1)] = values.reshape(-1)
+    return dense.reshape(shape)
+
+
+def _spec(tp: onnx.TypeProto) -> TensorSpec:
+    if not tp.HasField("tensor_type"):
+        return TensorSpec()
+    tt = tp.tensor_type
+    try:
+        dtype = DType.from_onnx(tt.elem_type) if tt.elem_type else None
+    except ValueError:
+        dtype = None
+    if not tt.HasField("shape"):
+        return TensorSpec(dtype, None)
+    dims: list[Dim] = []
+    for d in tt.shape.dim:
+        if d.HasField("dim_value"):
+            dims.append(int(d.dim_value))
+        elif d.HasField("dim_param") and d.dim_param:
+            dims.append(d.dim_param)
+        else:
+            dims.append(None)
+    return TensorSpec(dtype, tuple(dims))
+
+
+def _spec_of_tensor(t: torch.Tensor | None) -> TensorSpec:
+    if t is None:
+        return TensorSpec()
+    return TensorSpec(DType.from_torch(t.dtype), tuple(int(d) for d in t.shape))
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

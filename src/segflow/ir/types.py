@@ -1,0 +1,191 @@
+"""Element types and tensor specs: the typed vocabulary of the IR.
+
+ONNX's integer dtype codes are parsed into :class:`DType` once, at the frontend
+boundary; everything downstream speaks DType.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+Dim = int | str | None
+"""One dimension: a fixed size, a symbolic name, or unknown (None)."""
+
+
+class DType(enum.Enum):
+    """Element type of a tensor. Values are ONNX TensorProto codes."""
+
+    FLOAT32 = 1
+    UINT8 = 2
+    INT8 = 3
+    UINT16 = 4
+    INT16 = 5
+    INT32 = 6
+    INT64 = 7
+    STRING = 8
+    BOOL = 9
+    FLOAT16 = 10
+    FLOAT64 = 11
+    UINT32 = 12
+    UINT64 = 13
+    COMPLEX64 = 14
+    COMPLEX128 = 15
+    BFLOAT16 = 16
+
+    @classmethod
+    def from_onnx(cls, code: int) -> DType:
+        try:
+            return cls(code)
+        except ValueError:
+            raise ValueError(f"unsupported ONNX element type code {code}") from None
+
+    @classmethod
+    def from_numpy(cls, dtype: np.dtype | type) -> DType:
+        key = np.dtype(dtype)
+        for member, np_dtype in _NUMPY.items():
+            if np_dtype == key:
+                return member
+        if key.kind in ("U", "S", "O"):
+            return cls.STRING
+        raise ValueError(f"numpy dtype {key} has no segflow equivalent")
+
+    @classmethod
+    def from_torch(cls, dtype: torch.dtype) -> DType:
+        for member, torch_dtype in _TORCH.items():
+            if torch_dtype == dtype:
+                return member
+        raise ValueError(f"torch dtype {dtype} has no segflow equivalent")
+
+    @property
+    def torch(self) -> torch.dtype:
+        try:
+            return _TORCH[self]
+        except KeyError:
+            raise ValueError(f"{self.name} tensors are not supported by the torch kernels") from None
+
+    @property
+    def numpy(self) -> np.dtype:
+        if self is DType.STRING:
+            return np.dtype(object)
+        if self is DType.BFLOAT16:
+            raise ValueError("BFLOAT16 has no numpy equivalent")
+        return _NUMPY[self]
+
+    @property
+    def is_float(self) -> bool:
+        return self in (DType.FLOAT16, DType.BFLOAT16, DType.FLOAT32, DType.FLOAT64)
+
+    @property
+    def onnx_name(self) -> str:
+        return _ONNX_NAMES.get(self, self.name.lower())
+
+
+_TORCH: dict[DType, torch.dtype] = {
+    DType.FLOAT32: torch.float32,
+    DType.FLOAT64: torch.float64,
+    DType.FLOAT16: torch.float16,
+    DType.BFLOAT16: torch.bfloat16,
+    DType.UINT8: torch.uint8,
+    DType.INT8: torch.int8,
+    DType.INT16: torch.int16,
+    DType.INT32: torch.int32,
+    DType.INT64: torch.int64,
+    DType.UINT16: torch.uint16,
+    DType.UINT32: torch.uint32,
+    DType.UINT64: torch.uint64,
+    DType.BOOL: torch.bool,
+    DType.COMPLEX64: torch.complex64,
+    DType.COMPLEX128: torch.complex128,
+}
+
+_NUMPY: dict[DType, np.dtype] = {
+    DType.FLOAT32: np.dtype(np.float32),
+    DType.FLOAT64: np.dtype(np.float64),
+    DType.FLOAT16: np.dtype(np.float16),
+    DType.UINT8: np.dtype(np.uint8),
+    DType.INT8: np.dtype(np.int8),
+    DType.INT16: np.dtype(np.int16),
+    DType.INT32: np.dtype(np.int32),
+    DType.INT64: np.dtype(np.int64),
+    DType.UINT16: np.dtype(np.uint16),
+    DType.UINT32: np.dtype(np.uint32),
+    DType.UINT64: np.dtype(np.uint64),
+    DType.BOOL: np.dtype(np.bool_),
+    DType.COMPLEX64: np.dtype(np.complex64),
+    DType.COMPLEX128: np.dtype(np.complex128),
+}
+
+_ONNX_NAMES = {
+    DType.FLOAT32: "float",
+    DType.FLOAT64: "double",
+    DType.FLOAT16: "float16",
+    DType.BFLOAT16: "bfloat16",
+    DType.BOOL: "bool",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """What is statically known about a tensor: element type and shape.
+
+    ``shape`` is None when even the rank is unknown; a dim is an int (fixed),
+    a str (symbolic, e.g. ``"batch"``) or None (unknown).
+    """
+
+    dtype: DType | None = None
+    shape: tuple[Dim, ...] | None = None
+
+    @property
+    def rank(self) -> int | None:
+        return None if self.shape is None else len(self.shape)
+
+    @property
+    def is_static(self) -> bool:
+        return self.shape is not None and all(isinstance(d, int) for d in self.shape)
+
+    def describe(self) -> str:
+        dtype = self.dtype.onnx_name if self.dtype else "?"
+        if self.shape is None:
+            return f"{dtype}[?]"
+        dims = ",".join("?" if d is None else str(d) for d in self.shape)
+        return f"{dtype}[{dims}]"
+
+
+class DeviceKind(enum.Enum):
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+@dataclass(frozen=True, slots=True)
+class Device:
+    """A placement target. ``cpu:1`` is a second logical CPU device (own worker)."""
+
+    kind: DeviceKind
+    index: int = 0
+
+    @classmethod
+    def parse(cls, text: str | Device) -> Device:
+        if isinstance(text, Device):
+            return text
+        name, _, index = str(text).partition(":")
+        try:
+            kind = DeviceKind(name.strip().lower())
+        except ValueError:
+            raise ValueError(f"unknown device {text!r}; expected 'cpu', 'cpu:N' or 'cuda:N'") from None
+        if index and not index.isdigit():
+            raise ValueError(f"bad device index in {text!r}")
+        return cls(kind, int(index) if index else 0)
+
+    @property
+    def torch(self) -> torch.device:
+        # Logical CPU devices all map to the one torch CPU device.
+        if self.kind is DeviceKind.CPU:
+            return torch.device("cpu")
+        return torch.device("cuda", self.index)
+
+    def __str__(self) -> str:
+        return f"{self.kind.value}:{self.index}"

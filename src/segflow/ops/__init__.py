@@ -1,0 +1,26 @@
+"""The operator library: OpDef tables per op family, and the registry that looks them up.
+
+Each family module exposes ``OPS: list[OpDef]``; :func:`default_registry`
+collects them. To add an op, add one row to the family it belongs to.
+"""
+
+from segflow.ops import (
+    control,
+    copy,
+    elementwise,
+    image,
+    indexing,
+    linalg,
+    misc,
+    nn,
+    quant,
+    reduce,
+    rnn,
+    tensor,
+)
+from segflow.ops.registry import BindContext, Kernel, OpDef, OpRegistry, default_registry
+
+ALL_FAMILIES = (elementwise, nn, tensor, reduce, indexing, image, control, rnn, quant, linalg,
+                misc, copy)
+
+__all__ = ["ALL_FAMILIES", "BindContext", "Kernel", "OpDef", "OpRegistry", "default_registry"]

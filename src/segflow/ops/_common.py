@@ -1,0 +1,78 @@
+"""Small helpers shared by the op family modules (kernel factories and attribute access)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from segflow.ir.graph import Node
+from segflow.ops.registry import BindContext, Kernel
+
+Tensor = torch.Tensor
+
+
+def unary(fn: Callable[[Tensor], Tensor]) -> Callable[[Node, BindContext], Kernel]:
+    """Factory for an attribute-free one-input, one-output op."""
+
+    def bind(node: Node, ctx: BindContext) -> Kernel:
+        def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+            return [fn(inputs[0])]  # type: ignore[arg-type]
+        return kernel
+
+    return bind
+
+
+def binary(fn: Callable[[Tensor, Tensor], Tensor]) -> Callable[[Node, BindContext], Kernel]:
+    """Factory for a broadcasting two-input op."""
+
+    def bind(node: Node, ctx: BindContext) -> Kernel:
+        def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+            return [fn(inputs[0], inputs[1])]  # type: ignore[arg-type]
+        return kernel
+
+    return bind
+
+
+def with_attrs(fn: Callable[..., Tensor], **defaults: Any) -> Callable[[Node, BindContext], Kernel]:
+    """Factory for a one-output op whose kernel takes the inputs then attributes by keyword.
+
+    ``with_attrs(lambda x, alpha: ..., alpha=0.01)`` reads ``alpha`` from the node once.
+    """
+
+    def bind(node: Node, ctx: BindContext) -> Kernel:
+        kwargs = {key: node.attrs.get(key, default) for key, default in defaults.items()}
+
+        def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+            return [fn(*inputs, **kwargs)]
+        return kernel
+
+    return bind
+
+
+def ints(t: Tensor | None) -> list[int]:
+    """A small integer tensor (shape, axes, pads ...) as a Python list."""
+    if t is None:
+        return []
+    return [int(v) for v in t.reshape(-1).tolist()]
+
+
+def const_input(node: Node, index: int) -> Tensor | None:
+    """The constant data behind input ``index``, if it is an initializer/folded constant."""
+    if index >= len(node.inputs):
+        return None
+    value = node.inputs[index]
+    return None if value is None else value.const
+
+
+def has_input(node: Node, index: int) -> bool:
+    return index < len(node.inputs) and node.inputs[index] is not None
+
+
+def normalize_axis(axis: int, rank: int) -> int:
+    return axis + rank if axis < 0 else axis
+
+
+def float_dtype_like(t: Tensor) -> torch.dtype:
+    return t.dtype if t.is_floating_point() else torch.float32

@@ -1,0 +1,243 @@
+"""Elementwise arithmetic, comparison, logic and activation ops (with broadcasting)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from segflow.ir.graph import Node
+from segflow.ops._common import binary, unary, with_attrs
+from segflow.ops.registry import BindContext, Kernel, OpDef
+
+Tensor = torch.Tensor
+
+
+def _div(a: Tensor, b: Tensor) -> Tensor:
+    if a.dtype.is_floating_point or a.dtype.is_complex:
+        return torch.div(a, b)
+    return torch.div(a, b, rounding_mode="trunc")
+
+
+def _mod(node: Node, ctx: BindContext) -> Kernel:
+    fmod = int(node.attrs.get("fmod", 0))
+
+    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        a, b = inputs[0], inputs[1]
+        assert a is not None and b is not None
+        return [torch.fmod(a, b) if fmod else torch.remainder(a, b)]
+    return kernel
+
+
+def _pow(a: Tensor, b: Tensor) -> Tensor:
+    out = torch.pow(a, b.to(a.dtype) if a.dtype.is_floating_point else b)
+    return out.to(a.dtype)
+
+
+def _variadic(fn):  # type: ignore[no-untyped-def]
+    def bind(node: Node, ctx: BindContext) -> Kernel:
+        def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+            acc = inputs[0]
+            assert acc is not None
+            for t in inputs[1:]:
+                assert t is not None
+                acc = fn(acc, t)
+            return [acc if len(inputs) > 1 else acc.clone()]
+        return kernel
+    return bind
+
+
+def _mean(node: Node, ctx: BindContext) -> Kernel:
+    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        acc = inputs[0]
+        assert acc is not None
+        for t in inputs[1:]:
+            acc = acc + t
+        return [acc / len(inputs)]
+    return kernel
+
+
+def _clip(node: Node, ctx: BindContext) -> Kernel:
+    if node.opset < 11:
+        lo_attr = node.attrs.get("min")
+        hi_attr = node.attrs.get("max")
+
+        def kernel_attr(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+            x = inputs[0]
+            assert x is not None
+            return [torch.clamp(x, lo_attr, hi_attr)]
+        return kernel_attr
+
+    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        x = inputs[0]
+        assert x is not None
+        lo = inputs[1] if len(inputs) > 1 else None
+        hi = inputs[2] if len(inputs) > 2 else None
+        if lo is not None:
+            x = torch.maximum(x, lo.to(x.dtype))
+        if hi is not None:
+            x = torch.minimum(x, hi.to(x.dtype))
+        return [x if (lo is not None or hi is not None) else x.clone()]
+    return kernel
+
+
+def _hardsigmoid(x: Tensor, alpha: float, beta: float) -> Tensor:
+    return torch.clamp(x * alpha + beta, 0.0, 1.0)
+
+
+def _hardswish(x: Tensor) -> Tensor:
+    return x * torch.clamp(x * (1.0 / 6.0) + 0.5, 0.0, 1.0)
+
+
+def _gelu(x: Tensor, approximate: str) -> Tensor:
+    return F.gelu(x, approximate="tanh" if approximate == "tanh" else "none")
+
+
+def _leaky(x: Tensor, alpha: float) -> Tensor:
+    return torch.where(x >= 0, x, x * alpha)
+
+
+def _elu(x: Tensor, alpha: float) -> Tensor:
+    return torch.where(x > 0, x, alpha * torch.expm1(x))
+
+
+def _celu(x: Tensor, alpha: float) -> Tensor:
+    return torch.clamp(x, min=0) + torch.clamp(alpha * torch.expm1(x / alpha), max=0)
+
+
+def _selu(x: Tensor, alpha: float, gamma: float) -> Tensor:
+    return gamma * torch.where(x > 0, x, alpha * torch.expm1(x))
+
+
+def _thresholded(x: Tensor, alpha: float) -> Tensor:
+    return torch.where(x > alpha, x, torch.zeros_like(x))
+
+
+def _shrink(x: Tensor, bias: float, lambd: float) -> Tensor:
+    return torch.where(x < -lambd, x + bias, torch.where(x > lambd, x - bias, torch.zeros_like(x)))
+
+
+def _prelu(x: Tensor, slope: Tensor) -> Tensor:
+    return torch.where(x >= 0, x, x * slope)
+
+
+def _softplus(x: Tensor) -> Tensor:
+    return F.softplus(x)
+
+
+def _mish(x: Tensor) -> Tensor:
+    return x * torch.tanh(F.softplus(x))
+
+
+def _bitshift(node: Node, ctx: BindContext) -> Kernel:
+    left = node.attrs.get("direction", "LEFT") == "LEFT"
+
+    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        a, b = inputs[0], inputs[1]
+        assert a is not None and b is not None
+        return [torch.bitwise_left_shift(a, b) if left else torch.bitwise_right_shift(a, b)]
+    return kernel
+
+
+def _isinf(node: Node, ctx: BindContext) -> Kernel:
+    pos = int(node.attrs.get("detect_positive", 1))
+    neg = int(node.attrs.get("detect_negative", 1))
+
+    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        x = inputs[0]
+        assert x is not None
+        if pos and neg:
+            return [torch.isinf(x)]
+        if pos:
+            return [torch.isposinf(x)]
+        if neg:
+            return [torch.isneginf(x)]
+        return [torch.zeros_like(x, dtype=torch.bool)]
+    return kernel
+
+
+def _where(node: Node, ctx: BindContext) -> Kernel:
+    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        c, a, b = inputs
+        assert c is not None and a is not None and b is not None
+        return [torch.where(c, a, b)]
+    return kernel
+
+
+def _round(x: Tensor) -> Tensor:
+    return torch.round(x)  # torch rounds half to even, as ONNX requires
+
+
+def _sign(x: Tensor) -> Tensor:
+    return torch.sign(x)
+
+
+OPS: list[OpDef] = [
+    OpDef("Add", binary(torch.add)),
+    OpDef("Sub", binary(torch.sub)),
+    OpDef("Mul", binary(torch.mul)),
+    OpDef("Div", binary(_div)),
+    OpDef("Mod", _mod),
+    OpDef("Pow", binary(_pow)),
+    OpDef("Sum", _variadic(torch.add)),
+    OpDef("Max", _variadic(torch.maximum)),
+    OpDef("Min", _variadic(torch.minimum)),
+    OpDef("Mean", _mean),
+    OpDef("Equal", binary(torch.eq)),
+    OpDef("Greater", binary(torch.gt)),
+    OpDef("GreaterOrEqual", binary(torch.ge)),
+    OpDef("Less", binary(torch.lt)),
+    OpDef("LessOrEqual", binary(torch.le)),
+    OpDef("And", binary(torch.logical_and)),
+    OpDef("Or", binary(torch.logical_or)),
+    OpDef("Xor", binary(torch.logical_xor)),
+    OpDef("Not", unary(torch.logical_not)),
+    OpDef("BitwiseAnd", binary(torch.bitwise_and)),
+    OpDef("BitwiseOr", binary(torch.bitwise_or)),
+    OpDef("BitwiseXor", binary(torch.bitwise_xor)),
+    OpDef("BitwiseNot", unary(torch.bitwise_not)),
+    OpDef("BitShift", _bitshift),
+    OpDef("Where", _where),
+    OpDef("Neg", unary(torch.neg)),
+    OpDef("Abs", unary(torch.abs)),
+    OpDef("Sign", unary(_sign)),
+    OpDef("Reciprocal", unary(torch.reciprocal)),
+    OpDef("Floor", unary(torch.floor)),
+    OpDef("Ceil", unary(torch.ceil)),
+    OpDef("Round", unary(_round)),
+    OpDef("Sqrt", unary(torch.sqrt)),
+    OpDef("Exp", unary(torch.exp)),
+    OpDef("Log", unary(torch.log)),
+    OpDef("Erf", unary(torch.erf)),
+    OpDef("Sin", unary(torch.sin)),
+    OpDef("Cos", unary(torch.cos)),
+    OpDef("Tan", unary(torch.tan)),
+    OpDef("Asin", unary(torch.asin)),
+    OpDef("Acos", unary(torch.acos)),
+    OpDef("Atan", unary(torch.atan)),
+    OpDef("Sinh", unary(torch.sinh)),
+    OpDef("Cosh", unary(torch.cosh)),
+    OpDef("Asinh", unary(torch.asinh)),
+    OpDef("Acosh", unary(torch.acosh)),
+    OpDef("Atanh", unary(torch.atanh)),
+    OpDef("IsNaN", unary(torch.isnan)),
+    OpDef("IsInf", _isinf),
+    OpDef("Relu", unary(torch.relu)),
+    OpDef("Sigmoid", unary(torch.sigmoid)),
+    OpDef("Tanh", unary(torch.tanh)),
+    OpDef("Softplus", unary(_softplus)),
+    OpDef("Softsign", unary(F.softsign)),
+    OpDef("Mish", unary(_mish)),
+    OpDef("HardSwish", unary(_hardswish)),
+    OpDef("Clip", _clip),
+    OpDef("HardSigmoid", with_attrs(_hardsigmoid, alpha=0.2, beta=0.5)),
+    OpDef("LeakyRelu", with_attrs(_leaky, alpha=0.01)),
+    OpDef("Elu", with_attrs(_elu, alpha=1.0)),
+    OpDef("Celu", with_attrs(_celu, alpha=1.0)),
+    OpDef("Selu", with_attrs(_selu, alpha=1.6732632423543772, gamma=1.0507009873554805)),
+    OpDef("ThresholdedRelu", with_attrs(_thresholded, alpha=1.0)),
+    OpDef("Shrink", with_attrs(_shrink, bias=0.0, lambd=0.5)),
+    OpDef("Gelu", with_attrs(_gelu, approximate="none")),
+    OpDef("PRelu", binary(_prelu)),
+]

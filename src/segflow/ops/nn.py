@@ -1,0 +1,465 @@
+"""Neural-network ops: convolution, pooling, normalization, dense layers, softmax."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from segflow.ir.graph import Node
+from segflow.ops._common import has_input
+from segflow.ops.registry import BindContext, Kernel, OpDef
+
+Tensor = torch.Tensor
+
+_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+_CONV_T = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+_MAXPOOL = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
+_AVGPOOL = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
+
+
+def same_pads(in_sizes: Sequence[int], kernel: Sequence[int], strides: Sequence[int],
+              dilations: Sequence[int], upper: bool) -> list[int]:
+    """ONNX SAME_UPPER/SAME_LOWER pads as [begin..., end...]."""
+    begins, ends = [], []
+    for size, k, s, d in zip(in_sizes, kernel, strides, dilations):
+        out = -(-size // s)
+        total = max(0, (out - 1) * s + (k - 1) * d + 1 - size)
+        small, big = total // 2, total - total // 2
+        begins.append(small if upper else big)
+        ends.append(big if upper else small)
+    return begins + ends
+
+
+def _torch_pad(pads: Sequence[int]) -> list[int]:
+    """ONNX [b1, b2, .., e1, e2, ..] -> torch F.pad order (last dim first)."""
+    n = len(pads) // 2
+    out: list[int] = []
+    for i in reversed(range(n)):
+        out += [pads[i], pads[i + n]]
+    return out
+
+
+class _Window:
+    """Parsed window attributes shared by Conv and the pools."""
+
+    def __init__(self, node: Node, spatial: int, kernel: Sequence[int]) -> None:
+        attrs = node.attrs
+        self.kernel = list(kernel)
+        self.strides = list(attrs.get("strides", [1] * spatial))
+        self.dilations = list(attrs.get("dilations", [1] * spatial))
+        self.auto_pad = attrs.get("auto_pad", "NOTSET")
+        self.pads = list(attrs.get("pads", [0] * (2 * spatial)))
+        if self.auto_pad == "VALID":
+            self.pads = [0] * (2 * spatial)
+        self.spatial = spatial
+
+    def resolve(self, x: Tensor) -> list[int]:
+        if self.auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+            return same_pads(x.shape[2:], self.kernel, self.strides, self.dilations,
+                             self.auto_pad == "SAME_UPPER")
+        return self.pads
+
+    @property
+    def symmetric(self) -> bool:
+        n = self.spatial
+        return self.auto_pad in ("NOTSET", "VALID") and self.pads[:n] == self.pads[n:]
+
+
+def _conv(node: Node, ctx: BindContext) -> Kernel:
+    weight = node.inputs[1]
+    kshape = node.attrs.get("kernel_shape")
+    if kshape is None:
+        if weight is None or weight.spec.shape is None:
+            # Learn the kernel shape from the weight at run time.
+            kshape = None
+        else:
+            kshape = list(weight.spec.shape[2:])
+    group = int(node.attrs.get("group", 1))
+    has_bias = has_input(node, 2)
+
+    state: dict[str, object] = {}
+
+    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        x, w = inputs[0], inputs[1]
+        assert x is not None and w is not None
+        b = inputs[2] if has_bias else None
+        spatial = w.dim() - 2
+        win = state.get("win")
+        if win is None:
+            win = _Window(node, spatial, kshape or list(w.shape[2:]))
+            state["win"] = win
+        assert isinstance(win, _Window)
+        if win.symmetric:
+            return [_CONV[spatial](x, w, b, win.strides, win.pads[:spatial], win.dilations, group)]
+        x = F.pad(x, _torch_pad(win.resolve(x)))
+        return [_CONV[spatial](x, w, b, win.strides, 0, win.dilations, group)]
+    return kernel
+
+
+def _conv_transpose(node: Node, ctx: BindContext) -> Kernel:
+    attrs = node.attrs
+    group = int(attrs.get("group", 1))
+    has_bias = has_input(node, 2)
+
+    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        x, w = inputs[0], inputs[1]
+        assert x is not None and w is not None
+        b = inputs[2] if has_bias else None
+        n = w.dim() - 2
+        kshape = list(attrs.get("kernel_shape", w.shape[2:]))
+        strides = list(attrs.get("strides", [1] * n))
+        dil = list(attrs.get("dilations", [1] * n))
+        out_pad = list(attrs.get("output_padding", [0] * n))
+        pads = list(attrs.get("pads", [0] * 2 * n))
+        in_sizes = x.shape[2:]
+        auto_pad = attrs.get("auto_pad", "NOTSET")
+        if "output_shape" in attrs:
+            target = list(attrs["output_shape"])[-n:]
+            total = [s * (i - 1) + op + ((k - 1) * d + 1) - t for s, i, op, k, d, t in
+                     zip(strides, in_sizes, out_pad, kshape, dil, target)]
+            upper = auto_pad != "SAME_LOWER"
+            pads = ([t // 2 if upper else t - t // 2 for t in total]
+                    + [t - t // 2 if upper else t // 2 for t in total])
+        elif auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+            total = [max(0, s * (i - 1) + op + ((k - 1) * d + 1) - i * s) for s, i, op, k, d in
+                     zip(strides, in_sizes, out_pad, kshape, dil)]
+            upper = auto_pad == "SAME_UPPER"
+            pads = ([t // 2 if upper else t - t // 2 for t in total]
+                    + [t - t // 2 if upper else t // 2 for t in total])
+        begin, end = pads[:n], pads[n:]
+        sym = [min(a, e) for a, e in zip(begin, end)]
+        y = _CONV_T[n](x, w, b, strides, sym, out_pad, group, dil)
+        extra = [(a - s, e - s) for a, e, s in zip(begin, end, sym)]
+        if any(a or e for a, e in extra):
+            slices = [slice(None), slice(None)] + [
+                slice(a, y.shape[2 + i] - e) for i, (a, e) in enumerate(extra)]
+            y = y[tuple(slices)]
+        return [y]
+    return kernel
+
+
+def _pool_out_pad(x: Tensor, win: _Window, ceil_mode: bool) -> tuple[list[int], list[int]]:
+    pads = win.resolve(x)
+    n = win.spatial
+    return pads[:n], pads[n:]
+
+
+def _maxpool(node: Node, ctx: BindContext) -> Kernel:
+    kshape = list(node.attrs["kernel_shape"])
+    n = len(kshape)
+    win = _Window(node, n, kshape)
+    ceil_mode = bool(node.attrs.get("ceil_mode", 0))
+    storage_order = int(node.attrs.get("storage_order", 0))
+    want_indices = len(node.outputs) > 1
+
+    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        x = inputs[0]
+        assert x is not None
+        begin, end = _pool_out_pad(x, win, ceil_mode)
+        if begin == end and all(p <= k // 2 for p, k in zip(begin, kshape)) and not want_indices:
+            return [_MAXPOOL[n](x, kshape, win.strides, begin, win.dilations, ceil_mode)]
+        xp = F.pad(x, _torch_pad(begin + end), value=-math.inf) if any(begin + end) else x
+        if want_indices:
+            y, idx = _MAXPOOL[n](xp, kshape, win.strides, 0, win.dilations, ceil_mode,
+                                 return_indices=True)
+            idx = _unpad_indices(idx, x.shape, begin, end, storage_order)
+            return [y, idx]
+        return [_MAXPOOL[n](xp, kshape, win.strides, 0, win.dilations, ceil_mode)]
+    return kernel
+
+
+def _unpad_indices(idx: Tensor, shape: Sequence[int], begin: list[int], end: list[int],
+                   storage_order: int) -> Tensor:
+    """Map torch's per-plane flat indices (over the padded input) to ONNX's global ones."""
+    spatial = list(shape[2:])
+    padded = [s + b + e for s, b, e in zip(spatial, begin, end)]
+    coords = []
+    rem = idx
+    for size in reversed(padded):
+        coords.append(rem % size)
+        rem = rem // size
+    coords = [c - b for c, b in zip(reversed(coords), begin)]
+    if storage_order == 1:
+        flat = torch.zeros_like(idx)
+        stride = 1
+        for c, size in zip(coords, spatial):
+            flat = flat + c * stride
+            stride *= size
+    else:
+        flat = torch.zeros_like(idx)
+        for c, size in zip(coords, spatial):
+            flat = flat * size + c
+    plane = math.prod(spatial)
+    n, ch = shape[0], shape[1]
+    base = torch.arange(n * ch, dtype=idx.dtype, device=idx.device).reshape(
+        [n, ch] + [1] * len(spatial)) * plane
+    return flat + base
+
+
+def _avgpool(node: Node, ctx: BindContext) -> Kernel:
+    kshape = list(node.attrs["kernel_shape"])
+    n = len(kshape)
+    win = _Window(node, n, kshape)
+    ceil_mode = bool(node.attrs.get("ceil_mode", 0))
+    count_pad = bool(node.attrs.get("count_include_pad", 0))
+
+    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        x = inputs[0]
+        assert x is not None
+        begin, end = _pool_out_pad(x, win, ceil_mode)
+        if (begin == end and all(p <= k // 2 for p, k in zip(begin, kshape))
+                and win.dilations == [1] * n):
+            return [_AVGPOOL[n](x, kshape, win.strides, begin, ceil_mode, count_pad)]
+        return [_avgpool_general(x, kshape, win, begin, end, ceil_mode, count_pad)]
+    return kernel
+
+
+def _avgpool_general(x: Tensor, kshape: list[int], win: _Window, begin: list[int],
+                     end: list[int], ceil_mode: bool, count_pad: bool) -> Tensor:
+    """Average pooling with asymmetric pads/dilations: a sum-conv divided by counts."""
+    n = len(kshape)
+    ch = x.shape[1]
+    xp = F.pad(x, _torch_pad(begin + end))
+    ones_in = torch.ones((1, 1, *x.shape[2:]), dtype=x.dtype, device=x.device)
+    ones = F.pad(ones_in, _torch_pad(begin + end), value=1.0 if count_pad else 0.0)
+    if ceil_mode:
+        extra = []
+        for i in range(n):
+            size = xp.shape[2 + i]
+            eff = (kshape[i] - 1) * win.dilations[i] + 1
+            out = -(-(size - eff) // win.strides[i]) + 1
+            if (out - 1) * win.strides[i] >= size - 0 - begin[i] and out > 1:
+                out -= 1
+            extra.append(max(0, (out - 1) * win.strides[i] + eff - size))
+        pad_extra = [0] * n + extra
+        xp = F.pad(xp, _torch_pad(pad_extra))
+        ones = F.pad(ones, _torch_pad(pad_extra))
+    weight = torch.ones((ch, 1, *kshape), dtype=x.dtype, device=x.device)
+    total = _CONV[n](xp, weight, None, win.strides, 0, win.dilations, ch)
+    counts = _CONV[n](ones, weight[:1], None, win.strides, 0, win.dilations, 1)
+    return total / counts
+
+
+def _global_pool(reduce: str):  # type: ignore[no-untyped-def]
+    def bind(node: Node, ctx: BindContext) -> Kernel:
+        def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+            x = inputs[0]
+            assert x is not None
+            dims = tuple(range(2, x.dim()))
+            if reduce == "mean":
+                return [x.mean(dim=dims, keepdim=True)]
+            return [x.amax(dim=dims, keepdim=True)]
+        return kernel
+    return bind
+
+
+def _batchnorm(node: Node, ctx: BindContext) -> Kernel:
+    eps = float(node.attrs.get("epsilon", 1e-5))
+    training = bool(node.attrs.get("training_mode", 0))
+    momentum = float(node.attrs.get("momentum", 0.9))
+
+    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        x, scale, bias, mean, var = inputs[:5]
+        assert x is not None and scale is not None and bias is not None
+        assert mean is not None and var is not None
+        if not training:
+            return [F.batch_norm(x, mean, var, scale, bias, False, 0.0, eps)]
+        dims = [0] + list(range(2, x.dim()))
+        batch_mean = x.mean(dim=dims)
+        batch_var = x.var(dim=dims, unbiased=False)
+        shape = [1, -1] + [1] * (x.dim() - 2)
+        y = (x - batch_mean.reshape(shape)) / torch.sqrt(batch_var.reshape(shape) + eps)
+        y = y * scale.reshape(shape) + bias.reshape(shape)
+        running_mean = mean * momentum + batch_mean * (1 - momentum)
+        running_var = var * momentum + batch_var * (1 - momentum)
+        return [y, running_mean, running_var][: len(node.outputs)]
+    return kernel
+
+
+def _instancenorm(node: Node, ctx: BindContext) -> Kernel:
+    eps = float(node.attrs.get("epsilon", 1e-5))
+
+    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        x, scale, bias = inputs
+        assert x is not None
+        return [F.instance_norm(x, weight=scale, bias=bias, eps=eps)]
+    return kernel
+
+
+def _layernorm(node: Node, ctx: BindContext) -> Kernel:
+    axis = int(node.attrs.get("axis", -1))
+    eps = float(node.attrs.get("epsilon", 1e-5))
+    n_out = len(node.outputs)
+
+    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        x, scale = inputs[0], inputs[1]
+        bias = inputs[2] if len(inputs) > 2 else None
+        assert x is not None and scale is not None
+        a = axis + x.dim() if axis < 0 else axis
+        norm_shape = x.shape[a:]
+        if n_out == 1 and x.dtype in (torch.float32, torch.float64):
+            return [F.layer_norm(x, norm_shape, scale.expand(norm_shape),
+                                 None if bias is None else bias.expand(norm_shape), eps)]
+        dims = tuple(range(a, x.dim()))
+        xf = x.to(torch.float32) if x.dtype in (torch.float16, torch.bfloat16) else x
+        mean = xf.mean(dim=dims, keepdim=True)
+        var = ((xf - mean) ** 2).mean(dim=dims, keepdim=True)
+        inv = torch.rsqrt(var + eps)
+        y = ((xf - mean) * inv).to(x.dtype) * scale
+        if bias is not None:
+            y = y + bias
+        return [y, mean, inv][:n_out]
+    return kernel
+
+
+def _groupnorm(node: Node, ctx: BindContext) -> Kernel:
+    eps = float(node.attrs.get("epsilon", 1e-5))
+    groups = int(node.attrs["num_groups"])
+
+    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        x, scale, bias = inputs
+        assert x is not None and scale is not None and bias is not None
+        if node.opset < 21:
+            # Opset 18 declares per-group scale/bias.
+            c = x.shape[1]
+            scale = scale.repeat_interleave(c // groups)
+            bias = bias.repeat_interleave(c // groups)
+        return [F.group_norm(x, groups, scale, bias, eps)]
+    return kernel
+
+
+def _lrn(node: Node, ctx: BindContext) -> Kernel:
+    size = int(node.attrs["size"])
+    alpha = float(node.attrs.get("alpha", 1e-4))
+    beta = float(node.attrs.get("beta", 0.75))
+    bias = float(node.attrs.get("bias", 1.0))
+
+    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        x = inputs[0]
+        assert x is not None
+        return [F.local_response_norm(x, size, alpha, beta, bias)]
+    return kernel
+
+
+def _gemm(node: Node, ctx: BindContext) -> Kernel:
+    alpha = float(node.attrs.get("alpha", 1.0))
+    beta = float(node.attrs.get("beta", 1.0))
+    ta = int(node.attrs.get("transA", 0))
+    tb = int(node.attrs.get("transB", 0))
+    has_c = has_input(node, 2)
+
+    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        a, b = inputs[0], inputs[1]
+        assert a is not None and b is not None
+        if ta:
+            a = a.t()
+        if tb:
+            b = b.t()
+        c = inputs[2] if has_c else None
+        if c is not None and a.dtype.is_floating_point:
+            return [torch.addmm(c, a, b, beta=beta, alpha=alpha)
+                    if c.dim() <= 2 else alpha * (a @ b) + beta * c]
+        y = a @ b
+        if alpha != 1.0:
+            y = y * alpha
+        if c is not None:
+            y = y + (c * beta if beta != 1.0 else c)
+        return [y]
+    return kernel
+
+
+def _matmul(node: Node, ctx: BindContext) -> Kernel:
+    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        a, b = inputs[0], inputs[1]
+        assert a is not None and b is not None
+        return [torch.matmul(a, b)]
+    return kernel
+
+
+def _softmax_family(fn, legacy_flatten: bool):  # type: ignore[no-untyped-def]
+    def bind(node: Node, ctx: BindContext) -> Kernel:
+        old = node.opset < 13
+        axis = int(node.attrs.get("axis", 1 if old else -1))
+
+        def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+            x = inputs[0]
+            assert x is not None
+            if old:
+                a = axis + x.dim() if axis < 0 else axis
+                flat = x.reshape(math.prod(x.shape[:a]), -1)
+                return [fn(flat, dim=1).reshape(x.shape)]
+            return [fn(x, dim=axis)]
+        return kernel
+    return bind
+
+
+def _hardmax(node: Node, ctx: BindContext) -> Kernel:
+    old = node.opset < 13
+    axis = int(node.attrs.get("axis", 1 if old else -1))
+
+    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        x = inputs[0]
+        assert x is not None
+        shape = x.shape
+        a = axis + x.dim() if axis < 0 else axis
+        if old:
+            x = x.reshape(math.prod(shape[:a]), -1)
+            a = 1
+        idx = x.argmax(dim=a, keepdim=True)
+        y = torch.zeros_like(x).scatter_(a, idx, 1.0)
+        return [y.reshape(shape)]
+    return kernel
+
+
+def _dropout(node: Node, ctx: BindContext) -> Kernel:
+    n_out = len(node.outputs)
+
+    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        x = inputs[0]
+        assert x is not None
+        training = len(inputs) > 2 and inputs[2] is not None and bool(inputs[2])
+        ratio = float(inputs[1]) if len(inputs) > 1 and inputs[1] is not None else 0.5
+        if training and ratio > 0:
+            mask = torch.rand_like(x, dtype=torch.float32) >= ratio
+            y = x * mask / (1 - ratio)
+        else:
+            mask = torch.ones_like(x, dtype=torch.bool)
+            y = x
+        return [y, mask][:n_out]
+    return kernel
+
+
+def _flatten(node: Node, ctx: BindContext) -> Kernel:
+    axis = int(node.attrs.get("axis", 1))
+
+    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        x = inputs[0]
+        assert x is not None
+        a = axis + x.dim() if axis < 0 else axis
+        return [x.reshape(math.prod(x.shape[:a]), math.prod(x.shape[a:]))]
+    return kernel
+
+
+OPS: list[OpDef] = [
+    OpDef("Conv", _conv),
+    OpDef("ConvTranspose", _conv_transpose),
+    OpDef("MaxPool", _maxpool),
+    OpDef("AveragePool", _avgpool),
+    OpDef("GlobalAveragePool", _global_pool("mean")),
+    OpDef("GlobalMaxPool", _global_pool("max")),
+    OpDef("BatchNormalization", _batchnorm),
+    OpDef("InstanceNormalization", _instancenorm),
+    OpDef("LayerNormalization", _layernorm),
+    OpDef("GroupNormalization", _groupnorm),
+    OpDef("LRN", _lrn),
+    OpDef("Gemm", _gemm),
+    OpDef("MatMul", _matmul),
+    OpDef("Softmax", _softmax_family(torch.softmax, True)),
+    OpDef("LogSoftmax", _softmax_family(torch.log_softmax, True)),
+    OpDef("Hardmax", _hardmax),
+    OpDef("Dropout", _dropout),
+    OpDef("Flatten", _flatten),
+]

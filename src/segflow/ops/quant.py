@@ -1,0 +1,7 @@
+"""Op family: quant. (Rows are added as the family grows.)"""
+
+from __future__ import annotations
+
+from segflow.ops.registry import OpDef
+
+OPS: list[OpDef] = []

@@ -1,0 +1,137 @@
+"""The operator table: one :class:`OpDef` row per operator.
+
+An OpDef binds together everything segflow knows about an op: its name and
+domain, the opset range it implements, its :class:`ExecType`, the kernel
+factory, and optionally a gradient rule. Kernels are *bound* once per node at
+plan time: ``bind(node, ctx)`` parses attributes and returns a closure that
+maps input tensors to output tensors, so nothing is parsed per run.
+
+Adding an op is one row in one family module (see CONTRIBUTING.md)::
+
+    OpDef("Relu", bind=unary(torch.relu))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from segflow.engine.base import ExecType
+from segflow.errors import UnsupportedOp
+
+if TYPE_CHECKING:
+    from segflow.ir.graph import Graph, Node, Value
+
+Tensor = torch.Tensor
+Kernel = Callable[[Sequence[Tensor | None]], Sequence[Tensor]]
+"""A bound kernel: input tensors (None for omitted optionals) -> output tensors."""
+
+
+class SubgraphRunner(Protocol):
+    """Runs one bound subgraph: its own inputs, plus the outer values it captures."""
+
+    def __call__(self, inputs: Sequence[Tensor | None],
+                 outer: Mapping[Value, Tensor | None]) -> list[Tensor]:
+        ...
+
+
+class BindContext(Protocol):
+    """What a kernel factory may ask of the runtime while binding a node."""
+
+    @property
+    def device(self) -> torch.device:
+        ...
+
+    def captured(self, node: Node) -> list[Value]:
+        """Outer values read by the node's subgraphs; passed after the explicit inputs."""
+        ...
+
+    def subgraph(self, graph: Graph) -> SubgraphRunner:
+        """Bind ``graph`` once; the runner takes its inputs and ``{captured value: tensor}``.
+
+        A control-flow kernel receives the captured tensors after its explicit
+        inputs, in ``captured(node)`` order, and zips them into that mapping.
+        """
+        ...
+
+
+Bind = Callable[["Node", BindContext], Kernel]
+GradRule = Callable[..., Any]
+
+
+@dataclass(frozen=True, slots=True)
+class OpDef:
+    """Declaration of one operator (for one opset range)."""
+
+    name: str
+    bind: Bind
+    domain: str = ""
+    since: int = 1
+    until: int | None = None
+    exec_type: ExecType = ExecType.SYNC
+    # When set, decides the exec type per node (e.g. TopK is LOCAL only with a computed k).
+    classify: Callable[[Node], ExecType] | None = None
+    grad: GradRule | None = None
+    doc: str = ""
+
+    def exec_type_of(self, node: Node) -> ExecType:
+        return self.classify(node) if self.classify else self.exec_type
+
+    def covers(self, opset: int) -> bool:
+        return self.since <= opset and (self.until is None or opset <= self.until)
+
+
+_DOMAIN_ALIASES = {"ai.onnx": ""}
+
+
+@dataclass(slots=True)
+class OpRegistry:
+    """Lookup of OpDefs by (domain, op type, opset)."""
+
+    rows: dict[tuple[str, str], list[OpDef]] = field(default_factory=dict)
+
+    def register(self, opdef: OpDef) -> None:
+        key = (_DOMAIN_ALIASES.get(opdef.domain, opdef.domain), opdef.name)
+        self.rows.setdefault(key, []).append(opdef)
+
+    def extend(self, opdefs: Iterable[OpDef]) -> OpRegistry:
+        for opdef in opdefs:
+            self.register(opdef)
+        return self
+
+    def lookup(self, domain: str, op_type: str, opset: int, node_name: str = "") -> OpDef:
+        domain = _DOMAIN_ALIASES.get(domain, domain)
+        where = f" (node {node_name!r})" if node_name else ""
+        shown = domain or "ai.onnx"
+        rows = self.rows.get((domain, op_type))
+        if not rows:
+            known = {d or "ai.onnx" for d, _ in self.rows}
+            if domain and (shown not in known):
+                raise UnsupportedOp(f"unsupported op domain {shown!r}: op {op_type}, "
+                                    f"opset {opset}{where}")
+            raise UnsupportedOp(f"unsupported op {op_type} (domain {shown}, opset {opset}){where}")
+        for row in rows:
+            if row.covers(opset):
+                return row
+        ranges = ", ".join(f"{r.since}..{r.until or 'latest'}" for r in rows)
+        raise UnsupportedOp(f"unsupported opset {opset} for op {op_type} (domain {shown}; "
+                            f"implemented for opsets {ranges}){where}")
+
+    def contains(self, domain: str, op_type: str) -> bool:
+        return (_DOMAIN_ALIASES.get(domain, domain), op_type) in self.rows
+
+    def names(self) -> list[str]:
+        return sorted(f"{d + '.' if d else ''}{n}" for d, n in self.rows)
+
+
+def default_registry() -> OpRegistry:
+    """A registry holding every op family segflow ships."""
+    from segflow.ops import ALL_FAMILIES
+
+    registry = OpRegistry()
+    for family in ALL_FAMILIES:
+        registry.extend(family.OPS)
+    return registry

@@ -1,0 +1,283 @@
+"""Shape and data-movement ops: reshape, transpose, concat, slice, gather, cast ..."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from segflow.engine.base import ExecType
+from segflow.ir.graph import Node
+from segflow.ir.types import DType
+from segflow.ops._common import ints
+from segflow.ops.registry import BindContext, Kernel, OpDef
+
+Tensor = torch.Tensor
+
+
+def _reshape(node: Node, ctx: BindContext) -> Kernel:
+    allowzero = int(node.attrs.get("allowzero", 0))
+    attr_shape = list(node.attrs["shape"]) if node.opset < 5 else None
+
+    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        x = inputs[0]
+        assert x is not None
+        shape = attr_shape if attr_shape is not None else ints(inputs[1])
+        if not allowzero:
+            shape = [x.shape[i] if d == 0 else d for i, d in enumerate(shape)]
+        return [x.reshape(shape)]
+    return kernel
+
+
+def _transpose(node: Node, ctx: BindContext) -> Kernel:
+    perm = node.attrs.get("perm")
+
+    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        x = inputs[0]
+        assert x is not None
+        p = list(perm) if perm is not None else list(reversed(range(x.dim())))
+        return [x.permute(p)]
+    return kernel
+
+
+def _concat(node: Node, ctx: BindContext) -> Kernel:
+    axis = int(node.attrs["axis"]) if "axis" in node.attrs else 1
+
+    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        parts = [t for t in inputs if t is not None]
+        return [torch.cat(parts, dim=axis)]
+    return kernel
+
+
+def _split(node: Node, ctx: BindContext) -> Kernel:
+    axis = int(node.attrs.get("axis", 0))
+    n_out = len(node.outputs)
+    attr_split = node.attrs.get("split") if node.opset < 13 else None
+    num_outputs = node.attrs.get("num_outputs")
+
+    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        x = inputs[0]
+        assert x is not None
+        sizes = list(attr_split) if attr_split is not None else (
+            ints(inputs[1]) if len(inputs) > 1 and inputs[1] is not None else None)
+        dim = x.shape[axis]
+        if not sizes:
+            count = int(num_outputs) if num_outputs is not None else n_out
+            chunk = -(-dim // count)
+            sizes = [chunk] * (count - 1) + [dim - chunk * (count - 1)]
+        return list(torch.split(x, sizes, dim=axis))
+    return kernel
+
+
+def _slice(node: Node, ctx: BindContext) -> Kernel:
+    old = node.opset < 10
+    attrs = node.attrs
+
+    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        x = inputs[0]
+        assert x is not None
+        if old:
+            starts, ends = list(attrs["starts"]), list(attrs["ends"])
+            axes = list(attrs.get("axes", range(len(starts))))
+            steps = [1] * len(starts)
+        else:
+            starts, ends = ints(inputs[1]), ints(inputs[2])
+            axes = ints(inputs[3]) if len(inputs) > 3 and inputs[3] is not None else list(
+                range(len(starts)))
+            steps = ints(inputs[4]) if len(inputs) > 4 and inputs[4] is not None else [1] * len(
+                starts)
+        return [slice_tensor(x, starts, ends, axes, steps)]
+    return kernel
+
+
+def slice_tensor(x: Tensor, starts: list[int], ends: list[int], axes: list[int],
+                 steps: list[int]) -> Tensor:
+    """ONNX Slice semantics (clamping, negative indices and negative steps)."""
+    for start, end, axis, step in zip(starts, ends, axes, steps):
+        axis = axis + x.dim() if axis < 0 else axis
+        size = x.shape[axis]
+        if step > 0:
+            start = max(0, min(size, start + size if start < 0 else start))
+            end = max(0, min(size, end + size if end < 0 else end))
+            x = x.narrow(axis, start, max(0, end - start))
+            if step != 1:
+                x = x[(slice(None),) * axis + (slice(None, None, step),)]
+        else:
+            start = max(-1, min(size - 1, start + size if start < 0 else start))
+            end = max(-1, min(size - 1, end + size if end < 0 else end))
+            if start <= end:
+                x = x.narrow(axis, 0, 0)
+                continue
+            idx = torch.arange(start, end, step, device=x.device)
+            x = x.index_select(axis, idx)
+    return x
+
+
+def _gather(node: Node, ctx: BindContext) -> Kernel:
+    axis = int(node.attrs.get("axis", 0))
+
+    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        x, idx = inputs[0], inputs[1]
+        assert x is not None and idx is not None
+        a = axis + x.dim() if axis < 0 else axis
+        idx = idx.to(torch.int64)
+        idx = torch.where(idx < 0, idx + x.shape[a], idx)
+        if idx.dim() == 0:
+            return [x.select(a, int(idx))]
+        out = x.index_select(a, idx.reshape(-1))
+        return [out.reshape(*x.shape[:a], *idx.shape, *x.shape[a + 1:])]
+    return kernel
+
+
+def _unsqueeze(node: Node, ctx: BindContext) -> Kernel:
+    attr_axes = node.attrs.get("axes") if node.opset < 13 else None
+
+    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        x = inputs[0]
+        assert x is not None
+        axes = list(attr_axes) if attr_axes is not None else ints(inputs[1])
+        rank = x.dim() + len(axes)
+        shape = list(x.shape)
+        for a in sorted(a + rank if a < 0 else a for a in axes):
+            shape.insert(a, 1)
+        return [x.reshape(shape)]
+    return kernel
+
+
+def _squeeze(node: Node, ctx: BindContext) -> Kernel:
+    attr_axes = node.attrs.get("axes") if node.opset < 13 else None
+
+    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        x = inputs[0]
+        assert x is not None
+        if attr_axes is not None:
+            axes = list(attr_axes)
+        elif len(inputs) > 1 and inputs[1] is not None:
+            axes = ints(inputs[1])
+        else:
+            axes = [i for i, d in enumerate(x.shape) if d == 1]
+        keep = {a + x.dim() if a < 0 else a for a in axes}
+        return [x.reshape([d for i, d in enumerate(x.shape) if i not in keep])]
+    return kernel
+
+
+def _shape(node: Node, ctx: BindContext) -> Kernel:
+    start = node.attrs.get("start")
+    end = node.attrs.get("end")
+
+    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        x = inputs[0]
+        assert x is not None
+        dims = list(x.shape)[start:end]
+        return [torch.tensor(dims, dtype=torch.int64)]
+    return kernel
+
+
+def _size(node: Node, ctx: BindContext) -> Kernel:
+    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        x = inputs[0]
+        assert x is not None
+        return [torch.tensor(x.numel(), dtype=torch.int64)]
+    return kernel
+
+
+def _cast(node: Node, ctx: BindContext) -> Kernel:
+    target = DType.from_onnx(int(node.attrs["to"]))
+
+    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        x = inputs[0]
+        assert x is not None
+        return [x.to(target.torch)]
+    return kernel
+
+
+def _cast_like(node: Node, ctx: BindContext) -> Kernel:
+    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        x, like = inputs[0], inputs[1]
+        assert x is not None and like is not None
+        return [x.to(like.dtype)]
+    return kernel
+
+
+def _identity(node: Node, ctx: BindContext) -> Kernel:
+    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        x = inputs[0]
+        assert x is not None
+        return [x]
+    return kernel
+
+
+def _constant_of_shape(node: Node, ctx: BindContext) -> Kernel:
+    value = node.attrs.get("value")
+    fill = value.reshape(-1)[0] if isinstance(value, Tensor) else torch.tensor(0.0)
+
+    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        shape = ints(inputs[0])
+        return [torch.full(shape, fill.item(), dtype=fill.dtype)]
+    return kernel
+
+
+def _range(node: Node, ctx: BindContext) -> Kernel:
+    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        start, limit, delta = inputs
+        assert start is not None and limit is not None and delta is not None
+        n = max(0, math.ceil((limit.item() - start.item()) / delta.item()))
+        return [start + torch.arange(n, dtype=start.dtype) * delta]
+    return kernel
+
+
+def _expand(node: Node, ctx: BindContext) -> Kernel:
+    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        x = inputs[0]
+        assert x is not None
+        shape = ints(inputs[1])
+        # ONNX Expand broadcasts both ways (a dim of 1 in `shape` keeps x's dim).
+        rank = max(len(shape), x.dim())
+        shape = [1] * (rank - len(shape)) + shape
+        xs = [1] * (rank - x.dim()) + list(x.shape)
+        target = [s if xd == 1 else xd for s, xd in zip(shape, xs)]
+        return [x.reshape(xs).expand(target)]
+    return kernel
+
+
+def _tile(node: Node, ctx: BindContext) -> Kernel:
+    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        x = inputs[0]
+        assert x is not None
+        return [x.repeat(ints(inputs[1]))]
+    return kernel
+
+
+def _nonzero(node: Node, ctx: BindContext) -> Kernel:
+    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        x = inputs[0]
+        assert x is not None
+        if x.dim() == 0:
+            return [torch.zeros((0, int(bool(x))), dtype=torch.int64) if not bool(x)
+                    else torch.zeros((0, 1), dtype=torch.int64)]
+        return [torch.nonzero(x).t().contiguous()]
+    return kernel
+
+
+OPS: list[OpDef] = [
+    OpDef("Reshape", _reshape),
+    OpDef("Transpose", _transpose),
+    OpDef("Concat", _concat),
+    OpDef("Split", _split),
+    OpDef("Slice", _slice),
+    OpDef("Gather", _gather),
+    OpDef("Unsqueeze", _unsqueeze),
+    OpDef("Squeeze", _squeeze),
+    OpDef("Shape", _shape),
+    OpDef("Size", _size),
+    OpDef("Cast", _cast),
+    OpDef("CastLike", _cast_like),
+    OpDef("Identity", _identity),
+    OpDef("ConstantOfShape", _constant_of_shape),
+    OpDef("Range", _range),
+    OpDef("Expand", _expand),
+    OpDef("Tile", _tile),
+    OpDef("NonZero", _nonzero, exec_type=ExecType.LOCAL,
+          doc="output shape depends on the data: runs on the host after a sync"),
+]

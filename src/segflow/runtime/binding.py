@@ -1,0 +1,164 @@
+"""Binding: nodes become straight-line steps over a slot array.
+
+Every value of a graph gets a slot index; slot 0 always holds None (omitted
+optional inputs). A :class:`Step` holds a node's bound kernel and the slots
+it reads, writes and releases after its last use, so running a sequence of
+steps needs no dictionary lookups and no attribute parsing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from segflow.errors import ExecutionError
+from segflow.ir.graph import Graph, Node, Value
+from segflow.ops.registry import Kernel, OpRegistry, SubgraphRunner
+
+Tensor = torch.Tensor
+
+
+@dataclass(slots=True)
+class Step:
+    node: Node
+    kernel: Kernel
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    release: tuple[int, ...] = ()
+
+
+def run_steps(steps: Sequence[Step], env: list[Tensor | None]) -> None:
+    """Run ``steps`` in order over ``env``; kernel errors name the node."""
+    for step in steps:
+        try:
+            outs = step.kernel([env[i] for i in step.inputs])
+        except ExecutionError:
+            raise
+        except Exception as exc:
+            raise ExecutionError(f"While executing {step.node.label}: "
+                                 f"{type(exc).__name__}: {_first_line(exc)}") from exc
+        for slot, tensor in zip(step.outputs, outs):
+            env[slot] = tensor
+        for slot in step.release:
+            env[slot] = None
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else ""
+
+
+class SlotMap:
+    """Assigns each value a slot index (slot 0 is reserved for None)."""
+
+    def __init__(self) -> None:
+        self.slots: dict[Value, int] = {}
+
+    def __getitem__(self, value: Value | None) -> int:
+        if value is None:
+            return 0
+        slot = self.slots.get(value)
+        if slot is None:
+            slot = self.slots[value] = len(self.slots) + 1
+        return slot
+
+    def __len__(self) -> int:
+        return len(self.slots) + 1
+
+
+class BindContext:
+    """Gives kernel factories their device and a way to bind subgraphs."""
+
+    def __init__(self, registry: OpRegistry, device: torch.device,
+                 constants: ConstantCache) -> None:
+        self.registry = registry
+        self._device = device
+        self.constants = constants
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def captured(self, node: Node) -> list[Value]:
+        return captured_inputs(node)
+
+    def subgraph(self, graph: Graph) -> SubgraphRunner:
+        return SubgraphProgram(graph, self)
+
+    def bind_node(self, node: Node) -> Kernel:
+        opdef = self.registry.lookup(node.domain, node.op_type, node.opset, node.name)
+        return opdef.bind(node, self)
+
+
+def captured_inputs(node: Node) -> list[Value]:
+    """Outer values a node's subgraphs read, deduplicated, in a stable order."""
+    seen: dict[int, Value] = {}
+    for sub in node.subgraphs.values():
+        for value in sub.captured_values():
+            seen.setdefault(id(value), value)
+    return list(seen.values())
+
+
+def node_reads(node: Node) -> list[Value | None]:
+    """Explicit inputs followed by captured values: what a bound kernel receives."""
+    return [*node.inputs, *captured_inputs(node)]
+
+
+class ConstantCache:
+    """Constants moved to a device once and shared by every binding on it."""
+
+    def __init__(self) -> None:
+        self._cache: dict[tuple[int, str], Tensor] = {}
+
+    def get(self, value: Value, device: torch.device) -> Tensor:
+        assert value.const is not None
+        key = (id(value), str(device))
+        tensor = self._cache.get(key)
+        if tensor is None:
+            tensor = value.const.to(device)
+            self._cache[key] = tensor
+        return tensor
+
+
+class SubgraphProgram:
+    """A subgraph bound once; called with its inputs and the outer values it captures."""
+
+    def __init__(self, graph: Graph, ctx: BindContext) -> None:
+        self.graph = graph
+        slots = SlotMap()
+        self.input_slots = [slots[v] for v in graph.inputs]
+        self.captured = graph.captured_values()
+        self.captured_slots = [slots[v] for v in self.captured]
+        self.steps = [Step(node, ctx.bind_node(node), tuple(slots[v] for v in node_reads(node)),
+                           tuple(slots[v] for v in node.outputs)) for node in graph.nodes]
+        self.output_slots = [slots[v] for v in graph.outputs]
+        consts = [(slots[v], ctx.constants.get(v, ctx.device))
+                  for v in _const_values(graph.nodes, graph.initializers.values())]
+        self.template: list[Tensor | None] = [None] * len(slots)
+        for slot, tensor in consts:
+            self.template[slot] = tensor
+
+    def __call__(self, inputs: Sequence[Tensor | None],
+                 outer: Mapping[Value, Tensor | None]) -> list[Tensor]:
+        env = list(self.template)
+        for slot, tensor in zip(self.input_slots, inputs):
+            env[slot] = tensor
+        for slot, value in zip(self.captured_slots, self.captured):
+            if value.is_const and value not in outer:
+                env[slot] = value.const
+            else:
+                env[slot] = outer[value]
+        run_steps(self.steps, env)
+        return [env[s] for s in self.output_slots]  # type: ignore[misc]
+
+
+def _const_values(nodes: Iterable[Node], initializers: Iterable[Value]) -> list[Value]:
+    out = {id(v): v for v in initializers}
+    for node in nodes:
+        for v in node.inputs:
+            if v is not None and v.is_const and v.producer is None and node.graph is not None \
+                    and v.name in node.graph.initializers:
+                out.setdefault(id(v), v)
+    return list(out.values())

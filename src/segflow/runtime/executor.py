@@ -1,0 +1,173 @@
+"""Executor: binds a Plan once, then runs it many times through an engine.
+
+Binding turns every segment into a task function over a per-run slot array:
+kernels are bound once, constants are placed on their devices once, and each
+value's slot is released after its last use. A run pushes one task per
+segment in plan order, with one engine Var per task: a task reads the Vars of
+the tasks that produce its inputs and writes its own. The host then waits
+once for the tasks that produce the outputs.
+
+Each run owns its slot array, Vars and counters, so one Executor can serve
+many threads at once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from segflow.engine.base import Engine, ExecType, Var
+from segflow.ir.graph import Value
+from segflow.ir.types import Device
+from segflow.ops.registry import OpRegistry
+from segflow.passes.segment import Segment
+from segflow.runtime.binding import (
+    BindContext,
+    ConstantCache,
+    SlotMap,
+    Step,
+    node_reads,
+    run_steps,
+)
+from segflow.runtime.plan import Plan
+from segflow.runtime.stats import RunStats
+
+Tensor = torch.Tensor
+
+
+@dataclass(slots=True)
+class _BoundTask:
+    segment: Segment
+    steps: list[Step]
+    reads: tuple[int, ...]     # indices of the tasks this one depends on
+    waits_on_host: bool        # a LOCAL task that must wait for device work first
+
+
+class Executor:
+    """Runs a :class:`Plan` on an :class:`Engine`."""
+
+    def __init__(self, plan: Plan, registry: OpRegistry, engine: Engine,
+                 settings_record: dict[str, object] | None = None) -> None:
+        self.plan = plan
+        self.engine = engine
+        self.settings_record = dict(settings_record or {})
+        graph = plan.graph
+        self.slots = SlotMap()
+        constants = ConstantCache()
+        contexts: dict[Device, BindContext] = {}
+
+        def context(device: Device | None) -> BindContext:
+            dev = device or plan.default_device
+            if dev not in contexts:
+                contexts[dev] = BindContext(registry, dev.torch, constants)
+            return contexts[dev]
+
+        self.input_slots = [self.slots[v] for v in graph.inputs]
+        producer_task: dict[Value, int] = {}
+        self.tasks: list[_BoundTask] = []
+        const_slots: list[tuple[int, Tensor]] = []
+        for seg in plan.segments:
+            ctx = context(seg.device)
+            steps = []
+            deps: set[int] = set()
+            for node in seg.nodes:
+                reads = node_reads(node)
+                for value in reads:
+                    if value is None:
+                        continue
+                    if value.is_const:
+                        const_slots.append((self.slots[value], constants.get(value, ctx.device)))
+                    elif value in producer_task and producer_task[value] != len(self.tasks):
+                        deps.add(producer_task[value])
+                kernel = plan.opdefs[node].bind(node, ctx)
+                steps.append(Step(node, kernel, tuple(self.slots[v] for v in reads),
+                                  tuple(self.slots[v] for v in node.outputs)))
+                for value in node.outputs:
+                    producer_task[value] = len(self.tasks)
+            waits = seg.exec_type is ExecType.LOCAL and bool(deps)
+            self.tasks.append(_BoundTask(seg, steps, tuple(sorted(deps)), waits))
+        self._assign_releases(graph.outputs)
+        self.output_slots = [self.slots[v] for v in graph.outputs]
+        self.output_tasks = sorted({producer_task[v] for v in graph.outputs if v in producer_task})
+        self.template: list[Tensor | None] = [None] * len(self.slots)
+        for slot, tensor in const_slots:
+            self.template[slot] = tensor
+        for value in graph.initializers.values():
+            if value in self.slots.slots and self.template[self.slots[value]] is None:
+                self.template[self.slots[value]] = constants.get(value, plan.default_device.torch)
+        self.kernels_per_run = sum(len(t.steps) for t in self.tasks)
+        self.copies_per_run = sum(1 for t in self.tasks if t.segment.exec_type is ExecType.COPY)
+
+    def _assign_releases(self, outputs: Sequence[Value]) -> None:
+        """Release each computed value after its last use when that is provably safe.
+
+        Safe when every task that reads the value is the releasing task or one
+        of its ancestors (so all other readers have finished before it runs).
+        """
+        ancestors: list[int] = []  # bitset of ancestor tasks, per task
+        for i, task in enumerate(self.tasks):
+            bits = 0
+            for dep in task.reads:
+                bits |= (1 << dep) | ancestors[dep]
+            ancestors.append(bits)
+        keep = {id(v) for v in outputs}
+        last_use: dict[int, tuple[int, int]] = {}  # slot -> (task, step)
+        readers: dict[int, set[int]] = {}
+        for t, task in enumerate(self.tasks):
+            for s, step in enumerate(task.steps):
+                for value, slot in zip(node_reads(step.node), step.inputs):
+                    if value is None or value.is_const or id(value) in keep:
+                        continue
+                    if value.producer is None:  # graph input: owned by the caller
+                        continue
+                    last_use[slot] = (t, s)
+                    readers.setdefault(slot, set()).add(t)
+        releases: dict[tuple[int, int], list[int]] = {}
+        for slot, (t, s) in last_use.items():
+            if all(r == t or (ancestors[t] >> r) & 1 for r in readers[slot]):
+                releases.setdefault((t, s), []).append(slot)
+        for (t, s), slots in releases.items():
+            self.tasks[t].steps[s].release = tuple(slots)
+
+    # -- running -----------------------------------------------------------------------
+    def run(self, feeds: Sequence[Tensor]) -> tuple[list[Tensor], RunStats]:
+        """Run once on ``feeds`` (tensors in graph-input order, already validated)."""
+        start = time.perf_counter()
+        env = list(self.template)
+        for slot, tensor in zip(self.input_slots, feeds):
+            env[slot] = tensor
+        engine = self.engine
+        run_vars = [Var(t.segment.first.name) for t in self.tasks]
+        syncs = 0
+        for index, task in enumerate(self.tasks):
+            seg = task.segment
+            engine.push(self._task_fn(task.steps, env), [run_vars[d] for d in task.reads],
+                        (run_vars[index],), seg.exec_type, seg.device, seg.first.name)
+            if task.waits_on_host:
+                syncs += 1
+        if self.output_tasks:
+            for index in self.output_tasks:
+                engine.wait(run_vars[index])
+            syncs += 1
+        outputs = [env[s] for s in self.output_slots]
+        stats = RunStats(
+            nodes=self.plan.compute_nodes,
+            segments=len(self.tasks),
+            pushes=len(self.tasks),
+            syncs=syncs,
+            kernels=self.kernels_per_run,
+            copies=self.copies_per_run,
+            engine=engine.name,
+            settings=self.settings_record,
+            wall_time_s=time.perf_counter() - start,
+        )
+        return outputs, stats  # type: ignore[return-value]
+
+    @staticmethod
+    def _task_fn(steps: list[Step], env: list[Tensor | None]) -> Callable[[], None]:
+        def task() -> None:
+            run_steps(steps, env)
+        return task

@@ -1,0 +1,60 @@
+"""Plan: the immutable result of planning a graph (passes, placement, segments)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from segflow.engine.base import ExecType
+from segflow.ir.graph import Graph, Node
+from segflow.ir.types import Device
+from segflow.ops.registry import OpDef, OpRegistry
+from segflow.passes.place import COPY_DOMAIN, place
+from segflow.passes.segment import Phase, Segment, segment_nodes
+from segflow.settings import BulkSettings
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Ordered segments over a placed graph, with each node's OpDef resolved."""
+
+    graph: Graph
+    segments: tuple[Segment, ...]
+    opdefs: Mapping[Node, OpDef]
+    settings: BulkSettings
+    default_device: Device
+    pass_log: tuple[str, ...] = field(default=())
+
+    @property
+    def compute_nodes(self) -> int:
+        return sum(1 for s in self.segments for n in s.nodes if n.domain != COPY_DOMAIN)
+
+    @property
+    def copy_tasks(self) -> int:
+        return sum(1 for s in self.segments if s.exec_type is ExecType.COPY)
+
+    def explain(self) -> str:
+        """The segment table with boundary reasons, then totals."""
+        from segflow.runtime.explain import format_plan
+        return format_plan(self)
+
+
+def resolve_opdefs(graph: Graph, registry: OpRegistry) -> dict[Node, OpDef]:
+    return {node: registry.lookup(node.domain, node.op_type, node.opset, node.name)
+            for node in graph.nodes}
+
+
+def make_plan(graph: Graph, registry: OpRegistry, settings: BulkSettings,
+              default_device: Device, placement: Mapping[str, str | Device] | None = None,
+              pass_log: tuple[str, ...] = ()) -> Plan:
+    """Place the graph's nodes, resolve their OpDefs and segment them for inference."""
+    graph.validate()
+    place(graph, default_device, placement)
+    opdefs = resolve_opdefs(graph, registry)
+
+    def exec_type_of(node: Node) -> ExecType:
+        return opdefs[node].exec_type_of(node)
+
+    segments = segment_nodes(graph.nodes, exec_type_of, settings,
+                             phase_of=lambda node: Phase.INFERENCE)
+    return Plan(graph, tuple(segments), opdefs, settings, default_device, pass_log)

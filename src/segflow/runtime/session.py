@@ -1,0 +1,227 @@
+"""InferenceSession: the user-facing API (mirrors onnxruntime where they overlap).
+
+>>> import segflow
+>>> sess = segflow.InferenceSession("model.onnx")          # doctest: +SKIP
+>>> outs = sess.run(None, {"input": x})                    # doctest: +SKIP
+>>> sess.last_run_stats.syncs                              # doctest: +SKIP
+1
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import onnx
+import torch
+
+from segflow.engine import make_engine
+from segflow.errors import InvalidInput
+from segflow.frontend.onnx_import import import_model
+from segflow.ir.graph import Value
+from segflow.ir.types import Device, Dim, DType, TensorSpec
+from segflow.ops.registry import OpRegistry, default_registry
+from segflow.runtime.executor import Executor
+from segflow.runtime.plan import Plan, make_plan
+from segflow.runtime.stats import RunStats
+from segflow.settings import BulkSettings, resolve_engine
+
+Tensor = torch.Tensor
+ModelSource = str | os.PathLike[str] | bytes | onnx.ModelProto
+
+
+@dataclass(frozen=True, slots=True)
+class NodeArg:
+    """An input or output description, like onnxruntime's NodeArg."""
+
+    name: str
+    type: str
+    shape: list[int | str | None]
+    dtype: DType | None
+
+
+class InferenceSession:
+    """Load, plan and bind a model once; run it many times.
+
+    Args:
+        model: path to an ONNX file, serialized bytes, or a ``ModelProto``.
+        device: ``"cpu"`` (default), ``"cpu:N"`` or ``"cuda:N"``.
+        bulk: bulk inference segments (None: ``SEGFLOW_BULK_INFERENCE``, default on).
+        engine: ``"inline"`` or ``"threaded"`` (None: ``SEGFLOW_ENGINE``, default threaded).
+        placement: node-name glob or op type -> device, for multi-device runs.
+    """
+
+    def __init__(self, model: ModelSource, device: str | Device = "cpu", *,
+                 bulk: bool | None = None, engine: str | None = None,
+                 placement: Mapping[str, str | Device] | None = None,
+                 registry: OpRegistry | None = None) -> None:
+        self.device = Device.parse(device)
+        self.registry = registry or default_registry()
+        self.graph = import_model(model, self.registry)
+        self.settings = BulkSettings.resolve(inference=bulk)
+        self.engine_name = resolve_engine(engine)
+        self.plan: Plan = make_plan(self.graph, self.registry, self.settings, self.device,
+                                    placement)
+        self._engine = make_engine(self.engine_name)
+        record: dict[str, object] = {"device": str(self.device), **self.settings.as_dict()}
+        self._executor = Executor(self.plan, self.registry, self._engine, record)
+        self._local = threading.local()
+        self._warned_outputs: set[str] = set()
+
+    # -- description -------------------------------------------------------------------
+    def get_inputs(self) -> list[NodeArg]:
+        return [_node_arg(v) for v in self.graph.inputs]
+
+    def get_outputs(self) -> list[NodeArg]:
+        return [_node_arg(v) for v in self.graph.outputs]
+
+    def explain(self) -> str:
+        """The segment table: index, first..last node, count, exec types, device, reason."""
+        return self.plan.explain()
+
+    @property
+    def last_run_stats(self) -> RunStats | None:
+        """Counters of the last run made by the calling thread."""
+        return getattr(self._local, "stats", None)
+
+    # -- running -----------------------------------------------------------------------
+    def run(self, output_names: Sequence[str] | None,
+            feeds: Mapping[str, Any]) -> list[np.ndarray]:
+        """Run the model; returns numpy arrays in ``output_names`` order (None: all)."""
+        tensors = self._validate(feeds)
+        wanted = self._output_indices(output_names)
+        outputs, stats = self._executor.run(tensors)
+        self._local.stats = stats
+        return [self._to_numpy(self.graph.outputs[i], outputs[i]) for i in wanted]
+
+    def run_tensors(self, feeds: Mapping[str, Tensor]) -> list[Tensor]:
+        """Run on torch tensors; returns torch tensors (no numpy round trip)."""
+        tensors = self._validate(feeds)
+        outputs, stats = self._executor.run(tensors)
+        self._local.stats = stats
+        return outputs
+
+    def close(self) -> None:
+        self._engine.close()
+
+    def __enter__(self) -> InferenceSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- helpers -----------------------------------------------------------------------
+    def _output_indices(self, names: Sequence[str] | None) -> list[int]:
+        all_names = [v.name for v in self.graph.outputs]
+        if names is None:
+            return list(range(len(all_names)))
+        indices = []
+        for name in names:
+            if name not in all_names:
+                raise InvalidInput(f"unknown output name {name!r}; the model's outputs are "
+                                   f"{', '.join(all_names)}")
+            indices.append(all_names.index(name))
+        return indices
+
+    def _validate(self, feeds: Mapping[str, Any]) -> list[Tensor]:
+        if not isinstance(feeds, Mapping):
+            raise InvalidInput(f"feeds must be a dict of input name -> array, "
+                               f"got {type(feeds).__name__}")
+        expected = {v.name: v for v in self.graph.inputs}
+        for name in feeds:
+            if name not in expected:
+                raise InvalidInput(f"unknown input name {name!r}; the model's inputs are "
+                                   f"{', '.join(expected) or '(none)'}")
+        symbols: dict[str, tuple[int, str]] = {}
+        tensors = []
+        for value in self.graph.inputs:
+            if value.name not in feeds:
+                raise InvalidInput(f"missing input {value.name!r} "
+                                   f"(expected {value.spec.describe()})")
+            tensors.append(self._check_feed(value, feeds[value.name], symbols))
+        return tensors
+
+    def _check_feed(self, value: Value, data: Any, symbols: dict[str, tuple[int, str]]) -> Tensor:
+        spec = value.spec
+        if isinstance(data, Tensor):
+            tensor = data
+            got = DType.from_torch(data.dtype)
+        else:
+            array = np.asarray(data)
+            if array.dtype == object or array.dtype.kind in ("U", "S"):
+                raise InvalidInput(f"input {value.name!r}: string/object arrays are not "
+                                   f"supported (expected {spec.describe()})")
+            got = DType.from_numpy(array.dtype)
+            tensor = None
+        if spec.dtype is not None and got is not spec.dtype:
+            raise InvalidInput(f"input {value.name!r} has dtype {got.onnx_name}, "
+                               f"expected {spec.dtype.onnx_name} ({spec.describe()})")
+        shape = tuple(tensor.shape) if tensor is not None else array.shape
+        if spec.shape is not None:
+            if len(shape) != len(spec.shape):
+                raise InvalidInput(f"input {value.name!r} has rank {len(shape)} "
+                                   f"(shape {list(shape)}), expected rank {len(spec.shape)} "
+                                   f"({spec.describe()})")
+            for axis, (want, have) in enumerate(zip(spec.shape, shape)):
+                _check_dim(value.name, axis, want, have, spec, symbols)
+        if tensor is None:
+            if not array.flags.writeable or not array.flags.c_contiguous:
+                array = np.ascontiguousarray(array).copy() if not array.flags.writeable \
+                    else np.ascontiguousarray(array)
+            tensor = torch.from_numpy(array)
+        if self.device.kind.value != "cpu":
+            tensor = tensor.to(self.device.torch, non_blocking=True)
+        return tensor
+
+    def _to_numpy(self, value: Value, tensor: Tensor) -> np.ndarray:
+        if tensor.dtype == torch.bfloat16:
+            tensor = tensor.float()
+        t = tensor.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        # Copy whatever could alias a weight, a feed or another output.
+        alias = value.is_const or value.producer is None or t._base is not None
+        array = t.numpy()
+        if alias or not array.flags.c_contiguous:
+            array = np.array(array, copy=True, order="C")
+        self._check_declared(value, array.shape)
+        return array
+
+    def _check_declared(self, value: Value, shape: tuple[int, ...]) -> None:
+        declared = value.spec.shape
+        if declared is None or value.name in self._warned_outputs:
+            return
+        fixed_mismatch = len(declared) != len(shape) or any(
+            isinstance(d, int) and d != s for d, s in zip(declared, shape))
+        if fixed_mismatch:
+            self._warned_outputs.add(value.name)
+            warnings.warn(f"output {value.name!r} has shape {list(shape)} but the model declares "
+                          f"{value.spec.describe()}; returning what the graph computed",
+                          stacklevel=3)
+
+
+def _check_dim(name: str, axis: int, want: Dim, have: int, spec: TensorSpec,
+               symbols: dict[str, tuple[int, str]]) -> None:
+    if isinstance(want, int) and want != have:
+        raise InvalidInput(f"input {name!r} has dimension {have} at axis {axis}, "
+                           f"expected {want} ({spec.describe()})")
+    if isinstance(want, str):
+        seen = symbols.get(want)
+        if seen is None:
+            symbols[want] = (have, name)
+        elif seen[0] != have:
+            raise InvalidInput(f"input {name!r} has dimension {have} at axis {axis} "
+                               f"('{want}'), but input {seen[1]!r} set '{want}' = {seen[0]}")
+
+
+def _node_arg(value: Value) -> NodeArg:
+    spec = value.spec
+    type_name = f"tensor({spec.dtype.onnx_name})" if spec.dtype else "tensor(unknown)"
+    shape = list(spec.shape) if spec.shape is not None else []
+    return NodeArg(value.name, type_name, shape, spec.dtype)
+

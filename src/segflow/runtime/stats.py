@@ -1,0 +1,38 @@
+"""RunStats: the counters returned for every run."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class RunStats:
+    """What one ``run`` did. The counters are exact and deterministic.
+
+    - ``nodes``: compute nodes in the plan (COPY nodes excluded)
+    - ``segments``: engine tasks in the plan (bulk segments plus non-SYNC tasks)
+    - ``pushes``: engine pushes this run made
+    - ``syncs``: host waits on a device or worker (outputs, LOCAL ops' inputs,
+      and per-task stream synchronizations in ``sync_mode="stream"``)
+    - ``kernels``: kernel invocations of top-level nodes
+    - ``copies``: cross-device copies
+    """
+
+    nodes: int
+    segments: int
+    pushes: int
+    syncs: int
+    kernels: int
+    copies: int
+    engine: str
+    settings: dict[str, Any] = field(default_factory=dict)
+    wall_time_s: float = 0.0
+
+    def counters(self) -> dict[str, int]:
+        """The deterministic counters only (what the benchmark gate compares)."""
+        return {"segments": self.segments, "pushes": self.pushes, "syncs": self.syncs,
+                "kernels": self.kernels, "copies": self.copies}
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)

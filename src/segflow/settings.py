@@ -1,0 +1,93 @@
+"""Every environment-backed setting segflow reads, declared in one place.
+
+Settings come from the API first; a value left as None there falls back to
+the environment variable, then to the default. The settings in force are
+recorded in every RunStats and benchmark record.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+
+ENV_BULK_INFERENCE = "SEGFLOW_BULK_INFERENCE"
+ENV_BULK_TRAIN = "SEGFLOW_BULK_TRAIN"
+ENV_BULK_MAX_NODES_FWD = "SEGFLOW_BULK_MAX_NODES_FWD"
+ENV_BULK_MAX_NODES_BWD = "SEGFLOW_BULK_MAX_NODES_BWD"
+ENV_ENGINE = "SEGFLOW_ENGINE"
+ENV_DEBUG = "SEGFLOW_DEBUG"
+
+ENGINES = ("inline", "threaded")
+
+
+def _env_bool(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    text = raw.strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}={raw!r}: expected 0 or 1")
+
+
+def _env_int(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected a positive integer") from None
+    if value < 1:
+        raise ValueError(f"{name}={raw!r}: expected a positive integer")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class BulkSettings:
+    """How the segment planner groups nodes (see DESIGN.md, "Segmentation policy")."""
+
+    inference: bool = True
+    train: bool = True
+    max_nodes_fwd: int = 15
+    max_nodes_bwd: int = 15
+
+    @classmethod
+    def resolve(cls, *, inference: bool | None = None, train: bool | None = None,
+                max_nodes_fwd: int | None = None, max_nodes_bwd: int | None = None,
+                env: Mapping[str, str] | None = None) -> BulkSettings:
+        """API values win; None falls back to the environment, then the default."""
+        env = os.environ if env is None else env
+        d = cls()
+        return cls(
+            inference=inference if inference is not None else _env_bool(
+                env, ENV_BULK_INFERENCE, d.inference),
+            train=train if train is not None else _env_bool(env, ENV_BULK_TRAIN, d.train),
+            max_nodes_fwd=max_nodes_fwd if max_nodes_fwd is not None else _env_int(
+                env, ENV_BULK_MAX_NODES_FWD, d.max_nodes_fwd),
+            max_nodes_bwd=max_nodes_bwd if max_nodes_bwd is not None else _env_int(
+                env, ENV_BULK_MAX_NODES_BWD, d.max_nodes_bwd),
+        )
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def resolve_engine(name: str | None, env: Mapping[str, str] | None = None) -> str:
+    env = os.environ if env is None else env
+    chosen = name or env.get(ENV_ENGINE) or "threaded"
+    if chosen not in ENGINES:
+        source = "engine" if name else ENV_ENGINE
+        raise ValueError(f"{source}={chosen!r}: expected one of {', '.join(ENGINES)}")
+    return chosen
+
+
+def debug_level(env: Mapping[str, str] | None = None) -> int:
+    env = os.environ if env is None else env
+    try:
+        return int(env.get(ENV_DEBUG, "0") or 0)
+    except ValueError:
+        return 0
