@@ -24,6 +24,7 @@ from segflow.ir.graph import Value
 from segflow.ir.types import Device
 from segflow.ops.registry import OpRegistry
 from segflow.passes.segment import Segment
+from segflow.profiler.sink import EventSink
 from segflow.runtime.binding import (
     BindContext,
     ConstantCache,
@@ -133,8 +134,13 @@ class Executor:
             self.tasks[t].steps[s].release = tuple(slots)
 
     # -- running -----------------------------------------------------------------------
-    def run(self, feeds: Sequence[Tensor]) -> tuple[list[Tensor], RunStats]:
-        """Run once on ``feeds`` (tensors in graph-input order, already validated)."""
+    def run(self, feeds: Sequence[Tensor], sink: EventSink | None = None
+            ) -> tuple[list[Tensor], RunStats]:
+        """Run once on ``feeds`` (tensors in graph-input order, already validated).
+
+        With a ``sink`` (an active profiler) every push, segment, node and host
+        wait is recorded; without one the uninstrumented task functions run.
+        """
         start = time.perf_counter()
         env = list(self.template)
         for slot, tensor in zip(self.input_slots, feeds):
@@ -144,14 +150,24 @@ class Executor:
         syncs = 0
         for index, task in enumerate(self.tasks):
             seg = task.segment
-            engine.push(self._task_fn(task.steps, env), [run_vars[d] for d in task.reads],
+            fn = self._task_fn(task.steps, env) if sink is None else _profiled_task(
+                task, env, sink)
+            t0 = time.perf_counter_ns() if sink is not None else 0
+            engine.push(fn, [run_vars[d] for d in task.reads],
                         (run_vars[index],), seg.exec_type, seg.device, seg.first.name)
+            if sink is not None:
+                sink.span("push", f"push {_task_name(task)}", t0, time.perf_counter_ns(),
+                          device=str(seg.device), args={"segment": seg.index})
             if task.waits_on_host:
                 syncs += 1
         if self.output_tasks:
+            t0 = time.perf_counter_ns() if sink is not None else 0
             for index in self.output_tasks:
                 engine.wait(run_vars[index])
             syncs += 1
+            if sink is not None:
+                sink.span("sync", "wait for outputs", t0, time.perf_counter_ns(),
+                          device=str(self.plan.default_device))
         outputs = [env[s] for s in self.output_slots]
         stats = RunStats(
             nodes=self.plan.compute_nodes,
@@ -171,3 +187,33 @@ class Executor:
         def task() -> None:
             run_steps(steps, env)
         return task
+
+
+def _task_name(task: _BoundTask) -> str:
+    seg = task.segment
+    if len(seg.nodes) == 1:
+        return f"{seg.first.op_type} [{seg.first.name}]"
+    return f"segment {seg.index} ({len(seg.nodes)} nodes)"
+
+
+def _profiled_task(task: _BoundTask, env: list[Tensor | None],
+                   sink: EventSink) -> Callable[[], None]:
+    """The task function with a span per node and one for the whole task."""
+    seg = task.segment
+    device = str(seg.device)
+    category = {ExecType.COPY: "copy", ExecType.LOCAL: "local"}.get(seg.exec_type, "segment")
+    clock = time.perf_counter_ns
+
+    def run() -> None:
+        start = clock()
+        try:
+            for step in task.steps:
+                t0 = clock()
+                run_steps((step,), env)
+                sink.span("node", step.node.name, t0, clock(), device=device,
+                          args={"op": step.node.op_type, "segment": seg.index})
+        finally:
+            sink.span(category, _task_name(task), start, clock(), device=device,
+                      args={"segment": seg.index, "nodes": len(seg.nodes),
+                            "reason": seg.reason})
+    return run

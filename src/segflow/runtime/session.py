@@ -26,6 +26,7 @@ from segflow.frontend.onnx_import import import_model
 from segflow.ir.graph import Value
 from segflow.ir.types import Device, Dim, DType, TensorSpec
 from segflow.ops.registry import OpRegistry, default_registry
+from segflow.profiler.sink import active_sink
 from segflow.runtime.executor import Executor
 from segflow.runtime.plan import Plan, make_plan
 from segflow.runtime.stats import RunStats
@@ -95,14 +96,14 @@ class InferenceSession:
         """Run the model; returns numpy arrays in ``output_names`` order (None: all)."""
         tensors = self._validate(feeds)
         wanted = self._output_indices(output_names)
-        outputs, stats = self._executor.run(tensors)
+        outputs, stats = self._executor.run(tensors, active_sink())
         self._local.stats = stats
         return [self._to_numpy(self.graph.outputs[i], outputs[i]) for i in wanted]
 
     def run_tensors(self, feeds: Mapping[str, Tensor]) -> list[Tensor]:
         """Run on torch tensors; returns torch tensors (no numpy round trip)."""
         tensors = self._validate(feeds)
-        outputs, stats = self._executor.run(tensors)
+        outputs, stats = self._executor.run(tensors, active_sink())
         self._local.stats = stats
         return outputs
 

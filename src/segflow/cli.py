@@ -1,0 +1,259 @@
+"""The ``segflow`` command line: run | check | explain | profile | bench | train-demo.
+
+Each subcommand is one ``_cmd_*`` function; ``_build_parser`` is the dispatch table.
+Models are given as an ONNX path or as ``builtin:NAME`` (see ``segflow run --list``);
+with no model the built-in ResNet-50 is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from segflow.errors import SegflowError
+
+DEFAULT_MODEL = "builtin:resnet50"
+
+
+# -- shared helpers ---------------------------------------------------------------------
+def load_model_arg(model: str | None):  # type: ignore[no-untyped-def]
+    """A path, or ``builtin:NAME`` / a bare built-in name -> (ModelProto or path, label)."""
+    from segflow import models
+
+    spec = model or DEFAULT_MODEL
+    name = spec.removeprefix("builtin:")
+    if spec.startswith("builtin:") or (name in models.available() and not Path(spec).exists()):
+        if name not in models.available():
+            raise SegflowError(f"unknown built-in model {name!r}; available: "
+                               f"{', '.join(models.available())}")
+        return models.build(name), f"builtin:{name}"
+    return spec, spec
+
+
+def parse_inputs(specs: Sequence[str], sess, seed: int = 0) -> dict[str, np.ndarray]:  # type: ignore[no-untyped-def]
+    """``NAME=FILE.npy`` or ``NAME=rand:1x3x224x224``; unnamed inputs get random data."""
+    rng = np.random.default_rng(seed)
+    feeds: dict[str, np.ndarray] = {}
+    inputs = {arg.name: arg for arg in sess.get_inputs()}
+    for item in specs:
+        name, sep, source = item.partition("=")
+        if not sep:
+            raise SegflowError(f"--input {item!r}: expected NAME=FILE.npy or NAME=rand:DIMS")
+        if name not in inputs:
+            raise SegflowError(f"--input {item!r}: the model has no input {name!r} "
+                               f"(inputs: {', '.join(inputs)})")
+        if source.startswith("rand:"):
+            try:
+                dims = [int(d) for d in source[5:].split("x")]
+            except ValueError:
+                raise SegflowError(f"--input {item!r}: bad dims {source[5:]!r}, "
+                                   "expected e.g. 1x3x224x224") from None
+            feeds[name] = _random(inputs[name], dims, rng)
+        else:
+            path = Path(source)
+            if not path.exists():
+                raise SegflowError(f"--input {item!r}: file not found: {path}")
+            try:
+                feeds[name] = np.load(path, allow_pickle=False)
+            except Exception as exc:
+                raise SegflowError(f"--input {item!r}: cannot read {path}: {exc}") from None
+    for name, arg in inputs.items():
+        if name not in feeds:
+            dims = [d if isinstance(d, int) else 1 for d in arg.shape]
+            feeds[name] = _random(arg, dims, rng)
+    return feeds
+
+
+def _random(arg, dims: list[int], rng: np.random.Generator) -> np.ndarray:  # type: ignore[no-untyped-def]
+    dtype = arg.dtype.numpy if arg.dtype is not None else np.dtype(np.float32)
+    if np.issubdtype(dtype, np.floating):
+        return rng.standard_normal(dims).astype(dtype)
+    if dtype == np.bool_:
+        return rng.integers(0, 2, dims).astype(bool)
+    if arg.name.endswith("mask"):
+        return np.ones(dims, dtype=dtype)
+    return rng.integers(0, 100, dims).astype(dtype)
+
+
+def checksum(array: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()[:12]
+
+
+def _session(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    import segflow
+
+    model, label = load_model_arg(args.model)
+    bulk = None if getattr(args, "bulk", None) is None else args.bulk == "on"
+    sess = segflow.InferenceSession(model, device=args.device, bulk=bulk,
+                                    engine=getattr(args, "engine", None))
+    return sess, label
+
+
+# -- subcommands ------------------------------------------------------------------------
+def _cmd_run(args: argparse.Namespace) -> int:
+    if args.list:
+        from segflow import models
+        for name in models.available():
+            print(f"{name:14s} {models.info(name).summary}")
+        return 0
+    sess, label = _session(args)
+    feeds = parse_inputs(args.input, sess, args.seed)
+    names = [o.name for o in sess.get_outputs()]
+    outputs = sess.run(None, feeds)
+    for _ in range(args.repeat - 1):
+        outputs = sess.run(None, feeds)
+    stats = sess.last_run_stats
+    print(f"model: {label}")
+    for name, array in feeds.items():
+        print(f"  input  {name}: {array.dtype}{list(array.shape)}")
+    for name, out in zip(names, outputs):
+        print(f"  output {name}: {out.dtype}{list(out.shape)} checksum={checksum(out)} "
+              f"mean={float(np.mean(out)) if out.size else 0.0:.6g}")
+    if stats is not None:
+        print(f"run: {stats.wall_time_s * 1e3:.2f} ms  segments={stats.segments} "
+              f"pushes={stats.pushes} syncs={stats.syncs} kernels={stats.kernels} "
+              f"copies={stats.copies} engine={stats.engine}")
+    return 0
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        raise SegflowError("segflow check needs onnxruntime: pip install onnxruntime") from None
+    import onnx
+
+    sess, label = _session(args)
+    feeds = parse_inputs(args.input, sess, args.seed)
+    model, _ = load_model_arg(args.model)
+    payload = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
+    ref = ort.InferenceSession(payload, providers=["CPUExecutionProvider"])
+    expected = ref.run(None, feeds)
+    got = sess.run(None, feeds)
+    worst = 0
+    print(f"model: {label}  (tolerance: abs {args.atol:g} + rel {args.rtol:g})")
+    for out, a, b in zip(sess.get_outputs(), got, expected):
+        if a.shape != b.shape:
+            print(f"  {out.name}: shape {list(a.shape)} != onnxruntime {list(b.shape)}  FAIL")
+            worst = 1
+            continue
+        a64, b64 = a.astype(np.float64), b.astype(np.float64)
+        abs_err = float(np.max(np.abs(a64 - b64))) if a.size else 0.0
+        rel_err = float(np.max(np.abs(a64 - b64) / (np.abs(b64) + 1e-12))) if a.size else 0.0
+        ok = bool(np.all(np.abs(a64 - b64) <= args.atol + args.rtol * np.abs(b64)))
+        print(f"  {out.name}: max abs err {abs_err:.3g}  max rel err {rel_err:.3g}  "
+              f"{'ok' if ok else 'FAIL'}")
+        worst = worst or (0 if ok else 1)
+    return worst
+
+
+def _cmd_explain(args: argparse.Namespace) -> int:
+    sess, label = _session(args)
+    print(f"model: {label}")
+    print(sess.explain())
+    return 0
+
+
+def _cmd_train_demo(args: argparse.Namespace) -> int:
+    try:
+        from segflow import training_demo
+    except ImportError:
+        raise SegflowError("training is not available in this build") from None
+    return int(training_demo.main(args.rest) or 0)
+
+
+# -- parser -----------------------------------------------------------------------------
+def _add_model_args(p: argparse.ArgumentParser, with_inputs: bool = True) -> None:
+    p.add_argument("model", nargs="?", default=None,
+                   help="ONNX file, or builtin:NAME (default: builtin:resnet50)")
+    p.add_argument("--device", default="cpu", help="cpu, cpu:N or cuda:N (default: cpu)")
+    p.add_argument("--engine", choices=["inline", "threaded"], default=None,
+                   help="dependency engine (default: $SEGFLOW_ENGINE or threaded)")
+    p.add_argument("--bulk", choices=["on", "off"], default=None,
+                   help="bulk segments (default: $SEGFLOW_BULK_INFERENCE or on)")
+    if with_inputs:
+        p.add_argument("--input", action="append", default=[], metavar="NAME=SRC",
+                       help="NAME=FILE.npy or NAME=rand:1x3x224x224 (repeatable); "
+                            "inputs not given get random data")
+        p.add_argument("--seed", type=int, default=0, help="seed for random inputs")
+
+
+Command = Callable[[argparse.Namespace], int]
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="segflow",
+        description="Run ONNX models in bulk segments through a dependency engine, "
+                    "with counters (segments, pushes, syncs, kernels) that make "
+                    "performance regressions visible.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("run", help="run a model and print its outputs",
+                       description="Run a model once on given or random inputs; print output "
+                                   "names, shapes, checksums and the run's counters.")
+    _add_model_args(p)
+    p.add_argument("--repeat", type=int, default=1, help="run N times, print the last")
+    p.add_argument("--list", action="store_true", help="list the built-in models and exit")
+    p.set_defaults(func=_cmd_run)
+
+    p = sub.add_parser("check", help="compare segflow with onnxruntime",
+                       description="Run segflow and onnxruntime on the same random inputs; "
+                                   "print max abs/rel error per output; exit 1 over tolerance.")
+    _add_model_args(p)
+    p.add_argument("--atol", type=float, default=1e-4, help="absolute tolerance (1e-4)")
+    p.add_argument("--rtol", type=float, default=1e-3, help="relative tolerance (1e-3)")
+    p.set_defaults(func=_cmd_check)
+
+    p = sub.add_parser("explain", help="print the segment plan and boundary reasons",
+                       description="Print the segment table (index, first..last node, node "
+                                   "count, exec types, device, boundary reason) and totals.")
+    _add_model_args(p, with_inputs=False)
+    p.set_defaults(func=_cmd_explain)
+
+    p = sub.add_parser("train-demo", help="train a small CNN on the bundled digits data set",
+                       description="Train a small CNN on scikit-learn's digits (8x8) with "
+                                   "segflow's TrainingSession; extra flags are passed through.")
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="flags for the demo (see --help)")
+    p.set_defaults(func=_cmd_train_demo)
+
+    for register in _EXTRA_COMMANDS:
+        register(sub)
+    return parser
+
+
+def _register_profiling(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """``profile`` and ``bench`` live with the profiler/bench packages."""
+    try:
+        from segflow.bench.cli import register as register_bench
+    except ImportError:
+        return
+    register_bench(sub)
+
+
+_EXTRA_COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (  # type: ignore[type-arg]
+    _register_profiling,
+)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        args = parser.parse_args(["run", *(argv or [])])
+    try:
+        return int(args.func(args))
+    except SegflowError as exc:
+        print(f"segflow: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
