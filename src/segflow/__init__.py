@@ -14,6 +14,7 @@ from segflow.errors import (
     SegflowError,
     UnsupportedOp,
 )
+from segflow.profiler import profile
 from segflow.runtime.session import InferenceSession, NodeArg
 from segflow.runtime.stats import RunStats
 
@@ -29,4 +30,5 @@ __all__ = [
     "SegflowError",
     "UnsupportedOp",
     "__version__",
+    "profile",
 ]

@@ -1,5 +1,15 @@
-"""Profiler: records what the runtime does (see :mod:`segflow.profiler.sink`)."""
+"""Profiler: records what the runtime does; Chrome traces, tables and summaries.
 
-from segflow.profiler.sink import ACTIVE, EventSink, active_sink
+>>> import segflow
+>>> with segflow.profile() as prof:                 # doctest: +SKIP
+...     sess.run(None, feeds)
+>>> print(prof.table())                             # doctest: +SKIP
+>>> prof.export_chrome_trace("trace.json")          # doctest: +SKIP
+"""
 
-__all__ = ["ACTIVE", "EventSink", "active_sink"]
+from segflow.profiler.events import Category, Event
+from segflow.profiler.profiler import Profiler, profile
+from segflow.profiler.sink import ACTIVE, DeviceSpanSink, EventSink, active_sink
+
+__all__ = ["ACTIVE", "Category", "DeviceSpanSink", "Event", "EventSink", "Profiler",
+           "active_sink", "profile"]

@@ -24,6 +24,7 @@ from segflow.ir.graph import Value
 from segflow.ir.types import Device
 from segflow.ops.registry import OpRegistry
 from segflow.passes.segment import Segment
+from segflow.profiler.cuda import device_marker
 from segflow.profiler.sink import EventSink
 from segflow.runtime.binding import (
     BindContext,
@@ -148,11 +149,13 @@ class Executor:
         engine = self.engine
         run_vars = [Var(t.segment.first.name) for t in self.tasks]
         syncs = 0
+        run_t0 = time.perf_counter_ns() if sink is not None else 0
+        pushed_at = [0]  # the current push's start, for a LOCAL task's host-wait span
         for index, task in enumerate(self.tasks):
             seg = task.segment
             fn = self._task_fn(task.steps, env) if sink is None else _profiled_task(
-                task, env, sink)
-            t0 = time.perf_counter_ns() if sink is not None else 0
+                task, env, sink, pushed_at)
+            t0 = pushed_at[0] = time.perf_counter_ns() if sink is not None else 0
             engine.push(fn, [run_vars[d] for d in task.reads],
                         (run_vars[index],), seg.exec_type, seg.device, seg.first.name)
             if sink is not None:
@@ -169,6 +172,10 @@ class Executor:
                 sink.span("sync", "wait for outputs", t0, time.perf_counter_ns(),
                           device=str(self.plan.default_device))
         outputs = [env[s] for s in self.output_slots]
+        if sink is not None:
+            sink.span("run", "run", run_t0, time.perf_counter_ns(),
+                      device=str(self.plan.default_device),
+                      args={"segments": len(self.tasks), "syncs": syncs})
         stats = RunStats(
             nodes=self.plan.compute_nodes,
             segments=len(self.tasks),
@@ -196,24 +203,42 @@ def _task_name(task: _BoundTask) -> str:
     return f"segment {seg.index} ({len(seg.nodes)} nodes)"
 
 
-def _profiled_task(task: _BoundTask, env: list[Tensor | None],
-                   sink: EventSink) -> Callable[[], None]:
-    """The task function with a span per node and one for the whole task."""
+def _profiled_task(task: _BoundTask, env: list[Tensor | None], sink: EventSink,
+                   pushed_at: list[int]) -> Callable[[], None]:
+    """The task function with a span per node and one for the whole task.
+
+    A LOCAL task that waits on the host also records that wait (from its push
+    to its start) as a sync span. On CUDA the task and its nodes also get NVTX
+    ranges, and each node a device span timed by CUDA events.
+    """
     seg = task.segment
     device = str(seg.device)
     category = {ExecType.COPY: "copy", ExecType.LOCAL: "local"}.get(seg.exec_type, "segment")
     clock = time.perf_counter_ns
+    marker = device_marker(sink, seg.device)
+    name = _task_name(task)
 
     def run() -> None:
         start = clock()
+        if task.waits_on_host:
+            sink.span("sync", f"wait for inputs of {name}", pushed_at[0], start,
+                      device=device, args={"segment": seg.index})
+        if marker is not None:
+            marker.push_range(name)
         try:
             for step in task.steps:
+                args = {"op": step.node.op_type, "segment": seg.index}
+                mark = marker.begin(step.node.name) if marker is not None else None
                 t0 = clock()
                 run_steps((step,), env)
-                sink.span("node", step.node.name, t0, clock(), device=device,
-                          args={"op": step.node.op_type, "segment": seg.index})
+                t1 = clock()
+                if marker is not None:
+                    marker.end(mark, "device", step.node.name, args)
+                sink.span("node", step.node.name, t0, t1, device=device, args=args)
         finally:
-            sink.span(category, _task_name(task), start, clock(), device=device,
+            if marker is not None:
+                marker.pop_range()
+            sink.span(category, name, start, clock(), device=device,
                       args={"segment": seg.index, "nodes": len(seg.nodes),
                             "reason": seg.reason})
     return run
