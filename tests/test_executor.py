@@ -1,0 +1,191 @@
+"""Bulk execution end to end: exact counters, identical outputs, env vars, devices, threads."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+import segflow
+from segflow import models
+
+ENGINES = ["inline", "threaded"]
+
+
+@pytest.fixture(scope="module")
+def resnet50():
+    return models.build("resnet50")
+
+
+@pytest.fixture(scope="module")
+def resnet50_feeds():
+    return models.example_inputs("resnet50")
+
+
+def test_resnet50_bulk_is_one_segment_one_push_one_sync(resnet50, resnet50_feeds):
+    for engine in ENGINES:
+        sess = segflow.InferenceSession(resnet50, engine=engine, bulk=True)
+        for _ in range(2):
+            sess.run(None, resnet50_feeds)
+            stats = sess.last_run_stats
+            assert (stats.segments, stats.pushes, stats.syncs) == (1, 1, 1)
+            assert stats.kernels == stats.nodes == sess.plan.compute_nodes
+            assert stats.copies == 0
+            assert stats.engine == engine
+
+
+def test_resnet50_bulk_off_one_task_per_compute_node(resnet50, resnet50_feeds):
+    sess = segflow.InferenceSession(resnet50, bulk=False)
+    sess.run(None, resnet50_feeds)
+    stats = sess.last_run_stats
+    assert stats.segments == stats.pushes == stats.nodes == sess.plan.compute_nodes
+    assert stats.nodes > 100
+    assert stats.syncs == 1
+    assert stats.settings["inference"] is False
+
+
+def test_data_dependent_op_mid_graph_gives_three_tasks():
+    sess = segflow.InferenceSession(models.build("nonzero_mid"))
+    sess.run(None, models.example_inputs("nonzero_mid"))
+    stats = sess.last_run_stats
+    assert (stats.segments, stats.pushes) == (3, 3)
+    # One host wait before the LOCAL op (it needs its input's values), one for the outputs.
+    assert stats.syncs == 2
+    segs = sess.plan.segments
+    assert [s.exec_type.value for s in segs] == ["sync", "local", "sync"]
+    assert "NonZero" in segs[0].reason and "NonZero" in segs[1].reason
+    assert "NonZero" in sess.explain()
+
+
+def _run_all_modes(name: str) -> dict[tuple[str, bool], list[np.ndarray]]:
+    model = models.build(name)
+    feeds = models.example_inputs(name)
+    results = {}
+    for engine in ENGINES:
+        for bulk in (True, False):
+            sess = segflow.InferenceSession(model, engine=engine, bulk=bulk)
+            results[(engine, bulk)] = sess.run(None, feeds)
+            sess.close()
+    return results
+
+
+@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v2", "bert_tiny", "mlp_chain",
+                                  "nonzero_mid", "resnet50", "bert_base"])
+def test_outputs_bitwise_identical_across_engines_and_bulk(name):
+    results = _run_all_modes(name)
+    reference = results[("inline", True)]
+    for key, outs in results.items():
+        for ref, out in zip(reference, outs):
+            assert np.array_equal(ref, out), f"{name}: {key} differs from inline/bulk"
+
+
+ENV_CASES = [
+    ({"SEGFLOW_BULK_INFERENCE": "0"}, "segments", "nodes"),
+    ({"SEGFLOW_BULK_INFERENCE": "1"}, "segments", 1),
+    ({"SEGFLOW_ENGINE": "inline"}, "engine", "inline"),
+    ({"SEGFLOW_ENGINE": "threaded"}, "engine", "threaded"),
+]
+
+_CHILD = """
+import json, segflow
+from segflow import models
+sess = segflow.InferenceSession(models.build("mlp_chain", layers=6))
+sess.run(None, models.example_inputs("mlp_chain", layers=6))
+s = sess.last_run_stats
+print(json.dumps({"segments": s.segments, "nodes": s.nodes, "engine": s.engine,
+                  "settings": s.settings}))
+"""
+
+
+@pytest.mark.parametrize("env,field,expected", ENV_CASES)
+def test_environment_variables_are_obeyed_in_a_fresh_process(env, field, expected):
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SEGFLOW_")}
+    out = subprocess.run([sys.executable, "-c", _CHILD], env={**clean, **env},
+                         capture_output=True, text=True, check=True, timeout=120)
+    record = json.loads(out.stdout.strip().splitlines()[-1])
+    want = record[expected] if isinstance(expected, str) and expected in record else expected
+    assert record[field] == want
+    if "SEGFLOW_BULK_INFERENCE" in env:
+        assert record["settings"]["inference"] is (env["SEGFLOW_BULK_INFERENCE"] == "1")
+        assert record["nodes"] == 12
+
+
+def test_bad_engine_environment_value(monkeypatch):
+    monkeypatch.setenv("SEGFLOW_ENGINE", "warp")
+    with pytest.raises(ValueError, match="SEGFLOW_ENGINE"):
+        segflow.InferenceSession(models.build("mlp_chain", layers=2))
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_two_cpu_devices_with_copies(engine):
+    model = models.build("mlp_chain", layers=10)
+    feeds = models.example_inputs("mlp_chain", layers=10)
+    ref = segflow.InferenceSession(model, engine="inline").run(None, feeds)
+    sess = segflow.InferenceSession(model, engine=engine, placement={"layers.5.*": "cpu:1"})
+    out = sess.run(None, feeds)
+    stats = sess.last_run_stats
+    assert stats.copies == 2
+    assert stats.segments == 5  # cpu:0 segment, copy, cpu:1 segment, copy, cpu:0 segment
+    assert [str(s.device) for s in sess.plan.segments] == ["cpu:0", "cpu:1", "cpu:1", "cpu:0",
+                                                           "cpu:0"]
+    assert stats.nodes == 20
+    np.testing.assert_array_equal(out[0], ref[0])
+
+
+def test_placement_by_op_type():
+    model = models.build("mlp_chain", layers=3)
+    sess = segflow.InferenceSession(model, placement={"Relu": "cpu:1"})
+    sess.run(None, models.example_inputs("mlp_chain", layers=3))
+    # Gemm, Relu, Gemm, Relu, Gemm, Relu alternate devices: 5 crossings, 6 + 5 tasks.
+    assert sess.last_run_stats.copies == 5
+    assert sess.last_run_stats.segments == 11
+
+
+def test_one_session_many_threads():
+    model = models.build("mlp_chain", layers=20)
+    sess = segflow.InferenceSession(model, engine="threaded")
+    rng = np.random.default_rng(0)
+    feeds = [{"x": rng.standard_normal((1 + i % 3, 64)).astype(np.float32)} for i in range(8)]
+    reference = [sess.run(None, f)[0] for f in feeds]
+    errors: list[BaseException] = []
+
+    def worker(i: int) -> None:
+        try:
+            for _ in range(50):
+                out = sess.run(None, feeds[i])[0]
+                np.testing.assert_array_equal(out, reference[i])
+                assert sess.last_run_stats.pushes == 1
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+
+
+def test_kernel_error_names_the_node_and_session_stays_usable():
+    from onnx import TensorProto, helper
+
+    g = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["r"], name="first"),
+         helper.make_node("Reshape", ["r", "shape"], ["y"], name="bad_reshape")],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N"]),
+              helper.make_tensor_value_info("shape", TensorProto.INT64, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    # The reshape target is a graph input, so a bad value only shows at run time.
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    for engine in ENGINES:
+        sess = segflow.InferenceSession(model, engine=engine)
+        with pytest.raises(segflow.ExecutionError, match="bad_reshape"):
+            sess.run(None, {"x": np.ones(6, np.float32), "shape": np.array([4, 4])})
+        out = sess.run(None, {"x": np.ones(6, np.float32), "shape": np.array([2, 3])})
+        assert out[0].shape == (2, 3)
