@@ -71,6 +71,8 @@ class InferenceSession:
         self._engine = make_engine(self.engine_name)
         record: dict[str, object] = {"device": str(self.device), **self.settings.as_dict()}
         self._executor = Executor(self.plan, self.registry, self._engine, record)
+        self._const_storages = {_storage(t) for t in self._executor.template
+                                if t is not None}
         self._local = threading.local()
         self._warned_outputs: set[str] = set()
 
@@ -98,7 +100,16 @@ class InferenceSession:
         wanted = self._output_indices(output_names)
         outputs, stats = self._executor.run(tensors, active_sink())
         self._local.stats = stats
-        return [self._to_numpy(self.graph.outputs[i], outputs[i]) for i in wanted]
+        # Outputs that share storage with a weight, a feed or an earlier output are copied,
+        # so the caller can never mutate segflow's state or their own inputs through them.
+        protected = self._const_storages | {_storage(t) for t in tensors}
+        arrays = []
+        for i in wanted:
+            tensor = outputs[i]
+            storage = _storage(tensor)
+            arrays.append(self._to_numpy(self.graph.outputs[i], tensor, storage in protected))
+            protected.add(storage)
+        return arrays
 
     def run_tensors(self, feeds: Mapping[str, Tensor]) -> list[Tensor]:
         """Run on torch tensors; returns torch tensors (no numpy round trip)."""
@@ -179,16 +190,14 @@ class InferenceSession:
             tensor = tensor.to(self.device.torch, non_blocking=True)
         return tensor
 
-    def _to_numpy(self, value: Value, tensor: Tensor) -> np.ndarray:
-        if tensor.dtype == torch.bfloat16:
-            tensor = tensor.float()
+    def _to_numpy(self, value: Value, tensor: Tensor, aliased: bool) -> np.ndarray:
         t = tensor.detach()
+        if t.dtype == torch.bfloat16:
+            t = t.float()
         if t.device.type != "cpu":
             t = t.cpu()
-        # Copy whatever could alias a weight, a feed or another output.
-        alias = value.is_const or value.producer is None or t._base is not None
         array = t.numpy()
-        if alias or not array.flags.c_contiguous:
+        if aliased or not array.flags.c_contiguous:
             array = np.array(array, copy=True, order="C")
         self._check_declared(value, array.shape)
         return array
@@ -218,6 +227,10 @@ def _check_dim(name: str, axis: int, want: Dim, have: int, spec: TensorSpec,
         elif seen[0] != have:
             raise InvalidInput(f"input {name!r} has dimension {have} at axis {axis} "
                                f"('{want}'), but input {seen[1]!r} set '{want}' = {seen[0]}")
+
+
+def _storage(tensor: Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
 
 
 def _node_arg(value: Value) -> NodeArg:

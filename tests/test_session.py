@@ -1,0 +1,228 @@
+"""InferenceSession: numerics against onnxruntime, the API surface, and bad input."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+import segflow
+from segflow import models
+
+ATOL, RTOL = 1e-4, 1e-3
+
+
+def ort_run(model: onnx.ModelProto, feeds):
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(None, feeds)
+
+
+@pytest.mark.parametrize("name,options,batch", [
+    ("resnet50", {}, 1),
+    ("resnet18", {"image_size": 64}, 2),
+    ("mobilenet_v2", {}, 1),
+    ("bert_base", {"seq_len": 32}, 1),
+    ("bert_tiny", {"seq_len": 16}, 3),
+    ("mlp_chain", {}, 4),
+    ("nonzero_mid", {}, 2),
+])
+def test_builtin_models_match_onnxruntime(name, options, batch):
+    build_opts = {k: v for k, v in options.items() if k != "seq_len"}
+    model = models.build(name, **build_opts)
+    feeds = models.example_inputs(name, batch_size=batch, **options)
+    expected = ort_run(model, feeds)
+    got = segflow.InferenceSession(model).run(None, feeds)
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        np.testing.assert_allclose(a, b, atol=ATOL, rtol=RTOL)
+
+
+def test_symbolic_dims_run_at_any_shape():
+    model = models.build("bert_tiny")
+    sess = segflow.InferenceSession(model)
+    for batch, seq in [(1, 5), (2, 17), (3, 64)]:
+        feeds = models.example_inputs("bert_tiny", batch_size=batch, seq_len=seq)
+        out = sess.run(["last_hidden_state"], feeds)[0]
+        assert out.shape == (batch, seq, 128)
+        np.testing.assert_allclose(out, ort_run(model, feeds)[0], atol=ATOL, rtol=RTOL)
+
+
+def test_inputs_outputs_and_output_selection():
+    model = models.build("bert_tiny")
+    sess = segflow.InferenceSession(model)
+    inputs = sess.get_inputs()
+    assert [i.name for i in inputs] == ["input_ids", "attention_mask"]
+    assert inputs[0].type == "tensor(int64)" and inputs[0].shape == ["batch", "seq"]
+    assert [o.name for o in sess.get_outputs()] == ["last_hidden_state", "pooler_output"]
+    feeds = models.example_inputs("bert_tiny", seq_len=8)
+    pooled = sess.run(["pooler_output"], feeds)
+    assert len(pooled) == 1 and pooled[0].shape == (1, 128)
+
+
+def test_model_from_path_and_bytes(tmp_path):
+    model = models.build("mlp_chain", layers=3)
+    path = tmp_path / "mlp.onnx"
+    onnx.save(model, path)
+    feeds = models.example_inputs("mlp_chain", layers=3)
+    a = segflow.InferenceSession(str(path)).run(None, feeds)[0]
+    b = segflow.InferenceSession(model.SerializeToString()).run(None, feeds)[0]
+    np.testing.assert_array_equal(a, b)
+
+
+def test_external_data(tmp_path):
+    model = models.build("mlp_chain", layers=3)
+    path = tmp_path / "ext.onnx"
+    onnx.save(model, path, save_as_external_data=True, all_tensors_to_one_file=True,
+              location="weights.bin", size_threshold=0)
+    assert (tmp_path / "weights.bin").exists()
+    feeds = models.example_inputs("mlp_chain", layers=3)
+    out = segflow.InferenceSession(str(path)).run(None, feeds)[0]
+    # onnx.save rewrote `model` to point at the external file: compare with a fresh build.
+    reference = ort_run(models.build("mlp_chain", layers=3), feeds)[0]
+    np.testing.assert_allclose(out, reference, atol=ATOL, rtol=RTOL)
+
+
+def test_outputs_do_not_alias_weights_or_feeds():
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])
+    g = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["y"]), helper.make_node("Identity", ["w"], ["z"])],
+        "alias", [x], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2]),
+                       helper.make_tensor_value_info("z", TensorProto.FLOAT, [2])],
+        [helper.make_tensor("w", TensorProto.FLOAT, [2], [1.0, 2.0])])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    sess = segflow.InferenceSession(model)
+    feed = np.array([5.0, 6.0], np.float32)
+    y, z = sess.run(None, {"x": feed})
+    y[0] = -1
+    z[0] = -1
+    assert feed[0] == 5.0
+    assert sess.run(None, {"x": feed})[1][0] == 1.0
+
+
+def test_declared_output_shape_disagreement_warns_and_follows_data():
+    g = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])], "wrong_decl",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [7, 7])])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    sess = segflow.InferenceSession(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = sess.run(None, {"x": np.ones((2, 3), np.float32)})[0]
+    assert out.shape == (2, 3)
+    assert any("declares" in str(w.message) for w in caught)
+
+
+# -- bad input ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def bert():
+    return segflow.InferenceSession(models.build("bert_tiny"))
+
+
+def good_feeds():
+    return models.example_inputs("bert_tiny", seq_len=8)
+
+
+def expect_invalid(sess, feeds, *fragments):
+    with pytest.raises(segflow.InvalidInput) as info:
+        sess.run(None, feeds)
+    message = str(info.value)
+    assert "\n" not in message
+    for fragment in fragments:
+        assert fragment in message, message
+
+
+def test_unknown_input_name(bert):
+    feeds = good_feeds()
+    feeds["input_idz"] = feeds.pop("input_ids")
+    expect_invalid(bert, feeds, "input_idz", "input_ids")
+
+
+def test_missing_input(bert):
+    feeds = good_feeds()
+    del feeds["attention_mask"]
+    expect_invalid(bert, feeds, "missing input", "attention_mask")
+
+
+def test_wrong_dtype(bert):
+    feeds = good_feeds()
+    feeds["input_ids"] = feeds["input_ids"].astype(np.int32)
+    expect_invalid(bert, feeds, "input_ids", "int32", "int64")
+
+
+def test_wrong_rank(bert):
+    feeds = good_feeds()
+    feeds["input_ids"] = feeds["input_ids"][0]
+    expect_invalid(bert, feeds, "input_ids", "rank 1", "rank 2")
+
+
+def test_fixed_dimension_mismatch():
+    sess = segflow.InferenceSession(models.build("mlp_chain", layers=2))
+    expect_invalid(sess, {"x": np.zeros((1, 63), np.float32)}, "'x'", "63", "64", "axis 1")
+
+
+def test_symbolic_dimension_disagreement(bert):
+    feeds = good_feeds()
+    feeds["attention_mask"] = np.ones((1, 9), np.int64)
+    expect_invalid(bert, feeds, "attention_mask", "'seq'")
+
+
+def test_unknown_output_name(bert):
+    with pytest.raises(segflow.InvalidInput, match="hidden"):
+        bert.run(["hidden"], good_feeds())
+
+
+def test_feeds_must_be_a_mapping(bert):
+    with pytest.raises(segflow.InvalidInput, match="dict"):
+        bert.run(None, [np.zeros(3)])
+
+
+def test_missing_model_file(tmp_path):
+    with pytest.raises(segflow.InvalidModel, match="not found") as info:
+        segflow.InferenceSession(str(tmp_path / "nope.onnx"))
+    assert "nope.onnx" in str(info.value)
+
+
+def test_corrupt_model_file(tmp_path):
+    path = tmp_path / "corrupt.onnx"
+    path.write_bytes(b"\x00\x01 this is not protobuf \xff" * 10)
+    with pytest.raises(segflow.InvalidModel) as info:
+        segflow.InferenceSession(str(path))
+    assert "corrupt.onnx" in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_unknown_op_fails_at_load_naming_op_domain_opset_node():
+    g = helper.make_graph([helper.make_node("FrobnicateV2", ["x"], ["y"], name="frob")], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(segflow.UnsupportedOp) as info:
+        segflow.InferenceSession(model)
+    message = str(info.value)
+    for fragment in ("FrobnicateV2", "ai.onnx", "17", "frob"):
+        assert fragment in message
+
+
+def test_unknown_domain_fails_at_load():
+    g = helper.make_graph([helper.make_node("Foo", ["x"], ["y"], name="n", domain="com.acme")],
+                          "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17),
+                                                helper.make_opsetid("com.acme", 1)])
+    with pytest.raises(segflow.UnsupportedOp, match="com.acme"):
+        segflow.InferenceSession(model)
+
+
+def test_undefined_value_is_invalid_model():
+    g = helper.make_graph([helper.make_node("Relu", ["ghost"], ["y"], name="r")], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(segflow.InvalidModel, match="ghost"):
+        segflow.InferenceSession(model)
