@@ -160,11 +160,13 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 
 
 def _cmd_train_demo(args: argparse.Namespace) -> int:
+    import importlib
+
     try:
-        from segflow import training_demo
+        demo = importlib.import_module("segflow.training_demo")
     except ImportError:
         raise SegflowError("training is not available in this build") from None
-    return int(training_demo.main(args.rest) or 0)
+    return int(demo.main(args.rest) or 0)
 
 
 # -- parser -----------------------------------------------------------------------------

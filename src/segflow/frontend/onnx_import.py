@@ -152,7 +152,7 @@ class _Importer:
                                     f"of graphs, which segflow does not support")
             else:
                 attrs[attr.name] = _attribute(attr)
-        outputs = []
+        outputs: list[Value] = []
         for name in np_.output:
             spec = _spec(infos[name].type) if name in infos else TensorSpec()
             outputs.append(Value(name or f"{label}:unused{len(outputs)}", spec))

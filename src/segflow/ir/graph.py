@@ -126,9 +126,9 @@ class Graph:
             if value.uses or value in self.outputs:
                 raise IRError(f"cannot remove {node.label}: %{value.name} is still used")
             value.producer = None
-        for value in node.inputs:
-            if value is not None:
-                value.uses.remove(node)
+        for operand in node.inputs:
+            if operand is not None:
+                operand.uses.remove(node)
         self.nodes.remove(node)
         node.graph = None
 
@@ -157,10 +157,10 @@ class Graph:
             seen.add(id(value))
             yield value
         for node in self.nodes:
-            for value in (*node.inputs, *node.outputs):
-                if value is not None and id(value) not in seen:
-                    seen.add(id(value))
-                    yield value
+            for edge in (*node.inputs, *node.outputs):
+                if edge is not None and id(edge) not in seen:
+                    seen.add(id(edge))
+                    yield edge
 
     def walk(self) -> Iterator[Node]:
         """All nodes, including those inside subgraphs."""
