@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from segflow.ir.graph import Node
+from segflow.ops import _unsigned as u
 from segflow.ops._common import binary, unary, with_attrs
 from segflow.ops.registry import BindContext, Kernel, OpDef
 
@@ -17,7 +19,18 @@ Tensor = torch.Tensor
 def _div(a: Tensor, b: Tensor) -> Tensor:
     if a.dtype.is_floating_point or a.dtype.is_complex:
         return torch.div(a, b)
+    return _int_div(a, b)
+
+
+def _trunc_div(a: Tensor, b: Tensor) -> Tensor:
     return torch.div(a, b, rounding_mode="trunc")
+
+
+_int_div = u.via_numpy(np.floor_divide, _trunc_div)
+_remainder = u.via_numpy(np.mod, torch.remainder)
+_fmod = u.via_numpy(np.fmod, torch.fmod)
+_lshift = u.arith(torch.bitwise_left_shift)
+_rshift = u.via_numpy(np.right_shift, torch.bitwise_right_shift)
 
 
 def _mod(node: Node, ctx: BindContext) -> Kernel:
@@ -26,7 +39,7 @@ def _mod(node: Node, ctx: BindContext) -> Kernel:
     def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
         a, b = inputs[0], inputs[1]
         assert a is not None and b is not None
-        return [torch.fmod(a, b) if fmod else torch.remainder(a, b)]
+        return [_fmod(a, b) if fmod else _remainder(a, b)]
     return kernel
 
 
@@ -136,7 +149,7 @@ def _bitshift(node: Node, ctx: BindContext) -> Kernel:
     def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
         a, b = inputs[0], inputs[1]
         assert a is not None and b is not None
-        return [torch.bitwise_left_shift(a, b) if left else torch.bitwise_right_shift(a, b)]
+        return [_lshift(a, b) if left else _rshift(a, b)]
     return kernel
 
 
@@ -174,29 +187,29 @@ def _sign(x: Tensor) -> Tensor:
 
 
 OPS: list[OpDef] = [
-    OpDef("Add", binary(torch.add)),
-    OpDef("Sub", binary(torch.sub)),
-    OpDef("Mul", binary(torch.mul)),
+    OpDef("Add", binary(u.arith(torch.add))),
+    OpDef("Sub", binary(u.arith(torch.sub))),
+    OpDef("Mul", binary(u.arith(torch.mul))),
     OpDef("Div", binary(_div)),
     OpDef("Mod", _mod),
     OpDef("Pow", binary(_pow)),
-    OpDef("Sum", _variadic(torch.add)),
-    OpDef("Max", _variadic(torch.maximum)),
-    OpDef("Min", _variadic(torch.minimum)),
+    OpDef("Sum", _variadic(u.arith(torch.add))),
+    OpDef("Max", _variadic(u.ordered(torch.maximum))),
+    OpDef("Min", _variadic(u.ordered(torch.minimum))),
     OpDef("Mean", _mean),
     OpDef("Equal", binary(torch.eq)),
-    OpDef("Greater", binary(torch.gt)),
-    OpDef("GreaterOrEqual", binary(torch.ge)),
-    OpDef("Less", binary(torch.lt)),
-    OpDef("LessOrEqual", binary(torch.le)),
+    OpDef("Greater", binary(u.ordered(torch.gt))),
+    OpDef("GreaterOrEqual", binary(u.ordered(torch.ge))),
+    OpDef("Less", binary(u.ordered(torch.lt))),
+    OpDef("LessOrEqual", binary(u.ordered(torch.le))),
     OpDef("And", binary(torch.logical_and)),
     OpDef("Or", binary(torch.logical_or)),
     OpDef("Xor", binary(torch.logical_xor)),
     OpDef("Not", unary(torch.logical_not)),
-    OpDef("BitwiseAnd", binary(torch.bitwise_and)),
-    OpDef("BitwiseOr", binary(torch.bitwise_or)),
-    OpDef("BitwiseXor", binary(torch.bitwise_xor)),
-    OpDef("BitwiseNot", unary(torch.bitwise_not)),
+    OpDef("BitwiseAnd", binary(u.arith(torch.bitwise_and))),
+    OpDef("BitwiseOr", binary(u.arith(torch.bitwise_or))),
+    OpDef("BitwiseXor", binary(u.arith(torch.bitwise_xor))),
+    OpDef("BitwiseNot", unary(u.bitwise_not)),
     OpDef("BitShift", _bitshift),
     OpDef("Where", _where),
     OpDef("Neg", unary(torch.neg)),
