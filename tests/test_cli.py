@@ -1,0 +1,94 @@
+"""The segflow command line, run in-process through cli.main."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+from segflow import cli, models
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_run_with_no_arguments_runs_builtin_resnet50(capsys):
+    code, out, _ = run_cli(capsys)
+    assert code == 0
+    assert "builtin:resnet50" in out
+    assert "output logits: float32[1, 1000] checksum=" in out
+    assert "segments=1 pushes=1 syncs=1" in out
+
+
+def test_run_list(capsys):
+    code, out, _ = run_cli(capsys, "run", "--list")
+    assert code == 0
+    for name in models.available():
+        assert name in out
+
+
+def test_run_with_inputs(tmp_path, capsys):
+    path = tmp_path / "mlp.onnx"
+    onnx.save(models.build("mlp_chain", layers=2), path)
+    x = np.ones((3, 64), np.float32)
+    np.save(tmp_path / "x.npy", x)
+    code, out, _ = run_cli(capsys, "run", str(path), "--input", f"x={tmp_path / 'x.npy'}")
+    assert code == 0 and "output y: float32[3, 64]" in out
+    code, out, _ = run_cli(capsys, "run", str(path), "--input", "x=rand:5x64")
+    assert code == 0 and "float32[5, 64]" in out
+
+
+def test_run_same_seed_same_checksum(capsys):
+    _, first, _ = run_cli(capsys, "run", "builtin:mlp_chain", "--seed", "3")
+    _, second, _ = run_cli(capsys, "run", "builtin:mlp_chain", "--seed", "3")
+    line = [ln for ln in first.splitlines() if "checksum" in ln]
+    assert line and line == [ln for ln in second.splitlines() if "checksum" in ln]
+
+
+def test_check_passes_within_tolerance(capsys):
+    code, out, _ = run_cli(capsys, "check", "builtin:bert_tiny")
+    assert code == 0
+    assert "last_hidden_state: max abs err" in out and "FAIL" not in out
+
+
+def test_check_fails_over_tolerance(capsys):
+    code, out, _ = run_cli(capsys, "check", "builtin:resnet18", "--atol", "0", "--rtol", "0")
+    assert code == 1 and "FAIL" in out
+
+
+def test_explain_names_the_local_op(capsys):
+    code, out, _ = run_cli(capsys, "explain", "builtin:nonzero_mid")
+    assert code == 0
+    assert "non-sync op NonZero" in out
+    assert "3 tasks" in out
+
+
+def test_explain_bulk_off(capsys):
+    code, out, _ = run_cli(capsys, "explain", "builtin:mlp_chain", "--bulk", "off")
+    assert code == 0 and "bulking disabled" in out and "400 tasks" in out
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["run", "/no/such/model.onnx"], "model file not found: /no/such/model.onnx"),
+    (["run", "builtin:nosuch"], "unknown built-in model 'nosuch'"),
+    (["run", "builtin:mlp_chain", "--input", "z=rand:1x64"], "no input 'z'"),
+    (["run", "builtin:mlp_chain", "--input", "x=rand:1x63"], "expected 64"),
+    (["run", "builtin:mlp_chain", "--input", "x=/no/file.npy"], "file not found"),
+    (["run", "builtin:mlp_chain", "--input", "x"], "expected NAME=FILE.npy"),
+])
+def test_bad_input_is_one_line_error(capsys, argv, fragment):
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2
+    assert err.startswith("segflow: error:") and fragment in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_help_for_every_command(capsys):
+    for command in ("run", "check", "explain"):
+        with pytest.raises(SystemExit) as info:
+            cli.main([command, "--help"])
+        assert info.value.code == 0
+        assert "usage: segflow" in capsys.readouterr().out

@@ -1,0 +1,92 @@
+"""IR invariants: producers/uses, validate(), toposort(), mutation through Graph methods."""
+
+from __future__ import annotations
+
+import pytest
+
+from segflow.frontend.onnx_import import import_model
+from segflow.ir import DType, Graph, IRError, Node, TensorSpec, Value
+from segflow.ir.types import Device
+from segflow.models import build
+
+
+def small_graph() -> tuple[Graph, list[Node]]:
+    g = Graph("g")
+    x = g.add_input(Value("x", TensorSpec(DType.FLOAT32, ("N", 4))))
+    a, b, c = Value("a"), Value("b"), Value("c")
+    n1 = g.append(Node("Relu", [x], [a], name="n1"))
+    n2 = g.append(Node("Neg", [a], [b], name="n2"))
+    n3 = g.append(Node("Add", [a, b], [c], name="n3"))
+    g.outputs.append(c)
+    return g, [n1, n2, n3]
+
+
+def test_producers_and_uses_are_tracked():
+    g, (n1, n2, n3) = small_graph()
+    g.validate()
+    a = n1.outputs[0]
+    assert a.producer is n1 and a.uses == [n2, n3]
+
+
+def test_validate_rejects_use_before_definition():
+    g, (n1, n2, n3) = small_graph()
+    g.nodes = [n2, n1, n3]
+    with pytest.raises(IRError, match="before it is defined"):
+        g.validate()
+    g.toposort()
+    g.validate()
+    assert g.nodes == [n1, n2, n3]
+
+
+def test_toposort_detects_cycles():
+    g = Graph("cycle")
+    a, b = Value("a"), Value("b")
+    g.append(Node("Relu", [b], [a]))
+    g.append(Node("Relu", [a], [b]))
+    with pytest.raises(IRError, match="cycle"):
+        g.toposort()
+
+
+def test_replace_all_uses_and_remove():
+    g, (n1, n2, n3) = small_graph()
+    g.replace_all_uses(n2.outputs[0], n1.outputs[0])
+    assert n3.inputs == (n1.outputs[0], n1.outputs[0])
+    g.remove(n2)
+    g.validate()
+    assert n2 not in n1.outputs[0].uses
+
+
+def test_remove_refuses_a_used_node():
+    g, (n1, _, _) = small_graph()
+    with pytest.raises(IRError, match="still used"):
+        g.remove(n1)
+
+
+def test_double_definition_is_an_error():
+    g = Graph("g")
+    x = g.add_input(Value("x"))
+    y = Value("y")
+    g.append(Node("Relu", [x], [y]))
+    with pytest.raises(IRError, match="already produced"):
+        g.append(Node("Neg", [x], [y]))
+
+
+def test_imported_model_validates_and_specs_are_parsed():
+    graph = import_model(build("bert_tiny"))
+    graph.validate()
+    ids = graph.inputs[0]
+    assert ids.spec == TensorSpec(DType.INT64, ("batch", "seq"))
+    assert ids.spec.describe() == "int64[batch,seq]"
+    assert all(v.const is not None for v in graph.initializers.values())
+
+
+def test_node_label_names_inputs_outputs_and_node():
+    g, (n1, _, n3) = small_graph()
+    assert n3.label == "%c = Add(%a, %b) [n3]"
+
+
+def test_device_parse():
+    assert str(Device.parse("cpu")) == "cpu:0"
+    assert str(Device.parse("cuda:1")) == "cuda:1"
+    with pytest.raises(ValueError, match="unknown device"):
+        Device.parse("tpu:0")
