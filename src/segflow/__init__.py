@@ -17,17 +17,22 @@ from segflow.errors import (
 from segflow.profiler import profile
 from segflow.runtime.session import InferenceSession, NodeArg
 from segflow.runtime.stats import RunStats
+from segflow.runtime.training import CrossEntropyLoss, GradReq, StepResult, TrainingSession
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CrossEntropyLoss",
     "ExecutionError",
+    "GradReq",
     "InferenceSession",
     "InvalidInput",
     "InvalidModel",
     "NodeArg",
     "RunStats",
     "SegflowError",
+    "StepResult",
+    "TrainingSession",
     "UnsupportedOp",
     "__version__",
     "profile",

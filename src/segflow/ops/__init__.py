@@ -5,6 +5,7 @@ collects them. To add an op, add one row to the family it belongs to.
 """
 
 from segflow.ops import (
+    backward,
     control,
     copy,
     elementwise,
@@ -21,6 +22,6 @@ from segflow.ops import (
 from segflow.ops.registry import BindContext, Kernel, OpDef, OpRegistry, default_registry
 
 ALL_FAMILIES = (elementwise, nn, tensor, reduce, indexing, image, control, rnn, quant, linalg,
-                misc, copy)
+                misc, copy, backward)
 
 __all__ = ["ALL_FAMILIES", "BindContext", "Kernel", "OpDef", "OpRegistry", "default_registry"]

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from segflow.ir.graph import Node
+from segflow.ops import gradients
 from segflow.ops._common import has_input
 from segflow.ops.registry import BindContext, Kernel, OpDef
 
@@ -443,23 +444,45 @@ def _flatten(node: Node, ctx: BindContext) -> Kernel:
     return kernel
 
 
+def _softmax_cross_entropy(node: Node, ctx: BindContext) -> Kernel:
+    """SoftmaxCrossEntropyLoss: scores [N, C, d...], integer labels [N, d...], optional
+    class weights [C]; reduction mean (weighted by the labels' weights), sum or none."""
+    reduction = str(node.attrs.get("reduction", "mean"))
+    ignore = node.attrs.get("ignore_index")
+    # nll_loss always ignores some index; -100 never names a class when ONNX sets none.
+    ignore_index = int(ignore) if ignore is not None else -100
+    n_out = len(node.outputs)
+
+    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        scores, labels = inputs[0], inputs[1]
+        weights = inputs[2] if len(inputs) > 2 else None
+        assert scores is not None and labels is not None
+        log_prob = torch.log_softmax(scores, dim=1)
+        loss = F.nll_loss(log_prob, labels.long(), weight=weights, ignore_index=ignore_index,
+                          reduction=reduction)
+        return [loss, log_prob][:n_out]
+    return kernel
+
+
 OPS: list[OpDef] = [
-    OpDef("Conv", _conv),
+    OpDef("Conv", _conv, grad=gradients.conv),
     OpDef("ConvTranspose", _conv_transpose),
-    OpDef("MaxPool", _maxpool),
-    OpDef("AveragePool", _avgpool),
-    OpDef("GlobalAveragePool", _global_pool("mean")),
+    OpDef("MaxPool", _maxpool, grad=gradients.max_pool),
+    OpDef("AveragePool", _avgpool, grad=gradients.recompute),
+    OpDef("GlobalAveragePool", _global_pool("mean"), grad=gradients.global_average_pool),
     OpDef("GlobalMaxPool", _global_pool("max")),
-    OpDef("BatchNormalization", _batchnorm),
+    OpDef("BatchNormalization", _batchnorm, grad=gradients.batch_norm),
     OpDef("InstanceNormalization", _instancenorm),
-    OpDef("LayerNormalization", _layernorm),
+    OpDef("LayerNormalization", _layernorm, grad=gradients.layer_norm),
     OpDef("GroupNormalization", _groupnorm),
     OpDef("LRN", _lrn),
-    OpDef("Gemm", _gemm),
-    OpDef("MatMul", _matmul),
-    OpDef("Softmax", _softmax_family(torch.softmax, True)),
-    OpDef("LogSoftmax", _softmax_family(torch.log_softmax, True)),
+    OpDef("Gemm", _gemm, grad=gradients.gemm),
+    OpDef("MatMul", _matmul, grad=gradients.matmul),
+    OpDef("Softmax", _softmax_family(torch.softmax, True), grad=gradients.softmax),
+    OpDef("LogSoftmax", _softmax_family(torch.log_softmax, True), grad=gradients.softmax),
     OpDef("Hardmax", _hardmax),
-    OpDef("Dropout", _dropout),
-    OpDef("Flatten", _flatten),
+    OpDef("Dropout", _dropout, grad=gradients.dropout),
+    OpDef("Flatten", _flatten, grad=gradients.reshape),
+    OpDef("SoftmaxCrossEntropyLoss", _softmax_cross_entropy, since=12,
+          grad=gradients.softmax_cross_entropy),
 ]

@@ -17,6 +17,7 @@ import torch
 
 from segflow.errors import InvalidModel
 from segflow.ir.graph import Node
+from segflow.ops import gradients
 from segflow.ops._common import ints
 from segflow.ops.registry import BindContext, Kernel, OpDef
 
@@ -235,8 +236,12 @@ def _cumprod(node: Node, ctx: BindContext) -> Kernel:
     return kernel
 
 
+# Gradient rules (segflow.ops.gradients) of the differentiable reductions.
+_GRADS = {"ReduceSum": gradients.reduce, "ReduceMean": gradients.reduce}
+
 OPS: list[OpDef] = [
-    *(OpDef(name, _bind_reduce(spec), doc=f"{spec.kind.value} reduction")
+    *(OpDef(name, _bind_reduce(spec), doc=f"{spec.kind.value} reduction",
+            grad=_GRADS.get(name))
       for name, spec in _SPECS.items()),
     OpDef("ArgMax", _bind_arg(largest=True)),
     OpDef("ArgMin", _bind_arg(largest=False)),

@@ -10,6 +10,7 @@ import torch
 from segflow.engine.base import ExecType
 from segflow.ir.graph import Node
 from segflow.ir.types import DType
+from segflow.ops import gradients
 from segflow.ops._common import ints
 from segflow.ops.registry import BindContext, Kernel, OpDef
 
@@ -261,22 +262,22 @@ def _nonzero(node: Node, ctx: BindContext) -> Kernel:
 
 
 OPS: list[OpDef] = [
-    OpDef("Reshape", _reshape),
-    OpDef("Transpose", _transpose),
-    OpDef("Concat", _concat),
+    OpDef("Reshape", _reshape, grad=gradients.reshape),
+    OpDef("Transpose", _transpose, grad=gradients.transpose),
+    OpDef("Concat", _concat, grad=gradients.concat),
     OpDef("Split", _split),
-    OpDef("Slice", _slice),
+    OpDef("Slice", _slice, grad=gradients.slice_),
     OpDef("Gather", _gather),
-    OpDef("Unsqueeze", _unsqueeze),
-    OpDef("Squeeze", _squeeze),
+    OpDef("Unsqueeze", _unsqueeze, grad=gradients.reshape),
+    OpDef("Squeeze", _squeeze, grad=gradients.reshape),
     OpDef("Shape", _shape),
     OpDef("Size", _size),
-    OpDef("Cast", _cast),
+    OpDef("Cast", _cast, grad=gradients.cast),
     OpDef("CastLike", _cast_like),
-    OpDef("Identity", _identity),
+    OpDef("Identity", _identity, grad=gradients.identity),
     OpDef("ConstantOfShape", _constant_of_shape),
     OpDef("Range", _range),
-    OpDef("Expand", _expand),
+    OpDef("Expand", _expand, grad=gradients.expand),
     OpDef("Tile", _tile),
     OpDef("NonZero", _nonzero, exec_type=ExecType.LOCAL,
           doc="output shape depends on the data: runs on the host after a sync"),

@@ -17,6 +17,8 @@ class RunStats:
       and per-task stream synchronizations in ``sync_mode="stream"``)
     - ``kernels``: kernel invocations of top-level nodes
     - ``copies``: cross-device copies
+    - ``forward_segments``, ``backward_segments``: the training plan's tasks per phase
+      (0 for inference); ``updates``: optimizer/statistics tasks a training step pushed
     """
 
     nodes: int
@@ -28,6 +30,9 @@ class RunStats:
     engine: str
     settings: dict[str, Any] = field(default_factory=dict)
     wall_time_s: float = 0.0
+    forward_segments: int = 0
+    backward_segments: int = 0
+    updates: int = 0
 
     def counters(self) -> dict[str, int]:
         """The deterministic counters only (what the benchmark gate compares)."""
