@@ -31,7 +31,8 @@ def _empty_scan_output(value: Value, device: torch.device) -> Tensor:
     spec = value.spec
     dtype = spec.dtype.torch if spec.dtype is not None else torch.float32
     if spec.shape is not None and all(isinstance(d, int) for d in spec.shape):
-        return torch.empty([0, *spec.shape], dtype=dtype, device=device)  # type: ignore[misc]
+        dims = [int(d) for d in spec.shape]  # type: ignore[arg-type]
+        return torch.empty([0, *dims], dtype=dtype, device=device)
     return torch.empty([0], dtype=dtype, device=device)
 
 
@@ -159,24 +160,25 @@ def _scan8(node: Node, ctx: BindContext) -> Kernel:
                 states = list(outs[:n_state])
                 for acc, y in zip(steps, outs[n_state:]):
                     acc.append(y)
-            for acc, s in zip(final_states, states):
-                acc.append(s)
-            for acc, per_step in zip(scans, steps):
+            for final, state in zip(final_states, states):
+                final.append(state)  # type: ignore[arg-type]
+            for per_batch, per_step in zip(scans, steps):
                 if not per_step:
-                    acc.append(None)  # an empty sequence: all zeros, shaped like the others
+                    per_batch.append(None)  # an empty sequence: all zeros, shaped like the others
                     continue
                 stacked = torch.stack(per_step)
                 if length < max_len:  # pad short sequences with zeros
                     pad = stacked.new_zeros([max_len - length, *stacked.shape[1:]])
                     stacked = torch.cat([stacked, pad])
-                acc.append(stacked)
-        outputs = [torch.stack(acc) for acc in final_states]
-        for acc in scans:
-            like = next((t for t in acc if t is not None), None)
+                per_batch.append(stacked)
+        outputs = [torch.stack(final) for final in final_states]
+        for per_batch in scans:
+            like = next((t for t in per_batch if t is not None), None)
             if like is None:
                 outputs.append(torch.empty([batch, max_len, 0]))
                 continue
-            outputs.append(torch.stack([torch.zeros_like(like) if t is None else t for t in acc]))
+            outputs.append(torch.stack([torch.zeros_like(like) if t is None else t
+                                        for t in per_batch]))
         return outputs
     return kernel
 

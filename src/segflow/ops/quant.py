@@ -1,7 +1,252 @@
-"""Op family: quant. (Rows are added as the family grows.)"""
+"""Quantization: (De)QuantizeLinear, DynamicQuantizeLinear and the integer/QLinear kernels.
+
+Integer arithmetic follows ONNX's reference: operands are widened and zero
+points subtracted before the product, products are accumulated exactly
+(float64 holds every int32 sum these kernels produce), and requantization
+rounds half to even and saturates to the output type.
+"""
 
 from __future__ import annotations
 
-from segflow.ops.registry import OpDef
+from collections.abc import Sequence
 
-OPS: list[OpDef] = []
+import torch
+import torch.nn.functional as F
+
+from segflow.errors import UnsupportedOp
+from segflow.ir.graph import Node
+from segflow.ir.types import DType
+from segflow.ops._common import has_input, normalize_axis
+from segflow.ops.nn import same_pads
+from segflow.ops.registry import BindContext, Kernel, OpDef
+
+Tensor = torch.Tensor
+
+_INT_RANGES: dict[torch.dtype, tuple[int, int]] = {
+    torch.uint8: (0, 255),
+    torch.int8: (-128, 127),
+    torch.uint16: (0, 65535),
+    torch.int16: (-32768, 32767),
+    torch.int32: (-(2**31), 2**31 - 1),
+}
+_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+
+
+def broadcast_param(param: Tensor, shape: Sequence[int], axis: int, block_size: int) -> Tensor:
+    """Scale / zero point shaped to broadcast against ``shape``.
+
+    Scalar or one element: per tensor. 1-D: per ``axis``. Same rank with
+    ``block_size``: each entry covers ``block_size`` consecutive elements along ``axis``.
+    """
+    if param.dim() == 0 or param.numel() == 1 and not block_size:
+        return param.reshape(())
+    if not block_size:
+        dims = [1] * len(shape)
+        dims[axis] = param.numel()
+        return param.reshape(dims)
+    expanded = param.repeat_interleave(block_size, dim=axis)
+    return expanded.narrow(axis, 0, shape[axis])
+
+
+def _saturate(values: Tensor, dtype: torch.dtype) -> Tensor:
+    lo, hi = _INT_RANGES[dtype]
+    return values.clamp(lo, hi).to(dtype)
+
+
+def _quantize_linear(node: Node, ctx: BindContext) -> Kernel:
+    attrs = node.attrs
+    axis_attr = int(attrs.get("axis", 1))
+    block_size = int(attrs.get("block_size", 0))
+    out_code = attrs.get("output_dtype")
+    precision = attrs.get("precision")
+    has_zp = has_input(node, 2)
+    out_dtype = DType.from_onnx(int(out_code)).torch if out_code else torch.uint8
+    compute = DType.from_onnx(int(precision)).torch if precision else None
+    if out_dtype not in _INT_RANGES:
+        raise UnsupportedOp(f"{node.label}: QuantizeLinear to {out_dtype} is not supported")
+
+    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        x, scale = inputs[0], inputs[1]
+        assert x is not None and scale is not None
+        zp = inputs[2] if has_zp else None
+        axis = normalize_axis(axis_attr, x.dim())
+        s = broadcast_param(scale, x.shape, axis, block_size)
+        if compute is not None:
+            scaled = x.to(compute) / s.to(compute)
+        else:
+            scaled = x / s
+        q = torch.round(scaled).to(torch.int32)  # round half to even, like np.rint
+        target = out_dtype
+        if zp is not None:
+            target = zp.dtype
+            q = q + broadcast_param(zp, x.shape, axis, block_size).to(torch.int32)
+        return [_saturate(q, target)]
+    return kernel
+
+
+def _dequantize_linear(node: Node, ctx: BindContext) -> Kernel:
+    attrs = node.attrs
+    axis_attr = int(attrs.get("axis", 1))
+    block_size = int(attrs.get("block_size", 0))
+    out_code = attrs.get("output_dtype")
+    out_dtype = DType.from_onnx(int(out_code)).torch if out_code else None
+    has_zp = has_input(node, 2)
+
+    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        x, scale = inputs[0], inputs[1]
+        assert x is not None and scale is not None
+        zp = inputs[2] if has_zp else None
+        axis = normalize_axis(axis_attr, x.dim())
+        # float32 arithmetic as the reference does; then the scale's (or requested) type.
+        dx = x.to(torch.float32)
+        if zp is not None:
+            dx = dx - broadcast_param(zp, x.shape, axis, block_size).to(torch.float32)
+        y = dx * broadcast_param(scale, x.shape, axis, block_size).to(torch.float32)
+        return [y.to(out_dtype or scale.dtype)]
+    return kernel
+
+
+def _dynamic_quantize_linear(node: Node, ctx: BindContext) -> Kernel:
+    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        x = inputs[0]
+        assert x is not None
+        xf = x.to(torch.float32)
+        zero = xf.new_zeros(())
+        hi = torch.maximum(zero, xf.max()) if xf.numel() else zero
+        lo = torch.minimum(zero, xf.min()) if xf.numel() else zero
+        span = torch.where(hi == lo, torch.ones_like(hi), hi - lo)
+        scale = span / 255.0
+        zp = torch.round(torch.clamp(-lo / scale, 0.0, 255.0))
+        y = torch.clamp(torch.round(xf / scale) + zp, 0.0, 255.0)
+        return [y.to(torch.uint8), scale.to(x.dtype), zp.to(torch.uint8)]
+    return kernel
+
+
+def _centered(t: Tensor, zp: Tensor | None, row_axis: int | None = None) -> Tensor:
+    """``t - zp`` widened to float64 (exact for these integer ranges)."""
+    out = t.to(torch.float64)
+    if zp is None:
+        return out
+    z = zp.to(torch.float64)
+    if row_axis is not None and z.dim() == 1 and z.numel() > 1:
+        # A per-row zero point of A [.., M, K] is given as [M].
+        z = z.reshape(-1, 1)
+    return out - z
+
+
+def _requantize(acc: Tensor, multiplier: Tensor, zp: Tensor | None,
+                like: torch.dtype) -> Tensor:
+    """Scale an exact integer accumulator into the output's quantized type."""
+    out = acc * multiplier.to(torch.float64)
+    target = like
+    if zp is not None:
+        out = out + zp.to(torch.float64)
+        target = zp.dtype
+    lo, hi = _INT_RANGES[target]
+    return torch.round(out).clamp(lo, hi).to(target)
+
+
+def _matmul_integer(node: Node, ctx: BindContext) -> Kernel:
+    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        a, b = inputs[0], inputs[1]
+        assert a is not None and b is not None
+        a_zp = inputs[2] if len(inputs) > 2 else None
+        b_zp = inputs[3] if len(inputs) > 3 else None
+        acc = torch.matmul(_centered(a, a_zp, row_axis=-2), _centered(b, b_zp))
+        return [acc.to(torch.int32)]
+    return kernel
+
+
+def _qlinear_matmul(node: Node, ctx: BindContext) -> Kernel:
+    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        a, a_scale, a_zp, b, b_scale, b_zp, y_scale, y_zp = list(inputs) + [None] * (
+            8 - len(inputs))
+        assert a is not None and b is not None
+        assert a_scale is not None and b_scale is not None and y_scale is not None
+        acc = torch.matmul(_centered(a, a_zp, row_axis=-2), _centered(b, b_zp))
+        # The multiplier is formed in the scales' own type, as the reference does.
+        multiplier = a_scale * b_scale / y_scale
+        return [_requantize(acc, multiplier, y_zp, a.dtype)]
+    return kernel
+
+
+class _ConvGeometry:
+    """Conv attributes (pads, strides, dilations, group) resolved per input shape."""
+
+    def __init__(self, node: Node) -> None:
+        attrs = node.attrs
+        self.auto_pad = attrs.get("auto_pad", "NOTSET")
+        self.pads = attrs.get("pads")
+        self.strides = attrs.get("strides")
+        self.dilations = attrs.get("dilations")
+        self.kernel_shape = attrs.get("kernel_shape")
+        self.group = int(attrs.get("group", 1))
+
+    def run(self, x: Tensor, w: Tensor) -> Tensor:
+        """Zero-padded convolution of float64 ``x`` by ``w``."""
+        n = w.dim() - 2
+        kernel = list(self.kernel_shape or w.shape[2:])
+        strides = list(self.strides or [1] * n)
+        dilations = list(self.dilations or [1] * n)
+        if self.auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+            pads = same_pads(list(x.shape[2:]), kernel, strides, dilations,
+                             self.auto_pad == "SAME_UPPER")
+        elif self.auto_pad == "VALID" or not self.pads:
+            pads = [0] * (2 * n)
+        else:
+            pads = list(self.pads)
+        torch_pads: list[int] = []
+        for i in reversed(range(n)):
+            torch_pads += [pads[i], pads[i + n]]
+        x = F.pad(x, torch_pads)
+        return _CONV[n](x, w, None, strides, 0, dilations, self.group)
+
+
+def _per_channel(zp: Tensor | None, rank: int) -> Tensor | None:
+    """A weight zero point given per output channel ([M]) shaped to broadcast over W."""
+    if zp is None or zp.dim() == 0 or zp.numel() == 1:
+        return None if zp is None else zp.reshape(())
+    return zp.reshape([-1] + [1] * (rank - 1))
+
+
+def _conv_integer(node: Node, ctx: BindContext) -> Kernel:
+    geometry = _ConvGeometry(node)
+
+    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        x, w = inputs[0], inputs[1]
+        assert x is not None and w is not None
+        x_zp = inputs[2] if len(inputs) > 2 else None
+        w_zp = inputs[3] if len(inputs) > 3 else None
+        # Subtract zero points before padding: padded positions contribute nothing.
+        xc = _centered(x, x_zp)
+        wc = _centered(w, _per_channel(w_zp, w.dim()))
+        return [geometry.run(xc, wc).to(torch.int32)]
+    return kernel
+
+
+def _qlinear_conv(node: Node, ctx: BindContext) -> Kernel:
+    geometry = _ConvGeometry(node)
+
+    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        x, x_scale, x_zp, w, w_scale, w_zp, y_scale, y_zp = inputs[:8]
+        bias = inputs[8] if len(inputs) > 8 else None
+        assert x is not None and w is not None
+        assert x_scale is not None and w_scale is not None and y_scale is not None
+        acc = geometry.run(_centered(x, x_zp), _centered(w, _per_channel(w_zp, w.dim())))
+        if bias is not None:
+            acc = acc + bias.to(torch.float64).reshape([-1] + [1] * (acc.dim() - 2))
+        ws = w_scale.reshape([-1] + [1] * (acc.dim() - 2)) if w_scale.numel() > 1 else w_scale
+        multiplier = x_scale * ws / y_scale
+        return [_requantize(acc, multiplier, y_zp, x.dtype)]
+    return kernel
+
+
+OPS: list[OpDef] = [
+    OpDef("QuantizeLinear", _quantize_linear, since=10),
+    OpDef("DequantizeLinear", _dequantize_linear, since=10),
+    OpDef("DynamicQuantizeLinear", _dynamic_quantize_linear, since=11),
+    OpDef("MatMulInteger", _matmul_integer, since=10),
+    OpDef("QLinearMatMul", _qlinear_matmul, since=10),
+    OpDef("ConvInteger", _conv_integer, since=10),
+    OpDef("QLinearConv", _qlinear_conv, since=10),
+]
