@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from segflow.ir.graph import Node
-from segflow.ops import gradients
+from segflow.ops import _losses, _transformer, gradients
 from segflow.ops._common import has_input
 from segflow.ops.registry import BindContext, Kernel, OpDef
 
@@ -104,6 +104,8 @@ def _conv_transpose(node: Node, ctx: BindContext) -> Kernel:
     attrs = node.attrs
     group = int(attrs.get("group", 1))
     has_bias = has_input(node, 2)
+    auto_pad = attrs.get("auto_pad", "NOTSET")
+    same = auto_pad in ("SAME_UPPER", "SAME_LOWER")
 
     def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
         x, w = inputs[0], inputs[1]
@@ -114,30 +116,33 @@ def _conv_transpose(node: Node, ctx: BindContext) -> Kernel:
         strides = list(attrs.get("strides", [1] * n))
         dil = list(attrs.get("dilations", [1] * n))
         out_pad = list(attrs.get("output_padding", [0] * n))
-        pads = list(attrs.get("pads", [0] * 2 * n))
-        in_sizes = x.shape[2:]
-        auto_pad = attrs.get("auto_pad", "NOTSET")
-        if "output_shape" in attrs:
-            target = list(attrs["output_shape"])[-n:]
-            total = [s * (i - 1) + op + ((k - 1) * d + 1) - t for s, i, op, k, d, t in
-                     zip(strides, in_sizes, out_pad, kshape, dil, target)]
-            upper = auto_pad != "SAME_LOWER"
-            pads = ([t // 2 if upper else t - t // 2 for t in total]
-                    + [t - t // 2 if upper else t // 2 for t in total])
-        elif auto_pad in ("SAME_UPPER", "SAME_LOWER"):
-            total = [max(0, s * (i - 1) + op + ((k - 1) * d + 1) - i * s) for s, i, op, k, d in
-                     zip(strides, in_sizes, out_pad, kshape, dil)]
+        in_sizes = list(x.shape[2:])
+        full = [s * (i - 1) + op + (k - 1) * d + 1 for s, i, op, k, d in
+                zip(strides, in_sizes, out_pad, kshape, dil)]
+        target = list(attrs["output_shape"])[-n:] if "output_shape" in attrs else None
+        if same:
+            # Pads split the surplus over the target (default: input * stride).
+            want = target or [i * s for i, s in zip(in_sizes, strides)]
+            total = [f - t for f, t in zip(full, want)]
             upper = auto_pad == "SAME_UPPER"
-            pads = ([t // 2 if upper else t - t // 2 for t in total]
-                    + [t - t // 2 if upper else t // 2 for t in total])
-        begin, end = pads[:n], pads[n:]
-        sym = [min(a, e) for a, e in zip(begin, end)]
-        y = _CONV_T[n](x, w, b, strides, sym, out_pad, group, dil)
-        extra = [(a - s, e - s) for a, e, s in zip(begin, end, sym)]
-        if any(a or e for a, e in extra):
-            slices = [slice(None), slice(None)] + [
-                slice(a, y.shape[2 + i] - e) for i, (a, e) in enumerate(extra)]
-            y = y[tuple(slices)]
+            begin = [t // 2 if upper else t - t // 2 for t in total]
+            end = [t - t // 2 if upper else t // 2 for t in total]
+            target = None
+        else:
+            pads = list(attrs.get("pads", [0] * 2 * n))
+            begin, end = pads[:n], pads[n:]
+        simple = (begin == end and all(p >= 0 for p in begin) and target is None
+                  and all(op < max(s, d) for op, s, d in zip(out_pad, strides, dil)))
+        if simple:
+            return [_CONV_T[n](x, w, b, strides, begin, out_pad, group, dil)]
+        # General case: the full transposed conv, then crop (or zero-extend) each side.
+        y = _CONV_T[n](x, w, None, strides, 0, 0, group, dil)
+        y = F.pad(y, _torch_pad([0] * n + [f - s for f, s in zip(full, y.shape[2:])]))
+        y = F.pad(y, _torch_pad([-p for p in begin] + [-p for p in end]))
+        if target is not None:
+            y = F.pad(y, _torch_pad([0] * n + [t - s for t, s in zip(target, y.shape[2:])]))
+        if b is not None:
+            y = y + b.reshape(1, -1, *([1] * n))
         return [y]
     return kernel
 
@@ -485,4 +490,8 @@ OPS: list[OpDef] = [
     OpDef("Flatten", _flatten, grad=gradients.reshape),
     OpDef("SoftmaxCrossEntropyLoss", _softmax_cross_entropy, since=12,
           grad=gradients.softmax_cross_entropy),
+    OpDef("NegativeLogLikelihoodLoss", _losses.bind_nll, since=12),
+    OpDef("RMSNormalization", _transformer.bind_rms_norm, since=23),
+    OpDef("Attention", _transformer.bind_attention, since=23),
+    OpDef("RotaryEmbedding", _transformer.bind_rotary, since=23),
 ]
