@@ -1,0 +1,1 @@
+"""Benchmarks and the regression gate behind ``segflow bench`` (see docs/benchmarking.md)."""

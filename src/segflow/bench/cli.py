@@ -1,0 +1,177 @@
+"""The ``segflow bench`` and ``segflow profile`` subcommands (see docs/benchmarking.md).
+
+``register(subparsers)`` is called by :mod:`segflow.cli`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+
+from segflow.bench import baseline as gate
+from segflow.bench.report import format_results, plot_results, require_matplotlib
+from segflow.bench.runner import (
+    DEFAULT_MODELS,
+    DEFAULT_MODES,
+    DEFAULT_PEERS,
+    MODES,
+    BenchSettings,
+    resolve_models,
+    run_benchmark,
+    to_record,
+)
+
+DEFAULT_SECONDS = 8.0  # timed seconds per model; keeps the default set under ~2 minutes
+
+
+def _csv(text: str) -> tuple[str, ...]:
+    return tuple(t.strip() for t in text.split(",") if t.strip() and t.strip() != "none")
+
+
+@contextmanager
+def _progress_bar(enabled: bool) -> Iterator[Callable[[str, float], None] | None]:
+    """A rich progress bar on stderr (only on a terminal, and only if rich is installed)."""
+    if not enabled:
+        yield None
+        return
+    try:
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    except ImportError:
+        yield None
+        return
+    console = Console(stderr=True)
+    if not console.is_terminal:
+        yield None
+        return
+    with Progress(TextColumn("{task.description:<48}"), BarColumn(),
+                  TextColumn("{task.percentage:>3.0f}%"), TimeElapsedColumn(),
+                  console=console, transient=True) as bar:
+        task = bar.add_task("segflow bench", total=1.0)
+
+        def update(text: str, fraction: float) -> None:
+            bar.update(task, description=text, completed=fraction)
+
+        yield update
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.plot:
+        require_matplotlib()
+    max_slowdown = gate.parse_tolerance(args.max_slowdown)
+    baseline = gate.load_record(args.baseline) if args.baseline else None
+    counters_only = args.counters_only
+    settings = BenchSettings(
+        batch_size=args.batch_size, device=args.device, modes=_csv(args.modes),
+        peers=() if counters_only else _csv(args.peers),
+        warmup=0 if counters_only else args.warmup,
+        runs=args.runs, seconds=args.seconds if args.seconds is not None else DEFAULT_SECONDS,
+        counters_only=counters_only)
+    settings.validate()
+    specs = resolve_models(args.models)
+    with _progress_bar(not args.no_progress) as progress:
+        results = run_benchmark(specs, settings, progress)
+    print(format_results(results, counters_only=counters_only))
+    record = to_record(results, settings)
+    for path in (args.json, args.save_baseline):
+        if path:
+            gate.save_record(record, path)
+            print(f"wrote {path}")
+    if args.plot:
+        plot_results(results, args.plot)
+        print(f"wrote {args.plot}")
+    if baseline is None:
+        return 0
+    report = gate.compare(baseline, record, max_slowdown=max_slowdown,
+                          timing=not counters_only, baseline_name=args.baseline)
+    print()
+    print(report.format())
+    return 1 if report.failed else 0
+
+
+def _cmd_profile(args: argparse.Namespace) -> int:
+    import segflow
+    from segflow.cli import _session, parse_inputs
+
+    sess, label = _session(args)
+    feeds = parse_inputs(args.input, sess, args.seed)
+    for _ in range(args.warmup):
+        sess.run(None, feeds)
+    with segflow.profile() as prof:
+        for _ in range(args.runs):
+            sess.run(None, feeds)
+    stats = sess.last_run_stats
+    print(f"model: {label}  ({args.runs} profiled run(s) after {args.warmup} warmup)")
+    if stats is not None:
+        print(f"counters per run: segments={stats.segments} pushes={stats.pushes} "
+              f"syncs={stats.syncs} kernels={stats.kernels} copies={stats.copies} "
+              f"engine={stats.engine}")
+    print(prof.table(limit=args.limit or None))
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
+        print(f"wrote {args.trace} (open in https://ui.perfetto.dev or chrome://tracing)")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add ``bench`` and ``profile`` to the ``segflow`` command line."""
+    p = sub.add_parser(
+        "bench", help="benchmark models: latency, counters, peers, regression gate",
+        description="Benchmark segflow modes against peers (onnxruntime, PyTorch eager) "
+                    "in interleaved rounds; print latency p50/p90/p99, throughput, the "
+                    "per-run counters and peak memory; optionally compare against a "
+                    "baseline (counters exactly, timings as in-run ratios). Exit 1 when the "
+                    "baseline gate finds a regression.")
+    p.add_argument("models", nargs="*", metavar="MODEL",
+                   help="built-in name (NAME or NAME:opt=val,...) or ONNX file "
+                        f"(default: {' '.join(DEFAULT_MODELS)})")
+    p.add_argument("--batch-size", type=int, default=1, help="batch size (1)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda:N (cpu)")
+    p.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                   help=f"segflow modes, comma separated, from {', '.join(MODES)} "
+                        f"({','.join(DEFAULT_MODES)})")
+    p.add_argument("--peers", default=",".join(DEFAULT_PEERS),
+                   help=f"peers, comma separated, or 'none' ({','.join(DEFAULT_PEERS)})")
+    p.add_argument("--warmup", type=int, default=1, help="warmup rounds per model (1)")
+    amount = p.add_mutually_exclusive_group()
+    amount.add_argument("--runs", type=int, default=None, help="timed rounds per model")
+    amount.add_argument("--seconds", type=float, default=None,
+                        help=f"timed seconds per model, at least 3 rounds ({DEFAULT_SECONDS:g})")
+    p.add_argument("--json", metavar="PATH", help="write the machine-readable record")
+    p.add_argument("--save-baseline", metavar="PATH", help="write the record as a baseline")
+    p.add_argument("--baseline", metavar="PATH",
+                   help="compare with a baseline; exit 1 on a regression")
+    p.add_argument("--max-slowdown", default="10%",
+                   help="tolerance for timing ratios vs the baseline (10%%)")
+    p.add_argument("--counters-only", action="store_true",
+                   help="no timing, no peers: run each model once per mode and record "
+                        "counters (the cheap, deterministic CI gate)")
+    p.add_argument("--plot", metavar="PNG", help="draw latency per variant (needs matplotlib)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_bench)
+
+    from segflow.cli import _add_model_args
+
+    p = sub.add_parser(
+        "profile", help="profile a model: per-op and per-engine-call table, Chrome trace",
+        description="Run a model under segflow.profile(); print the aggregate tables "
+                    "(per engine call and per op type) and optionally write a Chrome trace.")
+    _add_model_args(p)
+    p.add_argument("--trace", metavar="PATH", help="write a Chrome trace JSON file")
+    p.add_argument("--runs", type=int, default=1, help="profiled runs (1)")
+    p.add_argument("--warmup", type=int, default=1, help="unprofiled runs first (1)")
+    p.add_argument("--limit", type=int, default=25, help="op rows shown (25; 0 = all)")
+    p.set_defaults(func=_cmd_profile)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m segflow.bench.cli`` runs ``segflow bench``."""
+    from segflow.cli import main as segflow_main
+
+    return segflow_main(["bench", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
