@@ -110,6 +110,13 @@ class _Importer:
             if vi.name not in names:
                 raise InvalidModel(f"graph output {vi.name!r} is not produced by any node")
             value = names[vi.name]
+            if parent is not None and value is scope.get(vi.name):
+                # A subgraph returning an outer value as is: route it through an Identity
+                # so the subgraph visibly reads (captures) it.
+                copy = Value(f"{vi.name}:{graph.name}_out", value.spec)
+                graph.append(Node("Identity", [value], [copy], name=copy.name,
+                                  opset=self.opsets.get("", 1)))
+                value = copy
             declared = _spec(vi.type)
             if value.spec.shape is None and declared.shape is not None:
                 value.spec = declared

@@ -65,8 +65,8 @@ def _loop(node: Node, ctx: BindContext) -> Kernel:
         outer = dict(zip(captured, inputs[n_explicit:]))
         trip, cond_in = inputs[0], inputs[1] if n_explicit > 1 else None
         max_trip = int(trip.reshape(-1)[0]) if trip is not None else None
-        # Without a cond input the body's cond output is ignored (a pure for-loop).
-        use_cond = cond_in is not None
+        # The spec calls the body's cond output "ignored" without a cond input, but
+        # onnxruntime and ONNX's reference both stop on it, so segflow does too.
         keep = _truth(cond_in) if cond_in is not None else True
         carried: list[Tensor | None] = list(inputs[2:n_explicit])
         scans: list[list[Tensor]] = [[] for _ in range(n_scan)]
@@ -75,8 +75,7 @@ def _loop(node: Node, ctx: BindContext) -> Kernel:
             iteration = torch.tensor(i, dtype=torch.int64, device=device)
             cond = torch.tensor(keep, dtype=torch.bool, device=device)
             outs = run([iteration, cond, *carried], outer)
-            if use_cond:
-                keep = _truth(outs[0])
+            keep = _truth(outs[0])
             carried = list(outs[1:1 + n_carried])
             for acc, t in zip(scans, outs[1 + n_carried:]):
                 acc.append(t)
