@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from segflow.engine.base import Engine, ExecType, Var
+from segflow.engine.streams import StreamBackend
 from segflow.ir.graph import Value
 from segflow.ir.types import Device
 from segflow.ops.registry import OpRegistry
@@ -34,10 +35,13 @@ from segflow.runtime.binding import (
     node_reads,
     run_steps,
 )
+from segflow.runtime.completion import SyncMode, make_completion
+from segflow.runtime.cudagraph import host_only_constants
 from segflow.runtime.plan import Plan
 from segflow.runtime.stats import RunStats
 
 Tensor = torch.Tensor
+_HOST = torch.device("cpu")
 
 
 @dataclass(slots=True)
@@ -52,7 +56,9 @@ class Executor:
     """Runs a :class:`Plan` on an :class:`Engine`."""
 
     def __init__(self, plan: Plan, registry: OpRegistry, engine: Engine,
-                 settings_record: dict[str, object] | None = None) -> None:
+                 settings_record: dict[str, object] | None = None, *,
+                 sync_mode: str | SyncMode = SyncMode.EVENT, cuda_graphs: bool = False,
+                 stream_backend: StreamBackend | None = None) -> None:
         self.plan = plan
         self.engine = engine
         self.settings_record = dict(settings_record or {})
@@ -71,6 +77,8 @@ class Executor:
         producer_task: dict[Value, int] = {}
         self.tasks: list[_BoundTask] = []
         const_slots: list[tuple[int, Tensor]] = []
+        # Shapes, axes and other constants read only on the host stay in host memory.
+        host_consts = host_only_constants(graph.nodes)
         for seg in plan.segments:
             ctx = context(seg.device)
             steps = []
@@ -81,7 +89,8 @@ class Executor:
                     if value is None:
                         continue
                     if value.is_const:
-                        const_slots.append((self.slots[value], constants.get(value, ctx.device)))
+                        where = _HOST if id(value) in host_consts else ctx.device
+                        const_slots.append((self.slots[value], constants.get(value, where)))
                     elif value in producer_task and producer_task[value] != len(self.tasks):
                         deps.add(producer_task[value])
                 kernel = plan.opdefs[node].bind(node, ctx)
@@ -102,6 +111,12 @@ class Executor:
                 self.template[self.slots[value]] = constants.get(value, plan.default_device.torch)
         self.kernels_per_run = sum(len(t.steps) for t in self.tasks)
         self.copies_per_run = sum(1 for t in self.tasks if t.segment.exec_type is ExecType.COPY)
+        # Streams, events and CUDA graphs on CUDA devices; a no-op on CPU devices.
+        self.completion = make_completion(plan, self.tasks, self.input_slots, self.output_slots,
+                                          self.output_tasks, sync_mode, cuda_graphs=cuda_graphs,
+                                          backend=stream_backend)
+        self.settings_record.setdefault("sync_mode", self.completion.sync_mode.value)
+        self.settings_record.setdefault("cuda_graphs", cuda_graphs)
 
     def _assign_releases(self, outputs: Sequence[Value]) -> None:
         """Release each computed value after its last use when that is provably safe.
@@ -135,16 +150,19 @@ class Executor:
             self.tasks[t].steps[s].release = tuple(slots)
 
     # -- running -----------------------------------------------------------------------
-    def run(self, feeds: Sequence[Tensor], sink: EventSink | None = None
-            ) -> tuple[list[Tensor], RunStats]:
+    def run(self, feeds: Sequence[Tensor], sink: EventSink | None = None, *,
+            host_outputs: bool = False) -> tuple[list[Tensor], RunStats]:
         """Run once on ``feeds`` (tensors in graph-input order, already validated).
 
         With a ``sink`` (an active profiler) every push, segment, node and host
         wait is recorded; without one the uninstrumented task functions run.
+        ``host_outputs``: return outputs in host memory (copied back on the
+        device's copy stream within the one output wait).
         """
         start = time.perf_counter()
         env = list(self.template)
-        for slot, tensor in zip(self.input_slots, feeds):
+        completion = self.completion.start(env)
+        for slot, tensor in zip(self.input_slots, completion.stage_inputs(feeds)):
             env[slot] = tensor
         engine = self.engine
         run_vars = [Var(t.segment.first.name) for t in self.tasks]
@@ -155,6 +173,7 @@ class Executor:
             seg = task.segment
             fn = self._task_fn(task.steps, env) if sink is None else _profiled_task(
                 task, env, sink, pushed_at)
+            fn = completion.wrap(index, fn, sink is not None)
             t0 = pushed_at[0] = time.perf_counter_ns() if sink is not None else 0
             engine.push(fn, [run_vars[d] for d in task.reads],
                         (run_vars[index],), seg.exec_type, seg.device, seg.first.name)
@@ -171,7 +190,8 @@ class Executor:
             if sink is not None:
                 sink.span("sync", "wait for outputs", t0, time.perf_counter_ns(),
                           device=str(self.plan.default_device))
-        outputs = [env[s] for s in self.output_slots]
+        outputs = completion.finish([env[s] for s in self.output_slots], host_outputs)
+        syncs += completion.extra_syncs
         if sink is not None:
             sink.span("run", "run", run_t0, time.perf_counter_ns(),
                       device=str(self.plan.default_device),

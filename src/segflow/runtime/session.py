@@ -21,12 +21,14 @@ import onnx
 import torch
 
 from segflow.engine import make_engine
+from segflow.engine.streams import StreamBackend
 from segflow.errors import InvalidInput
 from segflow.frontend.onnx_import import import_model
 from segflow.ir.graph import Value
 from segflow.ir.types import Device, Dim, DType, TensorSpec
 from segflow.ops.registry import OpRegistry, default_registry
 from segflow.profiler.sink import active_sink
+from segflow.runtime.completion import SyncMode
 from segflow.runtime.executor import Executor
 from segflow.runtime.plan import Plan, make_plan
 from segflow.runtime.stats import RunStats
@@ -55,12 +57,17 @@ class InferenceSession:
         bulk: bulk inference segments (None: ``SEGFLOW_BULK_INFERENCE``, default on).
         engine: ``"inline"`` or ``"threaded"`` (None: ``SEGFLOW_ENGINE``, default threaded).
         placement: node-name glob or op type -> device, for multi-device runs.
+        sync_mode: on CUDA, ``"event"`` (default: tasks record events, the host waits
+            once for the outputs) or ``"stream"`` (a stream synchronize after every task).
+        cuda_graphs: on CUDA, capture eligible bulk segments as CUDA graphs and replay them.
+        stream_backend: the device stream backend (tests pass a fake one; default CUDA).
     """
 
     def __init__(self, model: ModelSource, device: str | Device = "cpu", *,
                  bulk: bool | None = None, engine: str | None = None,
                  placement: Mapping[str, str | Device] | None = None,
-                 registry: OpRegistry | None = None) -> None:
+                 registry: OpRegistry | None = None, sync_mode: str = "event",
+                 cuda_graphs: bool = False, stream_backend: StreamBackend | None = None) -> None:
         self.device = Device.parse(device)
         self.registry = registry or default_registry()
         self.graph = import_model(model, self.registry)
@@ -69,8 +76,12 @@ class InferenceSession:
         self.plan: Plan = make_plan(self.graph, self.registry, self.settings, self.device,
                                     placement)
         self._engine = make_engine(self.engine_name)
-        record: dict[str, object] = {"device": str(self.device), **self.settings.as_dict()}
-        self._executor = Executor(self.plan, self.registry, self._engine, record)
+        record: dict[str, object] = {"device": str(self.device), **self.settings.as_dict(),
+                                     "sync_mode": SyncMode.parse(sync_mode).value,
+                                     "cuda_graphs": cuda_graphs}
+        self._executor = Executor(self.plan, self.registry, self._engine, record,
+                                  sync_mode=sync_mode, cuda_graphs=cuda_graphs,
+                                  stream_backend=stream_backend)
         self._const_storages = {_storage(t) for t in self._executor.template
                                 if t is not None}
         self._local = threading.local()
@@ -84,8 +95,12 @@ class InferenceSession:
         return [_node_arg(v) for v in self.graph.outputs]
 
     def explain(self) -> str:
-        """The segment table: index, first..last node, count, exec types, device, reason."""
-        return self.plan.explain()
+        """The segment table: index, first..last node, count, exec types, device, reason.
+
+        On devices with streams, also the sync mode and each segment's CUDA-graph state.
+        """
+        lines = self._executor.completion.describe()
+        return "\n".join([self.plan.explain(), *lines]) if lines else self.plan.explain()
 
     @property
     def last_run_stats(self) -> RunStats | None:
@@ -98,7 +113,7 @@ class InferenceSession:
         """Run the model; returns numpy arrays in ``output_names`` order (None: all)."""
         tensors = self._validate(feeds)
         wanted = self._output_indices(output_names)
-        outputs, stats = self._executor.run(tensors, active_sink())
+        outputs, stats = self._executor.run(tensors, active_sink(), host_outputs=True)
         self._local.stats = stats
         # Outputs that share storage with a weight, a feed or an earlier output are copied,
         # so the caller can never mutate segflow's state or their own inputs through them.
@@ -186,8 +201,7 @@ class InferenceSession:
                 array = np.ascontiguousarray(array).copy() if not array.flags.writeable \
                     else np.ascontiguousarray(array)
             tensor = torch.from_numpy(array)
-        if self.device.kind.value != "cpu":
-            tensor = tensor.to(self.device.torch, non_blocking=True)
+        # The executor uploads feeds to the device (pinned memory, copy stream).
         return tensor
 
     def _to_numpy(self, value: Value, tensor: Tensor, aliased: bool) -> np.ndarray:
