@@ -48,6 +48,18 @@ def broadcast_param(param: Tensor, shape: Sequence[int], axis: int, block_size: 
     return expanded.narrow(axis, 0, shape[axis])
 
 
+def _attr_dtype(node: Node, name: str, default: torch.dtype | None) -> torch.dtype | None:
+    """An element-type attribute (0 or absent: ``default``); exotic types are unsupported."""
+    code = int(node.attrs.get(name, 0) or 0)
+    if not code:
+        return default
+    try:
+        return DType.from_onnx(code).torch
+    except ValueError:
+        raise UnsupportedOp(f"{node.label}: {name}={code} names an element type segflow "
+                            "does not support (float8/4-bit types)") from None
+
+
 def _saturate(values: Tensor, dtype: torch.dtype) -> Tensor:
     lo, hi = _INT_RANGES[dtype]
     return values.clamp(lo, hi).to(dtype)
@@ -57,11 +69,9 @@ def _quantize_linear(node: Node, ctx: BindContext) -> Kernel:
     attrs = node.attrs
     axis_attr = int(attrs.get("axis", 1))
     block_size = int(attrs.get("block_size", 0))
-    out_code = attrs.get("output_dtype")
-    precision = attrs.get("precision")
     has_zp = has_input(node, 2)
-    out_dtype = DType.from_onnx(int(out_code)).torch if out_code else torch.uint8
-    compute = DType.from_onnx(int(precision)).torch if precision else None
+    out_dtype = _attr_dtype(node, "output_dtype", torch.uint8)
+    compute = _attr_dtype(node, "precision", None)
     if out_dtype not in _INT_RANGES:
         raise UnsupportedOp(f"{node.label}: QuantizeLinear to {out_dtype} is not supported")
 
@@ -88,8 +98,7 @@ def _dequantize_linear(node: Node, ctx: BindContext) -> Kernel:
     attrs = node.attrs
     axis_attr = int(attrs.get("axis", 1))
     block_size = int(attrs.get("block_size", 0))
-    out_code = attrs.get("output_dtype")
-    out_dtype = DType.from_onnx(int(out_code)).torch if out_code else None
+    out_dtype = _attr_dtype(node, "output_dtype", None)
     has_zp = has_input(node, 2)
 
     def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
@@ -114,8 +123,8 @@ def _dynamic_quantize_linear(node: Node, ctx: BindContext) -> Kernel:
         zero = xf.new_zeros(())
         hi = torch.maximum(zero, xf.max()) if xf.numel() else zero
         lo = torch.minimum(zero, xf.min()) if xf.numel() else zero
-        span = torch.where(hi == lo, torch.ones_like(hi), hi - lo)
-        scale = span / 255.0
+        # An all-zero input gets scale 1 (onnxruntime's choice; the spec leaves it undefined).
+        scale = torch.where(hi == lo, torch.ones_like(hi), (hi - lo) / 255.0)
         zp = torch.round(torch.clamp(-lo / scale, 0.0, 255.0))
         y = torch.clamp(torch.round(xf / scale) + zp, 0.0, 255.0)
         return [y.to(torch.uint8), scale.to(x.dtype), zp.to(torch.uint8)]
