@@ -194,6 +194,8 @@ class TrainingSession:
         grad_req: ``"write"``, ``"add"`` or ``"null"``, for all or per parameter name.
         bulk, max_nodes_fwd, max_nodes_bwd: segmentation settings (None: environment
             ``SEGFLOW_BULK_TRAIN``, ``SEGFLOW_BULK_MAX_NODES_FWD/BWD``, then defaults).
+        train_mode: BatchNorm normalizes with batch statistics (and updates its running
+            ones) and Dropout drops; False keeps the model's inference behaviour.
     """
 
     def __init__(self, model: ModelSource, *, loss: str | CrossEntropyLoss | None = None,
@@ -201,7 +203,8 @@ class TrainingSession:
                  grad_req: str | GradReq | Mapping[str, str | GradReq] = GradReq.WRITE,
                  device: str | Device = "cpu", engine: str | None = None,
                  bulk: bool | None = None, max_nodes_fwd: int | None = None,
-                 max_nodes_bwd: int | None = None, registry: OpRegistry | None = None) -> None:
+                 max_nodes_bwd: int | None = None, train_mode: bool = True,
+                 registry: OpRegistry | None = None) -> None:
         self.device = Device.parse(device)
         self.registry = registry or default_registry()
         self.settings = BulkSettings.resolve(train=bulk, max_nodes_fwd=max_nodes_fwd,
@@ -220,13 +223,13 @@ class TrainingSession:
             name: graph.initializers[name].const.to(self.device.torch)  # type: ignore[union-attr]
             for name in state_names}
         self._vars = {name: Var(name) for name in state_names}
-        inference = copy.deepcopy(graph)
+        inference = clone_graph(graph)
 
         loss_value = _attach_loss(graph, loss)
         self.loss_name = loss_value.name
         self.data_inputs = [v.name for v in graph.inputs]
         _lift_state(graph, state_names)
-        running = _training_mode(graph)
+        running = _training_mode(graph) if train_mode else {}
         wrt = [graph_input(graph, n) for n in self.param_names
                if self.grad_req[n] is not GradReq.NULL]
         self.differentiated: Differentiated = differentiate(graph, loss_value, wrt, self.registry)
@@ -324,7 +327,7 @@ class TrainingSession:
             self._engine.wait_all()
         by_name = {v.name: t for v, t in zip(self.graph.outputs, outputs)}
         results = {name: _to_numpy(by_name[name]) for name in self.output_names}
-        loss = float(by_name[self.loss_name].detach().float().sum())
+        loss = float(by_name[self.loss_name].detach().double().sum())
         return StepResult(loss, results, stats)
 
     def predict(self, feeds: Mapping[str, Any],
@@ -421,10 +424,46 @@ class TrainingSession:
 def _load(model: ModelSource, registry: OpRegistry) -> tuple[Graph, list[str]]:
     """The graph and the names of its initializers (not Constant nodes) in file order."""
     if isinstance(model, Graph):
-        graph = copy.deepcopy(model)  # the session updates weights in place
+        graph = clone_graph(model)  # the session updates weights in place
         return graph, list(graph.initializers)
     proto = load_model(model)
     return import_model(proto, registry), [t.name for t in proto.graph.initializer]
+
+
+def clone_graph(graph: Graph) -> Graph:
+    """A copy of ``graph`` with its own Values, Nodes and constant data.
+
+    Iterative (``copy.deepcopy`` recurses along the producer/use chain and
+    overflows the stack on deep networks); subgraphs are deep-copied.
+    """
+    values: dict[Value, Value] = {}
+
+    def value(old: Value | None) -> Value | None:
+        if old is None:
+            return None
+        new = values.get(old)
+        if new is None:
+            const = None if old.const is None else old.const.clone()
+            new = values[old] = Value(old.name, old.spec, const=const)
+        return new
+
+    out = Graph(graph.name, parent=graph.parent)
+    out.opsets = dict(graph.opsets)
+    for v in graph.inputs:
+        out.add_input(value(v))  # type: ignore[arg-type]
+    for v in graph.initializers.values():
+        out.add_initializer(value(v))  # type: ignore[arg-type]
+    for node in graph.nodes:
+        memo: dict[int, Any] = {id(graph): out}
+        memo.update({id(old): new for old, new in values.items()})
+        subgraphs = {k: copy.deepcopy(sub, memo) for k, sub in node.subgraphs.items()}
+        copied = Node(node.op_type, [value(v) for v in node.inputs],
+                      [value(v) for v in node.outputs], dict(node.attrs),  # type: ignore[misc]
+                      name=node.name, domain=node.domain, opset=node.opset, subgraphs=subgraphs)
+        copied.device = node.device
+        out.append(copied)
+    out.outputs = [value(v) for v in graph.outputs]  # type: ignore[misc]
+    return out
 
 
 def _batchnorm_statistics(graph: Graph) -> list[str]:
