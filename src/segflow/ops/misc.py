@@ -1,7 +1,222 @@
-"""Op family: misc. (Rows are added as the family grows.)"""
+"""Signal processing and sequence-reordering ops: DFT, STFT, window functions,
+MelWeightMatrix, ReverseSequence.
+
+Complex tensors follow ONNX's convention: a trailing axis of size 2 holds
+(real, imaginary); a trailing axis of size 1 is a real signal. Ops whose
+output shape comes from an input's *value* (a window size, a DFT length) run
+LOCAL unless that input is a constant, so a device never syncs mid-segment.
+"""
 
 from __future__ import annotations
 
-from segflow.ops.registry import OpDef
+import math
+from collections.abc import Callable, Sequence
 
-OPS: list[OpDef] = []
+import numpy as np
+import torch
+
+from segflow.engine.base import ExecType
+from segflow.errors import InvalidModel
+from segflow.ir.graph import Node
+from segflow.ir.types import DType
+from segflow.ops._common import const_input, normalize_axis
+from segflow.ops.registry import BindContext, Kernel, OpDef
+
+Tensor = torch.Tensor
+Inputs = Sequence[Tensor | None]
+
+
+def _local_unless_const(*indices: int) -> Callable[[Node], ExecType]:
+    """SYNC when every listed (present) input is a constant, else LOCAL."""
+
+    def classify(node: Node) -> ExecType:
+        for i in indices:
+            if i < len(node.inputs) and node.inputs[i] is not None and const_input(node, i) is None:
+                return ExecType.LOCAL
+        return ExecType.SYNC
+    return classify
+
+
+def _scalar(t: Tensor | None, default: float | None = None) -> float:
+    if t is None or t.numel() == 0:
+        if default is None:
+            raise ValueError("a required scalar input is missing")
+        return default
+    return t.reshape(-1)[0].item()
+
+
+def _output_dtype(node: Node) -> torch.dtype:
+    code = int(node.attrs.get("output_datatype", 1))
+    try:
+        return DType.from_onnx(code).torch
+    except ValueError as exc:
+        raise InvalidModel(f"{node.label}: {exc}") from None
+
+
+# -- Fourier transforms ------------------------------------------------------------------
+
+def _as_complex(x: Tensor) -> Tensor:
+    """[..., 1] real or [..., 2] (re, im) -> a complex (or real) tensor without the last axis."""
+    work = x if x.dtype == torch.float64 else x.to(torch.float32)
+    if x.shape[-1] == 1:
+        return work[..., 0]
+    return torch.complex(work[..., 0], work[..., 1])
+
+
+def _as_pairs(z: Tensor, dtype: torch.dtype) -> Tensor:
+    if not z.is_complex():
+        return z.unsqueeze(-1).to(dtype)
+    return torch.view_as_real(z).to(dtype)
+
+
+def dft(x: Tensor, length: int | None, axis: int, inverse: bool, onesided: bool) -> Tensor:
+    """ONNX DFT along ``axis`` (an axis of ``x``, not the trailing complex axis)."""
+    a = axis % x.dim()
+    signal = _as_complex(x)
+    size = x.shape[a]
+    if length is None:
+        length = 2 * (size - 1) if inverse and onesided else size
+    if inverse:
+        if onesided:
+            return torch.fft.irfft(signal, n=length, dim=a).unsqueeze(-1).to(x.dtype)
+        return _as_pairs(torch.fft.ifft(signal, n=length, dim=a), x.dtype)
+    out = torch.fft.fft(signal, n=length, dim=a)
+    if onesided:
+        out = out.narrow(a, 0, length // 2 + 1)
+    return _as_pairs(out, x.dtype)
+
+
+def _dft(node: Node, ctx: BindContext) -> Kernel:
+    old = node.opset < 20
+    attr_axis = int(node.attrs.get("axis", 1)) if old else None
+    inverse = bool(int(node.attrs.get("inverse", 0)))
+    onesided = bool(int(node.attrs.get("onesided", 0)))
+
+    def kernel(inputs: Inputs) -> list[Tensor]:
+        x = inputs[0]
+        assert x is not None
+        length_t = inputs[1] if len(inputs) > 1 else None
+        length = None if length_t is None or length_t.numel() == 0 else int(_scalar(length_t))
+        axis = attr_axis if attr_axis is not None else int(
+            _scalar(inputs[2] if len(inputs) > 2 else None, -2))
+        return [dft(x, length, axis, inverse, onesided)]
+    return kernel
+
+
+def _stft(node: Node, ctx: BindContext) -> Kernel:
+    onesided = bool(int(node.attrs.get("onesided", 1)))
+
+    def kernel(inputs: Inputs) -> list[Tensor]:
+        x, step_t = inputs[0], inputs[1]
+        assert x is not None and step_t is not None
+        window = inputs[2] if len(inputs) > 2 else None
+        length_t = inputs[3] if len(inputs) > 3 else None
+        step = int(_scalar(step_t))
+        if length_t is not None:
+            frame = int(_scalar(length_t))
+        else:
+            frame = window.shape[0] if window is not None else x.shape[-2]
+        signal = _as_complex(x)  # [batch, length]
+        frames = signal.unfold(-1, frame, step)  # [batch, n_frames, frame]
+        if window is not None:
+            frames = frames * window.to(torch.float64 if x.dtype == torch.float64
+                                        else torch.float32)
+        out = torch.fft.fft(frames, n=frame, dim=-1)
+        if onesided:
+            out = out[..., : frame // 2 + 1]
+        return [_as_pairs(out, x.dtype)]
+    return kernel
+
+
+# -- windows -----------------------------------------------------------------------------
+
+def _window(kind: str) -> Callable[[Node, BindContext], Kernel]:
+    def bind(node: Node, ctx: BindContext) -> Kernel:
+        dtype = _output_dtype(node)
+        periodic = bool(int(node.attrs.get("periodic", 1)))
+
+        def kernel(inputs: Inputs) -> list[Tensor]:
+            size = int(_scalar(inputs[0]))
+            n = torch.arange(size, dtype=torch.float64)
+            denom = size if periodic else size - 1
+            if kind == "hann":
+                w = torch.sin(n * math.pi / denom) ** 2
+            elif kind == "hamming":
+                alpha = 25.0 / 46.0
+                w = alpha - torch.cos(n * 2 * math.pi / denom) * (1 - alpha)
+            else:
+                w = (0.42 - 0.5 * torch.cos(n * 2 * math.pi / denom)
+                     + 0.08 * torch.cos(n * 4 * math.pi / denom))
+            return [w.to(dtype)]
+        return kernel
+    return bind
+
+
+def mel_weight_matrix(bins: int, dft_length: int, sample_rate: int, lower: float,
+                      upper: float) -> np.ndarray:
+    """Triangular mel filter bank, as the ONNX reference builds it."""
+    spectrogram_bins = dft_length // 2 + 1
+    low_mel = 2595 * np.log1p(lower / 700) / np.log(10)
+    high_mel = 2595 * np.log1p(upper / 700) / np.log(10)
+    points = np.arange(0, bins + 2)
+    step = (high_mel - low_mel) / points.shape[0]
+    hz = 700 * np.expm1((points * step + low_mel) / 2595 * np.log(10))
+    edges = (((dft_length + 1) * hz) // sample_rate).astype(int)
+    out = np.zeros((spectrogram_bins, bins))
+    for i in range(bins):
+        left, center, right = edges[i], edges[i + 1], edges[i + 2]
+        if center == left:
+            out[center, i] = 1
+        else:
+            for j in range(left, center + 1):
+                out[j, i] = (j - left) / (center - left)
+        if right > center:
+            for j in range(center, right):
+                out[j, i] = (right - j) / (right - center)
+    return out
+
+
+def _mel_weight_matrix(node: Node, ctx: BindContext) -> Kernel:
+    dtype = _output_dtype(node)
+
+    def kernel(inputs: Inputs) -> list[Tensor]:
+        bins, length, rate = (int(_scalar(t)) for t in inputs[:3])
+        lower, upper = _scalar(inputs[3]), _scalar(inputs[4])
+        table = mel_weight_matrix(bins, length, rate, lower, upper)
+        return [torch.from_numpy(table).to(dtype)]
+    return kernel
+
+
+# -- ReverseSequence ---------------------------------------------------------------------
+
+def _reverse_sequence(node: Node, ctx: BindContext) -> Kernel:
+    batch_axis = int(node.attrs.get("batch_axis", 1))
+    time_axis = int(node.attrs.get("time_axis", 0))
+    if {batch_axis, time_axis} != {0, 1}:
+        raise InvalidModel(f"{node.label}: batch_axis and time_axis must be 0 and 1 "
+                           f"(got {batch_axis}, {time_axis})")
+
+    def kernel(inputs: Inputs) -> list[Tensor]:
+        x, lens = inputs[0], inputs[1]
+        assert x is not None and lens is not None
+        b, t = normalize_axis(batch_axis, x.dim()), normalize_axis(time_axis, x.dim())
+        steps = torch.arange(x.shape[t], device=x.device).reshape(1, -1)
+        lengths = lens.to(torch.int64).reshape(-1, 1)
+        src = torch.where(steps < lengths, lengths - 1 - steps, steps)  # [batch, time]
+        if b > t:
+            src = src.t()
+        index = src.reshape(*src.shape, *([1] * (x.dim() - 2))).expand(x.shape)
+        return [torch.gather(x, t, index)]
+    return kernel
+
+
+OPS: list[OpDef] = [
+    OpDef("DFT", _dft, since=17, classify=_local_unless_const(1, 2)),
+    OpDef("STFT", _stft, since=17, classify=_local_unless_const(1, 3)),
+    OpDef("HannWindow", _window("hann"), since=17, classify=_local_unless_const(0)),
+    OpDef("HammingWindow", _window("hamming"), since=17, classify=_local_unless_const(0)),
+    OpDef("BlackmanWindow", _window("blackman"), since=17, classify=_local_unless_const(0)),
+    OpDef("MelWeightMatrix", _mel_weight_matrix, since=17,
+          classify=_local_unless_const(0, 1, 2, 3, 4)),
+    OpDef("ReverseSequence", _reverse_sequence, since=10),
+]
