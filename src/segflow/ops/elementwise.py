@@ -144,6 +144,14 @@ def _mish(x: Tensor) -> Tensor:
     return x * torch.tanh(F.softplus(x))
 
 
+def _swish(x: Tensor, alpha: float) -> Tensor:
+    return x * torch.sigmoid(alpha * x)
+
+
+def _swiglu(a: Tensor, b: Tensor, alpha: float) -> Tensor:
+    return a * torch.sigmoid(alpha * a) * b
+
+
 def _bitshift(node: Node, ctx: BindContext) -> Kernel:
     left = node.attrs.get("direction", "LEFT") == "LEFT"
 
@@ -243,6 +251,8 @@ OPS: list[OpDef] = [
     OpDef("Softplus", unary(_softplus), grad=gradients.unary),
     OpDef("Softsign", unary(F.softsign)),
     OpDef("Mish", unary(_mish)),
+    OpDef("Swish", with_attrs(_swish, alpha=1.0), since=24),
+    OpDef("SwiGLU", with_attrs(_swiglu, alpha=1.0), since=28),
     OpDef("HardSwish", unary(_hardswish)),
     OpDef("Clip", _clip, grad=gradients.unary),
     OpDef("HardSigmoid", with_attrs(_hardsigmoid, alpha=0.2, beta=0.5)),
