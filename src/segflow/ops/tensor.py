@@ -193,6 +193,19 @@ def _cast(node: Node, ctx: BindContext) -> Kernel:
     return kernel
 
 
+def _bitcast(node: Node, ctx: BindContext) -> Kernel:
+    target = DType.from_onnx(int(node.attrs["to"])).torch
+
+    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        x = inputs[0]
+        assert x is not None
+        if x.element_size() != torch.empty((), dtype=target).element_size():
+            raise ValueError(f"BitCast from {x.dtype} to {target} changes the element width")
+        # view() of a 0-d tensor to another dtype is not allowed; go through 1-d.
+        return [x.contiguous().reshape(-1).view(target).reshape(x.shape)]
+    return kernel
+
+
 def _cast_like(node: Node, ctx: BindContext) -> Kernel:
     def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
         x, like = inputs[0], inputs[1]
@@ -273,6 +286,7 @@ OPS: list[OpDef] = [
     OpDef("Shape", _shape),
     OpDef("Size", _size),
     OpDef("Cast", _cast, grad=gradients.cast),
+    OpDef("BitCast", _bitcast, since=26),
     OpDef("CastLike", _cast_like),
     OpDef("Identity", _identity, grad=gradients.identity),
     OpDef("ConstantOfShape", _constant_of_shape),
