@@ -219,3 +219,27 @@ def bind_rms_norm(node: Node, ctx: BindContext) -> Kernel:
         inv = torch.rsqrt((work * work).mean(dim=dims, keepdim=True) + eps)
         return [((work * inv).to(x.dtype) * scale).to(x.dtype)]
     return kernel
+
+
+def bind_causal_conv_with_state(node: Node, ctx: BindContext) -> Kernel:
+    """Depthwise causal conv1d carrying its last k-1 inputs as state (Mamba-style blocks)."""
+    activation = str(node.attrs.get("activation", "none"))
+    if activation not in ("none", "silu", "swish"):
+        raise InvalidModel(f"{node.label}: unsupported activation {activation!r} "
+                           "(expected none, silu or swish)")
+
+    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        x, w = inputs[0], inputs[1]
+        assert x is not None and w is not None
+        bias = inputs[2] if len(inputs) > 2 else None
+        past = inputs[3] if len(inputs) > 3 else None
+        batch, channels, _ = x.shape
+        k = w.shape[2]
+        if past is None:
+            past = x.new_zeros((batch, channels, k - 1))
+        padded = torch.cat([past.to(x.dtype), x], dim=2)
+        y = torch.nn.functional.conv1d(padded, w, bias, groups=channels)
+        if activation != "none":
+            y = (y.float() * torch.sigmoid(y.float())).to(x.dtype)
+        return [y, padded[:, :, padded.shape[2] - (k - 1):]]
+    return kernel

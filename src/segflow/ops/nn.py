@@ -494,4 +494,5 @@ OPS: list[OpDef] = [
     OpDef("RMSNormalization", _transformer.bind_rms_norm, since=23),
     OpDef("Attention", _transformer.bind_attention, since=23),
     OpDef("RotaryEmbedding", _transformer.bind_rotary, since=23),
+    OpDef("CausalConvWithState", _transformer.bind_causal_conv_with_state, since=27),
 ]
