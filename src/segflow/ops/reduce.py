@@ -74,7 +74,9 @@ def _logsumexp(x: Tensor, dims: Dims, keep: bool) -> Tensor:
 
 def _empty_fill(kind: Kind, dtype: torch.dtype) -> float | int | bool:
     """What a reduction over zero elements yields (ONNX reference semantics)."""
-    if kind in (Kind.SUM, Kind.MEAN):
+    if kind is Kind.MEAN:
+        return math.nan if dtype.is_floating_point else 0  # 0 / 0
+    if kind is Kind.SUM:
         return 0
     if kind is Kind.PROD:
         return 1
