@@ -37,8 +37,13 @@ class ParamState:
 class Optimizer(Protocol):
     """What the session needs of an optimizer."""
 
-    name: str
-    lr: float
+    @property
+    def name(self) -> str:
+        ...
+
+    @property
+    def lr(self) -> float:
+        ...
 
     def update(self, params: Sequence[Tensor], grads: Sequence[Tensor],
                states: Sequence[ParamState]) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,11 @@ Tensor = torch.Tensor
 aten = torch.ops.aten
 
 DOMAIN = "segflow.train"
+
+
+def _partial(fn: Callable[[Sequence[Tensor | None]], Sequence[Tensor | None]]) -> Kernel:
+    """A kernel that returns None for outputs nobody reads (the executor stores None)."""
+    return cast(Kernel, fn)
 
 
 def _need(node: Node, count: int) -> list[bool]:
@@ -196,7 +201,7 @@ def _binary_grad(node: Node, ctx: BindContext) -> Kernel:
         da, db = _binary_parts(op, dy, a, b, need_a, need_b)
         return [None if da is None else sum_to(da, a.shape).to(a.dtype),
                 None if db is None else sum_to(db, b.shape).to(b.dtype)]
-    return kernel
+    return _partial(kernel)
 
 
 # -- dense layers -------------------------------------------------------------------------
@@ -218,7 +223,7 @@ def _conv_grad(node: Node, ctx: BindContext) -> Kernel:
         dx, dw, db = aten.convolution_backward(dy, xp, w, bias, strides, [0] * n, dil, False,
                                                [0] * n, group, mask)
         return [None if dx is None else _unpad(dx, begin, end), dw, db]
-    return kernel
+    return _partial(kernel)
 
 
 def _gemm_grad(node: Node, ctx: BindContext) -> Kernel:
@@ -245,7 +250,7 @@ def _gemm_grad(node: Node, ctx: BindContext) -> Kernel:
         if need_c and c is not None:
             dc = sum_to(dy * beta if beta != 1.0 else dy, c.shape)
         return [da, db, dc]
-    return kernel
+    return _partial(kernel)
 
 
 def _matmul_grad(node: Node, ctx: BindContext) -> Kernel:
@@ -264,7 +269,7 @@ def _matmul_grad(node: Node, ctx: BindContext) -> Kernel:
         da = sum_to(g.matmul(b2.transpose(-1, -2)), a2.shape).reshape(a.shape) if need_a else None
         db = sum_to(a2.transpose(-1, -2).matmul(g), b2.shape).reshape(b.shape) if need_b else None
         return [da, db]
-    return kernel
+    return _partial(kernel)
 
 
 # -- normalization ------------------------------------------------------------------------
@@ -299,7 +304,7 @@ def _batchnorm_grad(node: Node, ctx: BindContext) -> Kernel:
                                                         True, eps, mask))
         return list(aten.native_batch_norm_backward(dy, x, scale, stat_a, stat_b, None, None,
                                                     False, eps, mask))
-    return kernel
+    return _partial(kernel)
 
 
 def _layernorm_grad(node: Node, ctx: BindContext) -> Kernel:
@@ -317,7 +322,7 @@ def _layernorm_grad(node: Node, ctx: BindContext) -> Kernel:
         dscale = sum_to(dw, scale.shape) if need_scale else None
         dbias = sum_to(dy, bias.shape) if need_bias and bias is not None else None
         return [dx, dscale, dbias]
-    return kernel
+    return _partial(kernel)
 
 
 # -- pooling ------------------------------------------------------------------------------
@@ -413,7 +418,7 @@ def _vjp(node: Node, ctx: BindContext) -> Kernel:
             else:
                 out.append(None)
         return out
-    return kernel
+    return _partial(kernel)
 
 
 # -- shape ops ----------------------------------------------------------------------------

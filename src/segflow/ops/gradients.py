@@ -14,7 +14,7 @@ None for them.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from segflow.ir.graph import Node, Value
 from segflow.ops.backward import UNARY_READS
@@ -40,7 +40,8 @@ def unary(ctx: GradContext, node: Node, douts: Sequence[Value | None]) -> Grads:
     x = node.inputs[0] if reads == "x" else None
     y = node.outputs[0] if reads == "y" else None
     extra = list(node.inputs[1:]) if node.op_type == "Clip" else []
-    attrs = {k: v for k, v in node.attrs.items() if isinstance(v, int | float | str)}
+    attrs: dict[str, Any] = {k: v for k, v in node.attrs.items()
+                             if isinstance(v, int | float | str)}
     return [ctx.emit1("UnaryGrad", [douts[0], x, y, *extra], like=node.inputs[0],
                       op=node.op_type, **attrs)]
 
@@ -100,14 +101,15 @@ def conv(ctx: GradContext, node: Node, douts: Sequence[Value | None]) -> Grads:
             db if ctx.need(2) else None]
 
 
-def _window_attrs(node: Node) -> dict[str, object]:
+def _window_attrs(node: Node) -> dict[str, Any]:
     keys = ("kernel_shape", "strides", "dilations", "pads", "auto_pad", "group", "ceil_mode")
     return {k: node.attrs[k] for k in keys if k in node.attrs}
 
 
 def gemm(ctx: GradContext, node: Node, douts: Sequence[Value | None]) -> Grads:
     a, b, c = node.inputs[0], node.inputs[1], _input(node, 2)
-    attrs = {k: node.attrs[k] for k in ("alpha", "beta", "transA", "transB") if k in node.attrs}
+    attrs: dict[str, Any] = {k: node.attrs[k] for k in ("alpha", "beta", "transA", "transB")
+                             if k in node.attrs}
     grads = ctx.emit("GemmGrad", [douts[0], a, b, c], 3, like=[a, b, c], need=_mask(ctx, 3),
                      **attrs)
     return [g if ctx.need(i) else None for i, g in enumerate(grads)]
@@ -129,7 +131,7 @@ def batch_norm(ctx: GradContext, node: Node, douts: Sequence[Value | None]) -> G
     if int(node.attrs.get("training_mode", 0)):
         ctx.forward_output(node, 2)  # running statistics come before the residuals
         saved_mean, saved_invstd = ctx.rewrite(node, "BatchNormTraining", 2)
-        stats = [saved_mean, saved_invstd]
+        stats: list[Value | None] = [saved_mean, saved_invstd]
         training = 1
     else:
         stats, training = [mean, var], 0
@@ -198,7 +200,7 @@ def expand(ctx: GradContext, node: Node, douts: Sequence[Value | None]) -> Grads
 
 def transpose(ctx: GradContext, node: Node, douts: Sequence[Value | None]) -> Grads:
     perm = node.attrs.get("perm")
-    attrs = {}
+    attrs: dict[str, Any] = {}
     if perm is not None:
         inverse = [0] * len(perm)
         for i, p in enumerate(perm):
@@ -225,7 +227,7 @@ def slice_(ctx: GradContext, node: Node, douts: Sequence[Value | None]) -> Grads
     x = node.inputs[0]
     assert x is not None
     if node.opset < 10:
-        attrs = {"old_starts": node.attrs["starts"], "old_ends": node.attrs["ends"],
+        attrs: dict[str, Any] = {"old_starts": node.attrs["starts"], "old_ends": node.attrs["ends"],
                  "old_axes": node.attrs.get("axes")}
         return [ctx.emit1("SliceGrad", [douts[0], ctx.shape_of(x)], like=x, **attrs)]
     return [ctx.emit1("SliceGrad", [douts[0], ctx.shape_of(x), *node.inputs[1:]], like=x)]
@@ -241,7 +243,8 @@ def softmax(ctx: GradContext, node: Node, douts: Sequence[Value | None]) -> Grad
 
 def softmax_cross_entropy(ctx: GradContext, node: Node, douts: Sequence[Value | None]) -> Grads:
     log_prob = ctx.forward_output(node, 1)
-    attrs = {k: node.attrs[k] for k in ("reduction", "ignore_index") if k in node.attrs}
+    attrs: dict[str, Any] = {k: node.attrs[k] for k in ("reduction", "ignore_index")
+                             if k in node.attrs}
     dscores = ctx.emit1("SoftmaxCrossEntropyGrad",
                         [douts[0], log_prob, node.inputs[1], _input(node, 2)],
                         like=node.inputs[0], **attrs)
@@ -253,7 +256,7 @@ def reduce(ctx: GradContext, node: Node, douts: Sequence[Value | None]) -> Grads
     """ReduceSum / ReduceMean: broadcast the gradient back (divided by the count for mean)."""
     x = node.inputs[0]
     assert x is not None
-    attrs = {k: node.attrs[k] for k in ("keepdims", "noop_with_empty_axes", "axes")
-             if k in node.attrs}
+    attrs: dict[str, Any] = {k: node.attrs[k] for k in ("keepdims", "noop_with_empty_axes", "axes")
+                             if k in node.attrs}
     return [ctx.emit1("ReduceGrad", [douts[0], ctx.shape_of(x), _input(node, 1)], like=x,
                       mean=int(node.op_type == "ReduceMean"), **attrs)]

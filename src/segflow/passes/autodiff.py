@@ -78,7 +78,8 @@ class GradContext:
         node_name = self._fresh(stem)
         outs = []
         for i in range(outputs):
-            spec = like[i].spec if i < len(like) and like[i] is not None else TensorSpec()
+            model = like[i] if i < len(like) else None
+            spec = model.spec if model is not None else TensorSpec()
             outs.append(Value(self._fresh(f"{node_name}:{i}"), spec))
         opset = self.graph.opsets.get("", 17) if domain == "" else 1
         node = Node(op_type, inputs, outs, attrs, name=node_name, domain=domain, opset=opset)
@@ -107,7 +108,8 @@ class GradContext:
         spec = value.spec
         if spec.is_static:
             assert spec.shape is not None
-            shape = self.const(torch.tensor([int(d) for d in spec.shape], dtype=torch.int64),
+            dims = [d for d in spec.shape if isinstance(d, int)]
+            shape = self.const(torch.tensor(dims, dtype=torch.int64),
                                f"shape/{value.name}")
         else:
             shape = Value(self._fresh(f"shape/{value.name}"),
@@ -240,9 +242,10 @@ def _seed(ctx: GradContext, loss: Value) -> Value:
         raise InvalidModel(f"loss %{loss.name} must be a scalar, its shape is "
                            f"{loss.spec.describe()}; reduce it first (e.g. ReduceMean)")
     dtype = loss.spec.dtype
-    if dtype is None or shape is None:
+    if dtype is None or shape is None or not loss.spec.is_static:
         return ctx.emit1("OnesLike", [loss], like=loss)
-    return ctx.const(torch.ones([int(d) for d in shape], dtype=dtype.torch), "seed")
+    dims = [d for d in shape if isinstance(d, int)]
+    return ctx.const(torch.ones(dims, dtype=dtype.torch), "seed")
 
 
 def _accumulate(ctx: GradContext, old: Value | None, new: Value, value: Value) -> Value:
