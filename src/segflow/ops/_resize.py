@@ -16,6 +16,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -217,7 +218,8 @@ def plan_sizes(cfg: ResizeConfig, shape: Sequence[int], axes: Sequence[int],
         assert scales is not None
         for a, s in zip(axes, scales):
             factor[a] = float(s)
-            out[a] = int(math.floor(float(s) * shape[a]))
+            # float32 product, as onnxruntime computes it: 10 * 0.7f is 7, not 6.99...
+            out[a] = int(np.floor(np.float32(s) * np.float32(shape[a])))
     return out, factor
 
 
