@@ -1,0 +1,254 @@
+"""misc.py (DFT, STFT, windows, MelWeightMatrix, ReverseSequence) and the transformer/loss
+kernels behind nn.py rows (Attention, RotaryEmbedding, RMSNormalization,
+NegativeLogLikelihoodLoss, CausalConvWithState). onnxruntime where it has the op,
+ONNX's reference evaluator for the newest opsets."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+from onnx.reference import ReferenceEvaluator
+from ort_compare import assert_matches_ort, make_model
+
+import segflow
+from segflow.engine.base import ExecType
+from segflow.errors import InvalidModel
+
+RNG = np.random.default_rng(0)
+
+
+def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    return segflow.InferenceSession(model, engine="inline").run(None, feeds)
+
+
+def _matches_reference(model: onnx.ModelProto, feeds: dict[str, np.ndarray],
+                       rtol: float = 1e-5, atol: float = 1e-6) -> list[np.ndarray]:
+    expected = ReferenceEvaluator(model).run(None, feeds)
+    got = _run(model, feeds)
+    assert len(got) == len(expected)
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert g.shape == e.shape and g.dtype == e.dtype, f"output {i}"
+        np.testing.assert_allclose(g, e, rtol=rtol, atol=atol, err_msg=f"output {i}")
+    return got
+
+
+# -- DFT / STFT ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("complex_in", "inverse", "onesided", "length"), [
+    (False, 0, 0, None), (False, 0, 1, None), (True, 0, 0, 6), (True, 1, 0, None),
+    (False, 0, 0, 12), (True, 1, 1, None)])
+def test_dft_opset20(complex_in: bool, inverse: int, onesided: int, length: int | None) -> None:
+    x = RNG.standard_normal((2, 8, 2 if complex_in else 1)).astype(np.float32)
+    feeds = {"x": x}
+    inits = {"axis": np.array(-2, dtype=np.int64)}
+    inputs = ["x", "", "axis"]
+    if length is not None:
+        inits["len"] = np.array(length, dtype=np.int64)
+        inputs[1] = "len"
+    node = helper.make_node("DFT", inputs, ["y"], inverse=inverse, onesided=onesided)
+    model = make_model([node], feeds, ["y"], 20, inits)
+    if inverse and onesided:  # onnxruntime has no inverse one-sided DFT
+        _matches_reference(model, feeds, rtol=1e-4, atol=1e-5)
+    else:
+        assert_matches_ort(model, feeds, rtol=1e-4, atol=1e-5)
+
+
+def test_dft_opset17_axis_attribute() -> None:
+    feeds = {"x": RNG.standard_normal((3, 5, 4, 1)).astype(np.float32)}
+    node = helper.make_node("DFT", ["x"], ["y"], axis=2)
+    assert_matches_ort(make_model([node], feeds, ["y"], 17), feeds, rtol=1e-4, atol=1e-5)
+
+
+def test_dft_computed_length_runs_local() -> None:
+    feeds = {"x": RNG.standard_normal((1, 8, 1)).astype(np.float32),
+             "n": np.array(8, dtype=np.int64)}
+    node = helper.make_node("DFT", ["x", "n"], ["y"])
+    sess = segflow.InferenceSession(make_model([node], feeds, ["y"], 17), engine="inline")
+    assert [s.exec_type for s in sess.plan.segments] == [ExecType.LOCAL]
+
+
+@pytest.mark.parametrize(("window", "onesided"), [(True, 1), (False, 0), (True, 0)])
+def test_stft(window: bool, onesided: int) -> None:
+    feeds = {"x": RNG.standard_normal((2, 32, 1)).astype(np.float32)}
+    inits = {"step": np.array(4, dtype=np.int64)}
+    inputs = ["x", "step"]
+    if window:
+        inits["w"] = np.hanning(8).astype(np.float32)
+        inputs.append("w")
+    else:
+        inits["len"] = np.array(8, dtype=np.int64)
+        inputs += ["", "len"]
+    node = helper.make_node("STFT", inputs, ["y"], onesided=onesided)
+    assert_matches_ort(make_model([node], feeds, ["y"], 17, inits), feeds, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("op", ["HannWindow", "HammingWindow", "BlackmanWindow"])
+@pytest.mark.parametrize("periodic", [0, 1])
+def test_windows(op: str, periodic: int) -> None:
+    feeds = {"n": np.array(10, dtype=np.int64)}
+    node = helper.make_node(op, ["n"], ["y"], periodic=periodic,
+                            output_datatype=TensorProto.DOUBLE)
+    assert_matches_ort(make_model([node], feeds, ["y"], 17), feeds, rtol=1e-6, atol=1e-7)
+
+
+def test_mel_weight_matrix() -> None:
+    feeds = {"bins": np.array(8, np.int64), "dft": np.array(64, np.int64),
+             "rate": np.array(8000, np.int64), "lo": np.array(0.0, np.float32),
+             "hi": np.array(3000.0, np.float32)}
+    node = helper.make_node("MelWeightMatrix", list(feeds), ["y"])
+    assert_matches_ort(make_model([node], feeds, ["y"], 17), feeds)
+
+
+@pytest.mark.parametrize(("batch_axis", "time_axis"), [(1, 0), (0, 1)])
+def test_reverse_sequence(batch_axis: int, time_axis: int) -> None:
+    shape = (5, 3, 2) if time_axis == 0 else (3, 5, 2)
+    feeds = {"x": RNG.standard_normal(shape).astype(np.float32),
+             "lens": np.array([5, 0, 3], dtype=np.int64)}
+    node = helper.make_node("ReverseSequence", ["x", "lens"], ["y"], batch_axis=batch_axis,
+                            time_axis=time_axis)
+    assert_matches_ort(make_model([node], feeds, ["y"], 10), feeds)
+
+
+def test_reverse_sequence_bad_axes() -> None:
+    feeds = {"x": np.zeros((2, 2, 2), np.float32), "lens": np.array([1, 2], np.int64)}
+    node = helper.make_node("ReverseSequence", ["x", "lens"], ["y"], batch_axis=2, time_axis=0)
+    with pytest.raises(InvalidModel, match="batch_axis"):
+        segflow.InferenceSession(make_model([node], feeds, ["y"], 10))
+
+
+# -- transformer blocks --------------------------------------------------------------------
+
+ATTENTION = [
+    ({}, {}),
+    ({"is_causal": 1}, {}),
+    ({"scale": 0.3, "softcap": 2.0}, {}),
+    ({}, {"mask": "bool"}),
+    ({}, {"mask": "float"}),
+    ({"is_causal": 1}, {"past": True}),
+    ({"qk_matmul_output_mode": 2}, {"mask": "float"}),
+    ({"qk_matmul_output_mode": 3, "is_causal": 1}, {}),
+]
+
+
+@pytest.mark.parametrize(("attrs", "extra"), ATTENTION)
+@pytest.mark.parametrize("gqa", [False, True])
+def test_attention_4d(attrs: dict[str, object], extra: dict[str, object], gqa: bool) -> None:
+    b, hq, hkv, sq, skv, d = 2, 4, 2 if gqa else 4, 3, 5, 8
+    feeds = {"q": RNG.standard_normal((b, hq, sq, d)).astype(np.float32),
+             "k": RNG.standard_normal((b, hkv, skv, d)).astype(np.float32),
+             "v": RNG.standard_normal((b, hkv, skv, d)).astype(np.float32)}
+    inputs, outputs = ["q", "k", "v"], ["y"]
+    total = skv
+    if extra.get("past"):
+        feeds["pk"] = RNG.standard_normal((b, hkv, 2, d)).astype(np.float32)
+        feeds["pv"] = RNG.standard_normal((b, hkv, 2, d)).astype(np.float32)
+        inputs += ["", "pk", "pv"]
+        outputs += ["present_k", "present_v"]
+        total += 2
+    if extra.get("mask") == "bool":
+        feeds["m"] = RNG.uniform(size=(sq, total)) > 0.3
+        inputs[3:4] = ["m"]
+    elif extra.get("mask") == "float":
+        feeds["m"] = RNG.standard_normal((b, 1, sq, total)).astype(np.float32)
+        inputs[3:4] = ["m"]
+    if "qk_matmul_output_mode" in attrs:
+        outputs += ["present_k", "present_v", "qk"][len(outputs) - 1:]
+    node = helper.make_node("Attention", inputs, outputs, **attrs)
+    _matches_reference(make_model([node], feeds, outputs, 23), feeds, rtol=1e-4, atol=1e-5)
+
+
+def test_attention_3d_heads() -> None:
+    feeds = {"q": RNG.standard_normal((2, 3, 4 * 8)).astype(np.float32),
+             "k": RNG.standard_normal((2, 5, 2 * 8)).astype(np.float32),
+             "v": RNG.standard_normal((2, 5, 2 * 6)).astype(np.float32)}
+    node = helper.make_node("Attention", ["q", "k", "v"], ["y"], q_num_heads=4, kv_num_heads=2)
+    got = _matches_reference(make_model([node], feeds, ["y"], 23), feeds, rtol=1e-4, atol=1e-5)
+    assert got[0].shape == (2, 3, 4 * 6)
+
+
+def test_attention_fully_masked_row_is_zero() -> None:
+    feeds = {"q": RNG.standard_normal((1, 1, 2, 4)).astype(np.float32),
+             "k": RNG.standard_normal((1, 1, 3, 4)).astype(np.float32),
+             "v": RNG.standard_normal((1, 1, 3, 4)).astype(np.float32),
+             "m": np.array([[False, False, False], [True, True, False]])}
+    node = helper.make_node("Attention", ["q", "k", "v", "m"], ["y"])
+    got = _matches_reference(make_model([node], feeds, ["y"], 23), feeds, rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(got[0][0, 0, 0], 0.0)
+
+
+@pytest.mark.parametrize(("interleaved", "rotary_dim", "positions"), [
+    (0, 0, False), (1, 0, False), (0, 4, True), (1, 4, True)])
+def test_rotary_embedding(interleaved: int, rotary_dim: int, positions: bool) -> None:
+    b, s, h, d = 2, 3, 2, 8
+    half = (rotary_dim or d) // 2
+    feeds = {"x": RNG.standard_normal((b, h, s, d)).astype(np.float32)}
+    if positions:
+        feeds["cos"] = RNG.standard_normal((10, half)).astype(np.float32)
+        feeds["sin"] = RNG.standard_normal((10, half)).astype(np.float32)
+        feeds["pos"] = RNG.integers(0, 10, (b, s)).astype(np.int64)
+    else:
+        feeds["cos"] = RNG.standard_normal((b, s, half)).astype(np.float32)
+        feeds["sin"] = RNG.standard_normal((b, s, half)).astype(np.float32)
+    node = helper.make_node("RotaryEmbedding", list(feeds), ["y"], interleaved=interleaved,
+                            rotary_embedding_dim=rotary_dim)
+    _matches_reference(make_model([node], feeds, ["y"], 23), feeds)
+
+
+def test_rotary_embedding_3d() -> None:
+    feeds = {"x": RNG.standard_normal((2, 3, 2 * 6)).astype(np.float32),
+             "cos": RNG.standard_normal((2, 3, 3)).astype(np.float32),
+             "sin": RNG.standard_normal((2, 3, 3)).astype(np.float32)}
+    node = helper.make_node("RotaryEmbedding", list(feeds), ["y"], num_heads=2)
+    _matches_reference(make_model([node], feeds, ["y"], 23), feeds)
+
+
+@pytest.mark.parametrize("axis", [-1, 1, 0])
+def test_rms_normalization(axis: int) -> None:
+    x = RNG.standard_normal((2, 3, 4)).astype(np.float32)
+    feeds = {"x": x, "scale": RNG.standard_normal(x.shape[axis:]).astype(np.float32)}
+    node = helper.make_node("RMSNormalization", ["x", "scale"], ["y"], axis=axis, epsilon=1e-3)
+    _matches_reference(make_model([node], feeds, ["y"], 23), feeds)
+
+
+@pytest.mark.parametrize("activation", ["none", "silu"])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_causal_conv_with_state(activation: str, with_state: bool) -> None:
+    feeds = {"x": RNG.standard_normal((2, 3, 6)).astype(np.float32),
+             "w": RNG.standard_normal((3, 1, 4)).astype(np.float32),
+             "b": RNG.standard_normal(3).astype(np.float32)}
+    if with_state:
+        feeds["past"] = RNG.standard_normal((2, 3, 3)).astype(np.float32)
+    node = helper.make_node("CausalConvWithState", list(feeds), ["y", "state"],
+                            activation=activation)
+    _matches_reference(make_model([node], feeds, ["y", "state"], 27), feeds, rtol=1e-5,
+                       atol=1e-5)
+
+
+# -- losses --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+@pytest.mark.parametrize(("weighted", "ignore"), [(False, None), (True, None), (True, 1),
+                                                  (False, -1)])
+@pytest.mark.parametrize("spatial", [False, True])
+def test_nll_loss(reduction: str, weighted: bool, ignore: int | None, spatial: bool) -> None:
+    shape = (3, 4, 2) if spatial else (3, 4)
+    target = RNG.integers(0, 4, (3, 2) if spatial else (3,)).astype(np.int64)
+    if ignore is not None:
+        target.reshape(-1)[0] = ignore
+    feeds = {"x": RNG.standard_normal(shape).astype(np.float32), "t": target}
+    inputs = ["x", "t"]
+    if weighted:
+        feeds["w"] = RNG.uniform(0.5, 2, 4).astype(np.float32)
+        inputs.append("w")
+    attrs = {"reduction": reduction} | ({"ignore_index": ignore} if ignore is not None else {})
+    node = helper.make_node("NegativeLogLikelihoodLoss", inputs, ["loss"], **attrs)
+    assert_matches_ort(make_model([node], feeds, ["loss"], 13), feeds, rtol=1e-5, atol=1e-6)
+
+
+def test_nll_loss_bad_reduction() -> None:
+    feeds = {"x": np.zeros((2, 3), np.float32), "t": np.zeros(2, np.int64)}
+    node = helper.make_node("NegativeLogLikelihoodLoss", ["x", "t"], ["loss"], reduction="avg")
+    with pytest.raises(InvalidModel, match="reduction"):
+        segflow.InferenceSession(make_model([node], feeds, ["loss"], 13))
