@@ -209,7 +209,7 @@ class TrainingSession:
         self.registry = registry or default_registry()
         self.settings = BulkSettings.resolve(train=bulk, max_nodes_fwd=max_nodes_fwd,
                                              max_nodes_bwd=max_nodes_bwd)
-        self.optimizer = optimizer
+        self._optimizer = optimizer
         graph, initializer_names = _load(model, self.registry)
         buffers = _batchnorm_statistics(graph)
         names = list(params) if params is not None else [
@@ -257,7 +257,19 @@ class TrainingSession:
         self._aliased_outputs = {v.name for v in user_outputs if v in aliases}
         self._inference_graph = inference
         self._inference: Executor | None = None
+        self._update_tasks: dict[bool, list[_Update]] = {}  # built once per mode
         self.last_run_stats: RunStats | None = None
+
+    @property
+    def optimizer(self) -> Optimizer | None:
+        return self._optimizer
+
+    @optimizer.setter
+    def optimizer(self, optimizer: Optimizer | None) -> None:
+        """Swap the optimizer (its per-parameter state is kept)."""
+        self._engine.wait_all()
+        self._optimizer = optimizer
+        self._update_tasks.clear()  # their closures hold the old optimizer
 
     # -- description -------------------------------------------------------------------
     def explain(self) -> str:
@@ -314,14 +326,16 @@ class TrainingSession:
     def set_learning_rate(self, lr: float) -> None:
         if self.optimizer is None:
             raise ValueError("this session has no optimizer")
-        self._engine.wait_all()
         self.optimizer = replace(self.optimizer, lr=lr)  # type: ignore[type-var]
 
     # -- running -----------------------------------------------------------------------
     def step(self, feeds: Mapping[str, Any], *, update: bool = True) -> StepResult:
         """One forward + backward (+ optimizer update unless ``update=False``)."""
         tensors = self._feeds(feeds) + [self.state[n] for n in self._state_order()]
-        outputs, stats = self._executor.run_step(tensors, self._updates(update))
+        updates = self._update_tasks.get(update)
+        if updates is None:
+            updates = self._update_tasks[update] = self._updates(update)
+        outputs, stats = self._executor.run_step(tensors, updates)
         self.last_run_stats = stats
         if self._aliased_outputs:
             self._engine.wait_all()
