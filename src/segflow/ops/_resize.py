@@ -216,10 +216,10 @@ def plan_sizes(cfg: ResizeConfig, shape: Sequence[int], axes: Sequence[int],
                 out[a] = int(common * shape[a] + 0.5)
     else:
         assert scales is not None
-        for a, s in zip(axes, scales):
-            factor[a] = float(s)
+        for a, scale in zip(axes, scales):
+            factor[a] = float(scale)
             # float32 product, as onnxruntime computes it: 10 * 0.7f is 7, not 6.99...
-            out[a] = int(np.floor(np.float32(s) * np.float32(shape[a])))
+            out[a] = int(np.floor(np.float32(scale) * np.float32(shape[a])))
     return out, factor
 
 
