@@ -44,6 +44,8 @@ class Event:
 
     ``thread`` names the lane the span ran on: the recording thread for host
     spans (e.g. ``MainThread``, ``segflow-cpu:0``), the device for device spans.
+    ``thread_id`` identifies the lane within one profile: 1, 2, ... per thread
+    in order of first span, negative for device lanes.
     """
 
     category: Category

@@ -27,8 +27,9 @@ class Profiler:
     """Collects spans from the runtime (implements :class:`EventSink`).
 
     Thread-safe: worker threads record concurrently. Recording appends one
-    tuple per span under a lock; :class:`Event` records, thread names and
-    CUDA device times are resolved only when :attr:`events` is read.
+    tuple per span (an atomic list append, no lock); :class:`Event` records,
+    thread names and CUDA device times are resolved only when :attr:`events`
+    is read.
 
     Use it through :func:`profile`; ``with`` activates it for the calling
     context (threads started inside the block are not covered: ContextVars
@@ -38,23 +39,34 @@ class Profiler:
     def __init__(self, *, device_clock: Any | None = None) -> None:
         self._lock = threading.Lock()
         self._raw: list[_Raw] = []
+        self._append = self._raw.append
         self._pending: list[_PendingDevice] = []
-        self._thread_names: dict[int, str] = {}
+        self._thread_names: dict[int, str] = {}   # lane id -> thread name
+        self._thread_lane = threading.local()
         self._anchors: dict[str, tuple[Any, int]] = {}
         self._device_clock = device_clock
-        self._resolved: list[Event] | None = None
+        # Events built from the first n raw spans and m device spans: (n, m, events).
+        self._resolved: tuple[int, int, list[Event]] | None = None
         self._token: contextvars.Token[EventSink | None] | None = None
         self.pid = os.getpid()
 
     # -- the EventSink side (hot path) ------------------------------------------------------
     def span(self, category: str, name: str, start_ns: int, end_ns: int, *,
              device: str = "", args: dict[str, Any] | None = None) -> None:
-        ident = threading.get_ident()
+        # No lock: list.append is atomic (GIL, and per-object locks on free-threaded
+        # builds), and this is the hot path.
+        lane = getattr(self._thread_lane, "id", None)
+        if lane is None:
+            lane = self._new_lane()
+        self._append((category, name, start_ns, end_ns, lane, device, args))
+
+    def _new_lane(self) -> int:
+        # Lanes are per Thread object: OS thread idents are reused after a thread ends.
         with self._lock:
-            if ident not in self._thread_names:
-                self._thread_names[ident] = threading.current_thread().name
-            self._raw.append((category, name, start_ns, end_ns, ident, device, args))
-            self._resolved = None
+            lane = len(self._thread_names) + 1
+            self._thread_names[lane] = threading.current_thread().name
+        self._thread_lane.id = lane
+        return lane
 
     def device_span(self, category: str, name: str, start_event: Any, end_event: Any, *,
                     device: str, args: dict[str, Any] | None = None) -> None:
@@ -63,7 +75,6 @@ class Profiler:
                 # Anchored after this span's start event: elapsed times are signed.
                 self._anchors[device] = self._clock().anchor(device)
             self._pending.append((category, name, start_event, end_event, device, args))
-            self._resolved = None
 
     # -- activation ----------------------------------------------------------------------
     def __enter__(self) -> Profiler:
@@ -86,26 +97,30 @@ class Profiler:
     def events(self) -> list[Event]:
         """Every recorded span, ordered by start time (parents before children)."""
         with self._lock:
-            if self._resolved is None:
-                events = [Event(Category.parse(c), n, s, e, self._thread_names.get(t, str(t)), t,
-                                d, a if a is not None else {})
-                          for c, n, s, e, t, d, a in self._raw]
-                events.extend(self._resolve_device())
-                events.sort(key=lambda ev: (ev.start_ns, -ev.end_ns))
-                self._resolved = events
-            return list(self._resolved)
+            raw, pending = self._raw[:], self._pending[:]
+            cached = self._resolved
+            if cached is not None and cached[:2] == (len(raw), len(pending)):
+                return list(cached[2])
+            names = dict(self._thread_names)
+            events = [Event(Category.parse(c), n, s, e, names.get(t, str(t)), t, d,
+                            a if a is not None else {})
+                      for c, n, s, e, t, d, a in raw]
+            events.extend(self._resolve_device(pending))
+            events.sort(key=lambda ev: (ev.start_ns, -ev.end_ns))
+            self._resolved = (len(raw), len(pending), events)
+            return list(events)
 
-    def _resolve_device(self) -> list[Event]:
-        if not self._pending:
+    def _resolve_device(self, pending: list[_PendingDevice]) -> list[Event]:
+        if not pending:
             return []
         self._clock().synchronize()
-        lanes = sorted({p[4] for p in self._pending})
+        lanes = sorted({p[4] for p in pending})
         out = []
-        for category, name, start, end, device, args in self._pending:
+        for category, name, start, end, device, args in pending:
             anchor, host_ns = self._anchors[device]
             start_ns = host_ns + round(anchor.elapsed_time(start) * 1e6)
             end_ns = host_ns + round(anchor.elapsed_time(end) * 1e6)
-            # Device lanes get negative ids so they never collide with thread idents.
+            # Device lanes get negative ids so they never collide with thread lanes (1, 2, ...).
             out.append(Event(Category.parse(category), name, start_ns, max(end_ns, start_ns),
                              f"{device} (device)", -1 - lanes.index(device), device,
                              args if args is not None else {}))
@@ -119,7 +134,7 @@ class Profiler:
         return self._device_clock
 
     def clear(self) -> None:
-        """Forget every recorded span."""
+        """Forget every recorded span (call it between runs, not during one)."""
         with self._lock:
             self._raw.clear()
             self._pending.clear()
