@@ -1,0 +1,172 @@
+"""Tests for segflow bench: runner, peers, records, table, plot and the CLI."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import onnx
+import pytest
+
+from segflow import cli, models
+from segflow.bench import peers
+from segflow.bench.report import format_results
+from segflow.bench.runner import (
+    DEFAULT_MODELS,
+    BenchSettings,
+    VariantKind,
+    parse_model_spec,
+    resolve_models,
+    run_benchmark,
+    to_record,
+)
+from segflow.errors import SegflowError
+
+TINY = "mlp_chain:layers=3"
+
+
+def test_model_specs() -> None:
+    spec = parse_model_spec("mlp_chain:layers=3,width=8")
+    assert (spec.builtin, dict(spec.options), spec.label) == (
+        "mlp_chain", {"layers": 3, "width": 8}, "mlp_chain:layers=3,width=8")
+    assert parse_model_spec("builtin:resnet18").builtin == "resnet18"
+    assert [s.builtin for s in resolve_models(None)] == list(DEFAULT_MODELS)
+    with pytest.raises(SegflowError, match="bad option"):
+        parse_model_spec("mlp_chain:layers")
+    with pytest.raises(SegflowError, match="neither a built-in model"):
+        parse_model_spec("no_such_model.onnx")
+    with pytest.raises(SegflowError, match="unknown built-in"):
+        parse_model_spec("builtin:nope")
+
+
+def test_settings_are_validated() -> None:
+    with pytest.raises(SegflowError, match="unknown mode"):
+        BenchSettings(modes=("turbo",)).validate()
+    with pytest.raises(SegflowError, match="unknown peer"):
+        BenchSettings(peers=("mxnet",)).validate()
+    with pytest.raises(SegflowError, match="--batch-size"):
+        BenchSettings(batch_size=0).validate()
+
+
+def test_benchmark_measures_modes_and_peers() -> None:
+    settings = BenchSettings(runs=4, warmup=1, batch_size=2)
+    (result,) = run_benchmark(resolve_models([TINY]), settings)
+    assert [v.name for v in result.variants] == ["bulk", "nobulk", "onnxruntime", "torch"]
+    assert all(v.ok for v in result.variants), [v.detail for v in result.variants]
+    assert result.rounds == 4 and result.reference == "bulk"
+    bulk, nobulk, ort, torch_peer = result.variants
+    assert bulk.counters == {"segments": 1, "pushes": 1, "syncs": 1, "kernels": 6, "copies": 0}
+    assert nobulk.counters is not None and nobulk.counters["pushes"] == 6
+    assert bulk.relative == 1.0
+    assert ort.kind is VariantKind.PEER and ort.counters is None
+    for v in result.variants:
+        assert v.latency is not None and v.latency.runs == 4
+        assert v.latency.min_ms <= v.latency.p50_ms <= v.latency.p90_ms <= v.latency.p99_ms
+        assert v.latency.throughput > 0
+    assert ort.max_abs_diff is not None and ort.max_abs_diff < 1e-3
+    assert torch_peer.max_abs_diff is not None and torch_peer.max_abs_diff < 1e-3
+    assert set(result.ratios) == {"bulk/nobulk", "bulk/onnxruntime", "bulk/torch",
+                                  "nobulk/onnxruntime", "nobulk/torch"}
+    assert result.shapes == {"x": [2, 64]}
+    text = format_results([result])
+    for word in ("p50 ms", "p99 ms", "items/s", "segments", "pushes", "syncs", "kernels",
+                 "peak MiB", "onnxruntime (peer)", "bulk/onnxruntime"):
+        assert word in text
+
+
+def test_missing_peers_are_reported_not_raised(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "m.onnx"
+    onnx.save(models.build("mlp_chain", layers=2), path)
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import fails
+    (result,) = run_benchmark(resolve_models([str(path)]), BenchSettings(runs=2, warmup=0))
+    status = {v.name: (v.status, v.detail) for v in result.variants}
+    assert status["bulk"][0] == "ok"
+    assert status["onnxruntime"] == ("missing",
+                                     "onnxruntime is not installed (pip install onnxruntime)")
+    assert status["torch"] == ("missing", "no PyTorch module for a model loaded from a file")
+    assert result.ratios == {"bulk/nobulk": pytest.approx(result.ratios["bulk/nobulk"])}
+    assert "missing: no PyTorch module" in format_results([result])
+
+
+def test_onnxruntime_without_cuda_provider_is_missing() -> None:
+    from segflow.ir.types import Device
+
+    source = peers.ModelSource(models.build("mlp_chain", layers=2), "mlp_chain", {"layers": 2})
+    feeds = models.example_inputs("mlp_chain", layers=2)
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("this onnxruntime has CUDA")
+    with pytest.raises(peers.PeerUnavailable, match="CUDAExecutionProvider"):
+        peers.prepare_peer("onnxruntime", source, feeds, Device.parse("cuda:0"))
+
+
+def test_counters_only_runs_each_mode_once_without_peers() -> None:
+    settings = BenchSettings(counters_only=True, warmup=0)
+    (result,) = run_benchmark(resolve_models(["nonzero_mid"]), settings)
+    assert [v.name for v in result.variants] == ["bulk", "nobulk"]
+    assert all(v.latency is None and v.counters for v in result.variants)
+    assert result.rounds == 0 and result.ratios == {}
+    assert "status" in format_results([result], counters_only=True)
+
+
+def test_record_is_machine_readable() -> None:
+    settings = BenchSettings(runs=2, peers=("onnxruntime",))
+    results = run_benchmark(resolve_models([TINY]), settings)
+    record = json.loads(json.dumps(to_record(results, settings)))
+    assert record["kind"] == "segflow-bench" and record["schema"] == 1
+    assert {"segflow", "torch", "onnx", "numpy", "python"} <= set(record["versions"])
+    assert record["settings"]["runs"] == 2 and "memory" in record["settings"]
+    (model,) = record["models"]
+    assert model["model"] == TINY and model["shapes"] == {"x": [1, 64]}
+    assert model["device"] == "cpu:0" and model["batch_size"] == 1
+    bulk = model["variants"][0]
+    assert bulk["kind"] == "segflow" and bulk["counters"]["kernels"] == 6
+    assert bulk["settings"]["inference"] is True and bulk["settings"]["engine"] == "threaded"
+    assert set(bulk["latency"]) >= {"p50_ms", "p90_ms", "p99_ms", "throughput"}
+    assert "bulk/onnxruntime" in model["ratios"]
+
+
+def test_cli_bench_prints_table_and_writes_json(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out.json"
+    rc = cli.main(["bench", TINY, "--runs", "2", "--peers", "none", "--modes", "bulk,inline",
+                   "--json", str(out), "--no-progress"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "p50 ms" in text and "inline" in text and f"wrote {out}" in text
+    record = json.loads(out.read_text())
+    assert [v["name"] for v in record["models"][0]["variants"]] == ["bulk", "inline"]
+
+
+def test_cli_plot(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "plot.png"
+    assert cli.main(["bench", TINY, "--runs", "2", "--peers", "onnxruntime", "--plot", str(png),
+                     "--no-progress"]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cli_plot_without_matplotlib_says_how_to_install(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert cli.main(["bench", TINY, "--runs", "1", "--plot", "x.png"]) == 2
+    assert "pip install matplotlib" in capsys.readouterr().err
+
+
+def test_cli_bad_mode_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["bench", TINY, "--modes", "fast"]) == 2
+    assert "unknown mode(s) fast" in capsys.readouterr().err
+
+
+def test_cli_profile_prints_table_and_writes_trace(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    from segflow.profiler.chrome_trace import check_trace
+
+    trace = tmp_path / "trace.json"
+    assert cli.main(["profile", "builtin:nonzero_mid", "--trace", str(trace), "--runs", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "Engine calls (2 runs" in text and "NonZero" in text and "syncs=2" in text
+    assert check_trace(json.loads(trace.read_text())) == []
