@@ -1,6 +1,6 @@
 """misc.py (DFT, STFT, windows, MelWeightMatrix, ReverseSequence) and the transformer/loss
 kernels behind nn.py rows (Attention, RotaryEmbedding, RMSNormalization,
-NegativeLogLikelihoodLoss, CausalConvWithState). onnxruntime where it has the op,
+NegativeLogLikelihoodLoss, CausalConvWithState, DeformConv). onnxruntime where it has the op,
 ONNX's reference evaluator for the newest opsets."""
 
 from __future__ import annotations
@@ -252,3 +252,25 @@ def test_nll_loss_bad_reduction() -> None:
     node = helper.make_node("NegativeLogLikelihoodLoss", ["x", "t"], ["loss"], reduction="avg")
     with pytest.raises(InvalidModel, match="reduction"):
         segflow.InferenceSession(make_model([node], feeds, ["loss"], 13))
+
+
+@pytest.mark.parametrize(("group", "offset_group", "with_mask", "attrs"), [
+    (1, 1, False, {}), (2, 2, True, {"pads": [1, 0, 1, 1]}),
+    (1, 2, True, {"strides": [2, 1], "dilations": [1, 2]})])
+def test_deform_conv(group: int, offset_group: int, with_mask: bool,
+                     attrs: dict[str, list[int]]) -> None:
+    c, m, h, w, k = 4, 4, 5, 5, 2
+    strides, pads = attrs.get("strides", [1, 1]), attrs.get("pads", [0, 0, 0, 0])
+    dil = attrs.get("dilations", [1, 1])
+    oh = (h + pads[0] + pads[2] - (dil[0] * (k - 1) + 1)) // strides[0] + 1
+    ow = (w + pads[1] + pads[3] - (dil[1] * (k - 1) + 1)) // strides[1] + 1
+    feeds = {"x": RNG.standard_normal((1, c, h, w)).astype(np.float32),
+             "w": RNG.standard_normal((m, c // group, k, k)).astype(np.float32),
+             "off": RNG.uniform(-1.5, 1.5, (1, offset_group * k * k * 2, oh, ow)).astype(
+                 np.float32),
+             "b": RNG.standard_normal(m).astype(np.float32)}
+    if with_mask:
+        feeds["mask"] = RNG.uniform(0, 1, (1, offset_group * k * k, oh, ow)).astype(np.float32)
+    node = helper.make_node("DeformConv", list(feeds), ["y"], group=group,
+                            offset_group=offset_group, kernel_shape=[k, k], **attrs)
+    _matches_reference(make_model([node], feeds, ["y"], 19), feeds, rtol=1e-4, atol=1e-5)

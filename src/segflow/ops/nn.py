@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from segflow.ir.graph import Node
-from segflow.ops import _losses, _transformer, gradients
+from segflow.ops import _deform, _losses, _transformer, gradients
 from segflow.ops._common import has_input
 from segflow.ops.registry import BindContext, Kernel, OpDef
 
@@ -495,4 +495,5 @@ OPS: list[OpDef] = [
     OpDef("Attention", _transformer.bind_attention, since=23),
     OpDef("RotaryEmbedding", _transformer.bind_rotary, since=23),
     OpDef("CausalConvWithState", _transformer.bind_causal_conv_with_state, since=27),
+    OpDef("DeformConv", _deform.bind_deform_conv, since=19),
 ]
