@@ -274,3 +274,40 @@ def test_deform_conv(group: int, offset_group: int, with_mask: bool,
     node = helper.make_node("DeformConv", list(feeds), ["y"], group=group,
                             offset_group=offset_group, kernel_shape=[k, k], **attrs)
     _matches_reference(make_model([node], feeds, ["y"], 19), feeds, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(("mode", "weighted"), [("TF", False), ("IDF", True), ("TFIDF", True),
+                                                ("IDF", False)])
+@pytest.mark.parametrize(("min_n", "max_n", "skip"), [(1, 1, 0), (2, 2, 0), (1, 2, 3), (2, 2, 5)])
+@pytest.mark.parametrize("batched", [False, True])
+def test_tfidf_vectorizer(mode: str, weighted: bool, min_n: int, max_n: int, skip: int,
+                          batched: bool) -> None:
+    tokens = np.array([1, 1, 3, 3, 3, 7, 8, 6, 7, 5, 6, 8], dtype=np.int32)
+    feeds = {"x": tokens.reshape(2, 6) if batched else tokens}
+    attrs: dict[str, object] = {
+        "mode": mode, "min_gram_length": min_n, "max_gram_length": max_n,
+        "max_skip_count": skip, "ngram_counts": [0, 4], "ngram_indexes": [0, 1, 2, 3, 4, 5, 6],
+        "pool_int64s": [2, 3, 5, 4, 5, 6, 7, 8, 6, 7]}
+    if weighted:
+        attrs["weights"] = [0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5]
+    node = helper.make_node("TfIdfVectorizer", ["x"], ["y"], **attrs)
+    assert_matches_ort(make_model([node], feeds, ["y"], 9), feeds)
+
+
+def test_tfidf_vectorizer_strings_unsupported() -> None:
+    feeds = {"x": np.array([1, 2], dtype=np.int64)}
+    node = helper.make_node("TfIdfVectorizer", ["x"], ["y"], mode="TF", min_gram_length=1,
+                            max_gram_length=1, max_skip_count=0, ngram_counts=[0],
+                            ngram_indexes=[0], pool_strings=["a"])
+    with pytest.raises(segflow.errors.UnsupportedOp, match="strings"):
+        segflow.InferenceSession(make_model([node], feeds, ["y"], 9))
+
+
+def test_optional_ops_on_tensors() -> None:
+    feeds = {"x": RNG.standard_normal(3).astype(np.float32)}
+    nodes = [helper.make_node("OptionalHasElement", ["x"], ["has"]),
+             helper.make_node("OptionalHasElement", [""], ["none"]),
+             helper.make_node("OptionalGetElement", ["x"], ["y"])]
+    has, none, y = _run(make_model(nodes, feeds, ["has", "none", "y"], 18), feeds)
+    assert bool(has) and not bool(none)
+    np.testing.assert_array_equal(y, feeds["x"])

@@ -1,5 +1,6 @@
-"""Signal processing and sequence-reordering ops: DFT, STFT, window functions,
-MelWeightMatrix, ReverseSequence.
+"""Signal processing, text features and sequence-reordering ops: DFT, STFT, window
+functions, MelWeightMatrix, TfIdfVectorizer (integer tokens), ReverseSequence, and
+OptionalHasElement/OptionalGetElement over plain tensors.
 
 Complex tensors follow ONNX's convention: a trailing axis of size 2 holds
 (real, imaginary); a trailing axis of size 1 is a real signal. Ops whose
@@ -9,14 +10,16 @@ LOCAL unless that input is a constant, so a device never syncs mid-segment.
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from segflow.engine.base import ExecType
-from segflow.errors import InvalidModel
+from segflow.errors import InvalidModel, UnsupportedOp
 from segflow.ir.graph import Node
 from segflow.ir.types import DType
 from segflow.ops._common import const_input, normalize_axis
@@ -210,6 +213,100 @@ def _reverse_sequence(node: Node, ctx: BindContext) -> Kernel:
     return kernel
 
 
+# -- TfIdfVectorizer ---------------------------------------------------------------------
+
+class TfIdfMode(enum.Enum):
+    TF = "TF"
+    IDF = "IDF"
+    TFIDF = "TFIDF"
+
+
+@dataclass(frozen=True, slots=True)
+class NgramTable:
+    """The pool's n-grams (integer tokens) -> output column, for sizes in [min, max]."""
+
+    columns: dict[tuple[int, ...], int]
+    min_n: int
+    max_n: int
+    max_skip: int
+    width: int
+
+
+def ngram_table(node: Node) -> NgramTable:
+    attrs = node.attrs
+    if attrs.get("pool_strings"):
+        raise UnsupportedOp(f"{node.label}: TfIdfVectorizer over strings is not supported "
+                            "(segflow's kernels are tensor-only); use pool_int64s")
+    pool = [int(v) for v in attrs.get("pool_int64s", [])]
+    counts = [int(v) for v in attrs["ngram_counts"]]
+    indexes = [int(v) for v in attrs["ngram_indexes"]]
+    min_n, max_n = int(attrs["min_gram_length"]), int(attrs["max_gram_length"])
+    columns: dict[tuple[int, ...], int] = {}
+    ngram_id = 0
+    for i, start in enumerate(counts):
+        n = i + 1
+        end = counts[i + 1] if i + 1 < len(counts) else len(pool)
+        for j in range(start, end - n + 1, n):
+            if min_n <= n <= max_n:
+                columns.setdefault(tuple(pool[j:j + n]), indexes[ngram_id])
+            ngram_id += 1
+    return NgramTable(columns, min_n, max_n, int(attrs.get("max_skip_count", 0)),
+                      max(indexes) + 1)
+
+
+def tfidf_counts(rows: list[list[int]], table: NgramTable) -> np.ndarray:
+    """Occurrences of each pool n-gram per row; skips widen the gap between tokens."""
+    out = np.zeros((len(rows), table.width), dtype=np.float32)
+    for r, row in enumerate(rows):
+        for skip in range(1, table.max_skip + 2):
+            # Unigrams do not depend on the gap: count them once, at skip 1.
+            first_n = table.min_n if skip == 1 else max(table.min_n, 2)
+            for n in range(first_n, table.max_n + 1):
+                for start in range(len(row) - skip * (n - 1)):
+                    col = table.columns.get(tuple(row[start:start + skip * (n - 1) + 1:skip]))
+                    if col is not None:
+                        out[r, col] += 1
+    return out
+
+
+def _tfidf(node: Node, ctx: BindContext) -> Kernel:
+    table = ngram_table(node)
+    mode = TfIdfMode(str(node.attrs.get("mode", "TF")))
+    weights = node.attrs.get("weights")
+    w = np.asarray(weights, dtype=np.float32) if weights else None
+
+    def kernel(inputs: Inputs) -> list[Tensor]:
+        x = inputs[0]
+        assert x is not None
+        rows = x.reshape(1, -1).tolist() if x.dim() == 1 else x.tolist()
+        counts = tfidf_counts(rows, table)
+        if mode is TfIdfMode.IDF:
+            counts = (counts > 0) * (w if w is not None else np.float32(1))
+        elif mode is TfIdfMode.TFIDF and w is not None:
+            counts = counts * w
+        out = torch.from_numpy(np.ascontiguousarray(counts, dtype=np.float32))
+        return [(out[0] if x.dim() == 1 else out).to(x.device)]
+    return kernel
+
+
+# -- optionals over plain tensors --------------------------------------------------------
+
+def _optional_has_element(node: Node, ctx: BindContext) -> Kernel:
+    def kernel(inputs: Inputs) -> list[Tensor]:
+        present = len(inputs) > 0 and inputs[0] is not None
+        return [torch.tensor(present)]
+    return kernel
+
+
+def _optional_get_element(node: Node, ctx: BindContext) -> Kernel:
+    def kernel(inputs: Inputs) -> list[Tensor]:
+        x = inputs[0] if inputs else None
+        if x is None:
+            raise ValueError("OptionalGetElement: the optional input holds no value")
+        return [x]
+    return kernel
+
+
 OPS: list[OpDef] = [
     OpDef("DFT", _dft, since=17, classify=_local_unless_const(1, 2)),
     OpDef("STFT", _stft, since=17, classify=_local_unless_const(1, 3)),
@@ -219,4 +316,8 @@ OPS: list[OpDef] = [
     OpDef("MelWeightMatrix", _mel_weight_matrix, since=17,
           classify=_local_unless_const(0, 1, 2, 3, 4)),
     OpDef("ReverseSequence", _reverse_sequence, since=10),
+    OpDef("TfIdfVectorizer", _tfidf, since=9, exec_type=ExecType.LOCAL,
+          doc="host-side n-gram counting"),
+    OpDef("OptionalHasElement", _optional_has_element, since=15),
+    OpDef("OptionalGetElement", _optional_get_element, since=15),
 ]
