@@ -324,3 +324,35 @@ def test_batchnorm_inference() -> None:
     node = helper.make_node("BatchNormalization", list(feeds), ["y"], epsilon=1e-3)
     assert_matches_ort(make_model([node], feeds, ["y"], 15), feeds, rtol=1e-5, atol=1e-5)
 
+
+
+# -- LRN / NonZero -------------------------------------------------------------------------
+
+def _lrn_reference(x: np.ndarray, size: int, alpha: float, beta: float,
+                   bias: float) -> np.ndarray:
+    """The spec's window: floor((size-1)/2) channels before, ceil((size-1)/2) after."""
+    before, after = (size - 1) // 2, -(-(size - 1) // 2)
+    sq = np.zeros_like(x)
+    for c in range(x.shape[1]):
+        sq[:, c] = np.sum(x[:, max(0, c - before): c + after + 1] ** 2, axis=1)
+    return x / (bias + alpha / size * sq) ** beta
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4, 5])
+def test_lrn(size: int) -> None:
+    feeds = {"x": RNG.standard_normal((2, 6, 3, 3)).astype(np.float32)}
+    node = helper.make_node("LRN", ["x"], ["y"], size=size, alpha=0.5, beta=0.75, bias=1.5)
+    model = make_model([node], feeds, ["y"], 13)
+    if size % 2:
+        assert_matches_ort(model, feeds, rtol=1e-5, atol=1e-6)
+    else:  # onnxruntime rejects even sizes
+        np.testing.assert_allclose(_run(model, feeds)[0],
+                                   _lrn_reference(feeds["x"], size, 0.5, 0.75, 1.5),
+                                   rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("value", [0, 3])
+def test_nonzero_scalar(value: int) -> None:
+    feeds = {"x": np.array(value, dtype=np.int32)}
+    node = helper.make_node("NonZero", ["x"], ["y"])
+    assert_matches_ort(make_model([node], feeds, ["y"], 13), feeds)

@@ -346,7 +346,15 @@ def _lrn(node: Node, ctx: BindContext) -> Kernel:
     def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
         x = inputs[0]
         assert x is not None
-        return [F.local_response_norm(x, size, alpha, beta, bias)]
+        if size % 2:
+            return [F.local_response_norm(x, size, alpha, beta, bias)]
+        # ONNX windows an even size as floor((size-1)/2) channels before and ceil(...)
+        # after; torch puts the extra channel before. Sum the window explicitly.
+        before, after = (size - 1) // 2, size // 2
+        squares = F.pad((x * x).movedim(1, -1), (before + 1, after)).movedim(-1, 1)
+        totals = squares.cumsum(dim=1)
+        window = totals[:, size:] - totals[:, :-size]
+        return [x / (bias + (alpha / size) * window) ** beta]
     return kernel
 
 

@@ -268,8 +268,7 @@ def _nonzero(node: Node, ctx: BindContext) -> Kernel:
         x = inputs[0]
         assert x is not None
         if x.dim() == 0:
-            return [torch.zeros((0, int(bool(x))), dtype=torch.int64) if not bool(x)
-                    else torch.zeros((0, 1), dtype=torch.int64)]
+            x = x.reshape(1)  # numpy's (and onnxruntime's) view of a scalar: [1, count]
         return [torch.nonzero(x).t().contiguous()]
     return kernel
 
