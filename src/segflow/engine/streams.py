@@ -161,6 +161,8 @@ class TorchCudaBackend:
             return source.to(device.torch, non_blocking=True)
 
     def to_host(self, tensor: Tensor, stream: StreamHandle) -> Tensor:
+        if not tensor.is_cuda:  # e.g. a Shape output: already host memory
+            return tensor
         out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         with torch.cuda.stream(stream):
             out.copy_(tensor, non_blocking=True)

@@ -117,7 +117,7 @@ class RunCompletion(Protocol):
     def wrap(self, index: int, fn: TaskFn, profiled: bool = False) -> TaskFn:
         ...
 
-    def finish(self, outputs: list[Tensor], host_outputs: bool) -> list[Tensor]:
+    def finish(self, outputs: list[Tensor | None], host_outputs: bool) -> list[Tensor | None]:
         ...
 
     @property
@@ -147,7 +147,7 @@ class _HostRun:
     def wrap(self, index: int, fn: TaskFn, profiled: bool = False) -> TaskFn:
         return fn
 
-    def finish(self, outputs: list[Tensor], host_outputs: bool) -> list[Tensor]:
+    def finish(self, outputs: list[Tensor | None], host_outputs: bool) -> list[Tensor | None]:
         return outputs
 
     @property
@@ -247,8 +247,8 @@ class StreamCompletion:
                   self.sync_mode is SyncMode.STREAM else
                   "events between streams, one host wait for the outputs")
         lines = [f"sync mode: {self.sync_mode.value} on {', '.join(devices) or '-'} "
-                 f"({self.backend.name} streams: {ending}; {self.syncs_per_run} "
-                 f"per-task host waits per run)"]
+                 f"({self.backend.name} streams: {ending}; "
+                 f"{self.syncs_per_run} host waits per run at task ends)"]
         if self.cuda_graphs:
             eligible = sum(1 for d in self.decisions if d.eligible)
             lines.append(f"cuda graphs: {eligible} of {len(self.decisions)} segments "
@@ -468,7 +468,7 @@ class _StreamRun:
             self.events[index] = backend.record_event(stream)
 
     # -- outputs -----------------------------------------------------------------------------
-    def finish(self, outputs: list[Tensor], host_outputs: bool) -> list[Tensor]:
+    def finish(self, outputs: list[Tensor | None], host_outputs: bool) -> list[Tensor | None]:
         """Wait once for the outputs (copying them to pinned host memory when asked)."""
         owner = self.owner
         backend = owner.backend
@@ -485,7 +485,7 @@ class _StreamRun:
                     backend.wait_event(stream, event)
                 for i, d in on_device:
                     if d == device:
-                        outputs[i] = backend.to_host(outputs[i], stream)
+                        outputs[i] = backend.to_host(outputs[i], stream)  # type: ignore[arg-type]
                 backend.synchronize_event(backend.record_event(stream))
                 waits += 1
         elif events:

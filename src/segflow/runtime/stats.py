@@ -13,8 +13,10 @@ class RunStats:
     - ``nodes``: compute nodes in the plan (COPY nodes excluded)
     - ``segments``: engine tasks in the plan (bulk segments plus non-SYNC tasks)
     - ``pushes``: engine pushes this run made
-    - ``syncs``: host waits on a device or worker (outputs, LOCAL ops' inputs,
-      and per-task stream synchronizations in ``sync_mode="stream"``)
+    - ``syncs``: host waits on a device or worker: the output wait (1), one per
+      LOCAL task with inputs, and on CUDA one per SYNC/COPY task in
+      ``sync_mode="stream"``, one per event a CPU-device task waits for, and one
+      per CUDA-graph capture (see :mod:`segflow.runtime.completion`)
     - ``kernels``: kernel invocations of top-level nodes
     - ``copies``: cross-device copies
     - ``forward_segments``, ``backward_segments``: the training plan's tasks per phase
