@@ -321,14 +321,14 @@ def roi_align(x: Tensor, rois: Tensor, batch: Tensor, out_h: int, out_w: int, ra
             cols = torch.arange(xs.numel()) // grid_w
             wx.index_put_((cols, xlo), wx_lo, accumulate=True)
             wx.index_put_((cols, xhi), wx_hi, accumulate=True)
-            wy, wx = wy.to(feat.dtype), wx.to(feat.dtype)
+            wy, wx = wy.to(feat.device, feat.dtype), wx.to(feat.device, feat.dtype)
             out[n] = torch.einsum("ph,chw,qw->cpq", wy, feat, wx) / (grid_h * grid_w)
             continue
         corners = []
         for yi, wy_ in ((ylo, wy_lo), (yhi, wy_hi)):
             for xi, wx_ in ((xlo, wx_lo), (xhi, wx_hi)):
-                weight = (wy_.reshape(-1, 1) * wx_.reshape(1, -1)).to(feat.dtype)
-                corners.append(feat[:, yi][:, :, xi] * weight)
+                weight = (wy_.reshape(-1, 1) * wx_.reshape(1, -1)).to(feat.device, feat.dtype)
+                corners.append(feat[:, yi.to(feat.device)][:, :, xi.to(feat.device)] * weight)
         best = torch.stack(corners).amax(dim=0)
         out[n] = best.reshape(channels, out_h, grid_h, out_w, grid_w).amax(dim=(2, 4))
     return out

@@ -150,7 +150,7 @@ def _window(kind: str) -> Callable[[Node, BindContext], Kernel]:
             else:
                 w = (0.42 - 0.5 * torch.cos(n * 2 * math.pi / denom)
                      + 0.08 * torch.cos(n * 4 * math.pi / denom))
-            return [w.to(dtype)]
+            return [w.to(ctx.device, dtype)]
         return kernel
     return bind
 
@@ -186,7 +186,7 @@ def _mel_weight_matrix(node: Node, ctx: BindContext) -> Kernel:
         bins, length, rate = (int(_scalar(t)) for t in inputs[:3])
         lower, upper = _scalar(inputs[3]), _scalar(inputs[4])
         table = mel_weight_matrix(bins, length, rate, lower, upper)
-        return [torch.from_numpy(table).to(dtype)]
+        return [torch.from_numpy(table).to(ctx.device, dtype)]
     return kernel
 
 
@@ -294,7 +294,7 @@ def _tfidf(node: Node, ctx: BindContext) -> Kernel:
 def _optional_has_element(node: Node, ctx: BindContext) -> Kernel:
     def kernel(inputs: Inputs) -> list[Tensor]:
         present = len(inputs) > 0 and inputs[0] is not None
-        return [torch.tensor(present)]
+        return [torch.tensor(present, device=ctx.device)]
     return kernel
 
 
