@@ -40,7 +40,7 @@ def test_dry_run_through_the_shell_script(tmp_path):
     rows = {r["mode"]: r for r in record["bench"]}
     # The fake stream backend makes the CPU dry run count what a GPU run counts.
     nodes = rows["nobulk/stream"]["compute_nodes"]
-    assert rows["nobulk/stream"]["syncs"] == nodes + 1 == 17
+    assert nodes >= 8 and rows["nobulk/stream"]["syncs"] == nodes + 1
     assert rows["bulk/stream"]["syncs"] == 2
     assert rows["bulk/event"]["syncs"] == 1
     assert rows["bulk/event+graphs"]["syncs"] == 1

@@ -19,7 +19,7 @@ from segflow.ir.types import Device
 from segflow.runtime.completion import HostCompletion, StreamCompletion, SyncMode
 
 ENGINES = ["inline", "threaded"]
-LAYERS = 4  # mlp_chain: 4 x (Gemm, Relu) = 8 compute nodes
+LAYERS = 4  # mlp_chain: 4 x (Gemm, Relu)
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +145,8 @@ def test_bulk_off_event_mode_still_one_host_wait(mlp, mlp_feeds, mlp_reference, 
     sess = _session(mlp, fake, engine=engine, bulk=False, sync_mode="event")
     outputs, stats = _steady(sess, fake, mlp_feeds)
     np.testing.assert_array_equal(outputs[0], mlp_reference[0])
-    nodes = 2 * LAYERS
+    nodes = sess.plan.compute_nodes  # one task per node (passes may fuse Gemm+Relu)
+    assert nodes >= LAYERS
     assert stats.pushes == stats.segments == nodes
     assert stats.syncs == fake.host_waits == 1
     # One event per task plus the upload's and the download's; tasks share the compute
@@ -161,9 +162,10 @@ def test_bulk_off_stream_mode_syncs_every_task(mlp, mlp_feeds, mlp_reference, en
     sess = _session(mlp, fake, engine=engine, bulk=False, sync_mode="stream")
     outputs, stats = _steady(sess, fake, mlp_feeds)
     np.testing.assert_array_equal(outputs[0], mlp_reference[0])
-    nodes = 2 * LAYERS
+    nodes = sess.plan.compute_nodes
+    assert nodes >= LAYERS and stats.segments == nodes
     # The founding incident, counted: one synchronization per compute node, plus the output.
-    assert stats.syncs == nodes + 1 == sess.plan.compute_nodes + 1
+    assert stats.syncs == nodes + 1
     assert fake.count("synchronize_stream") == nodes
     assert fake.host_waits == stats.syncs
     assert fake.count("record_event") == 2  # upload and download only

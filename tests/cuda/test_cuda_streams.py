@@ -97,7 +97,7 @@ def test_stream_mode_without_bulk_syncs_every_node(mlp, mlp_feeds, mlp_reference
     out = sess.run(None, mlp_feeds)
     np.testing.assert_allclose(out[0], mlp_reference[0], rtol=1e-5, atol=1e-5)
     stats = sess.last_run_stats
-    assert stats.syncs == sess.plan.compute_nodes + 1 == 2 * MLP["layers"] + 1
+    assert stats.syncs == sess.plan.compute_nodes + 1 and stats.segments >= MLP["layers"]
     counts = count_api_calls(lambda: sess.run(None, mlp_feeds), runs=2)
     assert counts.syncs == 2 * stats.syncs
 
