@@ -3,8 +3,6 @@ environment variables, run counters, engines, prediction, a real training run.""
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 import torch
@@ -295,9 +293,7 @@ def test_digits_cnn_reaches_95_percent() -> None:
     pytest.importorskip("sklearn")
     from segflow.training_demo import train
 
-    start = time.perf_counter()
+    # Time is reported by `segflow train-demo`, never asserted (DESIGN.md: no timed tests).
     result = train(epochs=5, progress=False)
-    elapsed = time.perf_counter() - start
     assert result.test_accuracy >= 0.95, [r.test_accuracy for r in result.epochs]
-    assert elapsed < 120.0
     assert result.epochs[-1].loss < result.epochs[0].loss
