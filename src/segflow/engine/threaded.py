@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 
 from segflow.engine.base import AsyncTask, ExecType, Task, Var
@@ -57,6 +58,10 @@ class ThreadedEngine:
         self._unfinished = 0
         self._idle = threading.Condition(self._lock)
         self._closed = False
+        # Workers must be stopped before the interpreter shuts down: a daemon thread still
+        # inside a torch kernel during finalization aborts the process. The finalizer holds
+        # only the queues and threads, not the engine, so the engine can still be collected.
+        self._finalizer = weakref.finalize(self, _stop_workers, self._queues, self._threads)
 
     # -- pushing -----------------------------------------------------------------------
     def push(self, fn: Task | AsyncTask, reads: Sequence[Var], writes: Sequence[Var],
@@ -209,18 +214,18 @@ class ThreadedEngine:
                 self._idle.wait()
 
     def close(self) -> None:
+        """Finish the tasks already queued, then stop the workers (idempotent)."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            queues = list(self._queues.values())
-        for q in queues:
-            q.put(None)
-        for thread in self._threads:
-            thread.join(timeout=5)
+        self._finalizer()
 
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
+
+def _stop_workers(queues: dict[str, queue.SimpleQueue[_Task | None]],
+                  threads: list[threading.Thread]) -> None:
+    for q in list(queues.values()):
+        q.put(None)
+    for thread in list(threads):
+        if thread is not threading.current_thread():
+            thread.join(timeout=30)
