@@ -225,10 +225,11 @@ def _identity(node: Node, ctx: BindContext) -> Kernel:
 def _constant_of_shape(node: Node, ctx: BindContext) -> Kernel:
     value = node.attrs.get("value")
     fill = value.reshape(-1)[0] if isinstance(value, Tensor) else torch.tensor(0.0)
+    fill_value, fill_dtype, device = fill.item(), fill.dtype, ctx.device
 
     def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
         shape = ints(inputs[0])
-        return [torch.full(shape, fill.item(), dtype=fill.dtype)]
+        return [torch.full(shape, fill_value, dtype=fill_dtype, device=device)]
     return kernel
 
 
@@ -237,7 +238,9 @@ def _range(node: Node, ctx: BindContext) -> Kernel:
         start, limit, delta = inputs
         assert start is not None and limit is not None and delta is not None
         n = max(0, math.ceil((limit.item() - start.item()) / delta.item()))
-        return [start + torch.arange(n, dtype=start.dtype) * delta]
+        # Bounds are read on the host; the result lives on the session's device.
+        steps = torch.arange(n, dtype=start.dtype, device=ctx.device)
+        return [start.to(ctx.device) + steps * delta.to(ctx.device)]
     return kernel
 
 
