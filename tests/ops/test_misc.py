@@ -311,3 +311,51 @@ def test_optional_ops_on_tensors() -> None:
     has, none, y = _run(make_model(nodes, feeds, ["has", "none", "y"], 18), feeds)
     assert bool(has) and not bool(none)
     np.testing.assert_array_equal(y, feeds["x"])
+
+
+# -- random generators (statistical and determinism checks: values cannot match other RNGs) --
+
+@pytest.mark.parametrize(("op", "attrs"), [
+    ("RandomNormal", {"mean": 2.0, "scale": 0.5}), ("RandomUniform", {"low": -1.0, "high": 3.0})])
+def test_random_shape_dtype_and_moments(op: str, attrs: dict[str, float]) -> None:
+    node = helper.make_node(op, [], ["y"], shape=[200, 50], dtype=TensorProto.DOUBLE, seed=3.0,
+                            **attrs)
+    y = _run(make_model([node], {}, ["y"], 13), {})[0]
+    assert y.shape == (200, 50) and y.dtype == np.float64
+    if op == "RandomNormal":
+        assert abs(y.mean() - 2.0) < 0.02 and abs(y.std() - 0.5) < 0.02
+    else:
+        assert y.min() >= -1.0 and y.max() < 3.0 and abs(y.mean() - 1.0) < 0.05
+
+
+def test_random_seed_is_deterministic_and_advances() -> None:
+    feeds = {"x": np.zeros((3, 4), np.float16)}
+    node = helper.make_node("RandomUniformLike", ["x"], ["y"], seed=7.0)
+    model = make_model([node], feeds, ["y"], 13)
+    first = segflow.InferenceSession(model, engine="inline")
+    second = segflow.InferenceSession(model, engine="inline")
+    a, b = first.run(None, feeds)[0], first.run(None, feeds)[0]
+    assert a.dtype == np.float16 and a.shape == (3, 4)
+    assert not np.array_equal(a, b)  # one session's runs continue the sequence
+    np.testing.assert_array_equal(second.run(None, feeds)[0], a)
+
+
+def test_random_normal_like_dtype_override() -> None:
+    feeds = {"x": np.zeros((2, 3), np.int32)}
+    node = helper.make_node("RandomNormalLike", ["x"], ["y"], dtype=TensorProto.FLOAT)
+    y = _run(make_model([node], feeds, ["y"], 13), feeds)[0]
+    assert y.dtype == np.float32 and y.shape == (2, 3)
+
+
+def test_bernoulli_and_multinomial() -> None:
+    feeds = {"p": np.array([[0.0, 1.0, 0.5]] * 200, np.float32)}
+    node = helper.make_node("Bernoulli", ["p"], ["y"], seed=1.0)
+    y = _run(make_model([node], feeds, ["y"], 15), feeds)[0]
+    assert y.dtype == np.float32 and set(np.unique(y)) <= {0.0, 1.0}
+    assert (y[:, 0] == 0).all() and (y[:, 1] == 1).all() and 0.35 < y[:, 2].mean() < 0.65
+    logits = {"l": np.log(np.array([[0.7, 0.2, 0.1, 1e-9]], np.float32))}
+    node = helper.make_node("Multinomial", ["l"], ["s"], sample_size=2000, seed=2.0)
+    s = _run(make_model([node], logits, ["s"], 7), logits)[0]
+    assert s.dtype == np.int32 and s.shape == (1, 2000)
+    counts = np.bincount(s[0], minlength=4) / 2000
+    np.testing.assert_allclose(counts, [0.7, 0.2, 0.1, 0.0], atol=0.04)

@@ -1,6 +1,10 @@
-"""Signal processing, text features and sequence-reordering ops: DFT, STFT, window
-functions, MelWeightMatrix, TfIdfVectorizer (integer tokens), ReverseSequence, and
-OptionalHasElement/OptionalGetElement over plain tensors.
+"""Signal processing, text features, random generators and sequence-reordering ops: DFT,
+STFT, window functions, MelWeightMatrix, TfIdfVectorizer (integer tokens), RandomNormal/
+RandomUniform(Like), Bernoulli, Multinomial, ReverseSequence, and OptionalHasElement/
+OptionalGetElement over plain tensors.
+
+A ``seed`` attribute seeds a generator owned by the bound kernel: runs of one session
+continue its sequence (as onnxruntime does), and two sessions with the same seed agree.
 
 Complex tensors follow ONNX's convention: a trailing axis of size 2 holds
 (real, imaginary); a trailing axis of size 1 is a real signal. Ops whose
@@ -307,6 +311,76 @@ def _optional_get_element(node: Node, ctx: BindContext) -> Kernel:
     return kernel
 
 
+# -- random generators -------------------------------------------------------------------
+
+def _generator(node: Node, ctx: BindContext) -> torch.Generator | None:
+    """A generator seeded from the node's ``seed`` (advancing run to run), else torch's global."""
+    if "seed" not in node.attrs:
+        return None
+    gen = torch.Generator(device=ctx.device)
+    gen.manual_seed(int(float(node.attrs["seed"])))
+    return gen
+
+
+def _random_dtype(node: Node, like: Tensor | None) -> torch.dtype:
+    code = node.attrs.get("dtype")
+    if code is not None:
+        return DType.from_onnx(int(code)).torch
+    return like.dtype if like is not None else torch.float32
+
+
+def _random(normal: bool, like: bool) -> Callable[[Node, BindContext], Kernel]:
+    """RandomNormal/RandomUniform and their *Like forms (shape from the input)."""
+
+    def bind(node: Node, ctx: BindContext) -> Kernel:
+        gen = _generator(node, ctx)
+        attrs = node.attrs
+        a, b = ((float(attrs.get("mean", 0.0)), float(attrs.get("scale", 1.0))) if normal
+                else (float(attrs.get("low", 0.0)), float(attrs.get("high", 1.0))))
+        shape = None if like else [int(d) for d in attrs["shape"]]
+        fixed_dtype = None if like else _random_dtype(node, None)
+
+        def kernel(inputs: Inputs) -> list[Tensor]:
+            src = inputs[0] if like else None
+            size = list(src.shape) if src is not None else shape
+            dtype = fixed_dtype or _random_dtype(node, src)
+            work = torch.empty(size or [], dtype=torch.float64 if dtype == torch.float64
+                               else torch.float32, device=ctx.device)
+            if normal:
+                work.normal_(a, b, generator=gen)
+            else:
+                work.uniform_(a, b, generator=gen)
+            return [work.to(dtype)]
+        return kernel
+    return bind
+
+
+def _bernoulli(node: Node, ctx: BindContext) -> Kernel:
+    gen = _generator(node, ctx)
+
+    def kernel(inputs: Inputs) -> list[Tensor]:
+        p = inputs[0]
+        assert p is not None
+        draw = torch.bernoulli(p.to(torch.float64 if p.dtype == torch.float64
+                                    else torch.float32), generator=gen)
+        return [draw.to(_random_dtype(node, p))]
+    return kernel
+
+
+def _multinomial(node: Node, ctx: BindContext) -> Kernel:
+    gen = _generator(node, ctx)
+    samples = int(node.attrs.get("sample_size", 1))
+    dtype = DType.from_onnx(int(node.attrs.get("dtype", 6))).torch
+
+    def kernel(inputs: Inputs) -> list[Tensor]:
+        logits = inputs[0]
+        assert logits is not None
+        # Input rows are unnormalized log-probabilities; sampling is with replacement.
+        probs = torch.softmax(logits.to(torch.float64), dim=-1)
+        return [torch.multinomial(probs, samples, replacement=True, generator=gen).to(dtype)]
+    return kernel
+
+
 OPS: list[OpDef] = [
     OpDef("DFT", _dft, since=17, classify=_local_unless_const(1, 2)),
     OpDef("STFT", _stft, since=17, classify=_local_unless_const(1, 3)),
@@ -320,4 +394,10 @@ OPS: list[OpDef] = [
           doc="host-side n-gram counting"),
     OpDef("OptionalHasElement", _optional_has_element, since=15),
     OpDef("OptionalGetElement", _optional_get_element, since=15),
+    OpDef("RandomNormal", _random(normal=True, like=False)),
+    OpDef("RandomUniform", _random(normal=False, like=False)),
+    OpDef("RandomNormalLike", _random(normal=True, like=True)),
+    OpDef("RandomUniformLike", _random(normal=False, like=True)),
+    OpDef("Bernoulli", _bernoulli, since=15),
+    OpDef("Multinomial", _multinomial, since=7),
 ]
