@@ -56,8 +56,9 @@ def test_benchmark_measures_modes_and_peers() -> None:
     assert all(v.ok for v in result.variants), [v.detail for v in result.variants]
     assert result.rounds == 4 and result.reference == "bulk"
     bulk, nobulk, ort, torch_peer = result.variants
-    assert bulk.counters == {"segments": 1, "pushes": 1, "syncs": 1, "kernels": 6, "copies": 0}
-    assert nobulk.counters is not None and nobulk.counters["pushes"] == 6
+    # 3 Gemm + Relu layers: 3 fused kernels
+    assert bulk.counters == {"segments": 1, "pushes": 1, "syncs": 1, "kernels": 3, "copies": 0}
+    assert nobulk.counters is not None and nobulk.counters["pushes"] == 3
     assert bulk.relative == 1.0
     assert ort.kind is VariantKind.PEER and ort.counters is None
     for v in result.variants:
@@ -123,7 +124,7 @@ def test_record_is_machine_readable() -> None:
     assert model["model"] == TINY and model["shapes"] == {"x": [1, 64]}
     assert model["device"] == "cpu:0" and model["batch_size"] == 1
     bulk = model["variants"][0]
-    assert bulk["kind"] == "segflow" and bulk["counters"]["kernels"] == 6
+    assert bulk["kind"] == "segflow" and bulk["counters"]["kernels"] == 3
     assert bulk["settings"]["inference"] is True and bulk["settings"]["engine"] == "threaded"
     assert set(bulk["latency"]) >= {"p50_ms", "p90_ms", "p99_ms", "throughput"}
     assert "bulk/onnxruntime" in model["ratios"]

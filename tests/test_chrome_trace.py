@@ -60,7 +60,7 @@ def test_segment_spans_contain_their_nodes() -> None:
                   and s["ts"] <= node["ts"] and node["ts"] + node["dur"] <= s["ts"] + s["dur"]]
         assert len(owners) == 1
         assert owners[0]["args"]["segment"] == node["args"]["segment"]
-    assert all(node["args"]["op"] in ("Gemm", "Relu") for node in nodes)
+    assert all(node["args"]["op"] == "FusedGemm" for node in nodes)  # Gemm+Relu, fused
 
 
 def test_trace_survives_json_of_any_args() -> None:

@@ -68,7 +68,7 @@ def test_explain_names_the_local_op(capsys):
 
 def test_explain_bulk_off(capsys):
     code, out, _ = run_cli(capsys, "explain", "builtin:mlp_chain", "--bulk", "off")
-    assert code == 0 and "bulking disabled" in out and "400 tasks" in out
+    assert code == 0 and "bulking disabled" in out and "200 tasks" in out
 
 
 @pytest.mark.parametrize("argv,fragment", [

@@ -129,7 +129,7 @@ def test_table_and_summary() -> None:
     assert ops == sorted(ops, key=lambda r: -r.total_ns)
     assert all(r.min_ns <= r.avg_ns <= r.max_ns for r in ops)
     summary = prof.summary()
-    assert summary["ops"]["Gemm"]["calls"] == 4
+    assert summary["ops"]["FusedGemm"]["calls"] == 4
     assert summary["engine"]["run"]["share"] == pytest.approx(1.0)
     assert set(summary) >= {"runs", "pushes", "syncs", "kernels", "engine", "ops", "threads"}
     limited = prof.table(limit=2)

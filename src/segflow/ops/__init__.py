@@ -9,6 +9,7 @@ from segflow.ops import (
     control,
     copy,
     elementwise,
+    fused,
     image,
     indexing,
     linalg,
@@ -22,6 +23,6 @@ from segflow.ops import (
 from segflow.ops.registry import BindContext, Kernel, OpDef, OpRegistry, default_registry
 
 ALL_FAMILIES = (elementwise, nn, tensor, reduce, indexing, image, control, rnn, quant, linalg,
-                misc, copy, backward)
+                misc, copy, backward, fused)
 
 __all__ = ["ALL_FAMILIES", "BindContext", "Kernel", "OpDef", "OpRegistry", "default_registry"]

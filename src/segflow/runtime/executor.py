@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -35,6 +36,7 @@ from segflow.runtime.binding import (
     node_reads,
     run_steps,
 )
+from segflow.runtime.compile import SegmentCompiler, SegmentFn
 from segflow.runtime.completion import SyncMode, make_completion
 from segflow.runtime.cudagraph import host_only_constants
 from segflow.runtime.plan import Plan
@@ -58,7 +60,8 @@ class Executor:
     def __init__(self, plan: Plan, registry: OpRegistry, engine: Engine,
                  settings_record: dict[str, object] | None = None, *,
                  sync_mode: str | SyncMode = SyncMode.EVENT, cuda_graphs: bool = False,
-                 stream_backend: StreamBackend | None = None) -> None:
+                 stream_backend: StreamBackend | None = None,
+                 compiler: SegmentCompiler | None = None) -> None:
         self.plan = plan
         self.engine = engine
         self.settings_record = dict(settings_record or {})
@@ -117,6 +120,11 @@ class Executor:
                                           backend=stream_backend)
         self.settings_record.setdefault("sync_mode", self.completion.sync_mode.value)
         self.settings_record.setdefault("cuda_graphs", cuda_graphs)
+        # Compiled bulk segments (runtime/compile.py): one callable over the slot array each.
+        self.compiled: list[SegmentFn | None] = (
+            compiler.compile_tasks([(t.segment, t.steps) for t in self.tasks], self.template,
+                                   self.output_slots)
+            if compiler is not None else [None] * len(self.tasks))
 
     def _assign_releases(self, outputs: Sequence[Value]) -> None:
         """Release each computed value after its last use when that is provably safe.
@@ -171,8 +179,8 @@ class Executor:
         pushed_at = [0]  # the current push's start, for a LOCAL task's host-wait span
         for index, task in enumerate(self.tasks):
             seg = task.segment
-            fn = self._task_fn(task.steps, env) if sink is None else _profiled_task(
-                task, env, sink, pushed_at)
+            fn = (self._task_fn(task.steps, env, self.compiled[index]) if sink is None
+                  else _profiled_task(task, env, sink, pushed_at))
             fn = completion.wrap(index, fn, sink is not None)
             t0 = pushed_at[0] = time.perf_counter_ns() if sink is not None else 0
             engine.push(fn, [run_vars[d] for d in task.reads],
@@ -210,7 +218,10 @@ class Executor:
         return outputs, stats  # type: ignore[return-value]
 
     @staticmethod
-    def _task_fn(steps: list[Step], env: list[Tensor | None]) -> Callable[[], None]:
+    def _task_fn(steps: list[Step], env: list[Tensor | None],
+                 compiled: SegmentFn | None = None) -> Callable[[], None]:
+        if compiled is not None:
+            return partial(compiled, env)
         def task() -> None:
             run_steps(steps, env)
         return task

@@ -9,7 +9,7 @@ from segflow.engine.base import ExecType
 from segflow.ir.graph import Graph, Node
 from segflow.ir.types import Device
 from segflow.ops.registry import OpDef, OpRegistry
-from segflow.passes.place import COPY_DOMAIN, place
+from segflow.passes.place import COPY_DOMAIN, COPY_OP, place
 from segflow.passes.segment import Phase, Segment, segment_nodes
 from segflow.settings import BulkSettings
 
@@ -27,7 +27,9 @@ class Plan:
 
     @property
     def compute_nodes(self) -> int:
-        return sum(1 for s in self.segments for n in s.nodes if n.domain != COPY_DOMAIN)
+        # Fused ops share the segflow domain with Copy; only Copy nodes are not compute.
+        return sum(1 for s in self.segments for n in s.nodes
+                   if not (n.domain == COPY_DOMAIN and n.op_type == COPY_OP))
 
     @property
     def copy_tasks(self) -> int:

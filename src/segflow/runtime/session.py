@@ -27,7 +27,9 @@ from segflow.frontend.onnx_import import import_model
 from segflow.ir.graph import Value
 from segflow.ir.types import Device, Dim, DType, TensorSpec
 from segflow.ops.registry import OpRegistry, default_registry
+from segflow.passes.pipeline import OptimizeOptions, configure_threads, run_pipeline
 from segflow.profiler.sink import active_sink
+from segflow.runtime.compile import SegmentCompiler
 from segflow.runtime.completion import SyncMode
 from segflow.runtime.executor import Executor
 from segflow.runtime.plan import Plan, make_plan
@@ -61,27 +63,45 @@ class InferenceSession:
             once for the outputs) or ``"stream"`` (a stream synchronize after every task).
         cuda_graphs: on CUDA, capture eligible bulk segments as CUDA graphs and replay them.
         stream_backend: the device stream backend (tests pass a fake one; default CUDA).
+        optimize: run the optimization passes (True/False, or ``{"fuse": False, ...}`` per
+            pass; None: ``SEGFLOW_OPTIMIZE`` and ``SEGFLOW_NO_*``, default all on).
+        compile: segment backend, ``"auto"`` | ``"codegen"`` | ``"inductor"`` | ``"none"``
+            (None: ``SEGFLOW_COMPILE``, default auto = codegen).
+        intra_op_threads: torch intra-op threads (process-wide; None: ``SEGFLOW_INTRA_OP_THREADS``,
+            else torch's default from ``OMP_NUM_THREADS`` / the core count).
     """
 
     def __init__(self, model: ModelSource, device: str | Device = "cpu", *,
                  bulk: bool | None = None, engine: str | None = None,
                  placement: Mapping[str, str | Device] | None = None,
                  registry: OpRegistry | None = None, sync_mode: str = "event",
-                 cuda_graphs: bool = False, stream_backend: StreamBackend | None = None) -> None:
+                 cuda_graphs: bool = False, stream_backend: StreamBackend | None = None,
+                 optimize: bool | Mapping[str, bool] | None = None, compile: str | None = None,
+                 intra_op_threads: int | None = None) -> None:
         self.device = Device.parse(device)
         self.registry = registry or default_registry()
         self.graph = import_model(model, self.registry)
         self.settings = BulkSettings.resolve(inference=bulk)
         self.engine_name = resolve_engine(engine)
+        self.options = OptimizeOptions.resolve(optimize, compile=compile,
+                                               intra_op_threads=intra_op_threads)
+        threads = configure_threads(self.options)
+        pipeline = run_pipeline(self.graph, self.options, registry=self.registry,
+                                device=None if placement else self.device)
         self.plan: Plan = make_plan(self.graph, self.registry, self.settings, self.device,
-                                    placement)
+                                    placement, pass_log=pipeline.log)
         self._engine = make_engine(self.engine_name)
         record: dict[str, object] = {"device": str(self.device), **self.settings.as_dict(),
                                      "sync_mode": SyncMode.parse(sync_mode).value,
-                                     "cuda_graphs": cuda_graphs}
+                                     "cuda_graphs": cuda_graphs, **self.options.as_record(),
+                                     "intra_op_threads": threads,
+                                     **(pipeline.memory.as_record() if pipeline.memory else {})}
+        compiler = SegmentCompiler(self.options.compile, pipeline.memory, self.device.torch)
         self._executor = Executor(self.plan, self.registry, self._engine, record,
                                   sync_mode=sync_mode, cuda_graphs=cuda_graphs,
-                                  stream_backend=stream_backend)
+                                  stream_backend=stream_backend, compiler=compiler)
+        # Compile time (not a setting, not run time): compile_report.compile_time_s.
+        self.compile_report = compiler.report
         self._const_storages = {_storage(t) for t in self._executor.template
                                 if t is not None}
         self._local = threading.local()
@@ -244,6 +264,8 @@ def _check_dim(name: str, axis: int, want: Dim, have: int, spec: TensorSpec,
 
 
 def _storage(tensor: Tensor) -> int:
+    if tensor.is_mkldnn:  # an opaque prepacked weight (passes/layout.py): never an output
+        return id(tensor)
     return tensor.untyped_storage().data_ptr()
 
 

@@ -1,0 +1,313 @@
+"""The CPU target table: segflow against onnxruntime and PyTorch eager, interleaved.
+
+Every runtime runs the same model in the same process, in rounds: each round
+runs every runtime ``--per-round`` times (the order rotates per round), so
+machine noise hits all of them alike. A ratio is the median over rounds of
+(segflow median / peer median) within the round.
+
+    python benchmarks/cpu_targets.py                       # the full table
+    python benchmarks/cpu_targets.py --cases mlp_chain --rounds 30
+    python benchmarks/cpu_targets.py --cases resnet50 --variants "default;compile=none;layout=off"
+    python benchmarks/cpu_targets.py --memory               # peak memory, ResNet-50 batch 1
+
+Peers: onnxruntime with default session options (CPU provider), torch eager
+(``segflow.models.torch_module``) under ``torch.inference_mode``. segflow runs
+with its defaults unless ``--variants`` says otherwise (``key=value`` pairs
+joined by ``,``: ``compile``, ``engine``, ``threads``, and pass switches
+``fold_constants``/``fuse``/``layout``/``plan_memory`` = on|off).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+Runner = Callable[[], object]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One row of the table: a builder model at a batch size and its targets."""
+
+    model: str
+    batch: int = 1
+    options: Mapping[str, int] = field(default_factory=dict)
+    target_ort: float | None = None     # segflow / onnxruntime must be <= this
+    target_eager: float | None = None   # segflow / torch eager must be <= this
+
+    @property
+    def label(self) -> str:
+        return f"{self.model}@{self.batch}"
+
+
+CASES = {
+    "resnet50": Case("resnet50", 1, target_ort=1.0),
+    "resnet50@8": Case("resnet50", 8, target_ort=1.0),
+    "mobilenet_v2": Case("mobilenet_v2", 1, target_ort=1.0),
+    "bert_base": Case("bert_base", 1, {"seq_len": 128}, target_ort=1.0),
+    "mlp_chain": Case("mlp_chain", 1, target_eager=0.5),
+}
+
+
+def _segflow_kwargs(variant: str) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {}
+    passes: dict[str, bool] = {}
+    for item in filter(None, (p.strip() for p in variant.split(","))):
+        if item == "default":
+            continue
+        key, _, value = item.partition("=")
+        if key in ("fold_constants", "fuse", "layout", "plan_memory"):
+            passes[key] = value not in ("off", "0", "false")
+        elif key == "threads":
+            kwargs["intra_op_threads"] = int(value)
+        elif key in ("compile", "engine"):
+            kwargs[key] = value
+        else:
+            raise SystemExit(f"unknown variant key {key!r} in {variant!r}")
+    if passes:
+        kwargs["optimize"] = passes
+    return kwargs
+
+
+def build_runners(case: Case, variants: list[str]) -> tuple[dict[str, Runner], dict[str, str]]:
+    import onnxruntime as ort
+    import torch
+
+    import segflow
+    from segflow import models
+
+    build_opts = {k: v for k, v in case.options.items() if k != "seq_len"}
+    model = models.build(case.model, **build_opts)
+    feeds = models.example_inputs(case.model, batch_size=case.batch, **case.options)
+    runners: dict[str, Runner] = {}
+    notes: dict[str, str] = {}
+    for variant in variants:
+        start = time.perf_counter()
+        sess = segflow.InferenceSession(model, **_segflow_kwargs(variant))
+        load = time.perf_counter() - start
+        name = "segflow" if variant == "default" else f"segflow[{variant}]"
+        runners[name] = (lambda s=sess: s.run(None, feeds))
+        report = sess.compile_report
+        notes[name] = (f"load {load:.2f} s (compile {report.compile_time_s * 1e3:.0f} ms, "
+                       f"backend {report.backend}); "
+                       + "; ".join(line for line in sess.plan.pass_log
+                                   if line.startswith(("fuse", "plan_memory"))))
+    ort_sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    runners["onnxruntime"] = lambda: ort_sess.run(None, feeds)
+    module = models.torch_module(case.model, **build_opts)
+    tensors = {k: torch.from_numpy(v) for k, v in feeds.items()}
+
+    def eager() -> object:
+        with torch.inference_mode():
+            return module(**tensors)
+    runners["torch"] = eager
+    return runners, notes
+
+
+def measure(runners: Mapping[str, Runner], rounds: int, per_round: int, warmup: int
+            ) -> dict[str, list[list[float]]]:
+    """Per runtime, per round: the latencies (seconds) of ``per_round`` calls."""
+    names = list(runners)
+    for name in names:
+        for _ in range(warmup):
+            runners[name]()
+    samples: dict[str, list[list[float]]] = {name: [] for name in names}
+    clock = time.perf_counter
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order:
+            run = runners[name]
+            times = []
+            for _ in range(per_round):
+                t0 = clock()
+                run()
+                times.append(clock() - t0)
+            samples[name].append(times)
+    return samples
+
+
+def ratio(samples: dict[str, list[list[float]]], a: str, b: str) -> float:
+    """Median over rounds of (median of a / median of b) within the round."""
+    return statistics.median(statistics.median(x) / statistics.median(y)
+                             for x, y in zip(samples[a], samples[b]))
+
+
+def overall_ms(times: list[list[float]]) -> float:
+    return statistics.median(t for rnd in times for t in rnd) * 1e3
+
+
+def run_table(cases: list[Case], variants: list[str], rounds: int, per_round: int,
+              warmup: int) -> list[dict[str, Any]]:
+    rows = []
+    for case in cases:
+        runners, notes = build_runners(case, variants)
+        samples = measure(runners, rounds, per_round, warmup)
+        for name, note in notes.items():
+            print(f"  {case.label} {name}: {note}", flush=True)
+        for name in [n for n in runners if n.startswith("segflow")]:
+            row = {"case": case.label, "runtime": name,
+                   "ms": overall_ms(samples[name]),
+                   "ort_ms": overall_ms(samples["onnxruntime"]),
+                   "eager_ms": overall_ms(samples["torch"]),
+                   "vs_ort": ratio(samples, name, "onnxruntime"),
+                   "vs_eager": ratio(samples, name, "torch"),
+                   "target": _target(case)}
+            row["pass"] = _passes(case, row)
+            rows.append(row)
+            print(_format_row(row), flush=True)
+    return rows
+
+
+def _target(case: Case) -> str:
+    parts = []
+    if case.target_ort is not None:
+        parts.append(f"<= {case.target_ort:.2f}x ort")
+    if case.target_eager is not None:
+        parts.append(f"<= {case.target_eager:.2f}x eager")
+    return ", ".join(parts)
+
+
+def _passes(case: Case, row: Mapping[str, Any]) -> bool:
+    ok = True
+    if case.target_ort is not None:
+        ok &= row["vs_ort"] <= case.target_ort
+    if case.target_eager is not None:
+        ok &= row["vs_eager"] <= case.target_eager
+    return bool(ok)
+
+
+HEADER = (f"{'case':<16} {'runtime':<28} {'segflow ms':>10} {'ort ms':>9} {'eager ms':>9} "
+          f"{'sf/ort':>7} {'sf/eager':>8}  target")
+
+
+def _format_row(row: Mapping[str, Any]) -> str:
+    return (f"{row['case']:<16} {row['runtime']:<28} {row['ms']:>10.2f} {row['ort_ms']:>9.2f} "
+            f"{row['eager_ms']:>9.2f} {row['vs_ort']:>7.2f} {row['vs_eager']:>8.2f}  "
+            f"{row['target']} {'PASS' if row['pass'] else 'MISS'}")
+
+
+# -- memory --------------------------------------------------------------------------------
+def _status_kib(field_name: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field_name} not in /proc/self/status")
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _trim() -> None:
+    import ctypes
+    import ctypes.util
+
+    ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
+
+
+def memory_child(runtime: str, case: Case, runs: int) -> dict[str, float]:
+    """In a fresh process: MiB for loading a session, and the peak a run adds above that."""
+    import onnxruntime as ort
+    import torch
+
+    import segflow
+    from segflow import models
+
+    build_opts = {k: v for k, v in case.options.items() if k != "seq_len"}
+    model = models.build(case.model, **build_opts)
+    data = model.SerializeToString()
+    feeds = models.example_inputs(case.model, batch_size=case.batch, **case.options)
+    _trim()
+    before = _status_kib("VmRSS")
+    _reset_peak()
+    if runtime == "onnxruntime":
+        sess: Any = ort.InferenceSession(data, providers=["CPUExecutionProvider"])
+        run: Runner = lambda: sess.run(None, feeds)  # noqa: E731
+    elif runtime == "torch":
+        module = models.torch_module(case.model, **build_opts)
+        tensors = {k: torch.from_numpy(v) for k, v in feeds.items()}
+
+        def run() -> object:
+            with torch.inference_mode():
+                return module(**tensors)
+    else:
+        sess = segflow.InferenceSession(model)
+        run = lambda: sess.run(None, feeds)  # noqa: E731
+    load_peak = _status_kib("VmHWM") - before
+    _trim()
+    loaded = _status_kib("VmRSS")
+    _reset_peak()
+    for _ in range(runs):
+        run()
+    run_peak = _status_kib("VmHWM") - loaded
+    result = {"loaded_mib": (loaded - before) / 1024, "load_peak_mib": load_peak / 1024,
+              "run_peak_mib": run_peak / 1024}
+    if runtime == "segflow":
+        planned = sess.last_run_stats.settings.get("memory_planned_peak_bytes", 0)
+        result["planned_mib"] = planned / (1 << 20)
+    return result
+
+
+def run_memory(case: Case, runs: int) -> dict[str, dict[str, float]]:
+    results = {}
+    for runtime in ("segflow", "onnxruntime", "torch"):
+        out = subprocess.run([sys.executable, __file__, "--memory-child", runtime,
+                              "--cases", case.label.replace("@1", ""), "--runs", str(runs)],
+                             capture_output=True, text=True, check=True, env=dict(os.environ))
+        results[runtime] = json.loads(out.stdout.strip().splitlines()[-1])
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default=",".join(CASES),
+                        help=f"comma-separated, from {', '.join(CASES)}")
+    parser.add_argument("--variants", default="default",
+                        help="segflow configurations, ';'-separated (see module docstring)")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--per-round", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--memory", action="store_true", help="peak memory, fresh processes")
+    parser.add_argument("--runs", type=int, default=5, help="runs per memory measurement")
+    parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--memory-child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    cases = [CASES[name] for name in args.cases.split(",") if name]
+    if args.memory_child:
+        print(json.dumps(memory_child(args.memory_child, cases[0], args.runs)))
+        return 0
+    import torch
+
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads, "
+          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}", flush=True)
+    if args.memory:
+        case = cases[0]
+        results = run_memory(case, args.runs)
+        print(f"peak memory, {case.label} (MiB; run peak = high-water mark during {args.runs} "
+              "runs above the loaded session)")
+        for runtime, r in results.items():
+            extra = f", planned {r['planned_mib']:.1f}" if "planned_mib" in r else ""
+            print(f"  {runtime:<12} loaded {r['loaded_mib']:7.1f}  load peak "
+                  f"{r['load_peak_mib']:7.1f}  run peak {r['run_peak_mib']:6.1f}{extra}")
+        return 0
+    print(HEADER)
+    rows = run_table(cases, [v.strip() for v in args.variants.split(";") if v.strip()],
+                     args.rounds, args.per_round, args.warmup)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

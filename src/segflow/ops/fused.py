@@ -1,0 +1,400 @@
+"""Fused operators (domain ``segflow``) created by the fuse pass.
+
+Each fused op is one kernel: it counts as one node and one kernel in RunStats.
+
+- ``FusedConv(X, W, B?, Z?)``: ``act(conv(X, W) + B + Z)``. ``Z`` is an optional
+  residual added before the activation (ResNet's Conv -> Add -> Relu).
+- ``FusedGemm(X, W, B?)``: ``act(X @ W^T + B)`` with ``W`` in ``[N, K]`` (torch
+  ``Linear``) layout; ``X`` may have any rank >= 2.
+- ``Attention(Q, Kt, V, M?)``: ``softmax(Q @ Kt * scale + M) @ V`` (``Kt`` is K
+  already transposed, as exporters emit it).
+
+Every fused op has a plain-torch path that works on any device. On CPU the
+convolution runs through oneDNN (``torch.ops.mkldnn._convolution_pointwise``)
+when the layout pass has prepacked its weight, and large linears run through
+oneDNN's matmul, which beats the MKL sgemm path on CPUs MKL does not tune for.
+
+Besides the OpDef rows, :func:`inline_fused` gives the codegen backend
+(``runtime/compile.py``) an expression per node, so a compiled segment calls
+the torch op directly instead of going through the kernel wrapper.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from segflow.ir.graph import Node
+from segflow.ops.registry import BindContext, Kernel, OpDef
+
+Tensor = torch.Tensor
+FUSED_DOMAIN = "segflow"
+
+# Below this many multiply-adds per call, MKL's addmm (a few microseconds of fixed cost)
+# beats oneDNN's matmul (~10 us of primitive overhead); above it oneDNN wins (2-3x on the
+# AMD EPYC we measured, where MKL takes a slow code path). Measured with benchmarks/.
+LINEAR_ONEDNN_MIN_MACS = 1 << 21
+
+
+def onednn_available() -> bool:
+    """Whether torch ships the oneDNN fused CPU ops this module uses."""
+    return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn,
+                                                                  "_convolution_pointwise")
+
+
+@dataclass(frozen=True, slots=True)
+class Activation:
+    """One activation a fused op may end with: its torch form and its oneDNN post-op."""
+
+    name: str
+    apply: Callable[[Tensor, Sequence[float]], Tensor]
+    # (attr, algorithm) for oneDNN, or None when oneDNN has no exact equivalent.
+    onednn: Callable[[Sequence[float]], tuple[str, list[float], str] | None]
+    inplace: Callable[[Tensor, Sequence[float]], Tensor] | None = None
+
+
+def _clip_onednn(p: Sequence[float]) -> tuple[str, list[float], str] | None:
+    lo, hi = p
+    if math.isinf(lo) or math.isinf(hi):
+        return None
+    return ("hardtanh", [lo, hi], "")
+
+
+def _hardsigmoid_onednn(p: Sequence[float]) -> tuple[str, list[float], str] | None:
+    # oneDNN's hardsigmoid is torch's: alpha 1/6, beta 0.5.
+    alpha, beta = p
+    return ("hardsigmoid", [], "") if abs(alpha - 1 / 6) < 1e-7 and beta == 0.5 else None
+
+
+ACTIVATIONS: Mapping[str, Activation] = {
+    "": Activation("", lambda x, p: x, lambda p: ("none", [], "")),
+    "Relu": Activation("Relu", lambda x, p: torch.relu(x), lambda p: ("relu", [], ""),
+                       lambda x, p: torch.relu_(x)),
+    "Clip": Activation("Clip", lambda x, p: torch.clamp(x, p[0], p[1]), _clip_onednn,
+                       lambda x, p: torch.clamp_(x, p[0], p[1])),
+    "LeakyRelu": Activation("LeakyRelu", lambda x, p: F.leaky_relu(x, p[0]),
+                            lambda p: ("leaky_relu", [p[0]], ""),
+                            lambda x, p: F.leaky_relu_(x, p[0])),
+    "Sigmoid": Activation("Sigmoid", lambda x, p: torch.sigmoid(x), lambda p: ("sigmoid", [], ""),
+                          lambda x, p: torch.sigmoid_(x)),
+    "Tanh": Activation("Tanh", lambda x, p: torch.tanh(x), lambda p: ("tanh", [], ""),
+                       lambda x, p: torch.tanh_(x)),
+    "HardSigmoid": Activation("HardSigmoid",
+                              lambda x, p: torch.clamp(x * p[0] + p[1], 0.0, 1.0),
+                              _hardsigmoid_onednn),
+    "HardSwish": Activation("HardSwish", lambda x, p: F.hardswish(x),
+                            lambda p: ("hardswish", [], "")),
+    "Gelu": Activation("Gelu", lambda x, p: F.gelu(x), lambda p: ("gelu", [], "none")),
+    "GeluTanh": Activation("GeluTanh", lambda x, p: F.gelu(x, approximate="tanh"),
+                           lambda p: ("gelu", [], "tanh")),
+}
+
+
+def activation_of(node: Node) -> tuple[Activation, list[float]]:
+    name = str(node.attrs.get("activation", ""))
+    params = [float(v) for v in node.attrs.get("activation_params", [])]
+    return ACTIVATIONS[name], params
+
+
+@dataclass(frozen=True, slots=True)
+class Inline:
+    """A Python expression computing a node's single output, for generated code.
+
+    ``expr`` names the node's inputs ``{in0}``, ``{in1}`` ... and every object in
+    ``bound`` by its key; the code generator substitutes locals and closure names.
+    """
+
+    expr: str
+    bound: Mapping[str, object] = field(default_factory=dict)
+
+
+# -- FusedConv -------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class _ConvSpec:
+    spatial: int
+    strides: list[int]
+    pads: list[int]          # symmetric pads, one per spatial dim
+    begin_end: list[int]     # ONNX [begin..., end...] pads when asymmetric, else []
+    dilations: list[int]
+    group: int
+    has_bias: bool
+    has_residual: bool
+
+
+def _conv_spec(node: Node) -> _ConvSpec:
+    weight = node.inputs[1]
+    assert weight is not None and weight.spec.rank is not None
+    spatial = weight.spec.rank - 2
+    attrs = node.attrs
+    pads = list(attrs.get("pads", [0] * (2 * spatial)))
+    if attrs.get("auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
+        raise ValueError("FusedConv needs explicit pads (the fuse pass resolves auto_pad)")
+    if attrs.get("auto_pad") == "VALID":
+        pads = [0] * (2 * spatial)
+    symmetric = pads[:spatial] == pads[spatial:]
+    return _ConvSpec(
+        spatial=spatial,
+        strides=list(attrs.get("strides", [1] * spatial)),
+        pads=pads[:spatial] if symmetric else [0] * spatial,
+        begin_end=[] if symmetric else pads,
+        dilations=list(attrs.get("dilations", [1] * spatial)),
+        group=int(attrs.get("group", 1)),
+        has_bias=len(node.inputs) > 2 and node.inputs[2] is not None,
+        has_residual=len(node.inputs) > 3 and node.inputs[3] is not None,
+    )
+
+
+_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+
+
+def _torch_pad(pads: Sequence[int]) -> list[int]:
+    n = len(pads) // 2
+    out: list[int] = []
+    for i in reversed(range(n)):
+        out += [pads[i], pads[i + n]]
+    return out
+
+
+def conv_uses_onednn(node: Node) -> bool:
+    """True when the layout pass prepacked this FusedConv's weight for oneDNN."""
+    weight = node.inputs[1]
+    return weight is not None and weight.const is not None and weight.const.is_mkldnn
+
+
+def _fused_conv(node: Node, ctx: BindContext) -> Kernel:
+    spec = _conv_spec(node)
+    act, params = activation_of(node)
+    if conv_uses_onednn(node):
+        return _onednn_conv_kernel(node, spec, act, params)
+    conv = _CONV[spec.spatial]
+    pad = _torch_pad(spec.begin_end) if spec.begin_end else None
+    channels_last = bool(node.attrs.get("channels_last", 0)) and spec.spatial == 2
+
+    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        x, w = inputs[0], inputs[1]
+        assert x is not None and w is not None
+        b = inputs[2] if spec.has_bias else None
+        if channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        if pad is not None:
+            x = F.pad(x, pad)
+        y = conv(x, w, b, spec.strides, spec.pads, spec.dilations, spec.group)
+        if spec.has_residual:
+            z = inputs[3]
+            assert z is not None
+            y = y.add_(z) if y.shape == z.shape else y + z
+        if act.inplace is not None:
+            return [act.inplace(y, params)]
+        return [act.apply(y, params)]
+    return kernel
+
+
+def _onednn_conv_kernel(node: Node, spec: _ConvSpec, act: Activation,
+                        params: list[float]) -> Kernel:
+    fn = _onednn_conv_callable(spec, act, params, inplace=False)
+
+    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        return [fn(*inputs)]
+    return kernel
+
+
+def _onednn_conv_callable(spec: _ConvSpec, act: Activation, params: list[float],
+                          inplace: bool) -> Callable[..., Tensor]:
+    """``fn(x, w, b, z?) -> y`` over oneDNN's fused convolution ops."""
+    ops = torch.ops.mkldnn
+    conv = ops._convolution_pointwise.default
+    args = (spec.pads, spec.strides, spec.dilations, spec.group)
+    post = act.onednn(params)
+    if not spec.has_residual:
+        if post is None:
+            def plain_then_act(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+                return act.apply(conv(x, w, b, *args, "none", [], ""), params)
+            return plain_then_act
+        attr, scalars, algorithm = post
+
+        def fused(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+            return conv(x, w, b, *args, attr, scalars, algorithm)
+        return fused
+    # oneDNN fuses a residual add followed by nothing or by relu.
+    unary = "relu" if act.name == "Relu" else None
+    rest = None if act.name in ("", "Relu") else act
+
+    if inplace:
+        conv_ = ops._convolution_pointwise_.binary
+
+        def residual_inplace(x: Tensor, w: Tensor, b: Tensor | None, z: Tensor) -> Tensor:
+            y = conv_(z, x, w, b, *args, "add", 1.0, unary, [], None)
+            return y if rest is None else rest.apply(y, params)
+        return residual_inplace
+    conv_binary = ops._convolution_pointwise.binary
+
+    def residual(x: Tensor, w: Tensor, b: Tensor | None, z: Tensor) -> Tensor:
+        y = conv_binary(x, z, w, b, *args, "add", None, unary, [], "")
+        return y if rest is None else rest.apply(y, params)
+    return residual
+
+
+# -- FusedGemm ---------------------------------------------------------------------------
+def _linear_parts(node: Node) -> tuple[bool, Activation, list[float]]:
+    act, params = activation_of(node)
+    has_bias = len(node.inputs) > 2 and node.inputs[2] is not None
+    return has_bias, act, params
+
+
+def _static_macs(node: Node) -> int | None:
+    x, w = node.inputs[0], node.inputs[1]
+    if x is None or w is None or not x.spec.is_static or not w.spec.is_static:
+        return None
+    assert x.spec.shape is not None and w.spec.shape is not None
+    dims = [int(d) for d in (*x.spec.shape[:-1], *w.spec.shape)]  # type: ignore[arg-type]
+    rows = 1
+    for d in dims[:-2]:
+        rows *= d
+    return rows * dims[-2] * dims[-1]
+
+
+def _linear_callable(node: Node, device: torch.device) -> Callable[..., Tensor]:
+    """``fn(x, w, b) -> act(x @ w.T + b)``, choosing MKL addmm or oneDNN by size."""
+    has_bias, act, params = _linear_parts(node)
+    post = act.onednn(params)
+    use_onednn = device.type == "cpu" and onednn_available() and post is not None
+    linear_pw = torch.ops.mkldnn._linear_pointwise.default if use_onednn else None
+    attr, scalars, algorithm = post if post is not None else ("none", [], "")
+    finish = act.inplace
+    addmm = torch.addmm
+    static = _static_macs(node)
+
+    def small(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+        if x.dim() == 2:
+            y = addmm(b, x, w.t()) if b is not None else x @ w.t()
+        else:
+            y = F.linear(x, w, b)
+        if finish is not None:
+            return finish(y, params)
+        return act.apply(y, params)
+
+    if linear_pw is None or (static is not None and static < LINEAR_ONEDNN_MIN_MACS):
+        return small
+
+    def large(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+        return linear_pw(x, w, b, attr, scalars, algorithm)
+
+    if static is not None:
+        return large
+
+    def by_size(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+        if x.numel() * w.shape[0] >= LINEAR_ONEDNN_MIN_MACS and x.dtype == torch.float32:
+            return large(x, w, b)
+        return small(x, w, b)
+    return by_size
+
+
+def _fused_gemm(node: Node, ctx: BindContext) -> Kernel:
+    fn = _linear_callable(node, ctx.device)
+    has_bias = len(node.inputs) > 2 and node.inputs[2] is not None
+
+    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        x, w = inputs[0], inputs[1]
+        assert x is not None and w is not None
+        return [fn(x, w, inputs[2] if has_bias else None)]
+    return kernel
+
+
+# -- Attention ---------------------------------------------------------------------------
+def _attention_callable(node: Node) -> Callable[..., Tensor]:
+    scale = float(node.attrs["scale"])
+    sdpa = F.scaled_dot_product_attention
+
+    def attention(q: Tensor, kt: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
+        if mask is not None and mask.dim() < 2:
+            mask = mask.reshape((1,) * (2 - mask.dim()) + tuple(mask.shape))
+        return sdpa(q, kt.transpose(-2, -1), v, attn_mask=mask, scale=scale)
+    return attention
+
+
+def _attention(node: Node, ctx: BindContext) -> Kernel:
+    fn = _attention_callable(node)
+
+    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        return [fn(*inputs)]
+    return kernel
+
+
+# -- inline forms for generated code -------------------------------------------------------
+def inline_fused(node: Node, device: torch.device, inplace_input: int | None,
+                 consts: Sequence[Tensor | None]) -> Inline | None:
+    """The expression codegen emits for a fused node (None: call the kernel instead).
+
+    ``inplace_input`` is the input the memory plan allows this node to overwrite;
+    ``consts[i]`` is the bound (device-placed) constant behind input ``i``, if any.
+    """
+    n_in = len(node.inputs)
+    args = ", ".join("None" if node.inputs[i] is None else f"{{in{i}}}" for i in range(n_in))
+    if node.op_type == "FusedConv":
+        return _inline_conv(node, inplace_input, args)
+    if node.op_type == "FusedGemm":
+        return _inline_gemm(node, device, consts)
+    if node.op_type == "Attention":
+        return Inline(f"{{fn}}({args})", {"fn": _attention_callable(node)})
+    return None
+
+
+def _inline_conv(node: Node, inplace_input: int | None, args: str) -> Inline | None:
+    if not conv_uses_onednn(node):
+        return None
+    spec = _conv_spec(node)
+    act, params = activation_of(node)
+    post = act.onednn(params)
+    if not spec.has_residual and post is not None:
+        # Call the oneDNN op itself: one ATen call, no Python frame in between.
+        attr, scalars, algorithm = post
+        bound = {"conv": torch.ops.mkldnn._convolution_pointwise.default,
+                 "pads": spec.pads, "strides": spec.strides, "dil": spec.dilations,
+                 "scalars": scalars}
+        bias = "{in2}" if spec.has_bias else "None"
+        return Inline(f"{{conv}}({{in0}}, {{in1}}, {bias}, {{pads}}, {{strides}}, {{dil}}, "
+                      f"{spec.group}, {attr!r}, {{scalars}}, {algorithm!r})", bound)
+    inplace = spec.has_residual and inplace_input == 3
+    return Inline(f"{{fn}}({args})", {"fn": _onednn_conv_callable(spec, act, params, inplace)})
+
+
+def _inline_gemm(node: Node, device: torch.device, consts: Sequence[Tensor | None]
+                 ) -> Inline | None:
+    fn = _linear_callable(node, device)
+    has_bias, act, params = _linear_parts(node)
+    x = node.inputs[0]
+    weight = consts[1] if len(consts) > 1 else None
+    generic = Inline("{fn}({in0}, {in1}, " + ("{in2})" if has_bias else "None)"), {"fn": fn})
+    if (weight is None or weight.dim() != 2 or x is None or x.spec.rank != 2 or not has_bias
+            or act.name not in ("", "Relu")):
+        return generic
+    # addmm(b, x, w.t()) with the transposed view bound once; relu in place on the result.
+    small = "{addmm}({in2}, {in0}, {wt})"
+    if act.name == "Relu":
+        small = "{relu_}(" + small + ")"
+    bound: dict[str, object] = {"addmm": torch.addmm, "relu_": torch.relu_, "wt": weight.t(),
+                                "fn": fn}
+    post = act.onednn(params)
+    if device.type != "cpu" or not onednn_available() or post is None:
+        return Inline(small, bound)
+    static = _static_macs(node)
+    if static is not None:
+        return Inline(small, bound) if static < LINEAR_ONEDNN_MIN_MACS else generic
+    # Batch is dynamic: pick by row count (one shape read) instead of a Python call.
+    rows = -(-LINEAR_ONEDNN_MIN_MACS // weight.numel())
+    return Inline(f"({small} if {{in0}}.shape[0] < {rows} else {{fn}}({{in0}}, {{in1}}, {{in2}}))",
+                  bound)
+
+
+OPS: list[OpDef] = [
+    OpDef("FusedConv", _fused_conv, domain=FUSED_DOMAIN,
+          doc="act(conv(X, W) + B + Z): Conv with folded BatchNorm, residual add, activation"),
+    OpDef("FusedGemm", _fused_gemm, domain=FUSED_DOMAIN,
+          doc="act(X @ W^T + B): Gemm/MatMul+Add with activation, W in [N, K] layout"),
+    OpDef("Attention", _attention, domain=FUSED_DOMAIN,
+          doc="softmax(Q @ Kt * scale + M) @ V as one scaled-dot-product-attention kernel"),
+]

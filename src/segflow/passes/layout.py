@@ -1,0 +1,94 @@
+"""Layout: run convolutions in the layout the CPU kernels prefer.
+
+On CPU with oneDNN, every 2-D/3-D ``segflow.FusedConv`` gets its weight
+reordered once, at plan time, into oneDNN's blocked format (an opaque
+``mkldnn`` tensor that replaces the dense weight constant, so the model holds
+one copy), and is marked ``channels_last``. oneDNN then reads NCHW or NHWC
+activations and writes NHWC ones, so a conv stack stays channels-last from its
+first conv to its last and converts only where it starts: the torch ops between
+convs (Add, MaxPool, GlobalAveragePool, Flatten) keep the memory format they
+are given. Measured on ResNet-50 / MobileNetV2 at batch 1 (see
+benchmarks/cpu_targets.py): torch's NCHW ``conv2d`` is several times slower,
+and its 3-channel stem conv alone costs more than oneDNN's whole network.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from segflow.ir.graph import Graph, Node, Value
+from segflow.ir.types import Device, DeviceKind
+from segflow.ops.fused import FUSED_DOMAIN, onednn_available
+from segflow.passes.result import PassResult
+
+
+def layout(graph: Graph, device: Device) -> PassResult:
+    """Prepack FusedConv weights for oneDNN on CPU (in place); a no-op elsewhere."""
+    if device.kind is not DeviceKind.CPU or not onednn_available():
+        return PassResult(graph, False)
+    packed: dict[tuple[int, _PackParams], Value] = {}
+    changed = 0
+    for node in graph.nodes:
+        if node.domain != FUSED_DOMAIN or node.op_type != "FusedConv":
+            continue
+        params = _packable(node)
+        if params is None:
+            continue
+        weight = node.inputs[1]
+        assert weight is not None and weight.const is not None
+        key = (id(weight), params)
+        value = packed.get(key)
+        if value is None:
+            tensor = torch.ops.mkldnn._reorder_convolution_weight(
+                weight.const, list(params.pads), list(params.strides), list(params.dilations),
+                params.groups, None if params.input_size is None else list(params.input_size))
+            value = Value(f"{weight.name}.onednn", weight.spec, const=tensor)
+            graph.add_initializer(value)
+            packed[key] = value
+        graph.set_input(node, 1, value)
+        node.attrs["channels_last"] = 1
+        changed += 1
+    if changed:
+        for name, value in list(graph.initializers.items()):
+            if not value.uses and value not in graph.outputs:
+                del graph.initializers[name]
+    return PassResult(graph, changed > 0)
+
+
+@dataclass(frozen=True, slots=True)
+class _PackParams:
+    """What oneDNN's weight format depends on (equal params share one packed weight)."""
+
+    pads: tuple[int, ...]
+    strides: tuple[int, ...]
+    dilations: tuple[int, ...]
+    groups: int
+    input_size: tuple[int, ...] | None
+
+
+def _packable(node: Node) -> _PackParams | None:
+    """The packing parameters when oneDNN can run ``node``, else None."""
+    weight = node.inputs[1]
+    x = node.inputs[0]
+    if weight is None or weight.const is None or weight.const.is_mkldnn or x is None:
+        return None
+    w = weight.const
+    if w.dtype != torch.float32 or w.dim() not in (4, 5):
+        return None
+    spatial = w.dim() - 2
+    attrs = node.attrs
+    pads = list(attrs.get("pads", [0] * (2 * spatial)))
+    if pads[:spatial] != pads[spatial:]:
+        return None  # oneDNN takes symmetric padding only
+    strides = tuple(int(s) for s in attrs.get("strides", [1] * spatial))
+    dilations = tuple(int(d) for d in attrs.get("dilations", [1] * spatial))
+    groups = int(attrs.get("group", 1))
+    input_size = None
+    shape = x.spec.shape
+    if shape is not None and len(shape) == w.dim() and all(isinstance(d, int) for d in shape[1:]):
+        # A symbolic batch packs for batch 1; oneDNN accepts any batch with this weight.
+        input_size = tuple(d if isinstance(d, int) else 1 for d in shape)
+    return _PackParams(tuple(int(p) for p in pads[:spatial]), strides, dilations, groups,
+                       input_size)

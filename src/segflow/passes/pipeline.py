@@ -1,0 +1,201 @@
+"""The inference optimization pipeline: which passes run, with what switches.
+
+``InferenceSession`` runs it between import and segmentation::
+
+    fold_constants -> fuse -> layout -> plan_memory
+
+Every pass can be switched off, from the API (``optimize=False`` or
+``optimize={"fuse": False}``) or the environment (``SEGFLOW_OPTIMIZE=0``,
+``SEGFLOW_NO_FOLD``, ``SEGFLOW_NO_FUSE``, ``SEGFLOW_NO_LAYOUT``,
+``SEGFLOW_NO_MEMORY_PLAN``); the API wins. Each pass adds one line to the log
+that ``explain()`` prints, e.g. ``fuse: 175 -> 57 nodes (batchnorm 53, conv 53,
+activation 49, linear 1)``.
+
+>>> log = optimize(graph, OptimizeOptions.resolve(True))   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from segflow.ir.graph import Graph
+from segflow.ir.types import Device, DeviceKind
+from segflow.ops.registry import OpRegistry
+from segflow.passes.fold_constants import fold_constants
+from segflow.passes.fuse import run_rules
+from segflow.passes.layout import layout
+from segflow.passes.plan_memory import MemoryPlan, plan_memory
+from segflow.settings import (
+    ENV_COMPILE,
+    ENV_INTRA_OP_THREADS,
+    ENV_NO_FOLD,
+    ENV_NO_FUSE,
+    ENV_NO_LAYOUT,
+    ENV_NO_MEMORY_PLAN,
+    ENV_OPTIMIZE,
+    _env_bool,
+    _env_int,
+)
+
+PASSES = ("fold_constants", "fuse", "layout", "plan_memory")
+_PASS_ENV = {"fold_constants": ENV_NO_FOLD, "fuse": ENV_NO_FUSE, "layout": ENV_NO_LAYOUT,
+             "plan_memory": ENV_NO_MEMORY_PLAN}
+
+
+class CompileMode(enum.Enum):
+    """Which backend lowers bulk segments (see :mod:`segflow.runtime.compile`)."""
+
+    AUTO = "auto"
+    CODEGEN = "codegen"
+    INDUCTOR = "inductor"
+    NONE = "none"
+
+    @classmethod
+    def parse(cls, text: str | CompileMode) -> CompileMode:
+        if isinstance(text, CompileMode):
+            return text
+        try:
+            return cls(str(text).strip().lower())
+        except ValueError:
+            choices = ", ".join(m.value for m in cls)
+            raise ValueError(f"compile={text!r}: expected one of {choices}") from None
+
+    def resolve(self) -> CompileMode:
+        """The backend ``auto`` stands for: codegen (measured fastest, builds in ms)."""
+        return CompileMode.CODEGEN if self is CompileMode.AUTO else self
+
+
+@dataclass(frozen=True, slots=True)
+class OptimizeOptions:
+    """Switches for each pass, the compile backend and the intra-op thread count."""
+
+    fold_constants: bool = True
+    fuse: bool = True
+    layout: bool = True
+    plan_memory: bool = True
+    compile: CompileMode = CompileMode.AUTO
+    intra_op_threads: int | None = None
+
+    @classmethod
+    def resolve(cls, optimize: bool | Mapping[str, bool] | None = None, *,
+                compile: str | CompileMode | None = None, intra_op_threads: int | None = None,
+                env: Mapping[str, str] | None = None) -> OptimizeOptions:
+        """API values first, then ``SEGFLOW_*`` variables, then the defaults (all on)."""
+        env = os.environ if env is None else env
+        explicit: Mapping[str, bool] = {}
+        if isinstance(optimize, Mapping):
+            unknown = sorted(set(optimize) - set(PASSES))
+            if unknown:
+                raise ValueError(f"optimize: unknown passes {unknown}; known: {', '.join(PASSES)}")
+            explicit = optimize
+            enabled = True
+        elif optimize is None:
+            enabled = _env_bool(env, ENV_OPTIMIZE, True)
+        else:
+            enabled = bool(optimize)
+        switches = {}
+        for name in PASSES:
+            if name in explicit:
+                switches[name] = bool(explicit[name])
+            else:
+                switches[name] = enabled and not _env_bool(env, _PASS_ENV[name], False)
+        mode = CompileMode.parse(compile if compile is not None else
+                                 env.get(ENV_COMPILE, "").strip() or CompileMode.AUTO)
+        threads = intra_op_threads
+        if threads is None and env.get(ENV_INTRA_OP_THREADS, "").strip():
+            threads = _env_int(env, ENV_INTRA_OP_THREADS, 1)
+        if threads is not None and threads < 1:
+            raise ValueError(f"intra_op_threads={threads}: expected a positive integer")
+        return cls(compile=mode, intra_op_threads=threads, **switches)
+
+    def as_record(self) -> dict[str, object]:
+        """The options in force, for RunStats settings and benchmark records."""
+        return {"fold_constants": self.fold_constants, "fuse": self.fuse, "layout": self.layout,
+                "plan_memory": self.plan_memory, "compile": self.compile.resolve().value}
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineResult:
+    """The log lines (one per pass) and the memory plan (None when that pass is off)."""
+
+    log: tuple[str, ...]
+    memory: MemoryPlan | None
+
+
+def configure_threads(options: OptimizeOptions) -> int:
+    """Apply ``intra_op_threads`` (process-wide: torch has one intra-op pool); returns the count.
+
+    Left unset, torch's default stands: ``OMP_NUM_THREADS`` or one thread per core,
+    which measured fastest for every builder model on the 2-core benchmark machine.
+    """
+    if options.intra_op_threads is not None and torch.get_num_threads() != options.intra_op_threads:
+        torch.set_num_threads(options.intra_op_threads)
+    return torch.get_num_threads()
+
+
+def optimize(graph: Graph, options: OptimizeOptions, *, registry: OpRegistry | None = None,
+             device: Device | None = None) -> list[str]:
+    """Run the enabled passes on ``graph`` in place; returns one log line per pass."""
+    return list(run_pipeline(graph, options, registry=registry, device=device).log)
+
+
+def run_pipeline(graph: Graph, options: OptimizeOptions, *, registry: OpRegistry | None = None,
+                 device: Device | None = None) -> PipelineResult:
+    """Like :func:`optimize`, also returning the memory plan.
+
+    ``device``: where the graph will run; None means a custom placement, whose
+    rules name the imported nodes and op types: fusion and layout are skipped
+    so the rules keep matching (and nothing fuses across devices).
+    """
+    log: list[str] = []
+    before = len(graph.nodes)
+    if options.fold_constants:
+        consts = len(graph.initializers)
+        result = fold_constants(graph, registry)
+        log.append(f"fold_constants: {before} -> {len(graph.nodes)} nodes"
+                   + (f", {len(graph.initializers) - consts:+d} constants" if result.modified
+                      else " (nothing to fold)"))
+    else:
+        log.append("fold_constants: off")
+    if options.fuse and device is None:
+        log.append("fuse: skipped (custom placement names the imported nodes)")
+    elif options.fuse:
+        start = len(graph.nodes)
+        counts = run_rules(graph)
+        done = ", ".join(f"{name} {n}" for name, n in counts.items() if n)
+        log.append(f"fuse: {start} -> {len(graph.nodes)} nodes ({done or 'nothing to fuse'})")
+    else:
+        log.append("fuse: off")
+    log.append(_layout(graph, options, device))
+    memory = None
+    if options.plan_memory:
+        memory = plan_memory(graph)
+        log.append(f"plan_memory: {memory.summary()}")
+    else:
+        log.append("plan_memory: off")
+    mode = options.compile
+    why = "auto: codegen is always available and measured fastest" if mode is CompileMode.AUTO \
+        else "requested"
+    log.append(f"compile: {mode.resolve().value} ({why})")
+    return PipelineResult(tuple(log), memory)
+
+
+def _layout(graph: Graph, options: OptimizeOptions, device: Device | None) -> str:
+    if not options.layout:
+        return "layout: off"
+    if options.compile.resolve() is CompileMode.INDUCTOR:
+        return "layout: skipped (inductor packs its own weights)"
+    if device is None:
+        return "layout: skipped (custom placement)"
+    if device.kind is not DeviceKind.CPU:
+        return "layout: skipped (not a CPU device)"
+    packed = layout(graph, device)
+    convs = sum(1 for n in graph.nodes if n.attrs.get("channels_last"))
+    if not packed.modified:
+        return "layout: nothing to do (no oneDNN-eligible convolutions)"
+    return f"layout: {convs} convolutions prepacked for oneDNN, channels_last"

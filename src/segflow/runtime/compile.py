@@ -1,0 +1,383 @@
+"""Segment compilation backends: lower a bulk segment to one Python callable.
+
+The executor's default task function interprets a segment: for every node it
+builds an input list from the slot array, calls the bound kernel and stores
+the outputs. A compiled segment does the same work without the dispatch:
+
+- ``codegen``: generates a straight-line Python function per segment. Values
+  are locals, constants and kernels are closure constants, hot ops (fused
+  conv/linear, elementwise arithmetic) are called directly as torch ops, and
+  the memory plan's in-place decisions become ``relu_`` / ``add_`` / oneDNN's
+  in-place residual conv. Builds in milliseconds.
+- ``inductor``: the same generated function, compiled by ``torch.compile``
+  (inductor, with freezing; inductor's FX graph cache is on disk, so a second
+  process skips codegen of its kernels). Optional: it costs tens of seconds
+  per model on 2 cores and its fp32 linears go through MKL, which is slower
+  than oneDNN on the AMD CPUs we measured. Compilation happens on a segment's
+  first run; that first run's time is reported as compile time.
+- ``none``: the interpreter.
+
+``auto`` picks ``codegen``: always available, fastest to build, and measured
+fastest on every builder model (benchmarks/cpu_targets.py).
+
+The counters do not change: a compiled segment is still one task and its
+nodes are still one kernel each.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from segflow.engine.base import ExecType
+from segflow.errors import ExecutionError
+from segflow.ir.graph import Node
+from segflow.ir.types import DType
+from segflow.ops.fused import FUSED_DOMAIN, Inline, inline_fused
+from segflow.passes.pipeline import CompileMode
+from segflow.passes.plan_memory import MemoryPlan
+from segflow.passes.segment import Segment
+from segflow.runtime.binding import Step
+
+Tensor = torch.Tensor
+SegmentFn = Callable[[list[Any]], None]
+
+
+@dataclass(slots=True)
+class CompileReport:
+    """What compilation did, for explain() and RunStats settings."""
+
+    backend: str
+    segments: int = 0
+    build_time_s: float = 0.0          # generating / tracing (at session creation)
+    first_run_compile_s: float = 0.0   # inductor: compiling on the first run
+    fallbacks: list[str] = field(default_factory=list)
+
+    @property
+    def compile_time_s(self) -> float:
+        return self.build_time_s + self.first_run_compile_s
+
+    def describe(self) -> str:
+        text = (f"compile: backend={self.backend} segments={self.segments} "
+                f"build={self.build_time_s * 1e3:.1f} ms")
+        if self.first_run_compile_s:
+            text += f" first-run compile={self.first_run_compile_s:.1f} s"
+        if self.fallbacks:
+            text += f" ({len(self.fallbacks)} segments interpreted: {self.fallbacks[0]})"
+        return text
+
+
+class SegmentCompiler:
+    """Lowers the bulk segments of an executor's plan through one backend."""
+
+    def __init__(self, mode: CompileMode | str = CompileMode.AUTO,
+                 memory: MemoryPlan | None = None, device: torch.device | None = None) -> None:
+        self.mode = CompileMode.parse(mode).resolve()
+        self.memory = memory
+        self.device = device or torch.device("cpu")
+        self.report = CompileReport(self.mode.value)
+
+    def compile_tasks(self, tasks: Sequence[tuple[Segment, Sequence[Step]]],
+                      template: Sequence[Tensor | None],
+                      output_slots: Sequence[int]) -> list[SegmentFn | None]:
+        """One callable ``fn(env)`` per task (None: interpret it)."""
+        if self.mode is CompileMode.NONE:
+            return [None] * len(tasks)
+        start = time.perf_counter()
+        read_elsewhere = _reads_by_task(tasks, output_slots)
+        compiled: list[SegmentFn | None] = []
+        for index, (segment, steps) in enumerate(tasks):
+            if segment.exec_type is not ExecType.SYNC or not steps:
+                compiled.append(None)
+                continue
+            live_out = {slot for step in steps for slot in step.outputs
+                        if slot in read_elsewhere.get(index, set())}
+            program = generate(steps, template, live_out, self.memory, self.device,
+                               pure=self.mode is CompileMode.INDUCTOR)
+            if self.mode is CompileMode.INDUCTOR:
+                compiled.append(_InductorSegment(program, self.report))
+            else:
+                compiled.append(program.fn)
+            self.report.segments += 1
+        self.report.build_time_s = time.perf_counter() - start
+        return compiled
+
+
+def _reads_by_task(tasks: Sequence[tuple[Segment, Sequence[Step]]],
+                   output_slots: Sequence[int]) -> dict[int, set[int]]:
+    """task index -> slots it writes that another task (or the caller) reads."""
+    writer: dict[int, int] = {}
+    for index, (_, steps) in enumerate(tasks):
+        for step in steps:
+            for slot in step.outputs:
+                writer[slot] = index
+    needed: dict[int, set[int]] = {}
+    for index, (_, steps) in enumerate(tasks):
+        for step in steps:
+            for slot in step.inputs:
+                owner = writer.get(slot)
+                if owner is not None and owner != index:
+                    needed.setdefault(owner, set()).add(slot)
+    for slot in output_slots:
+        owner = writer.get(slot)
+        if owner is not None:
+            needed.setdefault(owner, set()).add(slot)
+    return needed
+
+
+# -- code generation -------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Program:
+    """A generated segment: its source, the callable, and (pure form) its signature."""
+
+    source: str
+    fn: SegmentFn
+    inputs: tuple[int, ...] = ()     # pure form: env slots passed as arguments
+    outputs: tuple[int, ...] = ()    # pure form: env slots the returned tuple fills
+    pure_fn: Callable[..., tuple[Tensor, ...]] | None = None
+
+
+_FLOAT = (DType.FLOAT32, DType.FLOAT64, DType.FLOAT16, DType.BFLOAT16)
+
+@dataclass(frozen=True, slots=True)
+class _CoreOp:
+    """How generated code calls a core ONNX op directly (same semantics as its kernel)."""
+
+    expr: str
+    inplace: Mapping[int, str]     # input index -> expression that overwrites that input
+    float_only: bool               # integer types go through the kernel (ONNX int semantics)
+    bound: Mapping[str, object]
+
+
+def _unary(fn: Callable[..., Tensor], fn_: Callable[..., Tensor], float_only: bool = False
+           ) -> _CoreOp:
+    return _CoreOp("{f}({in0})", {0: "{f_}({in0})"}, float_only, {"f": fn, "f_": fn_})
+
+
+def _binary(fn: Callable[..., Tensor], method_: Callable[..., Tensor], commutative: bool
+            ) -> _CoreOp:
+    inplace = {0: "{f_}({in0}, {in1})"}
+    if commutative:
+        inplace[1] = "{f_}({in1}, {in0})"
+    return _CoreOp("{f}({in0}, {in1})", inplace, True, {"f": fn, "f_": method_})
+
+
+_CORE: Mapping[str, _CoreOp] = {
+    "Relu": _unary(torch.relu, torch.relu_),
+    "Sigmoid": _unary(torch.sigmoid, torch.sigmoid_),
+    "Tanh": _unary(torch.tanh, torch.tanh_),
+    "Neg": _unary(torch.neg, torch.neg_),
+    "Erf": _unary(torch.erf, torch.erf_, float_only=True),
+    "Exp": _unary(torch.exp, torch.exp_, float_only=True),
+    "Sqrt": _unary(torch.sqrt, torch.sqrt_, float_only=True),
+    "Add": _binary(torch.add, Tensor.add_, True),
+    "Sub": _binary(torch.sub, Tensor.sub_, False),
+    "Mul": _binary(torch.mul, Tensor.mul_, True),
+    "Div": _binary(torch.div, Tensor.div_, False),
+}
+
+
+def _inline(node: Node, inplace_input: int | None, device: torch.device,
+            consts: Sequence[Tensor | None]) -> Inline | None:
+    if node.domain == FUSED_DOMAIN:
+        return inline_fused(node, device, inplace_input, consts)
+    op = _CORE.get(node.op_type)
+    if node.domain != "" or op is None or len(node.outputs) != 1:
+        return None
+    if len(node.inputs) != op.expr.count("{in") or any(v is None for v in node.inputs):
+        return None
+    if op.float_only and node.outputs[0].spec.dtype not in _FLOAT:
+        return None
+    expr = op.inplace.get(inplace_input, op.expr) if inplace_input is not None else op.expr
+    return Inline(expr, op.bound)
+
+
+class _Emitter:
+    """Builds the source and the closure namespace of one generated function."""
+
+    def __init__(self) -> None:
+        self.bound: dict[str, object] = {}
+        self.ids: dict[int, str] = {}
+        self.lines: list[str] = []
+
+    def bind(self, obj: object, prefix: str) -> str:
+        name = self.ids.get(id(obj))
+        if name is None:
+            name = f"{prefix}{len(self.bound)}"
+            self.ids[id(obj)] = name
+            self.bound[name] = obj
+        return name
+
+
+def generate(steps: Sequence[Step], template: Sequence[Tensor | None], live_out: set[int],
+             memory: MemoryPlan | None = None, device: torch.device | None = None, *,
+             pure: bool = False) -> Program:
+    """Generate the straight-line function for ``steps`` (see the module docstring).
+
+    ``live_out``: slots other tasks or the caller read, written back to the slot array.
+    ``pure``: also build ``f(*inputs) -> outputs`` without the slot array (for tracing).
+    """
+    device = device or torch.device("cpu")
+    em = _Emitter()
+    inplace = memory.inplace if memory is not None else {}
+    local: set[int] = set()
+    loaded: list[int] = []
+    cleared: list[int] = []
+    released_here = {slot for step in steps for slot in step.release}
+    produced = {slot for step in steps for slot in step.outputs}
+    body: list[str] = []
+
+    def ref(slot: int) -> str:
+        if slot == 0:
+            return "None"
+        const = template[slot] if slot < len(template) else None
+        if const is not None and slot not in produced:
+            return em.bind(const, "c")
+        if slot not in local:
+            local.add(slot)
+            loaded.append(slot)
+            if slot in released_here:
+                cleared.append(slot)
+        return f"v{slot}"
+
+    for index, step in enumerate(steps):
+        node = step.node
+        args = [ref(slot) for slot in step.inputs]
+        consts = [template[s] if 0 < s < len(template) and s not in produced else None
+                  for s in step.inputs]
+        slot_inplace = inplace.get(node)
+        if slot_inplace is not None and step.inputs[slot_inplace] not in step.release:
+            slot_inplace = None  # another task may still read it: not ours to overwrite
+        body.append(f"_i = {index}")
+        inline = _inline(node, slot_inplace, device, consts) if len(step.outputs) == 1 else None
+        if inline is not None:
+            names = {key: em.bind(obj, "b") for key, obj in inline.bound.items()}
+            expr = inline.expr.format(**{f"in{i}": a for i, a in enumerate(args)}, **names)
+            body.append(f"v{step.outputs[0]} = {expr}")
+        else:
+            kernel = em.bind(step.kernel, "k")
+            call = f"{kernel}(({', '.join(args)}{',' if len(args) == 1 else ''}))"
+            if len(step.outputs) == 1:
+                body.append(f"v{step.outputs[0]} = {call}[0]")
+            else:
+                body.append(f"_r = {call}")
+                for i, slot in enumerate(step.outputs):
+                    body.append(f"v{slot} = _r[{i}]" if i == 0 else
+                                f"v{slot} = _r[{i}] if len(_r) > {i} else None")
+        for slot in step.outputs:
+            local.add(slot)
+            if slot in live_out and not pure:
+                body.append(f"env[{slot}] = v{slot}")
+        gone = [f"v{slot}" for slot in step.release if slot in local]
+        if gone:
+            body.append(f"del {', '.join(gone)}")
+    outputs = tuple(sorted(live_out))
+    source = _assemble(em, body, loaded, cleared, outputs, pure)
+    namespace: dict[str, Any] = {}
+    exec(compile(source, f"<segflow segment {steps[0].node.name}>", "exec"), namespace)
+    labels = [step.node.label for step in steps]
+    factory = namespace["_factory"]
+    fn = factory(_failure(labels), **em.bound)
+    if pure:
+        return Program(source, _pure_to_env(fn, tuple(loaded), outputs), tuple(loaded), outputs,
+                       fn)
+    return Program(source, fn)
+
+
+def _assemble(em: _Emitter, body: list[str], loaded: list[int], cleared: list[int],
+              outputs: tuple[int, ...], pure: bool) -> str:
+    params = ", ".join(["_fail", *em.bound])
+    lines = [f"def _factory({params}):"]
+    if pure:
+        lines.append(f"    def segment({', '.join(f'v{s}' for s in loaded)}):")
+    else:
+        lines.append("    def segment(env):")
+        for slot in loaded:
+            lines.append(f"        v{slot} = env[{slot}]")
+        for slot in cleared:
+            # Released by this segment: its other readers finished before it started.
+            lines.append(f"        env[{slot}] = None")
+    lines.append("        _i = 0")
+    lines.append("        try:")
+    lines.extend(f"            {line}" for line in body)
+    lines.append("        except Exception as exc:")
+    lines.append("            _fail(_i, exc)")
+    if pure:
+        values = ", ".join(f"v{s}" for s in outputs)
+        lines.append(f"        return ({values}{',' if len(outputs) == 1 else ''})")
+    lines.append("    return segment")
+    return "\n".join(lines) + "\n"
+
+
+def _failure(labels: Sequence[str]) -> Callable[[int, Exception], None]:
+    def fail(index: int, exc: Exception) -> None:
+        if isinstance(exc, ExecutionError):
+            raise exc
+        lines = str(exc).strip().splitlines()
+        first = lines[0] if lines else ""
+        raise ExecutionError(f"While executing {labels[index]}: "
+                             f"{type(exc).__name__}: {first}") from exc
+    return fail
+
+
+def _pure_to_env(fn: Callable[..., tuple[Tensor, ...]], inputs: tuple[int, ...],
+                 outputs: tuple[int, ...]) -> SegmentFn:
+    def segment(env: list[Any]) -> None:
+        results = fn(*[env[s] for s in inputs])
+        for slot, tensor in zip(outputs, results):
+            env[slot] = tensor
+    return segment
+
+
+# -- inductor ----------------------------------------------------------------------------
+class _InductorSegment:
+    """A generated segment compiled by torch.compile on its first run.
+
+    Falls back to the generated Python function if compilation fails (and says
+    so in the compile report).
+    """
+
+    def __init__(self, program: Program, report: CompileReport) -> None:
+        self.program = program
+        self.report = report
+        self._lock = threading.Lock()
+        self._compiled: Callable[..., tuple[Tensor, ...]] | None = None
+        self._failed = False
+
+    def __call__(self, env: list[Any]) -> None:
+        program = self.program
+        assert program.pure_fn is not None
+        fn = self._compiled
+        if fn is None and not self._failed:
+            with self._lock:
+                if self._compiled is None and not self._failed:
+                    self._compile(env)
+            fn = self._compiled
+        if fn is None:
+            program.fn(env)
+            return
+        results = fn(*[env[s] for s in program.inputs])
+        for slot, tensor in zip(program.outputs, results):
+            env[slot] = tensor
+
+    def _compile(self, env: list[Any]) -> None:
+        assert self.program.pure_fn is not None
+        start = time.perf_counter()
+        try:
+            import torch._inductor.config as inductor_config
+
+            with inductor_config.patch(freezing=True):
+                compiled = torch.compile(self.program.pure_fn, dynamic=False)
+                with torch.no_grad():
+                    compiled(*[env[s] for s in self.program.inputs])  # compile now
+            self._compiled = compiled
+        except Exception as exc:  # torch.compile can fail in many ways; interpret instead
+            self._failed = True
+            self.report.fallbacks.append(f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+                                         if str(exc) else type(exc).__name__)
+        self.report.first_run_compile_s += time.perf_counter() - start
