@@ -67,6 +67,7 @@ def _mean(node: Node, ctx: BindContext) -> Kernel:
         acc = inputs[0]
         assert acc is not None
         for t in inputs[1:]:
+            assert t is not None
             acc = acc + t
         return [acc / len(inputs)]
     return kernel
