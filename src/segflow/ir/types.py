@@ -65,7 +65,8 @@ class DType(enum.Enum):
         try:
             return _TORCH[self]
         except KeyError:
-            raise ValueError(f"{self.name} tensors are not supported by the torch kernels") from None
+            raise ValueError(f"{self.name} tensors are not supported by the torch kernels"
+                             ) from None
 
     @property
     def numpy(self) -> np.dtype:
@@ -175,7 +176,8 @@ class Device:
         try:
             kind = DeviceKind(name.strip().lower())
         except ValueError:
-            raise ValueError(f"unknown device {text!r}; expected 'cpu', 'cpu:N' or 'cuda:N'") from None
+            raise ValueError(f"unknown device {text!r}; expected 'cpu', 'cpu:N' or 'cuda:N'"
+                             ) from None
         if index and not index.isdigit():
             raise ValueError(f"bad device index in {text!r}")
         return cls(kind, int(index) if index else 0)

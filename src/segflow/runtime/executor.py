@@ -133,7 +133,7 @@ class Executor:
         of its ancestors (so all other readers have finished before it runs).
         """
         ancestors: list[int] = []  # bitset of ancestor tasks, per task
-        for i, task in enumerate(self.tasks):
+        for task in self.tasks:
             bits = 0
             for dep in task.reads:
                 bits |= (1 << dep) | ancestors[dep]
