@@ -97,10 +97,10 @@ class SegmentCompiler:
                 continue
             live_out = {slot for step in steps for slot in step.outputs
                         if slot in read_elsewhere.get(index, set())}
-            program = generate(steps, template, live_out, self.memory, self.device,
-                               pure=self.mode is CompileMode.INDUCTOR)
+            program = generate(steps, template, live_out, self.memory, self.device)
             if self.mode is CompileMode.INDUCTOR:
-                compiled.append(_InductorSegment(program, self.report))
+                pure = generate(steps, template, live_out, None, self.device, pure=True)
+                compiled.append(_InductorSegment(pure, program.fn, self.report))
             else:
                 compiled.append(program.fn)
             self.report.segments += 1
@@ -140,6 +140,7 @@ class Program:
     inputs: tuple[int, ...] = ()     # pure form: env slots passed as arguments
     outputs: tuple[int, ...] = ()    # pure form: env slots the returned tuple fills
     pure_fn: Callable[..., tuple[Tensor, ...]] | None = None
+    constants: tuple[Tensor, ...] = ()  # pure form: passed first, so tracing sees them
 
 
 _FLOAT = (DType.FLOAT32, DType.FLOAT64, DType.FLOAT16, DType.BFLOAT16)
@@ -208,7 +209,10 @@ class _Emitter:
     def bind(self, obj: object, prefix: str) -> str:
         name = self.ids.get(id(obj))
         if name is None:
-            name = f"{prefix}{len(self.bound)}"
+            # Readable sources: torch functions keep their name (``addmm_3``).
+            label = getattr(obj, "__name__", "") if prefix == "b" else ""
+            label = "".join(c if c.isalnum() else "_" for c in str(label)).strip("_")
+            name = f"{label}_{len(self.bound)}" if label else f"{prefix}{len(self.bound)}"
             self.ids[id(obj)] = name
             self.bound[name] = obj
         return name
@@ -256,7 +260,8 @@ def generate(steps: Sequence[Step], template: Sequence[Tensor | None], live_out:
         body.append(f"_i = {index}")
         inline = _inline(node, slot_inplace, device, consts) if len(step.outputs) == 1 else None
         if inline is not None:
-            names = {key: em.bind(obj, "b") for key, obj in inline.bound.items()}
+            names = {key: em.bind(obj, "b") for key, obj in inline.bound.items()
+                     if "{" + key + "}" in inline.expr}
             expr = inline.expr.format(**{f"in{i}": a for i, a in enumerate(args)}, **names)
             body.append(f"v{step.outputs[0]} = {expr}")
         else:
@@ -277,39 +282,47 @@ def generate(steps: Sequence[Step], template: Sequence[Tensor | None], live_out:
         if gone:
             body.append(f"del {', '.join(gone)}")
     outputs = tuple(sorted(live_out))
-    source = _assemble(em, body, loaded, cleared, outputs, pure)
+    # The pure form takes its tensor constants as arguments: torch.compile then sees them
+    # as module buffers it can freeze, instead of closure cells.
+    lifted = [name for name, obj in em.bound.items() if pure and isinstance(obj, Tensor)]
+    source = _assemble(em, body, loaded, cleared, outputs, pure, lifted)
     namespace: dict[str, Any] = {}
     exec(compile(source, f"<segflow segment {steps[0].node.name}>", "exec"), namespace)
     labels = [step.node.label for step in steps]
     factory = namespace["_factory"]
-    fn = factory(_failure(labels), **em.bound)
+    fn = factory(_failure(labels), **{k: v for k, v in em.bound.items() if k not in lifted})
     if pure:
-        return Program(source, _pure_to_env(fn, tuple(loaded), outputs), tuple(loaded), outputs,
-                       fn)
+        constants = tuple(t for t in (em.bound[name] for name in lifted) if isinstance(t, Tensor))
+        return Program(source, _pure_to_env(fn, constants, tuple(loaded), outputs),
+                       tuple(loaded), outputs, fn, constants)
     return Program(source, fn)
 
 
 def _assemble(em: _Emitter, body: list[str], loaded: list[int], cleared: list[int],
-              outputs: tuple[int, ...], pure: bool) -> str:
-    params = ", ".join(["_fail", *em.bound])
+              outputs: tuple[int, ...], pure: bool, lifted: Sequence[str] = ()) -> str:
+    """The factory source. Pure form: ``segment(*lifted, *inputs) -> outputs``, no env."""
+    params = ", ".join(["_fail", *(k for k in em.bound if k not in lifted)])
     lines = [f"def _factory({params}):"]
     if pure:
-        lines.append(f"    def segment({', '.join(f'v{s}' for s in loaded)}):")
-    else:
-        lines.append("    def segment(env):")
-        for slot in loaded:
-            lines.append(f"        v{slot} = env[{slot}]")
-        for slot in cleared:
-            # Released by this segment: its other readers finished before it started.
-            lines.append(f"        env[{slot}] = None")
+        args = [*lifted, *(f"v{s}" for s in loaded)]
+        lines.append(f"    def segment({', '.join(args)}):")
+        # No try/except: tracers handle straight-line code best; errors surface on fallback.
+        lines.extend(f"        {line}" for line in body)
+        values = ", ".join(f"v{s}" for s in outputs)
+        lines.append(f"        return ({values}{',' if len(outputs) == 1 else ''})")
+        lines.append("    return segment")
+        return "\n".join(lines) + "\n"
+    lines.append("    def segment(env):")
+    for slot in loaded:
+        lines.append(f"        v{slot} = env[{slot}]")
+    for slot in cleared:
+        # Released by this segment: its other readers finished before it started.
+        lines.append(f"        env[{slot}] = None")
     lines.append("        _i = 0")
     lines.append("        try:")
     lines.extend(f"            {line}" for line in body)
     lines.append("        except Exception as exc:")
     lines.append("            _fail(_i, exc)")
-    if pure:
-        values = ", ".join(f"v{s}" for s in outputs)
-        lines.append(f"        return ({values}{',' if len(outputs) == 1 else ''})")
     lines.append("    return segment")
     return "\n".join(lines) + "\n"
 
@@ -325,33 +338,48 @@ def _failure(labels: Sequence[str]) -> Callable[[int, Exception], None]:
     return fail
 
 
-def _pure_to_env(fn: Callable[..., tuple[Tensor, ...]], inputs: tuple[int, ...],
-                 outputs: tuple[int, ...]) -> SegmentFn:
+def _pure_to_env(fn: Callable[..., tuple[Tensor, ...]], constants: tuple[Tensor, ...],
+                 inputs: tuple[int, ...], outputs: tuple[int, ...]) -> SegmentFn:
     def segment(env: list[Any]) -> None:
-        results = fn(*[env[s] for s in inputs])
+        results = fn(*constants, *[env[s] for s in inputs])
         for slot, tensor in zip(outputs, results):
             env[slot] = tensor
     return segment
 
 
 # -- inductor ----------------------------------------------------------------------------
-class _InductorSegment:
-    """A generated segment compiled by torch.compile on its first run.
+class _Frozen(torch.nn.Module):
+    """The pure segment function with its constants as buffers, for inductor's freezing."""
 
-    Falls back to the generated Python function if compilation fails (and says
-    so in the compile report).
+    def __init__(self, fn: Callable[..., tuple[Tensor, ...]], constants: Sequence[Tensor]
+                 ) -> None:
+        super().__init__()
+        self.fn = fn
+        self.count = len(constants)
+        for i, tensor in enumerate(constants):
+            self.register_buffer(f"c{i}", tensor, persistent=False)
+
+    def forward(self, *inputs: Tensor) -> tuple[Tensor, ...]:
+        constants = [getattr(self, f"c{i}") for i in range(self.count)]
+        return self.fn(*constants, *inputs)
+
+
+class _InductorSegment:
+    """A generated segment compiled by torch.compile (inductor, freezing) on its first run.
+
+    If compilation fails the segment runs its generated Python function instead,
+    and the compile report says why.
     """
 
-    def __init__(self, program: Program, report: CompileReport) -> None:
+    def __init__(self, program: Program, fallback: SegmentFn, report: CompileReport) -> None:
         self.program = program
+        self.fallback = fallback
         self.report = report
         self._lock = threading.Lock()
         self._compiled: Callable[..., tuple[Tensor, ...]] | None = None
         self._failed = False
 
     def __call__(self, env: list[Any]) -> None:
-        program = self.program
-        assert program.pure_fn is not None
         fn = self._compiled
         if fn is None and not self._failed:
             with self._lock:
@@ -359,25 +387,27 @@ class _InductorSegment:
                     self._compile(env)
             fn = self._compiled
         if fn is None:
-            program.fn(env)
+            self.fallback(env)
             return
-        results = fn(*[env[s] for s in program.inputs])
-        for slot, tensor in zip(program.outputs, results):
+        with torch.no_grad():  # the frozen graph was compiled for inference
+            results = fn(*[env[s] for s in self.program.inputs])
+        for slot, tensor in zip(self.program.outputs, results):
             env[slot] = tensor
 
     def _compile(self, env: list[Any]) -> None:
-        assert self.program.pure_fn is not None
+        program = self.program
+        assert program.pure_fn is not None
         start = time.perf_counter()
         try:
             import torch._inductor.config as inductor_config
 
-            with inductor_config.patch(freezing=True):
-                compiled = torch.compile(self.program.pure_fn, dynamic=False)
-                with torch.no_grad():
-                    compiled(*[env[s] for s in self.program.inputs])  # compile now
+            module = _Frozen(program.pure_fn, program.constants).eval()
+            with inductor_config.patch(freezing=True), torch.no_grad():
+                compiled = torch.compile(module, dynamic=False)
+                compiled(*[env[s] for s in program.inputs])  # compile now, on real shapes
             self._compiled = compiled
-        except Exception as exc:  # torch.compile can fail in many ways; interpret instead
+        except Exception as exc:  # torch.compile fails in many ways: interpret instead
             self._failed = True
-            self.report.fallbacks.append(f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
-                                         if str(exc) else type(exc).__name__)
+            text = str(exc).strip().splitlines()
+            self.report.fallbacks.append(f"{type(exc).__name__}: {text[0] if text else ''}")
         self.report.first_run_compile_s += time.perf_counter() - start

@@ -1,0 +1,318 @@
+"""Tests for passes/fuse.py: each rule's changed and unchanged case, numerics vs onnxruntime."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import segflow
+from segflow import models
+from segflow.frontend.onnx_import import import_model
+from segflow.passes.fuse import RULES, fuse, run_rules
+
+ATOL, RTOL = 1e-4, 1e-3
+RNG = np.random.default_rng(0)
+
+
+def _model(nodes, inputs, outputs, inits=None, opset=17):
+    graph = helper.make_graph(
+        nodes, "g",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in inputs.items()],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in outputs],
+        initializer=[numpy_helper.from_array(np.asarray(a), n) for n, a in (inits or {}).items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 8
+    return model
+
+
+def _rand(*shape, scale=1.0):
+    return (RNG.standard_normal(shape) * scale).astype(np.float32)
+
+
+def _check(model, feeds, expect_ops=None, **session):
+    """Run on onnxruntime and on segflow (optimized); compare; return the session."""
+    ref = ort.InferenceSession(model.SerializeToString(),
+                               providers=["CPUExecutionProvider"]).run(None, feeds)
+    sess = segflow.InferenceSession(model, engine="inline", **session)
+    got = sess.run(None, feeds)
+    for r, g in zip(ref, got):
+        np.testing.assert_allclose(g, r, atol=ATOL, rtol=RTOL)
+    if expect_ops is not None:
+        assert Counter(n.op_type for n in sess.graph.nodes) == Counter(expect_ops)
+    return sess
+
+
+def _fused(model, rules=None):
+    graph = import_model(model)
+    result = fuse(graph, rules)
+    graph.validate()
+    return graph, result
+
+
+def _bn_inits(c, prefix="bn"):
+    return {f"{prefix}.s": _rand(c, scale=0.5) + 1, f"{prefix}.b": _rand(c),
+            f"{prefix}.m": _rand(c), f"{prefix}.v": np.abs(_rand(c)) + 0.5}
+
+
+def _bn(x, y, prefix="bn", **attrs):
+    return helper.make_node("BatchNormalization", [x, f"{prefix}.s", f"{prefix}.b",
+                                                   f"{prefix}.m", f"{prefix}.v"], [y], **attrs)
+
+
+# -- unchanged graphs ---------------------------------------------------------------------
+def test_nothing_to_fuse_leaves_the_graph_alone():
+    model = _model([helper.make_node("Add", ["x", "y"], ["z"]),
+                    helper.make_node("Sigmoid", ["z"], ["out"])],
+                   {"x": [2, 3], "y": [2, 3]}, ["out"])
+    graph, result = _fused(model)
+    assert not result.modified
+    assert [n.op_type for n in graph.nodes] == ["Add", "Sigmoid"]
+
+
+def test_every_rule_is_named_and_selectable():
+    names = [name for name, _ in RULES]
+    assert names == ["noops", "batchnorm", "linear", "gelu", "conv", "activation", "attention"]
+    with pytest.raises(ValueError, match="unknown fuse rules"):
+        run_rules(import_model(_model([helper.make_node("Relu", ["x"], ["y"])],
+                                      {"x": [2]}, ["y"])), ["nope"])
+
+
+# -- no-ops ------------------------------------------------------------------------------
+def test_noops_are_removed():
+    nodes = [
+        helper.make_node("Identity", ["x"], ["a"]),
+        helper.make_node("Dropout", ["a"], ["b"]),
+        helper.make_node("Cast", ["b"], ["c"], to=TensorProto.FLOAT),
+        helper.make_node("Reshape", ["c", "shape"], ["d"]),
+        helper.make_node("Transpose", ["d"], ["e"], perm=[1, 0]),
+        helper.make_node("Transpose", ["e"], ["f"], perm=[1, 0]),
+        helper.make_node("Relu", ["f"], ["out"]),
+    ]
+    model = _model(nodes, {"x": [3, 4]}, ["out"], {"shape": np.array([3, 4], np.int64)})
+    graph, result = _fused(model, ["noops"])
+    assert result.modified
+    assert [n.op_type for n in graph.nodes] == ["Relu"]
+    _check(model, {"x": _rand(3, 4)}, ["Relu"])
+
+
+def test_transpose_pair_merges_into_one():
+    nodes = [helper.make_node("Transpose", ["x"], ["a"], perm=[1, 2, 0]),
+             helper.make_node("Transpose", ["a"], ["out"], perm=[0, 2, 1])]
+    model = _model(nodes, {"x": [2, 3, 4]}, ["out"])
+    graph, result = _fused(model, ["noops"])
+    assert result.modified and [n.op_type for n in graph.nodes] == ["Transpose"]
+    assert graph.outputs[0].name == "out"
+    _check(model, {"x": _rand(2, 3, 4)})
+
+
+def test_noops_that_change_things_stay():
+    nodes = [helper.make_node("Reshape", ["x", "shape"], ["a"]),
+             helper.make_node("Cast", ["a"], ["b"], to=TensorProto.DOUBLE),
+             helper.make_node("Cast", ["b"], ["out"], to=TensorProto.FLOAT),
+             helper.make_node("Dropout", ["x", "ratio", "train"], ["d"])]
+    model = _model(nodes, {"x": [3, 4]}, ["out", "d"],
+                   {"shape": np.array([4, 3], np.int64), "ratio": np.array(0.5, np.float32)})
+    model.graph.initializer.append(numpy_helper.from_array(np.array(True), "train"))
+    graph, result = _fused(model, ["noops"])
+    assert not result.modified
+    assert [n.op_type for n in graph.nodes] == ["Reshape", "Cast", "Cast", "Dropout"]
+
+
+def test_identity_producing_a_graph_output_of_an_input_stays():
+    model = _model([helper.make_node("Identity", ["x"], ["out"])], {"x": [2]}, ["out"])
+    graph, result = _fused(model)
+    assert not result.modified and graph.outputs[0].name == "out"
+
+
+# -- BatchNormalization, Conv, activations ---------------------------------------------------
+def _conv_bn_relu(residual=False, act="Relu", shared=False):
+    inits = {"w": _rand(8, 4, 3, 3, scale=0.3), "cb": _rand(8), **_bn_inits(8)}
+    nodes = [helper.make_node("Conv", ["x", "w", "cb"], ["c"], pads=[1, 1, 1, 1]),
+             _bn("c", "n")]
+    last = "n"
+    if residual:
+        inits["w2"] = _rand(8, 4, 1, 1, scale=0.3)
+        nodes.append(helper.make_node("Conv", ["x", "w2"], ["side"]))
+        nodes.append(helper.make_node("Add", ["n", "side"], ["s"]))
+        last = "s"
+    if act == "Clip":
+        inits.update({"lo": np.array(0.0, np.float32), "hi": np.array(6.0, np.float32)})
+        nodes.append(helper.make_node("Clip", [last, "lo", "hi"], ["out"]))
+    else:
+        nodes.append(helper.make_node(act, [last], ["out"]))
+    outputs = ["out", "n"] if shared else ["out"]
+    return _model(nodes, {"x": ["batch", 4, 6, 6]}, outputs, inits)
+
+
+@pytest.mark.parametrize("act", ["Relu", "Clip", "Sigmoid", "Tanh", "LeakyRelu", "HardSwish"])
+def test_conv_batchnorm_activation_become_one_fused_conv(act):
+    model = _conv_bn_relu(act=act)
+    sess = _check(model, {"x": _rand(2, 4, 6, 6)}, ["FusedConv"])
+    (node,) = sess.graph.nodes
+    assert node.attrs["activation"] == act
+
+
+def test_conv_residual_add_relu_fuse():
+    model = _conv_bn_relu(residual=True)
+    sess = _check(model, {"x": _rand(1, 4, 6, 6)}, ["FusedConv", "FusedConv"])
+    assert sum(1 for n in sess.graph.nodes if len(n.inputs) == 4) == 1
+    _check(model, {"x": _rand(3, 4, 6, 6)}, compile="none")
+
+
+def test_conv_feeding_a_graph_output_keeps_batchnorm_visible():
+    model = _conv_bn_relu(shared=True)
+    graph, _ = _fused(model)
+    # n (the BatchNorm output) is a graph output: BN folds, but Relu cannot join the conv.
+    assert Counter(n.op_type for n in graph.nodes) == Counter(["FusedConv", "Relu"])
+    _check(model, {"x": _rand(1, 4, 6, 6)})
+
+
+def test_training_batchnorm_is_not_folded():
+    inits = {"w": _rand(8, 4, 3, 3), **_bn_inits(8)}
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"]),
+             _bn("c", "out", training_mode=1)]
+    graph, _ = _fused(_model(nodes, {"x": [1, 4, 6, 6]}, ["out"], inits, opset=15))
+    assert "BatchNormalization" in [n.op_type for n in graph.nodes]
+
+
+def test_batchnorm_folds_into_gemm():
+    inits = {"w": _rand(5, 6), "c": _rand(5), **_bn_inits(5)}
+    nodes = [helper.make_node("Gemm", ["x", "w", "c"], ["g"], transB=1),
+             _bn("g", "out")]
+    model = _model(nodes, {"x": [3, 6]}, ["out"], inits)
+    _check(model, {"x": _rand(3, 6)}, ["FusedGemm"])
+
+
+def test_auto_pad_same_is_resolved_for_static_inputs():
+    inits = {"w": _rand(4, 3, 3, 3)}
+    nodes = [helper.make_node("Conv", ["x", "w"], ["out"], auto_pad="SAME_UPPER", strides=[2, 2])]
+    model = _model(nodes, {"x": [1, 3, 7, 7]}, ["out"], inits)
+    _check(model, {"x": _rand(1, 3, 7, 7)}, ["FusedConv"])
+
+
+def test_asymmetric_pads_run_through_the_torch_path():
+    inits = {"w": _rand(4, 3, 3, 3)}
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[0, 1, 1, 0]),
+             helper.make_node("Relu", ["c"], ["out"])]
+    model = _model(nodes, {"x": [1, 3, 5, 5]}, ["out"], inits)
+    sess = _check(model, {"x": _rand(1, 3, 5, 5)}, ["FusedConv"])
+    assert "channels_last" not in sess.graph.nodes[0].attrs  # oneDNN needs symmetric pads
+
+
+# -- linear ------------------------------------------------------------------------------
+def test_matmul_add_gelu_becomes_fused_gemm():
+    k, n = 8, 6
+    inits = {"w": _rand(k, n), "b": _rand(n), "sqrt2": np.array(math.sqrt(2), np.float32),
+             "one": np.array(1.0, np.float32), "half": np.array(0.5, np.float32)}
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]),
+             helper.make_node("Add", ["b", "m"], ["y"]),
+             helper.make_node("Div", ["y", "sqrt2"], ["d"]),
+             helper.make_node("Erf", ["d"], ["e"]),
+             helper.make_node("Add", ["e", "one"], ["e1"]),
+             helper.make_node("Mul", ["y", "e1"], ["p"]),
+             helper.make_node("Mul", ["p", "half"], ["out"])]
+    model = _model(nodes, {"x": ["batch", 5, k]}, ["out"], inits)
+    sess = _check(model, {"x": _rand(2, 5, k)}, ["FusedGemm"])
+    assert sess.graph.nodes[0].attrs["activation"] == "Gelu"
+
+
+def test_gelu_without_a_linear_before_it_is_one_gelu_node():
+    inits = {"isq": np.array(1 / math.sqrt(2), np.float32), "one": np.array(1.0, np.float32),
+             "half": np.array(0.5, np.float32)}
+    nodes = [helper.make_node("Mul", ["x", "isq"], ["d"]),
+             helper.make_node("Erf", ["d"], ["e"]),
+             helper.make_node("Add", ["one", "e"], ["e1"]),
+             helper.make_node("Mul", ["x", "half"], ["h"]),
+             helper.make_node("Mul", ["h", "e1"], ["out"])]
+    model = _model(nodes, {"x": [4, 5]}, ["out"], inits)
+    _check(model, {"x": _rand(4, 5)}, ["Gelu"])
+
+
+def test_gemm_with_alpha_or_full_c_is_left_alone():
+    inits = {"w": _rand(6, 5), "c": _rand(3, 5)}
+    nodes = [helper.make_node("Gemm", ["x", "w", "c"], ["out"], alpha=2.0)]
+    model = _model(nodes, {"x": [3, 6]}, ["out"], inits)
+    graph, result = _fused(model, ["linear"])
+    assert not result.modified
+    nodes = [helper.make_node("Gemm", ["x", "w", "c"], ["out"])]
+    graph, result = _fused(_model(nodes, {"x": [3, 6]}, ["out"], inits), ["linear"])
+    assert not result.modified  # C is a full [3, 5] matrix, not a bias vector
+
+
+def test_matmul_with_a_computed_weight_is_left_alone():
+    model = _model([helper.make_node("MatMul", ["x", "y"], ["out"])],
+                   {"x": [3, 4], "y": [4, 2]}, ["out"])
+    _, result = _fused(model)
+    assert not result.modified
+
+
+# -- attention ---------------------------------------------------------------------------
+def test_attention_pattern_becomes_one_node():
+    b, h, s, d = 2, 3, 5, 4
+    inits = {"scale": np.array(math.sqrt(d), np.float32)}
+    nodes = [helper.make_node("MatMul", ["q", "kt"], ["sc"]),
+             helper.make_node("Div", ["sc", "scale"], ["sd"]),
+             helper.make_node("Add", ["sd", "mask"], ["sm"]),
+             helper.make_node("Softmax", ["sm"], ["p"], axis=-1),
+             helper.make_node("MatMul", ["p", "v"], ["out"])]
+    model = _model(nodes, {"q": [b, h, s, d], "kt": [b, h, d, s], "v": [b, h, s, d],
+                           "mask": [b, 1, 1, s]}, ["out"], inits)
+    feeds = {"q": _rand(b, h, s, d), "kt": _rand(b, h, d, s), "v": _rand(b, h, s, d),
+             "mask": (RNG.integers(0, 2, (b, 1, 1, s)) * -10000).astype(np.float32)}
+    sess = _check(model, feeds, ["Attention"])
+    assert sess.graph.nodes[0].attrs["scale"] == pytest.approx(1 / math.sqrt(d))
+
+
+def test_attention_with_a_growing_mask_is_left_alone():
+    nodes = [helper.make_node("MatMul", ["q", "kt"], ["sc"]),
+             helper.make_node("Add", ["sc", "mask"], ["sm"]),
+             helper.make_node("Softmax", ["sm"], ["p"], axis=-1),
+             helper.make_node("MatMul", ["p", "v"], ["out"])]
+    model = _model(nodes, {"q": [1, 2, 3, 4], "kt": [1, 2, 4, 3], "v": [1, 2, 3, 4],
+                           "mask": [2, 2, 3, 3]}, ["out"])
+    _, result = _fused(model, ["attention"])
+    assert not result.modified
+
+
+# -- every builder model stays correct ------------------------------------------------------
+SMALL = {
+    "resnet18": ({"num_classes": 10, "image_size": 64}, {}),
+    "mobilenet_v2": ({"num_classes": 10, "image_size": 64}, {}),
+    "bert_tiny": ({}, {"seq_len": 16}),
+    "mlp_chain": ({"layers": 6}, {}),
+    "nonzero_mid": ({}, {}),
+}
+
+
+@pytest.mark.parametrize("name", list(SMALL))
+def test_builder_models_match_onnxruntime_after_fusion(name):
+    build, feed_opts = SMALL[name]
+    model = models.build(name, **build)
+    feeds = models.example_inputs(name, batch_size=2, **build, **feed_opts) \
+        if name != "bert_tiny" else models.example_inputs(name, batch_size=2, **feed_opts)
+    sess = _check(model, feeds)
+    assert any(n.domain == "segflow" for n in sess.graph.nodes)
+    unfused = segflow.InferenceSession(model, engine="inline", optimize={"fuse": False})
+    assert not any(n.domain == "segflow" for n in unfused.graph.nodes)
+
+
+def test_fuse_can_be_switched_off_by_environment(monkeypatch):
+    monkeypatch.setenv("SEGFLOW_NO_FUSE", "1")
+    sess = segflow.InferenceSession(models.build("mlp_chain", layers=2))
+    assert [n.op_type for n in sess.graph.nodes] == ["Gemm", "Relu", "Gemm", "Relu"]
+    assert "fuse: off" in sess.explain()
+
+
+def test_fused_model_still_serializes_through_onnx_checker():
+    # The fuse pass only rewrites segflow's IR; the caller's ModelProto is untouched.
+    model = models.build("mlp_chain", layers=2)
+    before = model.SerializeToString()
+    segflow.InferenceSession(model)
+    assert model.SerializeToString() == before
+    onnx.checker.check_model(model)

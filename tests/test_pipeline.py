@@ -1,0 +1,163 @@
+"""Tests for passes/pipeline.py: switches (API and environment), log lines, session wiring."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import segflow
+from segflow import models
+from segflow.frontend.onnx_import import import_model
+from segflow.ir.types import Device
+from segflow.passes.pipeline import (
+    PASSES,
+    CompileMode,
+    OptimizeOptions,
+    configure_threads,
+    optimize,
+    run_pipeline,
+)
+
+CPU = Device.parse("cpu")
+
+
+def test_defaults_are_all_on():
+    options = OptimizeOptions.resolve(env={})
+    assert (options.fold_constants, options.fuse, options.layout, options.plan_memory) == (
+        True, True, True, True)
+    assert options.compile is CompileMode.AUTO and options.intra_op_threads is None
+    assert options.as_record()["compile"] == "codegen"
+
+
+def test_api_wins_over_environment():
+    env = {"SEGFLOW_NO_FUSE": "1", "SEGFLOW_COMPILE": "none", "SEGFLOW_INTRA_OP_THREADS": "3"}
+    from_env = OptimizeOptions.resolve(env=env)
+    assert not from_env.fuse and from_env.compile is CompileMode.NONE
+    assert from_env.intra_op_threads == 3
+    api = OptimizeOptions.resolve({"fuse": True}, compile="codegen", intra_op_threads=1, env=env)
+    assert api.fuse and api.compile is CompileMode.CODEGEN and api.intra_op_threads == 1
+    # A dict names only some passes: the others still follow the environment.
+    assert not OptimizeOptions.resolve({"layout": True}, env=env).fuse
+
+
+@pytest.mark.parametrize("optimize_arg,env,expected", [
+    (False, {}, (False, False, False, False)),
+    (None, {"SEGFLOW_OPTIMIZE": "0"}, (False, False, False, False)),
+    (True, {"SEGFLOW_NO_FOLD": "1"}, (False, True, True, True)),
+    (None, {"SEGFLOW_NO_LAYOUT": "1", "SEGFLOW_NO_MEMORY_PLAN": "1"}, (True, True, False, False)),
+    ({"fold_constants": False}, {"SEGFLOW_OPTIMIZE": "0"}, (False, True, True, True)),
+])
+def test_switches(optimize_arg, env, expected):
+    o = OptimizeOptions.resolve(optimize_arg, env=env)
+    assert (o.fold_constants, o.fuse, o.layout, o.plan_memory) == expected
+
+
+def test_bad_values_are_rejected():
+    with pytest.raises(ValueError, match="unknown passes"):
+        OptimizeOptions.resolve({"fusion": True}, env={})
+    with pytest.raises(ValueError, match="compile="):
+        OptimizeOptions.resolve(env={"SEGFLOW_COMPILE": "fast"})
+    with pytest.raises(ValueError, match="SEGFLOW_NO_FUSE"):
+        OptimizeOptions.resolve(env={"SEGFLOW_NO_FUSE": "maybe"})
+    with pytest.raises(ValueError, match="intra_op_threads"):
+        OptimizeOptions.resolve(intra_op_threads=0, env={})
+
+
+def test_one_log_line_per_pass_and_compile():
+    graph = import_model(models.build("resnet18", num_classes=10, image_size=32))
+    log = optimize(graph, OptimizeOptions.resolve(env={}), device=CPU)
+    assert [line.split(":")[0] for line in log] == [*PASSES, "compile"]
+    assert log[1].startswith("fuse: 69 -> 24 nodes (batchnorm 20")
+    assert log[2] == "layout: 20 convolutions prepacked for oneDNN, channels_last"
+    graph.validate()
+
+
+def test_everything_off_leaves_the_imported_graph():
+    model = models.build("resnet18", num_classes=10, image_size=32)
+    graph = import_model(model)
+    before = [n.op_type for n in graph.nodes]
+    result = run_pipeline(graph, OptimizeOptions.resolve(False, env={}), device=CPU)
+    assert [n.op_type for n in graph.nodes] == before and result.memory is None
+    assert all(line.endswith("off") for line in result.log[:4])
+
+
+def test_custom_placement_keeps_imported_nodes():
+    graph = import_model(models.build("mlp_chain", layers=2))
+    log = optimize(graph, OptimizeOptions.resolve(env={}), device=None)
+    assert "fuse: skipped (custom placement names the imported nodes)" in log
+    assert [n.op_type for n in graph.nodes] == ["Gemm", "Relu", "Gemm", "Relu"]
+
+
+def test_session_counters_stay_exact_with_optimization():
+    model = models.build("resnet50", num_classes=10, image_size=32)
+    feeds = models.example_inputs("resnet50", num_classes=10, image_size=32)
+    for engine in ("inline", "threaded"):
+        sess = segflow.InferenceSession(model, engine=engine)
+        sess.run(None, feeds)
+        stats = sess.last_run_stats
+        assert (stats.segments, stats.pushes, stats.syncs) == (1, 1, 1)
+        assert stats.kernels == stats.nodes == sess.plan.compute_nodes == 57
+        assert stats.settings["compile"] == "codegen" and stats.settings["fuse"] is True
+        assert stats.settings["intra_op_threads"] == torch.get_num_threads()
+    text = sess.explain()
+    for prefix in ("pass: fold_constants:", "pass: fuse:", "pass: layout:",
+                   "pass: plan_memory:", "pass: compile: codegen"):
+        assert prefix in text
+
+
+def test_thread_option_sets_torch_threads():
+    before = torch.get_num_threads()
+    try:
+        assert configure_threads(OptimizeOptions(intra_op_threads=1)) == 1
+        assert torch.get_num_threads() == 1
+        assert configure_threads(OptimizeOptions()) == 1  # unset: leaves torch alone
+    finally:
+        torch.set_num_threads(before)
+
+
+_CHILD = """
+import json, segflow, torch
+from segflow import models
+sess = segflow.InferenceSession(models.build("mlp_chain", layers=4))
+sess.run(None, models.example_inputs("mlp_chain", layers=4))
+s = sess.last_run_stats
+print(json.dumps({"nodes": s.nodes, "settings": s.settings, "threads": torch.get_num_threads(),
+                  "log": list(sess.plan.pass_log)}))
+"""
+
+
+@pytest.mark.parametrize("env,nodes,key,value", [
+    ({}, 4, "fuse", True),
+    ({"SEGFLOW_NO_FUSE": "1"}, 8, "fuse", False),
+    ({"SEGFLOW_OPTIMIZE": "0"}, 8, "fold_constants", False),
+    ({"SEGFLOW_COMPILE": "none"}, 4, "compile", "none"),
+    ({"SEGFLOW_INTRA_OP_THREADS": "1"}, 4, "intra_op_threads", 1),
+])
+def test_environment_flags_in_a_fresh_process(env, nodes, key, value):
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SEGFLOW_")}
+    out = subprocess.run([sys.executable, "-c", _CHILD], env={**clean, **env},
+                         capture_output=True, text=True, check=True, timeout=120)
+    record = json.loads(out.stdout.strip().splitlines()[-1])
+    assert record["nodes"] == nodes
+    assert record["settings"][key] == value
+    if "SEGFLOW_INTRA_OP_THREADS" in env:
+        assert record["threads"] == 1
+
+
+def test_optimized_and_plain_sessions_agree_on_every_builder_model():
+    cases = {"resnet18": {"num_classes": 10, "image_size": 32},
+             "mobilenet_v2": {"num_classes": 10, "image_size": 32},
+             "mlp_chain": {"layers": 4}, "nonzero_mid": {}}
+    for name, opts in cases.items():
+        model = models.build(name, **opts)
+        feeds = models.example_inputs(name, batch_size=3, **opts)
+        fast = segflow.InferenceSession(model).run(None, feeds)
+        plain = segflow.InferenceSession(model, optimize=False, compile="none").run(None, feeds)
+        for a, b in zip(fast, plain):
+            np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-3)

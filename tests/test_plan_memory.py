@@ -1,0 +1,218 @@
+"""Tests for passes/plan_memory.py: lifetimes, in-place legality, arena layout.
+
+The property test builds random graphs of elementwise ops, views and matmuls,
+plans them, checks that no two buffers alive at the same time share bytes, and
+runs them (generated code with the plan's in-place ops) against onnxruntime.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from onnx import TensorProto, helper, numpy_helper
+
+import segflow
+from segflow import models
+from segflow.frontend.onnx_import import import_model
+from segflow.passes.plan_memory import FRESH_OUTPUT_OPS, MemoryPlan, nbytes, plan_memory
+
+F32 = TensorProto.FLOAT
+
+
+def _model(nodes, inputs, outputs, inits=None):
+    graph = helper.make_graph(
+        nodes, "g",
+        [helper.make_tensor_value_info(n, F32, s) for n, s in inputs.items()],
+        [helper.make_tensor_value_info(n, F32, None) for n in outputs],
+        initializer=[numpy_helper.from_array(np.asarray(a), n) for n, a in (inits or {}).items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def _plan(model, **kwargs) -> tuple[MemoryPlan, object]:
+    graph = import_model(model)
+    return plan_memory(graph, **kwargs), graph
+
+
+def _inplace_ops(plan: MemoryPlan) -> dict[str, int]:
+    return {node.op_type + ":" + node.outputs[0].name: slot for node, slot in plan.inplace.items()}
+
+
+# -- targeted cases -----------------------------------------------------------------------
+def test_relu_chain_runs_in_place_and_reuses_storage():
+    nodes = [helper.make_node("Add", ["x", "x"], ["a"]),
+             helper.make_node("Relu", ["a"], ["b"]),
+             helper.make_node("Sigmoid", ["b"], ["c"]),
+             helper.make_node("Neg", ["c"], ["out"])]
+    plan, _ = _plan(_model(nodes, {"x": [64, 64]}, ["out"]))
+    assert _inplace_ops(plan) == {"Relu:b": 0, "Sigmoid:c": 0, "Neg:out": 0}
+    assert len(plan.buffers) == 1 and plan.buffers[0].values == ("a", "b", "c", "out")
+    assert plan.arena_bytes == 64 * 64 * 4
+    assert plan.naive_bytes == 4 * 64 * 64 * 4
+    assert "in-place" in plan.summary()
+
+
+def test_graph_inputs_outputs_and_shared_values_are_never_overwritten():
+    nodes = [helper.make_node("Relu", ["x"], ["a"]),      # x is the caller's
+             helper.make_node("Relu", ["a"], ["b"]),      # a is read again below
+             helper.make_node("Add", ["a", "b"], ["c"]),  # a dies here: in place over a
+             helper.make_node("Sigmoid", ["c"], ["out"])]
+    plan, _ = _plan(_model(nodes, {"x": [8]}, ["out", "c"]))
+    ops = _inplace_ops(plan)
+    assert "Relu:a" not in ops and "Relu:b" not in ops
+    assert ops.get("Add:c") in (0, 1)
+    assert "Sigmoid:out" not in ops  # c is a graph output
+
+
+def test_a_live_view_blocks_in_place():
+    inits = {"shape": np.array([4, 2], np.int64)}
+    nodes = [helper.make_node("Neg", ["x"], ["a"]),
+             helper.make_node("Reshape", ["a", "shape"], ["view"]),
+             helper.make_node("Relu", ["a"], ["b"]),          # view still alive: not in place
+             helper.make_node("Reshape", ["b", "shape"], ["bv"]),
+             helper.make_node("Add", ["view", "bv"], ["out"])]
+    model = _model(nodes, {"x": [8]}, ["out"], inits)
+    plan, _ = _plan(model)
+    assert "Relu:b" not in _inplace_ops(plan)
+    _run_against_ort(model, {"x": np.arange(8, dtype=np.float32) - 4})
+
+
+def test_lifetimes_allow_reuse_between_disjoint_values():
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["a"]),
+             helper.make_node("MatMul", ["a", "w"], ["b"]),
+             helper.make_node("MatMul", ["b", "w"], ["c"]),
+             helper.make_node("MatMul", ["c", "w"], ["out"])]
+    plan, _ = _plan(_model(nodes, {"x": [16, 16]}, ["out"],
+                           {"w": np.eye(16, dtype=np.float32)}))
+    # a and c never live at the same time: two buffers' worth of arena, four naive.
+    size = 16 * 16 * 4
+    assert plan.naive_bytes == 4 * size
+    assert plan.arena_bytes == 2 * size == plan.live_peak_bytes
+
+
+def test_symbolic_dims_are_sized_as_one_by_default_and_on_request():
+    nodes = [helper.make_node("Relu", ["x"], ["a"]), helper.make_node("Neg", ["x"], ["out"])]
+    model = _model(nodes, {"x": ["batch", 10]}, ["out", "a"])
+    plan, graph = _plan(model)
+    assert plan.dims == {"batch": 1} and plan.arena_bytes == 2 * 64  # 40 B aligned to 64
+    plan8 = plan_memory(graph, dims={"batch": 8})
+    assert plan8.arena_bytes == 2 * 320
+    assert nbytes(graph.outputs[0], {"batch": 3}) == 120
+    assert nbytes(graph.outputs[0]) is None
+
+
+def test_plan_switch_and_report_in_session():
+    model = models.build("resnet18", num_classes=10, image_size=32)
+    feeds = models.example_inputs("resnet18", num_classes=10, image_size=32)
+    sess = segflow.InferenceSession(model, engine="inline")
+    sess.run(None, feeds)
+    settings_ = sess.last_run_stats.settings
+    assert 0 < settings_["memory_planned_peak_bytes"] < settings_["memory_naive_bytes"]
+    assert settings_["memory_inplace_nodes"] > 0
+    assert any(line.startswith("plan_memory: planned peak") for line in sess.plan.pass_log)
+    off = segflow.InferenceSession(model, engine="inline", optimize={"plan_memory": False})
+    assert "plan_memory: off" in off.plan.pass_log
+    off.run(None, feeds)
+    assert "memory_planned_peak_bytes" not in off.last_run_stats.settings
+    np.testing.assert_allclose(off.run(None, feeds)[0], sess.run(None, feeds)[0],
+                               atol=1e-4, rtol=1e-3)
+
+
+def test_resnet_plan_is_far_below_naive():
+    plan, _ = _plan(models.build("resnet50", num_classes=10, image_size=64))
+    assert plan.unplanned == 0
+    assert plan.arena_bytes < plan.naive_bytes / 3
+    assert plan.live_peak_bytes <= plan.arena_bytes
+
+
+# -- property test over random graphs --------------------------------------------------------
+SHAPES = [(4, 8), (8, 4), (32,), (2, 16)]
+UNARY = ["Relu", "Sigmoid", "Neg", "Tanh"]
+BINARY = ["Add", "Mul", "Sub"]
+
+
+@st.composite
+def random_graphs(draw):
+    """A random DAG over a few static shapes: elementwise ops, views, matmuls."""
+    values: dict[str, tuple[int, ...]] = {"x": (4, 8), "y": (4, 8)}
+    inits: dict[str, np.ndarray] = {}
+    nodes = []
+    for i in range(draw(st.integers(1, 14))):
+        kind = draw(st.sampled_from(["unary", "binary", "view", "transpose", "matmul",
+                                     "identity"]))
+        name = f"v{i}"
+        src = draw(st.sampled_from(sorted(values)))
+        shape = values[src]
+        if kind == "unary":
+            nodes.append(helper.make_node(draw(st.sampled_from(UNARY)), [src], [name]))
+        elif kind == "binary":
+            same = sorted(v for v, s in values.items() if s == shape)
+            other = draw(st.sampled_from(same))
+            nodes.append(helper.make_node(draw(st.sampled_from(BINARY)), [src, other], [name]))
+        elif kind == "view":
+            target = draw(st.sampled_from(SHAPES))
+            inits[f"s{i}"] = np.array(target, np.int64)
+            nodes.append(helper.make_node("Reshape", [src, f"s{i}"], [name]))
+            shape = target
+        elif kind == "transpose" and len(shape) == 2:
+            nodes.append(helper.make_node("Transpose", [src], [name], perm=[1, 0]))
+            shape = (shape[1], shape[0])
+        elif kind == "matmul" and len(shape) == 2:
+            w = f"w{i}"
+            inits[w] = np.full((shape[1], shape[1]), 0.1, np.float32)
+            nodes.append(helper.make_node("MatMul", [src, w], [name]))
+        else:
+            nodes.append(helper.make_node("Identity", [src], [name]))
+        values[name] = shape
+    produced = [n.output[0] for n in nodes]
+    extra = draw(st.lists(st.sampled_from(produced), max_size=3, unique=True))
+    outputs = list(dict.fromkeys([produced[-1], *extra]))
+    return _model(nodes, {"x": [4, 8], "y": [4, 8]}, outputs, inits)
+
+
+def _run_against_ort(model, feeds):
+    ref = ort.InferenceSession(model.SerializeToString(),
+                               providers=["CPUExecutionProvider"]).run(None, feeds)
+    for kwargs in ({"compile": "codegen"}, {"compile": "none"}):
+        got = segflow.InferenceSession(model, engine="inline", **kwargs).run(None, feeds)
+        for r, g in zip(ref, got):
+            np.testing.assert_allclose(g, r, atol=1e-5, rtol=1e-4)
+
+
+@settings(max_examples=60, deadline=None)
+@given(random_graphs())
+def test_no_two_live_values_share_storage(model):
+    graph = import_model(model)
+    plan = plan_memory(graph)
+    nodes = graph.nodes
+    position = {node: i for i, node in enumerate(nodes)}
+    buffers = plan.buffers
+    for i, a in enumerate(buffers):
+        for b in buffers[i + 1:]:
+            if a.overlaps_in_time(b):
+                assert not a.overlaps_in_space(b), (a, b)
+    assert plan.live_peak_bytes <= plan.arena_bytes <= plan.naive_bytes
+    # Every value stored in a buffer is read only while the buffer is alive.
+    by_name = {v.name: v for v in graph.values()}
+    for buf in buffers:
+        for name in buf.values:
+            value = by_name[name]
+            assert buf.start <= position[value.producer]
+            for use in value.uses:
+                assert position[use] <= buf.end
+            if value in graph.outputs:
+                assert buf.end == len(nodes)
+    # An overwritten input is dead afterwards, owns its storage, and is nobody's output.
+    for node, slot in plan.inplace.items():
+        target = node.inputs[slot]
+        assert target is not None and target.producer is not None
+        assert target.producer.op_type in FRESH_OUTPUT_OPS
+        assert target not in graph.outputs
+        assert all(position[use] <= position[node] for use in target.uses)
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal((4, 8), dtype=np.float32),
+             "y": rng.standard_normal((4, 8), dtype=np.float32)}
+    _run_against_ort(model, feeds)
