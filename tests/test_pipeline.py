@@ -74,7 +74,7 @@ def test_one_log_line_per_pass_and_compile():
     log = optimize(graph, OptimizeOptions.resolve(env={}), device=CPU)
     assert [line.split(":")[0] for line in log] == [*PASSES, "compile"]
     assert log[1].startswith("fuse: 69 -> 24 nodes (batchnorm 20")
-    assert log[2] == "layout: 20 convolutions prepacked for oneDNN, channels_last"
+    assert log[2] == "layout: prepacked for oneDNN: 20 convolutions (channels_last)"
     graph.validate()
 
 

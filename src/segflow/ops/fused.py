@@ -37,7 +37,10 @@ FUSED_DOMAIN = "segflow"
 # Below this many multiply-adds per call, MKL's addmm (a few microseconds of fixed cost)
 # beats oneDNN's matmul (~10 us of primitive overhead); above it oneDNN wins (2-3x on the
 # AMD EPYC we measured, where MKL takes a slow code path). Measured with benchmarks/.
-LINEAR_ONEDNN_MIN_MACS = 1 << 21
+LINEAR_ONEDNN_MIN_MACS = 1 << 20
+# A weight with at least this many elements is worth oneDNN even for a single row (measured
+# equal at 768 x 768, oneDNN ahead above): the layout pass prepacks it, dropping the dense copy.
+LINEAR_PACK_MIN_WEIGHT = 1 << 19
 
 
 def onednn_available() -> bool:
@@ -257,10 +260,24 @@ def _static_macs(node: Node) -> int | None:
     return rows * dims[-2] * dims[-1]
 
 
+def linear_uses_onednn(node: Node) -> bool:
+    """True when the layout pass prepacked this FusedGemm's weight for oneDNN."""
+    weight = node.inputs[1]
+    return weight is not None and weight.const is not None and weight.const.is_mkldnn
+
+
 def _linear_callable(node: Node, device: torch.device) -> Callable[..., Tensor]:
     """``fn(x, w, b) -> act(x @ w.T + b)``, choosing MKL addmm or oneDNN by size."""
     has_bias, act, params = _linear_parts(node)
     post = act.onednn(params)
+    if linear_uses_onednn(node):
+        packed = torch.ops.mkldnn._linear_pointwise.default
+        p_attr, p_scalars, p_alg = post if post is not None else ("none", [], "")
+
+        def prepacked(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+            y = packed(x, w, b, p_attr, p_scalars, p_alg)
+            return y if post is not None else act.apply(y, params)
+        return prepacked
     use_onednn = device.type == "cpu" and onednn_available() and post is not None
     linear_pw = torch.ops.mkldnn._linear_pointwise.default if use_onednn else None
     attr, scalars, algorithm = post if post is not None else ("none", [], "")
@@ -310,8 +327,20 @@ def _attention_callable(node: Node) -> Callable[..., Tensor]:
     sdpa = F.scaled_dot_product_attention
 
     def attention(q: Tensor, kt: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
-        if mask is not None and mask.dim() < 2:
-            mask = mask.reshape((1,) * (2 - mask.dim()) + tuple(mask.shape))
+        batch = q.shape[:-2]
+        fits = kt.shape[:-2] == batch and v.shape[:-2] == batch
+        if mask is not None:
+            if mask.dim() < 2:
+                mask = mask.reshape((1,) * (2 - mask.dim()) + tuple(mask.shape))
+            scores = (*batch, q.shape[-2], kt.shape[-1])
+            fits = fits and mask.dim() <= len(scores) and all(
+                m in (1, s) for m, s in zip(reversed(mask.shape), reversed(scores)))
+        if not fits:
+            # Broadcasting SDPA does not do (batch dims that differ, a mask that grows the
+            # scores): the ops as the graph wrote them.
+            y = torch.matmul(q, kt) * scale
+            y = y + mask if mask is not None else y
+            return torch.matmul(torch.softmax(y, dim=-1), v)
         return sdpa(q, kt.transpose(-2, -1), v, attn_mask=mask, scale=scale)
     return attention
 
@@ -369,6 +398,12 @@ def _inline_gemm(node: Node, device: torch.device, consts: Sequence[Tensor | Non
     x = node.inputs[0]
     weight = consts[1] if len(consts) > 1 else None
     generic = Inline("{fn}({in0}, {in1}, " + ("{in2})" if has_bias else "None)"), {"fn": fn})
+    post = act.onednn(params)
+    if linear_uses_onednn(node) and post is not None:
+        attr, scalars, algorithm = post
+        bias = "{in2}" if has_bias else "None"
+        return Inline(f"{{lin}}({{in0}}, {{in1}}, {bias}, {attr!r}, {{scalars}}, {algorithm!r})",
+                      {"lin": torch.ops.mkldnn._linear_pointwise.default, "scalars": scalars})
     if (weight is None or weight.dim() != 2 or x is None or x.spec.rank != 2 or not has_bias
             or act.name not in ("", "Relu")):
         return generic
@@ -378,7 +413,6 @@ def _inline_gemm(node: Node, device: torch.device, consts: Sequence[Tensor | Non
         small = "{relu_}(" + small + ")"
     bound: dict[str, object] = {"addmm": torch.addmm, "relu_": torch.relu_, "wt": weight.t(),
                                 "fn": fn}
-    post = act.onednn(params)
     if device.type != "cpu" or not onednn_available() or post is None:
         return Inline(small, bound)
     static = _static_macs(node)
@@ -388,6 +422,44 @@ def _inline_gemm(node: Node, device: torch.device, consts: Sequence[Tensor | Non
     rows = -(-LINEAR_ONEDNN_MIN_MACS // weight.numel())
     return Inline(f"({small} if {{in0}}.shape[0] < {rows} else {{fn}}({{in0}}, {{in1}}, {{in2}}))",
                   bound)
+
+
+def traceable_fused(node: Node) -> Inline | None:
+    """A functional, torch-only form of a fused node, for graph tracers (TorchScript).
+
+    No oneDNN-specific ops, no in-place writes: tracers and oneDNN Graph see plain
+    convolution / linear / add / activation ops they know how to fuse.
+    """
+    n_in = len(node.inputs)
+    args = ", ".join("None" if node.inputs[i] is None else f"{{in{i}}}" for i in range(n_in))
+    if node.op_type == "FusedConv":
+        if conv_uses_onednn(node):
+            return None
+        spec = _conv_spec(node)
+        act, params = activation_of(node)
+        conv = _CONV[spec.spatial]
+        pad = _torch_pad(spec.begin_end) if spec.begin_end else None
+
+        def conv_fn(x: Tensor, w: Tensor, b: Tensor | None = None,
+                    z: Tensor | None = None) -> Tensor:
+            if pad is not None:
+                x = F.pad(x, pad)
+            y = conv(x, w, b, spec.strides, spec.pads, spec.dilations, spec.group)
+            if z is not None:
+                y = y + z
+            return act.apply(y, params)
+        return Inline(f"{{fn}}({args})", {"fn": conv_fn})
+    if node.op_type == "FusedGemm":
+        if linear_uses_onednn(node):
+            return None
+        act, params = activation_of(node)
+
+        def linear_fn(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+            return act.apply(F.linear(x, w, b), params)
+        return Inline(f"{{fn}}({args})", {"fn": linear_fn})
+    if node.op_type == "Attention":
+        return Inline(f"{{fn}}({args})", {"fn": _attention_callable(node)})
+    return None
 
 
 OPS: list[OpDef] = [

@@ -575,21 +575,29 @@ def _attention_match(graph: Graph, softmax: Node):  # type: ignore[no-untyped-de
 
 
 def _sdpa_shapes(q: Value, kt: Value, v: Value, mask: Value | None, scores: Value) -> bool:
-    """Shapes scaled_dot_product_attention takes as they are: equal batch dims for Q, K, V
-    and a mask that broadcasts to the scores without growing them."""
-    shapes = [t.spec.shape for t in (q, kt, v, scores)]
-    if any(s is None or None in s for s in shapes):
+    """Rule out shapes that are known not to suit scaled_dot_product_attention.
+
+    Symbolic dims pass (the kernel checks at run time and falls back to the plain
+    ops); fixed dims must show equal batch dims for Q, K, V and a mask that
+    broadcasts to the scores without growing them.
+    """
+    def known_conflict(a: object, b: object, one_ok: bool) -> bool:
+        if isinstance(a, int) and isinstance(b, int):
+            return a != b and not (one_ok and a == 1)
         return False
-    q_s, k_s, v_s, s_s = shapes
-    assert q_s is not None and k_s is not None and v_s is not None and s_s is not None
-    if not (q_s[:-2] == k_s[:-2] == v_s[:-2]):
+
+    q_s, k_s, v_s, s_s = (t.spec.shape for t in (q, kt, v, scores))
+    if q_s is None or k_s is None or v_s is None or s_s is None:
         return False
+    for other in (k_s, v_s):
+        if any(known_conflict(a, b, False) for a, b in zip(q_s[:-2], other[:-2])):
+            return False
     if mask is None:
         return True
     m_s = mask.spec.shape
     if m_s is None or len(m_s) > len(s_s):
         return False
-    return all(m == 1 or m == s for m, s in zip(reversed(m_s), reversed(s_s)))
+    return not any(known_conflict(m, s, True) for m, s in zip(reversed(m_s), reversed(s_s)))
 
 
 def _scores_operand(add: Node) -> tuple[Value, Value | None] | None:

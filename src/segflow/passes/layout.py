@@ -20,7 +20,12 @@ import torch
 
 from segflow.ir.graph import Graph, Node, Value
 from segflow.ir.types import Device, DeviceKind
-from segflow.ops.fused import FUSED_DOMAIN, onednn_available
+from segflow.ops.fused import (
+    FUSED_DOMAIN,
+    LINEAR_PACK_MIN_WEIGHT,
+    activation_of,
+    onednn_available,
+)
 from segflow.passes.result import PassResult
 
 
@@ -31,6 +36,9 @@ def layout(graph: Graph, device: Device) -> PassResult:
     packed: dict[tuple[int, _PackParams], Value] = {}
     changed = 0
     for node in graph.nodes:
+        if node.domain == FUSED_DOMAIN and node.op_type == "FusedGemm":
+            changed += _pack_linear(graph, node, packed)
+            continue
         if node.domain != FUSED_DOMAIN or node.op_type != "FusedConv":
             continue
         params = _packable(node)
@@ -55,6 +63,33 @@ def layout(graph: Graph, device: Device) -> PassResult:
             if not value.uses and value not in graph.outputs:
                 del graph.initializers[name]
     return PassResult(graph, changed > 0)
+
+
+def _pack_linear(graph: Graph, node: Node, packed: dict[tuple[int, _PackParams], Value]) -> int:
+    """Prepack a large FusedGemm weight for oneDNN's matmul (small ones stay dense for MKL)."""
+    weight, x = node.inputs[1], node.inputs[0]
+    if weight is None or weight.const is None or weight.const.is_mkldnn or x is None:
+        return 0
+    w = weight.const
+    act, params = activation_of(node)
+    if w.dtype != torch.float32 or w.dim() != 2 or w.numel() < LINEAR_PACK_MIN_WEIGHT \
+            or act.onednn(params) is None:
+        return 0
+    shape = x.spec.shape
+    rows = None
+    if shape is not None and all(isinstance(d, int) for d in shape[:-1]):
+        rows = 1
+        for d in shape[:-1]:
+            rows *= int(d)  # type: ignore[arg-type]
+    key = (id(weight), _PackParams((), (), (), 0, None if rows is None else (rows,)))
+    value = packed.get(key)
+    if value is None:
+        tensor = torch.ops.mkldnn._reorder_linear_weight(w, rows)
+        value = Value(f"{weight.name}.onednn", weight.spec, const=tensor)
+        graph.add_initializer(value)
+        packed[key] = value
+    graph.set_input(node, 1, value)
+    return 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -195,7 +195,11 @@ def _layout(graph: Graph, options: OptimizeOptions, device: Device | None) -> st
     if device.kind is not DeviceKind.CPU:
         return "layout: skipped (not a CPU device)"
     packed = layout(graph, device)
-    convs = sum(1 for n in graph.nodes if n.attrs.get("channels_last"))
     if not packed.modified:
-        return "layout: nothing to do (no oneDNN-eligible convolutions)"
-    return f"layout: {convs} convolutions prepacked for oneDNN, channels_last"
+        return "layout: nothing to do (no oneDNN-eligible convolutions or linears)"
+    convs = sum(1 for n in graph.nodes if n.attrs.get("channels_last"))
+    linears = sum(1 for n in graph.nodes if n.op_type == "FusedGemm" and n.inputs[1] is not None
+                  and n.inputs[1].const is not None and n.inputs[1].const.is_mkldnn)
+    parts = [f"{convs} convolutions (channels_last)"] if convs else []
+    parts += [f"{linears} linears"] if linears else []
+    return f"layout: prepacked for oneDNN: {', '.join(parts)}"

@@ -38,7 +38,7 @@ from segflow.engine.base import ExecType
 from segflow.errors import ExecutionError
 from segflow.ir.graph import Node
 from segflow.ir.types import DType
-from segflow.ops.fused import FUSED_DOMAIN, Inline, inline_fused
+from segflow.ops.fused import FUSED_DOMAIN, Inline, inline_fused, traceable_fused
 from segflow.passes.pipeline import CompileMode
 from segflow.passes.plan_memory import MemoryPlan
 from segflow.passes.segment import Segment
@@ -184,8 +184,10 @@ _CORE: Mapping[str, _CoreOp] = {
 
 
 def _inline(node: Node, inplace_input: int | None, device: torch.device,
-            consts: Sequence[Tensor | None]) -> Inline | None:
+            consts: Sequence[Tensor | None], traceable: bool = False) -> Inline | None:
     if node.domain == FUSED_DOMAIN:
+        if traceable:
+            return traceable_fused(node)
         return inline_fused(node, device, inplace_input, consts)
     op = _CORE.get(node.op_type)
     if node.domain != "" or op is None or len(node.outputs) != 1:
@@ -220,11 +222,12 @@ class _Emitter:
 
 def generate(steps: Sequence[Step], template: Sequence[Tensor | None], live_out: set[int],
              memory: MemoryPlan | None = None, device: torch.device | None = None, *,
-             pure: bool = False) -> Program:
+             pure: bool = False, traceable: bool = False) -> Program:
     """Generate the straight-line function for ``steps`` (see the module docstring).
 
     ``live_out``: slots other tasks or the caller read, written back to the slot array.
     ``pure``: also build ``f(*inputs) -> outputs`` without the slot array (for tracing).
+    ``traceable``: plain functional torch ops only (no oneDNN ops, no in-place writes).
     """
     device = device or torch.device("cpu")
     em = _Emitter()
@@ -258,7 +261,8 @@ def generate(steps: Sequence[Step], template: Sequence[Tensor | None], live_out:
         if slot_inplace is not None and step.inputs[slot_inplace] not in step.release:
             slot_inplace = None  # another task may still read it: not ours to overwrite
         body.append(f"_i = {index}")
-        inline = _inline(node, slot_inplace, device, consts) if len(step.outputs) == 1 else None
+        inline = (_inline(node, None if traceable else slot_inplace, device, consts, traceable)
+                  if len(step.outputs) == 1 else None)
         if inline is not None:
             names = {key: em.bind(obj, "b") for key, obj in inline.bound.items()
                      if "{" + key + "}" in inline.expr}
