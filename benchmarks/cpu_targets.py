@@ -249,9 +249,17 @@ def memory_child(runtime: str, case: Case, runs: int) -> dict[str, float]:
     _reset_peak()
     for _ in range(runs):
         run()
-    run_peak = _status_kib("VmHWM") - loaded
+    cold_peak = _status_kib("VmHWM") - loaded   # includes one-time work (arenas, JIT code)
+    _trim()
+    held = _status_kib("VmRSS") - loaded         # what the runtime keeps between runs
+    warm_base = _status_kib("VmRSS")
+    _reset_peak()
+    for _ in range(runs):
+        run()
+    warm_peak = _status_kib("VmHWM") - warm_base  # what a run adds on top of that
     result = {"loaded_mib": (loaded - before) / 1024, "load_peak_mib": load_peak / 1024,
-              "run_peak_mib": run_peak / 1024}
+              "run_peak_mib": cold_peak / 1024, "held_mib": held / 1024,
+              "warm_run_peak_mib": warm_peak / 1024}
     if runtime == "segflow":
         planned = sess.last_run_stats.settings.get("memory_planned_peak_bytes", 0)
         result["planned_mib"] = planned / (1 << 20)
@@ -293,12 +301,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.memory:
         case = cases[0]
         results = run_memory(case, args.runs)
-        print(f"peak memory, {case.label} (MiB; run peak = high-water mark during {args.runs} "
-              "runs above the loaded session)")
+        print(f"memory, {case.label}, MiB, fresh process per runtime. loaded: RSS the session "
+              f"adds; cold peak: high-water mark over the first {args.runs} runs above the "
+              "loaded session; held: kept after them (arenas, JIT code, caches); warm peak: "
+              f"what {args.runs} more runs add on top; run total = held + warm peak")
         for runtime, r in results.items():
-            extra = f", planned {r['planned_mib']:.1f}" if "planned_mib" in r else ""
+            extra = f"  planned {r['planned_mib']:.1f}" if "planned_mib" in r else ""
+            total = r["held_mib"] + r["warm_run_peak_mib"]
             print(f"  {runtime:<12} loaded {r['loaded_mib']:7.1f}  load peak "
-                  f"{r['load_peak_mib']:7.1f}  run peak {r['run_peak_mib']:6.1f}{extra}")
+                  f"{r['load_peak_mib']:7.1f}  cold peak {r['run_peak_mib']:6.1f}  held "
+                  f"{r['held_mib']:6.1f}  warm peak {r['warm_run_peak_mib']:6.1f}  run total "
+                  f"{total:6.1f}{extra}")
         return 0
     print(HEADER)
     rows = run_table(cases, [v.strip() for v in args.variants.split(";") if v.strip()],

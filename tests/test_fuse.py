@@ -316,3 +316,40 @@ def test_fused_model_still_serializes_through_onnx_checker():
     segflow.InferenceSession(model)
     assert model.SerializeToString() == before
     onnx.checker.check_model(model)
+
+
+def test_attention_falls_back_when_the_mask_grows_the_scores():
+    # Symbolic dims pass the fuse rule; at run time the mask has a bigger batch than Q.
+    nodes = [helper.make_node("MatMul", ["q", "kt"], ["sc"]),
+             helper.make_node("Add", ["sc", "mask"], ["sm"]),
+             helper.make_node("Softmax", ["sm"], ["p"], axis=-1),
+             helper.make_node("MatMul", ["p", "v"], ["out"])]
+    model = _model(nodes, {"q": ["a", 2, 3, 4], "kt": ["a", 2, 4, 3], "v": ["a", 2, 3, 4],
+                           "mask": ["m", 1, 1, 3]}, ["out"])
+    feeds = {"q": _rand(1, 2, 3, 4), "kt": _rand(1, 2, 4, 3), "v": _rand(1, 2, 3, 4),
+             "mask": _rand(2, 1, 1, 3)}
+    _check(model, feeds, ["Attention"])
+
+
+def test_layout_switch_keeps_results():
+    model = models.build("resnet18", num_classes=10, image_size=32)
+    feeds = models.example_inputs("resnet18", batch_size=2, num_classes=10, image_size=32)
+    on = segflow.InferenceSession(model, engine="inline")
+    off = segflow.InferenceSession(model, engine="inline", optimize={"layout": False})
+    assert any(n.attrs.get("channels_last") for n in on.graph.nodes)
+    assert not any(n.attrs.get("channels_last") for n in off.graph.nodes)
+    np.testing.assert_allclose(on.run(None, feeds)[0], off.run(None, feeds)[0],
+                               atol=ATOL, rtol=RTOL)
+
+
+def test_conv_weights_are_repacked_once_per_new_input_shape():
+    model = models.build("resnet18", num_classes=10, image_size=32)
+    sess = segflow.InferenceSession(model, engine="inline", compile="none")
+    conv = next(n for n in sess.graph.nodes if n.op_type == "FusedConv")
+    assert conv.attrs["onednn_input_size"] == [1, 3, 32, 32]  # symbolic batch packed as 1
+    for batch in (1, 3, 3, 1):
+        feeds = models.example_inputs("resnet18", batch_size=batch, num_classes=10,
+                                      image_size=32)
+        ref = ort.InferenceSession(model.SerializeToString(),
+                                   providers=["CPUExecutionProvider"]).run(None, feeds)
+        np.testing.assert_allclose(sess.run(None, feeds)[0], ref[0], atol=ATOL, rtol=RTOL)

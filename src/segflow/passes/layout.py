@@ -57,6 +57,9 @@ def layout(graph: Graph, device: Device) -> PassResult:
             packed[key] = value
         graph.set_input(node, 1, value)
         node.attrs["channels_last"] = 1
+        if params.input_size is not None:
+            # The kernel repacks for other input shapes (ops/fused.py WeightForInput).
+            node.attrs["onednn_input_size"] = list(params.input_size)
         changed += 1
     if changed:
         for name, value in list(graph.initializers.items()):
