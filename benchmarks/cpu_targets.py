@@ -9,6 +9,7 @@ machine noise hits all of them alike. A ratio is the median over rounds of
     python benchmarks/cpu_targets.py --cases mlp_chain --rounds 30
     python benchmarks/cpu_targets.py --cases resnet50 --variants "default;compile=none;layout=off"
     python benchmarks/cpu_targets.py --memory               # peak memory, ResNet-50 batch 1
+    python benchmarks/cpu_targets.py --standalone           # each runtime in its own process
 
 Peers: onnxruntime with default session options (CPU provider), torch eager
 (``segflow.models.torch_module``) under ``torch.inference_mode``. segflow runs
@@ -266,11 +267,43 @@ def memory_child(runtime: str, case: Case, runs: int) -> dict[str, float]:
     return result
 
 
+def time_child(runtime: str, case: Case, variant: str, runs: int) -> float:
+    """In a fresh process: the median latency (ms) of one runtime running alone."""
+    runners, _ = build_runners(case, [variant])
+    name = runtime if runtime != "segflow" else next(n for n in runners if n.startswith("segflow"))
+    samples = measure({name: runners[name]}, 1, runs, 5)
+    return overall_ms(samples[name])
+
+
+def run_standalone(cases: list[Case], variants: list[str], runs: int) -> None:
+    """Each runtime alone in its own process: intrinsic speed, no thread-pool interference."""
+    print(f"{'case':<16} {'runtime':<28} {'segflow ms':>10} {'ort ms':>9} {'eager ms':>9} "
+          f"{'sf/ort':>7} {'sf/eager':>8}   (standalone, median of {runs} runs)")
+    for case in cases:
+        def child(runtime: str, variant: str = "default", case: Case = case) -> float:
+            out = subprocess.run([sys.executable, __file__, "--time-child", runtime,
+                                  "--cases", _case_key(case), "--variants", variant,
+                                  "--runs", str(runs)],
+                                 capture_output=True, text=True, check=True)
+            return float(out.stdout.strip().splitlines()[-1])
+        peers = {"onnxruntime": child("onnxruntime"), "torch": child("torch")}
+        for variant in variants:
+            ms = child("segflow", variant)
+            name = "segflow" if variant == "default" else f"segflow[{variant}]"
+            print(f"{case.label:<16} {name:<28} {ms:>10.2f} {peers['onnxruntime']:>9.2f} "
+                  f"{peers['torch']:>9.2f} {ms / peers['onnxruntime']:>7.2f} "
+                  f"{ms / peers['torch']:>8.2f}", flush=True)
+
+
+def _case_key(case: Case) -> str:
+    return next(key for key, c in CASES.items() if c == case)
+
+
 def run_memory(case: Case, runs: int) -> dict[str, dict[str, float]]:
     results = {}
     for runtime in ("segflow", "onnxruntime", "torch"):
         out = subprocess.run([sys.executable, __file__, "--memory-child", runtime,
-                              "--cases", case.label.replace("@1", ""), "--runs", str(runs)],
+                              "--cases", _case_key(case), "--runs", str(runs)],
                              capture_output=True, text=True, check=True, env=dict(os.environ))
         results[runtime] = json.loads(out.stdout.strip().splitlines()[-1])
     return results
@@ -288,11 +321,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory", action="store_true", help="peak memory, fresh processes")
     parser.add_argument("--runs", type=int, default=5, help="runs per memory measurement")
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--standalone", action="store_true",
+                        help="each runtime alone in a fresh process (no interleaving)")
     parser.add_argument("--memory-child", help=argparse.SUPPRESS)
+    parser.add_argument("--time-child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     cases = [CASES[name] for name in args.cases.split(",") if name]
+    variants = [v.strip() for v in args.variants.split(";") if v.strip()]
     if args.memory_child:
         print(json.dumps(memory_child(args.memory_child, cases[0], args.runs)))
+        return 0
+    if args.time_child:
+        print(time_child(args.time_child, cases[0], variants[0], args.runs))
         return 0
     import torch
 
@@ -313,9 +353,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['held_mib']:6.1f}  warm peak {r['warm_run_peak_mib']:6.1f}  run total "
                   f"{total:6.1f}{extra}")
         return 0
+    if args.standalone:
+        run_standalone(cases, variants, max(args.runs, 20))
+        return 0
     print(HEADER)
-    rows = run_table(cases, [v.strip() for v in args.variants.split(";") if v.strip()],
-                     args.rounds, args.per_round, args.warmup)
+    rows = run_table(cases, variants, args.rounds, args.per_round, args.warmup)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
