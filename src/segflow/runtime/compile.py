@@ -99,7 +99,8 @@ class SegmentCompiler:
                         if slot in read_elsewhere.get(index, set())}
             program = generate(steps, template, live_out, self.memory, self.device)
             if self.mode is CompileMode.INDUCTOR:
-                pure = generate(steps, template, live_out, None, self.device, pure=True)
+                pure = generate(steps, template, live_out, None, self.device, pure=True,
+                                traceable=True)
                 compiled.append(_InductorSegment(pure, program.fn, self.report))
             else:
                 compiled.append(program.fn)
