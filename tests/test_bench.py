@@ -125,7 +125,8 @@ def test_record_is_machine_readable() -> None:
     assert model["device"] == "cpu:0" and model["batch_size"] == 1
     bulk = model["variants"][0]
     assert bulk["kind"] == "segflow" and bulk["counters"]["kernels"] == 3
-    assert bulk["settings"]["inference"] is True and bulk["settings"]["engine"] == "threaded"
+    # engine "auto" resolves to inline for a one-device plan
+    assert bulk["settings"]["inference"] is True and bulk["settings"]["engine"] == "inline"
     assert set(bulk["latency"]) >= {"p50_ms", "p90_ms", "p99_ms", "throughput"}
     assert "bulk/onnxruntime" in model["ratios"]
 

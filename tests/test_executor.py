@@ -115,6 +115,20 @@ def test_environment_variables_are_obeyed_in_a_fresh_process(env, field, expecte
         assert record["nodes"] == 6  # 6 Gemm+Relu pairs, each fused into one FusedGemm
 
 
+def test_auto_engine_is_threaded_only_across_devices(monkeypatch):
+    monkeypatch.delenv("SEGFLOW_ENGINE", raising=False)
+    model = models.build("mlp_chain", layers=4)
+    feeds = models.example_inputs("mlp_chain", layers=4)
+    single = segflow.InferenceSession(model)
+    single.run(None, feeds)
+    assert single.engine_name == "inline" and single.last_run_stats.engine == "inline"
+    placed = segflow.InferenceSession(model, placement={"layers.2.*": "cpu:1"})
+    placed.run(None, feeds)
+    assert placed.engine_name == "threaded" and placed.last_run_stats.engine == "threaded"
+    monkeypatch.setenv("SEGFLOW_ENGINE", "threaded")
+    assert segflow.InferenceSession(model).engine_name == "threaded"
+
+
 def test_bad_engine_environment_value(monkeypatch):
     monkeypatch.setenv("SEGFLOW_ENGINE", "warp")
     with pytest.raises(ValueError, match="SEGFLOW_ENGINE"):

@@ -174,8 +174,9 @@ def _add_model_args(p: argparse.ArgumentParser, with_inputs: bool = True) -> Non
     p.add_argument("model", nargs="?", default=None,
                    help="ONNX file, or builtin:NAME (default: builtin:resnet50)")
     p.add_argument("--device", default="cpu", help="cpu, cpu:N or cuda:N (default: cpu)")
-    p.add_argument("--engine", choices=["inline", "threaded"], default=None,
-                   help="dependency engine (default: $SEGFLOW_ENGINE or threaded)")
+    p.add_argument("--engine", choices=["auto", "inline", "threaded"], default=None,
+                   help="dependency engine (default: $SEGFLOW_ENGINE or auto: threaded "
+                        "when the plan spans devices, inline otherwise)")
     p.add_argument("--bulk", choices=["on", "off"], default=None,
                    help="bulk segments (default: $SEGFLOW_BULK_INFERENCE or on)")
     if with_inputs:

@@ -8,7 +8,7 @@ recorded in every RunStats and benchmark record.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import asdict, dataclass
 
 ENV_BULK_INFERENCE = "SEGFLOW_BULK_INFERENCE"
@@ -26,7 +26,7 @@ ENV_NO_MEMORY_PLAN = "SEGFLOW_NO_MEMORY_PLAN"      # 1: no memory plan, no in-pl
 ENV_COMPILE = "SEGFLOW_COMPILE"                    # auto | codegen | inductor | none
 ENV_INTRA_OP_THREADS = "SEGFLOW_INTRA_OP_THREADS"  # torch.set_num_threads (else OMP_NUM_THREADS)
 
-ENGINES = ("inline", "threaded")
+ENGINES = ("auto", "inline", "threaded")
 
 
 def _env_bool(env: Mapping[str, str], name: str, default: bool) -> bool:
@@ -86,11 +86,24 @@ class BulkSettings:
 
 def resolve_engine(name: str | None, env: Mapping[str, str] | None = None) -> str:
     env = os.environ if env is None else env
-    chosen = name or env.get(ENV_ENGINE) or "threaded"
+    chosen = name or env.get(ENV_ENGINE) or "auto"
     if chosen not in ENGINES:
         source = "engine" if name else ENV_ENGINE
         raise ValueError(f"{source}={chosen!r}: expected one of {', '.join(ENGINES)}")
     return chosen
+
+
+def engine_for_plan(choice: str, devices: Collection[object]) -> str:
+    """Resolve ``"auto"``: the threaded engine only where it has concurrency to exploit.
+
+    A plan on one device is a chain of tasks the host waits for anyway; handing it
+    to a worker thread costs a thread switch per run and, on CPU, a second OpenMP
+    thread team that oversubscribes the cores (measured: MobileNetV2 5.4 ms inline
+    vs 8.0 ms threaded on 2 cores). Plans spanning devices get the threaded engine.
+    """
+    if choice != "auto":
+        return choice
+    return "threaded" if len(set(devices)) > 1 else "inline"
 
 
 def debug_level(env: Mapping[str, str] | None = None) -> int:

@@ -34,7 +34,7 @@ from segflow.runtime.completion import SyncMode
 from segflow.runtime.executor import Executor
 from segflow.runtime.plan import Plan, make_plan
 from segflow.runtime.stats import RunStats
-from segflow.settings import BulkSettings, resolve_engine
+from segflow.settings import BulkSettings, engine_for_plan, resolve_engine
 
 Tensor = torch.Tensor
 ModelSource = str | os.PathLike[str] | bytes | onnx.ModelProto
@@ -57,7 +57,8 @@ class InferenceSession:
         model: path to an ONNX file, serialized bytes, or a ``ModelProto``.
         device: ``"cpu"`` (default), ``"cpu:N"`` or ``"cuda:N"``.
         bulk: bulk inference segments (None: ``SEGFLOW_BULK_INFERENCE``, default on).
-        engine: ``"inline"`` or ``"threaded"`` (None: ``SEGFLOW_ENGINE``, default threaded).
+        engine: ``"auto"``, ``"inline"`` or ``"threaded"`` (None: ``SEGFLOW_ENGINE``, default
+            auto: threaded when the plan spans devices, inline otherwise).
         placement: node-name glob or op type -> device, for multi-device runs.
         sync_mode: on CUDA, ``"event"`` (default: tasks record events, the host waits
             once for the outputs) or ``"stream"`` (a stream synchronize after every task).
@@ -90,6 +91,8 @@ class InferenceSession:
                                 device=None if placement else self.device)
         self.plan: Plan = make_plan(self.graph, self.registry, self.settings, self.device,
                                     placement, pass_log=pipeline.log)
+        self.engine_name = engine_for_plan(self.engine_name,
+                                           {s.device for s in self.plan.segments})
         self._engine = make_engine(self.engine_name)
         record: dict[str, object] = {"device": str(self.device), **self.settings.as_dict(),
                                      "sync_mode": SyncMode.parse(sync_mode).value,

@@ -43,7 +43,7 @@ from segflow.profiler.sink import active_sink
 from segflow.runtime.executor import Executor, _profiled_task
 from segflow.runtime.plan import Plan, make_plan, resolve_opdefs
 from segflow.runtime.stats import RunStats
-from segflow.settings import BulkSettings, resolve_engine
+from segflow.settings import BulkSettings, engine_for_plan, resolve_engine
 
 Tensor = torch.Tensor
 ModelSource = str | os.PathLike[str] | bytes | onnx.ModelProto | Graph
@@ -242,7 +242,8 @@ class TrainingSession:
         self.plan = make_training_plan(graph, self.registry, self.settings, self.device,
                                        frozenset(self.differentiated.backward_nodes),
                                        frozenset(grads.values()))
-        self.engine_name = resolve_engine(engine)
+        self.engine_name = engine_for_plan(resolve_engine(engine),
+                                           {s.device for s in self.plan.segments})
         self._engine = make_engine(self.engine_name)
         record: dict[str, object] = {"device": str(self.device), **self.settings.as_dict()}
         aliases = _state_aliases(graph, {graph_input(graph, n): self._vars[n]
