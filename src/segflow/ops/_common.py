@@ -76,3 +76,36 @@ def normalize_axis(axis: int, rank: int) -> int:
 
 def float_dtype_like(t: Tensor) -> torch.dtype:
     return t.dtype if t.is_floating_point() else torch.float32
+
+
+def same_pads(in_sizes: Sequence[int], kernel: Sequence[int], strides: Sequence[int],
+              dilations: Sequence[int], upper: bool) -> list[int]:
+    """ONNX SAME_UPPER/SAME_LOWER pads as [begin..., end...]."""
+    begins, ends = [], []
+    for size, k, s, d in zip(in_sizes, kernel, strides, dilations):
+        out = -(-size // s)
+        total = max(0, (out - 1) * s + (k - 1) * d + 1 - size)
+        small, big = total // 2, total - total // 2
+        begins.append(small if upper else big)
+        ends.append(big if upper else small)
+    return begins + ends
+
+
+def resolve_pads(auto_pad: str, pads: Sequence[int] | None, in_sizes: Sequence[int],
+                 kernel: Sequence[int], strides: Sequence[int],
+                 dilations: Sequence[int]) -> list[int]:
+    """The pads a Conv/Pool window really uses, as ONNX [begin..., end...]."""
+    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        return same_pads(in_sizes, kernel, strides, dilations, auto_pad == "SAME_UPPER")
+    if auto_pad == "VALID" or not pads:
+        return [0] * (2 * len(kernel))
+    return list(pads)
+
+
+def torch_pad(pads: Sequence[int]) -> list[int]:
+    """ONNX [b1, b2, .., e1, e2, ..] -> torch F.pad order (last dim first)."""
+    n = len(pads) // 2
+    out: list[int] = []
+    for i in reversed(range(n)):
+        out += [pads[i], pads[i + n]]
+    return out

@@ -9,8 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from segflow.ir.graph import Node
-from segflow.ops._common import ints
-from segflow.ops.nn import same_pads
+from segflow.ops._common import ints, resolve_pads, torch_pad
 from segflow.ops.registry import BindContext, Kernel
 
 Tensor = torch.Tensor
@@ -52,13 +51,6 @@ def bind_max_unpool(node: Node, ctx: BindContext) -> Kernel:
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
 
-def _torch_pads(begin: Sequence[int], end: Sequence[int]) -> list[int]:
-    out: list[int] = []
-    for b, e in zip(reversed(begin), reversed(end)):
-        out += [b, e]
-    return out
-
-
 def bind_lp_pool(node: Node, ctx: BindContext) -> Kernel:
     kshape = [int(k) for k in node.attrs["kernel_shape"]]
     n = len(kshape)
@@ -72,12 +64,7 @@ def bind_lp_pool(node: Node, ctx: BindContext) -> Kernel:
     def kernel(inputs: Inputs) -> list[Tensor]:
         x = inputs[0]
         assert x is not None
-        if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
-            pads = same_pads(x.shape[2:], kshape, strides, dilations, auto_pad == "SAME_UPPER")
-        elif auto_pad == "VALID":
-            pads = [0] * 2 * n
-        else:
-            pads = attr_pads
+        pads = resolve_pads(auto_pad, attr_pads, x.shape[2:], kshape, strides, dilations)
         begin, end = list(pads[:n]), list(pads[n:])
         if ceil_mode:
             for i in range(n):
@@ -87,7 +74,7 @@ def bind_lp_pool(node: Node, ctx: BindContext) -> Kernel:
                 if (out - 1) * strides[i] >= x.shape[2 + i] + begin[i]:
                     out -= 1
                 end[i] += max(0, (out - 1) * strides[i] + eff - size)
-        powered = F.pad(x.abs() ** p, _torch_pads(begin, end))
+        powered = F.pad(x.abs() ** p, torch_pad(begin + end))
         weight = torch.ones((x.shape[1], 1, *kshape), dtype=x.dtype, device=x.device)
         total = _CONV[n](powered, weight, None, strides, 0, dilations, x.shape[1])
         return [total ** (1.0 / p)]

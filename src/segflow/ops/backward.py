@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from segflow.ir.graph import Node
-from segflow.ops._common import ints
+from segflow.ops._common import ints, resolve_pads, torch_pad
 from segflow.ops.registry import BindContext, Kernel, OpDef
 
 Tensor = torch.Tensor
@@ -34,15 +34,6 @@ def _partial(fn: Callable[[Sequence[Tensor | None]], Sequence[Tensor | None]]) -
 def _need(node: Node, count: int) -> list[bool]:
     need = node.attrs.get("need")
     return [bool(n) for n in need] if need is not None else [True] * count
-
-
-def _torch_pad(pads: Sequence[int]) -> list[int]:
-    """ONNX [b1, b2, .., e1, e2, ..] -> torch F.pad order (last dim first)."""
-    n = len(pads) // 2
-    out: list[int] = []
-    for i in reversed(range(n)):
-        out += [pads[i], pads[i + n]]
-    return out
 
 
 def _unpad(t: Tensor, begin: Sequence[int], end: Sequence[int]) -> Tensor:
@@ -68,14 +59,8 @@ class _Window:
         n = len(kernel)
         strides = list(self.strides or [1] * n)
         dilations = list(self.dilations or [1] * n)
-        if self.auto_pad in ("SAME_UPPER", "SAME_LOWER"):
-            from segflow.ops.nn import same_pads  # the forward op's own rule
-            pads = same_pads(list(x.shape[2:]), kernel, strides, dilations,
-                             self.auto_pad == "SAME_UPPER")
-        elif self.auto_pad == "VALID" or not self.pads:
-            pads = [0] * (2 * n)
-        else:
-            pads = list(self.pads)
+        pads = resolve_pads(self.auto_pad, self.pads, list(x.shape[2:]), kernel, strides,
+                            dilations)  # the forward op's own rule
         return strides, dilations, pads[:n], pads[n:]
 
 
@@ -219,7 +204,7 @@ def _conv_grad(node: Node, ctx: BindContext) -> Kernel:
         if begin == end:
             return list(aten.convolution_backward(dy, x, w, bias, strides, begin, dil, False,
                                                   [0] * n, group, mask))
-        xp = F.pad(x, _torch_pad(begin + end))
+        xp = F.pad(x, torch_pad(begin + end))
         dx, dw, db = aten.convolution_backward(dy, xp, w, bias, strides, [0] * n, dil, False,
                                                [0] * n, group, mask)
         return [None if dx is None else _unpad(dx, begin, end), dw, db]
@@ -336,7 +321,7 @@ def _maxpool_indices(x: Tensor, win: _Window, kernel: list[int], ceil_mode: bool
     pool = _MAXPOOL[len(kernel)]
     if begin == end and all(p <= k // 2 for p, k in zip(begin, kernel)):
         return pool(x, kernel, strides, begin, dil, ceil_mode, return_indices=True)
-    xp = F.pad(x, _torch_pad(begin + end), value=-math.inf)
+    xp = F.pad(x, torch_pad(begin + end), value=-math.inf)
     return pool(xp, kernel, strides, 0, dil, ceil_mode, return_indices=True)
 
 

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from segflow.ir.graph import Node
+from segflow.ops._common import torch_pad
 from segflow.ops.registry import BindContext, Kernel, OpDef
 
 Tensor = torch.Tensor
@@ -154,14 +155,6 @@ def _conv_spec(node: Node) -> _ConvSpec:
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
 
-def _torch_pad(pads: Sequence[int]) -> list[int]:
-    n = len(pads) // 2
-    out: list[int] = []
-    for i in reversed(range(n)):
-        out += [pads[i], pads[i + n]]
-    return out
-
-
 def conv_uses_onednn(node: Node) -> bool:
     """True when the layout pass prepacked this FusedConv's weight for oneDNN."""
     weight = node.inputs[1]
@@ -174,7 +167,7 @@ def _fused_conv(node: Node, ctx: BindContext) -> Kernel:
     if conv_uses_onednn(node):
         return _onednn_conv_kernel(node, spec, act, params)
     conv = _CONV[spec.spatial]
-    pad = _torch_pad(spec.begin_end) if spec.begin_end else None
+    pad = torch_pad(spec.begin_end) if spec.begin_end else None
     channels_last = bool(node.attrs.get("channels_last", 0)) and spec.spatial == 2
 
     def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
@@ -479,7 +472,7 @@ def traceable_fused(node: Node) -> Inline | None:
         spec = _conv_spec(node)
         act, params = activation_of(node)
         conv = _CONV[spec.spatial]
-        pad = _torch_pad(spec.begin_end) if spec.begin_end else None
+        pad = torch_pad(spec.begin_end) if spec.begin_end else None
 
         def conv_fn(x: Tensor, w: Tensor, b: Tensor | None = None,
                     z: Tensor | None = None) -> Tensor:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from segflow.ir.graph import Node
 from segflow.ops import _deform, _losses, _transformer, gradients
-from segflow.ops._common import has_input
+from segflow.ops._common import has_input, resolve_pads, torch_pad
 from segflow.ops.registry import BindContext, Kernel, OpDef
 
 Tensor = torch.Tensor
@@ -19,28 +19,6 @@ _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _CONV_T = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 _MAXPOOL = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
 _AVGPOOL = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
-
-
-def same_pads(in_sizes: Sequence[int], kernel: Sequence[int], strides: Sequence[int],
-              dilations: Sequence[int], upper: bool) -> list[int]:
-    """ONNX SAME_UPPER/SAME_LOWER pads as [begin..., end...]."""
-    begins, ends = [], []
-    for size, k, s, d in zip(in_sizes, kernel, strides, dilations):
-        out = -(-size // s)
-        total = max(0, (out - 1) * s + (k - 1) * d + 1 - size)
-        small, big = total // 2, total - total // 2
-        begins.append(small if upper else big)
-        ends.append(big if upper else small)
-    return begins + ends
-
-
-def _torch_pad(pads: Sequence[int]) -> list[int]:
-    """ONNX [b1, b2, .., e1, e2, ..] -> torch F.pad order (last dim first)."""
-    n = len(pads) // 2
-    out: list[int] = []
-    for i in reversed(range(n)):
-        out += [pads[i], pads[i + n]]
-    return out
 
 
 class _Window:
@@ -58,10 +36,8 @@ class _Window:
         self.spatial = spatial
 
     def resolve(self, x: Tensor) -> list[int]:
-        if self.auto_pad in ("SAME_UPPER", "SAME_LOWER"):
-            return same_pads(x.shape[2:], self.kernel, self.strides, self.dilations,
-                             self.auto_pad == "SAME_UPPER")
-        return self.pads
+        return resolve_pads(self.auto_pad, self.pads, x.shape[2:], self.kernel, self.strides,
+                            self.dilations)
 
     @property
     def symmetric(self) -> bool:
@@ -95,7 +71,7 @@ def _conv(node: Node, ctx: BindContext) -> Kernel:
         assert isinstance(win, _Window)
         if win.symmetric:
             return [_CONV[spatial](x, w, b, win.strides, win.pads[:spatial], win.dilations, group)]
-        x = F.pad(x, _torch_pad(win.resolve(x)))
+        x = F.pad(x, torch_pad(win.resolve(x)))
         return [_CONV[spatial](x, w, b, win.strides, 0, win.dilations, group)]
     return kernel
 
@@ -137,10 +113,10 @@ def _conv_transpose(node: Node, ctx: BindContext) -> Kernel:
             return [_CONV_T[n](x, w, b, strides, begin, out_pad, group, dil)]
         # General case: the full transposed conv, then crop (or zero-extend) each side.
         y = _CONV_T[n](x, w, None, strides, 0, 0, group, dil)
-        y = F.pad(y, _torch_pad([0] * n + [f - s for f, s in zip(full, y.shape[2:])]))
-        y = F.pad(y, _torch_pad([-p for p in begin] + [-p for p in end]))
+        y = F.pad(y, torch_pad([0] * n + [f - s for f, s in zip(full, y.shape[2:])]))
+        y = F.pad(y, torch_pad([-p for p in begin] + [-p for p in end]))
         if target is not None:
-            y = F.pad(y, _torch_pad([0] * n + [t - s for t, s in zip(target, y.shape[2:])]))
+            y = F.pad(y, torch_pad([0] * n + [t - s for t, s in zip(target, y.shape[2:])]))
         if b is not None:
             y = y + b.reshape(1, -1, *([1] * n))
         return [y]
@@ -167,7 +143,7 @@ def _maxpool(node: Node, ctx: BindContext) -> Kernel:
         begin, end = _pool_out_pad(x, win, ceil_mode)
         if begin == end and all(p <= k // 2 for p, k in zip(begin, kshape)) and not want_indices:
             return [_MAXPOOL[n](x, kshape, win.strides, begin, win.dilations, ceil_mode)]
-        xp = F.pad(x, _torch_pad(begin + end), value=-math.inf) if any(begin + end) else x
+        xp = F.pad(x, torch_pad(begin + end), value=-math.inf) if any(begin + end) else x
         if want_indices:
             y, idx = _MAXPOOL[n](xp, kshape, win.strides, 0, win.dilations, ceil_mode,
                                  return_indices=True)
@@ -228,9 +204,9 @@ def _avgpool_general(x: Tensor, kshape: list[int], win: _Window, begin: list[int
     """Average pooling with asymmetric pads/dilations: a sum-conv divided by counts."""
     n = len(kshape)
     ch = x.shape[1]
-    xp = F.pad(x, _torch_pad(begin + end))
+    xp = F.pad(x, torch_pad(begin + end))
     ones_in = torch.ones((1, 1, *x.shape[2:]), dtype=x.dtype, device=x.device)
-    ones = F.pad(ones_in, _torch_pad(begin + end), value=1.0 if count_pad else 0.0)
+    ones = F.pad(ones_in, torch_pad(begin + end), value=1.0 if count_pad else 0.0)
     if ceil_mode:
         extra = []
         for i in range(n):
@@ -241,8 +217,8 @@ def _avgpool_general(x: Tensor, kshape: list[int], win: _Window, begin: list[int
                 out -= 1
             extra.append(max(0, (out - 1) * win.strides[i] + eff - size))
         pad_extra = [0] * n + extra
-        xp = F.pad(xp, _torch_pad(pad_extra))
-        ones = F.pad(ones, _torch_pad(pad_extra))
+        xp = F.pad(xp, torch_pad(pad_extra))
+        ones = F.pad(ones, torch_pad(pad_extra))
     weight = torch.ones((ch, 1, *kshape), dtype=x.dtype, device=x.device)
     total = _CONV[n](xp, weight, None, win.strides, 0, win.dilations, ch)
     counts = _CONV[n](ones, weight[:1], None, win.strides, 0, win.dilations, 1)

@@ -16,8 +16,7 @@ import torch.nn.functional as F
 from segflow.errors import UnsupportedOp
 from segflow.ir.graph import Node
 from segflow.ir.types import DType
-from segflow.ops._common import has_input, normalize_axis
-from segflow.ops.nn import same_pads
+from segflow.ops._common import has_input, normalize_axis, resolve_pads, torch_pad
 from segflow.ops.registry import BindContext, Kernel, OpDef
 
 Tensor = torch.Tensor
@@ -197,17 +196,9 @@ class _ConvGeometry:
         kernel = list(self.kernel_shape or w.shape[2:])
         strides = list(self.strides or [1] * n)
         dilations = list(self.dilations or [1] * n)
-        if self.auto_pad in ("SAME_UPPER", "SAME_LOWER"):
-            pads = same_pads(list(x.shape[2:]), kernel, strides, dilations,
-                             self.auto_pad == "SAME_UPPER")
-        elif self.auto_pad == "VALID" or not self.pads:
-            pads = [0] * (2 * n)
-        else:
-            pads = list(self.pads)
-        torch_pads: list[int] = []
-        for i in reversed(range(n)):
-            torch_pads += [pads[i], pads[i + n]]
-        x = F.pad(x, torch_pads)
+        pads = resolve_pads(self.auto_pad, self.pads, list(x.shape[2:]), kernel, strides,
+                            dilations)
+        x = F.pad(x, torch_pad(pads))
         return _CONV[n](x, w, None, strides, 0, dilations, self.group)
 
 

@@ -402,7 +402,7 @@ def _explicit_pads(conv: Node) -> list[int] | None:
     x = conv.inputs[0]
     if x is None or x.spec.shape is None or not all(isinstance(d, int) for d in x.spec.shape[2:]):
         return None
-    from segflow.ops.nn import same_pads
+    from segflow.ops._common import same_pads
     kernel = list(weight.spec.shape[2:])  # type: ignore[index]
     strides = list(attrs.get("strides", [1] * spatial))
     dilations = list(attrs.get("dilations", [1] * spatial))
