@@ -92,3 +92,17 @@ def test_help_for_every_command(capsys):
             cli.main([command, "--help"])
         assert info.value.code == 0
         assert "usage: segflow" in capsys.readouterr().out
+
+
+def test_train_demo_passes_flags_through(capsys):
+    pytest.importorskip("sklearn")
+    code, out, _ = run_cli(capsys, "train-demo", "--epochs", "1", "--quiet",
+                           "--min-accuracy", "0.5")
+    assert code == 0 and "after 1 epochs" in out
+
+
+def test_unknown_flag_is_rejected(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["run", "--bogus"])
+    assert info.value.code == 2
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err

@@ -219,11 +219,10 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_model_args(p, with_inputs=False)
     p.set_defaults(func=_cmd_explain)
 
+    # The demo parses its own flags (and --help), so this parser adds none.
     p = sub.add_parser("train-demo", help="train a small CNN on the bundled digits data set",
-                       description="Train a small CNN on scikit-learn's digits (8x8) with "
-                                   "segflow's TrainingSession; extra flags are passed through.")
-    p.add_argument("rest", nargs=argparse.REMAINDER, help="flags for the demo (see --help)")
-    p.set_defaults(func=_cmd_train_demo)
+                       add_help=False)
+    p.set_defaults(func=_cmd_train_demo, rest=[])
 
     for register in _EXTRA_COMMANDS:
         register(sub)
@@ -246,9 +245,14 @@ _EXTRA_COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (  #
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
-    args = parser.parse_args(argv)
+    # train-demo passes its flags through to the demo; every other command must know them all.
+    args, extra = parser.parse_known_args(argv)
     if args.command is None:
-        args = parser.parse_args(["run", *(argv or [])])
+        args, extra = parser.parse_known_args(["run", *(argv or [])])
+    if args.command == "train-demo":
+        args.rest = [*args.rest, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return int(args.func(args))
     except SegflowError as exc:
