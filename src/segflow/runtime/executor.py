@@ -112,6 +112,8 @@ class Executor:
         for value in graph.initializers.values():
             if value in self.slots.slots and self.template[self.slots[value]] is None:
                 self.template[self.slots[value]] = constants.get(value, plan.default_device.torch)
+        # Vars a task reads besides its producers' (e.g. parameters a training step updates).
+        self.extra_reads: list[tuple[Var, ...]] = [() for _ in self.tasks]
         self.kernels_per_run = sum(len(t.steps) for t in self.tasks)
         self.copies_per_run = sum(1 for t in self.tasks if t.segment.exec_type is ExecType.COPY)
         # Streams, events and CUDA graphs on CUDA devices; a no-op on CPU devices.
@@ -159,13 +161,16 @@ class Executor:
 
     # -- running -----------------------------------------------------------------------
     def run(self, feeds: Sequence[Tensor], sink: EventSink | None = None, *,
-            host_outputs: bool = False) -> tuple[list[Tensor], RunStats]:
+            host_outputs: bool = False, after_tasks: AfterTasks | None = None
+            ) -> tuple[list[Tensor], RunStats]:
         """Run once on ``feeds`` (tensors in graph-input order, already validated).
 
         With a ``sink`` (an active profiler) every push, segment, node and host
         wait is recorded; without one the uninstrumented task functions run.
         ``host_outputs``: return outputs in host memory (copied back on the
-        device's copy stream within the one output wait).
+        device's copy stream within the one output wait). ``after_tasks(run_vars,
+        env)`` pushes further tasks once the plan's are pushed (a training step's
+        parameter updates) and returns how many; they count as pushes.
         """
         start = time.perf_counter()
         env = list(self.template)
@@ -183,13 +188,14 @@ class Executor:
                   else _profiled_task(task, env, sink, pushed_at))
             fn = completion.wrap(index, fn, sink is not None)
             t0 = pushed_at[0] = time.perf_counter_ns() if sink is not None else 0
-            engine.push(fn, [run_vars[d] for d in task.reads],
+            engine.push(fn, [*(run_vars[d] for d in task.reads), *self.extra_reads[index]],
                         (run_vars[index],), seg.exec_type, seg.device, seg.first.name)
             if sink is not None:
                 sink.span("push", f"push {_task_name(task)}", t0, time.perf_counter_ns(),
                           device=str(seg.device), args={"segment": seg.index})
             if task.waits_on_host:
                 syncs += 1
+        extra_pushes = after_tasks(run_vars, env) if after_tasks is not None else 0
         if self.output_tasks:
             t0 = time.perf_counter_ns() if sink is not None else 0
             for index in self.output_tasks:
@@ -207,7 +213,7 @@ class Executor:
         stats = RunStats(
             nodes=self.plan.compute_nodes,
             segments=len(self.tasks),
-            pushes=len(self.tasks),
+            pushes=len(self.tasks) + extra_pushes,
             syncs=syncs,
             kernels=self.kernels_per_run,
             copies=self.copies_per_run,
@@ -225,6 +231,9 @@ class Executor:
         def task() -> None:
             run_steps(steps, env)
         return task
+
+
+AfterTasks = Callable[[list[Var], list[Tensor | None]], int]
 
 
 def _task_name(task: _BoundTask) -> str:

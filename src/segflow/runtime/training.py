@@ -19,7 +19,6 @@ from __future__ import annotations
 import copy
 import enum
 import os
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -40,7 +39,7 @@ from segflow.passes.autodiff import Differentiated, differentiate
 from segflow.passes.place import place
 from segflow.passes.segment import Phase, segment_nodes
 from segflow.profiler.sink import active_sink
-from segflow.runtime.executor import Executor, _profiled_task
+from segflow.runtime.executor import Executor
 from segflow.runtime.plan import Plan, make_plan, resolve_opdefs
 from segflow.runtime.stats import RunStats
 from segflow.settings import BulkSettings, engine_for_plan, resolve_engine
@@ -123,7 +122,6 @@ class TrainingExecutor(Executor):
                  ) -> None:
         super().__init__(plan, registry, engine, settings_record)
         self.task_of: dict[Node, int] = {}
-        self.state_reads: list[tuple[Var, ...]] = []
         for index, task in enumerate(self.tasks):
             found: set[Var] = set()
             for step in task.steps:
@@ -131,48 +129,26 @@ class TrainingExecutor(Executor):
                 for value in step.node.inputs:
                     if value is not None:
                         found.update(aliases.get(value, ()))
-            self.state_reads.append(tuple(sorted(found, key=lambda v: v.name)))
+            self.extra_reads[index] = tuple(sorted(found, key=lambda v: v.name))
         self.phase_counts = {phase: sum(1 for s in plan.segments if s.phase is phase)
                              for phase in (Phase.FORWARD, Phase.BACKWARD)}
 
     def run_step(self, feeds: Sequence[Tensor], updates: Sequence[_Update]
                  ) -> tuple[list[Tensor], RunStats]:
-        start = time.perf_counter()
-        sink = active_sink()
-        env = list(self.template)
-        for slot, tensor in zip(self.input_slots, feeds):
-            env[slot] = tensor
-        engine = self.engine
-        run_vars = [Var(t.segment.first.name) for t in self.tasks]
-        syncs = 0
-        pushed_at = [0]
-        for index, task in enumerate(self.tasks):
-            seg = task.segment
-            fn = self._task_fn(task.steps, env) if sink is None else _profiled_task(
-                task, env, sink, pushed_at)
-            pushed_at[0] = time.perf_counter_ns()
-            engine.push(fn, [*(run_vars[d] for d in task.reads), *self.state_reads[index]],
-                        (run_vars[index],), seg.exec_type, seg.device, seg.first.name)
-            if task.waits_on_host:
-                syncs += 1
-        device = self.plan.default_device
-        for update in updates:
-            reads = [] if update.after is None else [run_vars[update.after]]
-            engine.push(_update_fn(update, env), reads, update.writes, ExecType.SYNC, device,
-                        update.name)
-        if self.output_tasks:
-            for index in self.output_tasks:
-                engine.wait(run_vars[index])
-            syncs += 1
-        outputs = [env[s] for s in self.output_slots]
-        stats = RunStats(
-            nodes=self.plan.compute_nodes, segments=len(self.tasks),
-            pushes=len(self.tasks) + len(updates), syncs=syncs, kernels=self.kernels_per_run,
-            copies=self.copies_per_run, engine=engine.name, settings=self.settings_record,
-            wall_time_s=time.perf_counter() - start,
-            forward_segments=self.phase_counts[Phase.FORWARD],
-            backward_segments=self.phase_counts[Phase.BACKWARD], updates=len(updates))
-        return outputs, stats  # type: ignore[return-value]
+        """One forward+backward run, with ``updates`` pushed after the plan's tasks."""
+        engine, device = self.engine, self.plan.default_device
+
+        def push_updates(run_vars: list[Var], env: list[Tensor | None]) -> int:
+            for update in updates:
+                reads = [] if update.after is None else [run_vars[update.after]]
+                engine.push(_update_fn(update, env), reads, update.writes, ExecType.SYNC,
+                            device, update.name)
+            return len(updates)
+
+        outputs, stats = self.run(feeds, active_sink(), after_tasks=push_updates)
+        return outputs, replace(stats, forward_segments=self.phase_counts[Phase.FORWARD],
+                                backward_segments=self.phase_counts[Phase.BACKWARD],
+                                updates=len(updates))
 
 
 def _update_fn(update: _Update, env: list[Tensor | None]) -> Callable[[], None]:
