@@ -26,14 +26,6 @@ DEVICE = "cuda:0"
 IMAGE = {"image_size": 64, "num_classes": 10}
 
 
-@pytest.fixture(autouse=True)
-def exact_fp32():
-    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
-
-
 @pytest.fixture(scope="module")
 def resnet18():
     return models.build("resnet18", **IMAGE)

@@ -27,14 +27,6 @@ MLP = {"layers": 4, "width": 16}
 DEVICE = "cuda:0"
 
 
-@pytest.fixture(autouse=True)
-def exact_fp32():
-    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
-
-
 @pytest.fixture(scope="module")
 def mlp():
     return models.build("mlp_chain", **MLP)
