@@ -226,3 +226,15 @@ def test_undefined_value_is_invalid_model():
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     with pytest.raises(segflow.InvalidModel, match="ghost"):
         segflow.InferenceSession(model)
+
+
+def test_read_only_and_reversed_feeds():
+    model = models.build("mlp_chain", layers=2)
+    sess = segflow.InferenceSession(model)
+    x = np.random.default_rng(1).standard_normal((3, 64)).astype(np.float32)
+    expected = sess.run(None, {"x": x})[0]
+    frozen = x.copy()
+    frozen.flags.writeable = False
+    np.testing.assert_array_equal(sess.run(None, {"x": frozen})[0], expected)
+    reversed_rows = x[::-1].copy()[::-1]  # negative strides, same values as x
+    np.testing.assert_array_equal(sess.run(None, {"x": reversed_rows})[0], expected)

@@ -139,7 +139,8 @@ class _Importer:
             graph.add_initializer(value)
             names[value.name] = value
             return
-        opdef = self.registry.lookup(domain, np_.op_type, opset, label)
+        # Fail at load, naming op, domain, opset and node; the planner binds it later.
+        self.registry.lookup(domain, np_.op_type, opset, label)
         inputs: list[Value | None] = []
         for name in np_.input:
             if name == "":
@@ -168,7 +169,6 @@ class _Importer:
         graph.append(node)
         for value in outputs:
             names[value.name] = value
-        _ = opdef  # validated above; the planner looks it up again when binding
 
 
 def _attribute(attr: onnx.AttributeProto) -> Any:

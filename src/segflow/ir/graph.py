@@ -193,7 +193,7 @@ class Graph:
             progressed = False
             rest: list[Node] = []
             for node in pending:
-                if all(v is None or id(v) in available for v in _node_reads(node)):
+                if all(v is None or id(v) in available for v in node_reads(node)):
                     ordered.append(node)
                     available.update(id(v) for v in node.outputs)
                     progressed = True
@@ -211,7 +211,7 @@ class Graph:
         for node in self.nodes:
             if node.graph is not self:
                 raise IRError(f"{node.label} is not owned by graph {self.name}")
-            for value in _node_reads(node):
+            for value in node_reads(node):
                 if value is None:
                     continue
                 if id(value) not in defined and id(value) not in outer:
@@ -244,8 +244,16 @@ class Graph:
         return f"<Graph {self.name}: {len(self.nodes)} nodes>"
 
 
-def _node_reads(node: Node) -> list[Value | None]:
-    reads: list[Value | None] = list(node.inputs)
+def captured_inputs(node: Node) -> list[Value]:
+    """Outer values a node's subgraphs read, deduplicated, in a stable order."""
+    seen: dict[int, Value] = {}
     for sub in node.subgraphs.values():
-        reads.extend(sub.captured_values())
-    return reads
+        for value in sub.captured_values():
+            seen.setdefault(id(value), value)
+    return list(seen.values())
+
+
+def node_reads(node: Node) -> list[Value | None]:
+    """Explicit inputs followed by captured values: everything a node depends on
+    (and, in this order, what its bound kernel receives)."""
+    return [*node.inputs, *captured_inputs(node)]

@@ -123,7 +123,7 @@ def _conv_transpose(node: Node, ctx: BindContext) -> Kernel:
     return kernel
 
 
-def _pool_out_pad(x: Tensor, win: _Window, ceil_mode: bool) -> tuple[list[int], list[int]]:
+def _pool_out_pad(x: Tensor, win: _Window) -> tuple[list[int], list[int]]:
     pads = win.resolve(x)
     n = win.spatial
     return pads[:n], pads[n:]
@@ -140,7 +140,7 @@ def _maxpool(node: Node, ctx: BindContext) -> Kernel:
     def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
         x = inputs[0]
         assert x is not None
-        begin, end = _pool_out_pad(x, win, ceil_mode)
+        begin, end = _pool_out_pad(x, win)
         if begin == end and all(p <= k // 2 for p, k in zip(begin, kshape)) and not want_indices:
             return [_MAXPOOL[n](x, kshape, win.strides, begin, win.dilations, ceil_mode)]
         xp = F.pad(x, torch_pad(begin + end), value=-math.inf) if any(begin + end) else x
@@ -191,7 +191,7 @@ def _avgpool(node: Node, ctx: BindContext) -> Kernel:
     def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
         x = inputs[0]
         assert x is not None
-        begin, end = _pool_out_pad(x, win, ceil_mode)
+        begin, end = _pool_out_pad(x, win)
         if (begin == end and all(p <= k // 2 for p, k in zip(begin, kshape))
                 and win.dilations == [1] * n):
             return [_AVGPOOL[n](x, kshape, win.strides, begin, ceil_mode, count_pad)]
@@ -369,7 +369,7 @@ def _matmul(node: Node, ctx: BindContext) -> Kernel:
     return kernel
 
 
-def _softmax_family(fn, legacy_flatten: bool):  # type: ignore[no-untyped-def]
+def _softmax_family(fn):  # type: ignore[no-untyped-def]
     def bind(node: Node, ctx: BindContext) -> Kernel:
         old = node.opset < 13
         axis = int(node.attrs.get("axis", 1 if old else -1))
@@ -467,8 +467,8 @@ OPS: list[OpDef] = [
     OpDef("LRN", _lrn),
     OpDef("Gemm", _gemm, grad=gradients.gemm),
     OpDef("MatMul", _matmul, grad=gradients.matmul),
-    OpDef("Softmax", _softmax_family(torch.softmax, True), grad=gradients.softmax),
-    OpDef("LogSoftmax", _softmax_family(torch.log_softmax, True), grad=gradients.softmax),
+    OpDef("Softmax", _softmax_family(torch.softmax), grad=gradients.softmax),
+    OpDef("LogSoftmax", _softmax_family(torch.log_softmax), grad=gradients.softmax),
     OpDef("Hardmax", _hardmax),
     OpDef("Dropout", _dropout, grad=gradients.dropout),
     OpDef("Flatten", _flatten, grad=gradients.reshape),

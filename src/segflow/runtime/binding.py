@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from segflow.errors import ExecutionError
-from segflow.ir.graph import Graph, Node, Value
+from segflow.ir.graph import Graph, Node, Value, captured_inputs, node_reads
 from segflow.ops.registry import Kernel, OpRegistry, SubgraphRunner
 
 Tensor = torch.Tensor
@@ -90,20 +90,6 @@ class BindContext:
     def bind_node(self, node: Node) -> Kernel:
         opdef = self.registry.lookup(node.domain, node.op_type, node.opset, node.name)
         return opdef.bind(node, self)
-
-
-def captured_inputs(node: Node) -> list[Value]:
-    """Outer values a node's subgraphs read, deduplicated, in a stable order."""
-    seen: dict[int, Value] = {}
-    for sub in node.subgraphs.values():
-        for value in sub.captured_values():
-            seen.setdefault(id(value), value)
-    return list(seen.values())
-
-
-def node_reads(node: Node) -> list[Value | None]:
-    """Explicit inputs followed by captured values: what a bound kernel receives."""
-    return [*node.inputs, *captured_inputs(node)]
 
 
 class ConstantCache:

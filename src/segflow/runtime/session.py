@@ -221,8 +221,8 @@ class InferenceSession:
                 _check_dim(value.name, axis, want, have, spec, symbols)
         if tensor is None:
             if not array.flags.writeable or not array.flags.c_contiguous:
-                array = np.ascontiguousarray(array).copy() if not array.flags.writeable \
-                    else np.ascontiguousarray(array)
+                # torch.from_numpy needs a writeable array without negative strides.
+                array = np.array(array, order="C")
             tensor = torch.from_numpy(array)
         # The executor uploads feeds to the device (pinned memory, copy stream).
         return tensor
