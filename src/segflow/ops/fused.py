@@ -44,6 +44,12 @@ LINEAR_ONEDNN_MIN_MACS = 1 << 20
 LINEAR_PACK_MIN_WEIGHT = 1 << 19
 
 
+def onednn_graph_available() -> bool:
+    """Whether this torch can fuse TorchScript graphs with oneDNN Graph (``compile="onednn"``)."""
+    return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.jit,
+                                                                  "enable_onednn_fusion")
+
+
 def onednn_available() -> bool:
     """Whether torch ships the oneDNN fused CPU ops this module uses."""
     return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn,

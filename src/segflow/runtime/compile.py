@@ -15,10 +15,15 @@ the outputs. A compiled segment does the same work without the dispatch:
   per model on 2 cores and its fp32 linears go through MKL, which is slower
   than oneDNN on the AMD CPUs we measured. Compilation happens on a segment's
   first run; that first run's time is reported as compile time.
+- ``onednn`` (CPU): the pure generated function traced to TorchScript, frozen
+  and fused by oneDNN Graph, verified against ``codegen`` on its first run
+  (:mod:`segflow.runtime.onednn_graph`).
 - ``none``: the interpreter.
 
-``auto`` picks ``codegen``: always available, fastest to build, and measured
-fastest on every builder model (benchmarks/cpu_targets.py).
+``auto`` picks ``onednn`` for CPU graphs with depthwise convolutions (measured
+about 25% faster on MobileNetV2) and ``codegen`` otherwise: always available,
+fastest to build, and measured fastest on the other builder models
+(benchmarks/cpu_targets.py). :func:`segflow.passes.pipeline.run_pipeline` decides.
 
 The counters do not change: a compiled segment is still one task and its
 nodes are still one kernel each.
@@ -43,6 +48,7 @@ from segflow.passes.pipeline import CompileMode
 from segflow.passes.plan_memory import MemoryPlan
 from segflow.passes.segment import Segment
 from segflow.runtime.binding import Step
+from segflow.runtime.onednn_graph import OneDnnGraphSegment
 
 Tensor = torch.Tensor
 SegmentFn = Callable[[list[Any]], None]
@@ -98,10 +104,12 @@ class SegmentCompiler:
             live_out = {slot for step in steps for slot in step.outputs
                         if slot in read_elsewhere.get(index, set())}
             program = generate(steps, template, live_out, self.memory, self.device)
-            if self.mode is CompileMode.INDUCTOR:
+            if self.mode in (CompileMode.INDUCTOR, CompileMode.ONEDNN):
                 pure = generate(steps, template, live_out, None, self.device, pure=True,
                                 traceable=True)
-                compiled.append(_InductorSegment(pure, program.fn, self.report))
+                backend = (OneDnnGraphSegment if self.mode is CompileMode.ONEDNN
+                           else _InductorSegment)
+                compiled.append(backend(pure, program.fn, self.report))
             else:
                 compiled.append(program.fn)
             self.report.segments += 1
@@ -142,6 +150,7 @@ class Program:
     outputs: tuple[int, ...] = ()    # pure form: env slots the returned tuple fills
     pure_fn: Callable[..., tuple[Tensor, ...]] | None = None
     constants: tuple[Tensor, ...] = ()  # pure form: passed first, so tracing sees them
+    released: tuple[int, ...] = ()   # pure form: input slots no other task reads afterwards
 
 
 _FLOAT = (DType.FLOAT32, DType.FLOAT64, DType.FLOAT16, DType.BFLOAT16)
@@ -289,7 +298,10 @@ def generate(steps: Sequence[Step], template: Sequence[Tensor | None], live_out:
     outputs = tuple(sorted(live_out))
     # The pure form takes its tensor constants as arguments: torch.compile then sees them
     # as module buffers it can freeze, instead of closure cells.
-    lifted = [name for name, obj in em.bound.items() if pure and isinstance(obj, Tensor)]
+    # Only float tensors (weights): integer constants (shapes, indices) that kernels read
+    # into Python stay closure constants, so a tracer does not see them as traced values.
+    lifted = [name for name, obj in em.bound.items()
+              if pure and isinstance(obj, Tensor) and obj.is_floating_point()]
     source = _assemble(em, body, loaded, cleared, outputs, pure, lifted)
     namespace: dict[str, Any] = {}
     exec(compile(source, f"<segflow segment {steps[0].node.name}>", "exec"), namespace)
@@ -299,7 +311,7 @@ def generate(steps: Sequence[Step], template: Sequence[Tensor | None], live_out:
     if pure:
         constants = tuple(t for t in (em.bound[name] for name in lifted) if isinstance(t, Tensor))
         return Program(source, _pure_to_env(fn, constants, tuple(loaded), outputs),
-                       tuple(loaded), outputs, fn, constants)
+                       tuple(loaded), outputs, fn, constants, tuple(cleared))
     return Program(source, fn)
 
 

@@ -66,8 +66,9 @@ class InferenceSession:
         stream_backend: the device stream backend (tests pass a fake one; default CUDA).
         optimize: run the optimization passes (True/False, or ``{"fuse": False, ...}`` per
             pass; None: ``SEGFLOW_OPTIMIZE`` and ``SEGFLOW_NO_*``, default all on).
-        compile: segment backend, ``"auto"`` | ``"codegen"`` | ``"inductor"`` | ``"none"``
-            (None: ``SEGFLOW_COMPILE``, default auto = codegen).
+        compile: segment backend, ``"auto"`` | ``"codegen"`` | ``"onednn"`` | ``"inductor"``
+            | ``"none"`` (None: ``SEGFLOW_COMPILE``, default auto: onednn for CPU graphs with
+            depthwise convolutions, else codegen; ``compile_report`` says which ran).
         intra_op_threads: torch intra-op threads (process-wide; None: ``SEGFLOW_INTRA_OP_THREADS``,
             else torch's default from ``OMP_NUM_THREADS`` / the core count).
     """
@@ -97,9 +98,10 @@ class InferenceSession:
         record: dict[str, object] = {"device": str(self.device), **self.settings.as_dict(),
                                      "sync_mode": SyncMode.parse(sync_mode).value,
                                      "cuda_graphs": cuda_graphs, **self.options.as_record(),
+                                     "compile": pipeline.compile.value,
                                      "intra_op_threads": threads,
                                      **(pipeline.memory.as_record() if pipeline.memory else {})}
-        compiler = SegmentCompiler(self.options.compile, pipeline.memory, self.device.torch)
+        compiler = SegmentCompiler(pipeline.compile, pipeline.memory, self.device.torch)
         self._executor = Executor(self.plan, self.registry, self._engine, record,
                                   sync_mode=sync_mode, cuda_graphs=cuda_graphs,
                                   stream_backend=stream_backend, compiler=compiler)
