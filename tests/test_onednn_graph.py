@@ -68,14 +68,16 @@ def test_a_failing_fusion_falls_back_to_codegen():
     assert "RuntimeError" in sess.compile_report.describe()
 
 
-def test_auto_picks_onednn_only_for_depthwise_convolutions():
+def test_auto_picks_onednn_for_convolution_graphs_only():
     mobile = segflow.InferenceSession(models.build("mobilenet_v2", **SMALL["mobilenet_v2"]))
     assert mobile.compile_report.backend == "onednn"
-    assert "compile: onednn (auto: 17 depthwise convolutions" in mobile.explain()
-    for name in ("resnet18", "mlp_chain"):
-        sess = segflow.InferenceSession(models.build(name, **SMALL[name]))
+    assert "compile: onednn (auto: 52 convolutions, 17 depthwise;" in mobile.explain()
+    resnet = segflow.InferenceSession(models.build("resnet18", **SMALL["resnet18"]))
+    assert "compile: onednn (auto: 20 convolutions;" in resnet.explain()
+    for name in ("mlp_chain", "bert_tiny"):
+        sess = segflow.InferenceSession(models.build(name))
         assert sess.compile_report.backend == "codegen", name
-        assert "compile: codegen (auto" in sess.explain()
+        assert "compile: codegen (auto: no convolutions" in sess.explain()
     codegen = segflow.InferenceSession(models.build("mobilenet_v2", **SMALL["mobilenet_v2"]),
                                        compile="codegen")
     assert "layout: prepacked for oneDNN" in codegen.explain()

@@ -118,6 +118,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(f"run: {stats.wall_time_s * 1e3:.2f} ms  segments={stats.segments} "
               f"pushes={stats.pushes} syncs={stats.syncs} kernels={stats.kernels} "
               f"copies={stats.copies} engine={stats.engine}")
+    report = sess.compile_report
+    # A backend that compiles on the first run (onednn, inductor) makes run 1 slower.
+    hint = "  (run 1 includes it; --repeat N to time later runs)" \
+        if report.first_run_compile_s and args.repeat == 1 else ""
+    print(report.describe() + hint)
     return 0
 
 

@@ -12,9 +12,10 @@ convolution / linear / elementwise ops with compiled partitions that
 - fuse a 1x1 convolution with the depthwise convolution after it into one
   primitive (oneDNN's depthwise post-op), which the per-node path cannot express.
 
-Measured on MobileNetV2 at batch 1 (benchmarks/cpu_targets.py): about 25% faster
-than ``codegen``. On ResNet-50, BERT and the MLP chain it is not faster, so
-``auto`` picks it only for graphs with depthwise convolutions (passes/pipeline.py).
+Measured at batch 1 (benchmarks/cpu_targets.py, interleaved with ``codegen``):
+MobileNetV2 ~35% faster, ResNet-50 ~9%; on BERT and the MLP chain (no
+convolutions) it is slower, so ``auto`` picks it only for graphs with
+convolutions (:func:`segflow.passes.pipeline.choose_backend`).
 
 Safety: a compiled shape is used only after its outputs matched the ``codegen``
 function on the same inputs (first call of that shape); a trace that read input
