@@ -194,13 +194,17 @@ def choose_backend(graph: Graph, mode: CompileMode, device: Device | None
                    ) -> tuple[CompileMode, str]:
     """The segment backend for ``graph`` and why.
 
-    ``auto`` picks ``onednn`` on CPU when the graph has 2-D convolutions: oneDNN
-    Graph keeps each convolution's primitive between runs (``codegen`` pays ~20 us
-    of oneDNN setup per convolution call) and fuses a 1x1 convolution with the
-    depthwise one after it. Measured interleaved against codegen (benchmarks/
-    cpu_targets.py): MobileNetV2 ~35% faster, ResNet-50 ~9% faster at batch 1, equal
-    at batch 8. Without convolutions oneDNN Graph measured slower (BERT, the MLP
-    chain), so ``auto`` keeps ``codegen``: always available, builds in milliseconds.
+    ``auto`` picks ``onednn`` on CPU when the graph has depthwise convolutions:
+    oneDNN Graph fuses each with the 1x1 convolution before it and keeps every
+    convolution's primitive between runs (``codegen`` pays ~20 us of oneDNN setup
+    per convolution call). MobileNetV2 at batch 1 runs ~35% faster than codegen
+    (benchmarks/cpu_targets.py, interleaved). The price is memory: oneDNN Graph
+    keeps its own packed copy of the weights next to the dense ones the traced
+    graph holds (MobileNetV2 +46 MiB, ResNet-50 +125 MiB). On dense convolution
+    nets the gain is ~0-9% (ResNet-50), not worth doubling the weights by default,
+    and without convolutions oneDNN Graph is slower (BERT, the MLP chain), so there
+    ``auto`` keeps ``codegen``: always available, builds in milliseconds, one copy
+    of the weights. ``compile="onednn"`` opts in for any graph.
     """
     on_cpu = device is not None and device.kind is DeviceKind.CPU
     if mode is CompileMode.ONEDNN and not (on_cpu and onednn_graph_available()):
@@ -209,11 +213,13 @@ def choose_backend(graph: Graph, mode: CompileMode, device: Device | None
     if mode is not CompileMode.AUTO:
         return mode, "requested"
     convs = [node for node in graph.nodes if _is_conv2d(node)]
-    if convs and on_cpu and onednn_graph_available():
-        depthwise = sum(1 for node in convs if _is_depthwise(node))
-        return CompileMode.ONEDNN, (f"auto: {len(convs)} convolutions"
-                                    + (f", {depthwise} depthwise" if depthwise else "")
-                                    + "; oneDNN Graph keeps their primitives and fuses them")
+    depthwise = sum(1 for node in convs if _is_depthwise(node))
+    if depthwise and on_cpu and onednn_graph_available():
+        return CompileMode.ONEDNN, (f"auto: {len(convs)} convolutions, {depthwise} depthwise, "
+                                    "which oneDNN Graph fuses with the convolution before them")
+    if convs:
+        return CompileMode.CODEGEN, ("auto: no depthwise convolutions; codegen keeps one copy "
+                                     "of the weights (compile='onednn' trades memory for speed)")
     return CompileMode.CODEGEN, "auto: no convolutions; codegen measured fastest here"
 
 

@@ -20,10 +20,11 @@ the outputs. A compiled segment does the same work without the dispatch:
   (:mod:`segflow.runtime.onednn_graph`).
 - ``none``: the interpreter.
 
-``auto`` picks ``onednn`` for CPU graphs with convolutions (measured faster on
-MobileNetV2 and ResNet-50) and ``codegen`` otherwise: always available, fastest
-to build, and measured fastest on BERT and the MLP chain
-(benchmarks/cpu_targets.py). :func:`segflow.passes.pipeline.choose_backend` decides.
+``auto`` picks ``onednn`` for CPU graphs with depthwise convolutions (MobileNetV2:
+~35% faster, at the cost of a second, packed copy of the weights) and ``codegen``
+otherwise: always available, fastest to build, one copy of the weights, and
+measured fastest on BERT and the MLP chain (benchmarks/cpu_targets.py).
+:func:`segflow.passes.pipeline.choose_backend` decides.
 
 The counters do not change: a compiled segment is still one task and its
 nodes are still one kernel each.

@@ -13,9 +13,10 @@ convolution / linear / elementwise ops with compiled partitions that
   primitive (oneDNN's depthwise post-op), which the per-node path cannot express.
 
 Measured at batch 1 (benchmarks/cpu_targets.py, interleaved with ``codegen``):
-MobileNetV2 ~35% faster, ResNet-50 ~9%; on BERT and the MLP chain (no
-convolutions) it is slower, so ``auto`` picks it only for graphs with
-convolutions (:func:`segflow.passes.pipeline.choose_backend`).
+MobileNetV2 ~35% faster, ResNet-50 0-9%; on BERT and the MLP chain (no
+convolutions) it is slower. It costs memory: oneDNN Graph caches packed weights
+beside the dense ones the frozen graph references. So ``auto`` picks it only for
+graphs with depthwise convolutions (:func:`segflow.passes.pipeline.choose_backend`).
 
 Safety: a compiled shape is used only after its outputs matched the ``codegen``
 function on the same inputs (first call of that shape); a trace that read input

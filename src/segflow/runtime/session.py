@@ -68,7 +68,7 @@ class InferenceSession:
             pass; None: ``SEGFLOW_OPTIMIZE`` and ``SEGFLOW_NO_*``, default all on).
         compile: segment backend, ``"auto"`` | ``"codegen"`` | ``"onednn"`` | ``"inductor"``
             | ``"none"`` (None: ``SEGFLOW_COMPILE``, default auto: onednn for CPU graphs with
-            convolutions, else codegen; ``compile_report`` says which ran).
+            depthwise convolutions, else codegen; ``compile_report`` says which ran).
         intra_op_threads: torch intra-op threads (process-wide; None: ``SEGFLOW_INTRA_OP_THREADS``,
             else torch's default from ``OMP_NUM_THREADS`` / the core count).
     """
