@@ -9,6 +9,7 @@ machine noise hits all of them alike. A ratio is the median over rounds of
     python benchmarks/cpu_targets.py --cases mlp_chain --rounds 30
     python benchmarks/cpu_targets.py --cases resnet50 --variants "default;compile=none;layout=off"
     python benchmarks/cpu_targets.py --memory               # peak memory, ResNet-50 batch 1
+    python benchmarks/cpu_targets.py --memory --cases mobilenet_v2 --variants "default;compile=none"
     python benchmarks/cpu_targets.py --standalone           # each runtime in its own process
 
 Peers: onnxruntime with default session options (CPU provider), torch eager
@@ -216,7 +217,8 @@ def _trim() -> None:
     ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
 
 
-def memory_child(runtime: str, case: Case, runs: int) -> dict[str, float]:
+def memory_child(runtime: str, case: Case, runs: int, variant: str = "default"
+                 ) -> dict[str, float]:
     """In a fresh process: MiB for loading a session, and the peak a run adds above that."""
     import onnxruntime as ort
     import torch
@@ -242,7 +244,7 @@ def memory_child(runtime: str, case: Case, runs: int) -> dict[str, float]:
             with torch.inference_mode():
                 return module(**tensors)
     else:
-        sess = segflow.InferenceSession(model)
+        sess = segflow.InferenceSession(model, **_segflow_kwargs(variant))
         run = lambda: sess.run(None, feeds)  # noqa: E731
     load_peak = _status_kib("VmHWM") - before
     _trim()
@@ -299,13 +301,16 @@ def _case_key(case: Case) -> str:
     return next(key for key, c in CASES.items() if c == case)
 
 
-def run_memory(case: Case, runs: int) -> dict[str, dict[str, float]]:
+def run_memory(case: Case, runs: int, variants: list[str]) -> dict[str, dict[str, float]]:
     results = {}
-    for runtime in ("segflow", "onnxruntime", "torch"):
+    jobs = [("segflow", v) for v in variants] + [("onnxruntime", "default"), ("torch", "default")]
+    for runtime, variant in jobs:
         out = subprocess.run([sys.executable, __file__, "--memory-child", runtime,
-                              "--cases", _case_key(case), "--runs", str(runs)],
+                              "--cases", _case_key(case), "--runs", str(runs),
+                              "--variants", variant],
                              capture_output=True, text=True, check=True, env=dict(os.environ))
-        results[runtime] = json.loads(out.stdout.strip().splitlines()[-1])
+        name = runtime if variant == "default" else f"{runtime}[{variant}]"
+        results[name] = json.loads(out.stdout.strip().splitlines()[-1])
     return results
 
 
@@ -329,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     cases = [CASES[name] for name in args.cases.split(",") if name]
     variants = [v.strip() for v in args.variants.split(";") if v.strip()]
     if args.memory_child:
-        print(json.dumps(memory_child(args.memory_child, cases[0], args.runs)))
+        print(json.dumps(memory_child(args.memory_child, cases[0], args.runs, variants[0])))
         return 0
     if args.time_child:
         print(time_child(args.time_child, cases[0], variants[0], args.runs))
@@ -340,18 +345,19 @@ def main(argv: list[str] | None = None) -> int:
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}", flush=True)
     if args.memory:
         case = cases[0]
-        results = run_memory(case, args.runs)
+        results = run_memory(case, args.runs, variants)
         print(f"memory, {case.label}, MiB, fresh process per runtime. loaded: RSS the session "
               f"adds; cold peak: high-water mark over the first {args.runs} runs above the "
               "loaded session; held: kept after them (arenas, JIT code, caches); warm peak: "
-              f"what {args.runs} more runs add on top; run total = held + warm peak")
+              f"what {args.runs} more runs add on top; run total = held + warm peak; "
+              "process = loaded + run total (weights included)")
         for runtime, r in results.items():
             extra = f"  planned {r['planned_mib']:.1f}" if "planned_mib" in r else ""
             total = r["held_mib"] + r["warm_run_peak_mib"]
             print(f"  {runtime:<12} loaded {r['loaded_mib']:7.1f}  load peak "
                   f"{r['load_peak_mib']:7.1f}  cold peak {r['run_peak_mib']:6.1f}  held "
                   f"{r['held_mib']:6.1f}  warm peak {r['warm_run_peak_mib']:6.1f}  run total "
-                  f"{total:6.1f}{extra}")
+                  f"{total:6.1f}  process {r['loaded_mib'] + total:6.1f}{extra}")
         return 0
     if args.standalone:
         run_standalone(cases, variants, max(args.runs, 20))
