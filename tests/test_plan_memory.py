@@ -16,7 +16,13 @@ from onnx import TensorProto, helper, numpy_helper
 import segflow
 from segflow import models
 from segflow.frontend.onnx_import import import_model
-from segflow.passes.plan_memory import FRESH_OUTPUT_OPS, MemoryPlan, nbytes, plan_memory
+from segflow.passes.plan_memory import (
+    FRESH_OUTPUT_OPS,
+    MemoryPlan,
+    PlansBySize,
+    nbytes,
+    plan_memory,
+)
 
 F32 = TensorProto.FLOAT
 
@@ -104,6 +110,18 @@ def test_symbolic_dims_are_sized_as_one_by_default_and_on_request():
     assert nbytes(graph.outputs[0]) is None
 
 
+def test_plans_by_size_keep_the_base_plan_and_a_bounded_cache():
+    nodes = [helper.make_node("Relu", ["x"], ["a"]), helper.make_node("Neg", ["a"], ["out"])]
+    plan, graph = _plan(_model(nodes, {"x": ["batch", 16]}, ["out"]))
+    sizes = PlansBySize(graph, plan)
+    assert sizes.for_dims({"batch": 1}) is plan and sizes.for_dims({}) is plan
+    for batch in range(2, 3 * PlansBySize.MAX_SIZES):
+        assert sizes.for_dims({"batch": batch, "unrelated": 5}).arena_bytes == batch * 64
+        assert len(sizes._plans) <= PlansBySize.MAX_SIZES
+    assert sizes.for_dims({"batch": 1}) is plan
+    assert sizes.for_dims({"batch": 3}).dims == {"batch": 3}
+
+
 def test_plan_switch_and_report_in_session():
     model = models.build("resnet18", num_classes=10, image_size=32)
     feeds = models.example_inputs("resnet18", num_classes=10, image_size=32)
@@ -119,6 +137,28 @@ def test_plan_switch_and_report_in_session():
     assert "memory_planned_peak_bytes" not in off.last_run_stats.settings
     np.testing.assert_allclose(off.run(None, feeds)[0], sess.run(None, feeds)[0],
                                atol=1e-4, rtol=1e-3)
+
+
+def test_run_stats_report_the_plan_at_the_batch_of_the_run():
+    model = models.build("resnet18", num_classes=10, image_size=32)
+    sess = segflow.InferenceSession(model, engine="inline")
+
+    def planned(batch: int) -> dict:
+        sess.run(None, models.example_inputs("resnet18", batch_size=batch, num_classes=10,
+                                             image_size=32))
+        return sess.last_run_stats.settings
+
+    at1, at4 = planned(1), planned(4)
+    assert at1["memory_plan_dims"] == "batch=1" and at4["memory_plan_dims"] == "batch=4"
+    expected = plan_memory(sess.graph, dims={"batch": 4})
+    assert at4["memory_planned_peak_bytes"] == expected.arena_bytes
+    assert at4["memory_naive_bytes"] == expected.naive_bytes
+    assert at4["memory_planned_peak_bytes"] > 3 * at1["memory_planned_peak_bytes"]
+    assert at4["memory_inplace_nodes"] == at1["memory_inplace_nodes"]  # decided symbolically
+    assert planned(1)["memory_planned_peak_bytes"] == at1["memory_planned_peak_bytes"]
+    # Counters and the other settings are those of the run itself.
+    assert {k: v for k, v in at4.items() if not k.startswith("memory_")} == \
+        {k: v for k, v in at1.items() if not k.startswith("memory_")}
 
 
 def test_resnet_plan_is_far_below_naive():

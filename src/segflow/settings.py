@@ -23,7 +23,7 @@ ENV_NO_FOLD = "SEGFLOW_NO_FOLD"                    # 1: skip constant folding
 ENV_NO_FUSE = "SEGFLOW_NO_FUSE"                    # 1: skip fusion / no-op elimination
 ENV_NO_LAYOUT = "SEGFLOW_NO_LAYOUT"                # 1: keep dense NCHW convolution weights
 ENV_NO_MEMORY_PLAN = "SEGFLOW_NO_MEMORY_PLAN"      # 1: no memory plan, no in-place ops
-ENV_COMPILE = "SEGFLOW_COMPILE"                    # auto | codegen | inductor | none
+ENV_COMPILE = "SEGFLOW_COMPILE"                    # auto | codegen | onednn | inductor | none
 ENV_INTRA_OP_THREADS = "SEGFLOW_INTRA_OP_THREADS"  # torch.set_num_threads (else OMP_NUM_THREADS)
 
 ENGINES = ("auto", "inline", "threaded")

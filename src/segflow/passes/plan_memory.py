@@ -25,6 +25,7 @@ would need; ``explain()`` and RunStats report it next to the naive total.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -88,11 +89,49 @@ class MemoryPlan:
                 f"(live peak {_mib(self.live_peak_bytes)}){at}, {len(self.buffers)} buffers, "
                 f"{len(self.inplace)} in-place, {self.unplanned} unplanned")
 
-    def as_record(self) -> dict[str, int]:
-        """The numbers RunStats settings carry."""
-        return {"memory_planned_peak_bytes": self.arena_bytes,
-                "memory_naive_bytes": self.naive_bytes,
-                "memory_inplace_nodes": len(self.inplace)}
+    def as_record(self) -> dict[str, int | str]:
+        """The numbers RunStats settings carry (and the symbolic dims they were sized at)."""
+        record: dict[str, int | str] = {"memory_planned_peak_bytes": self.arena_bytes,
+                                        "memory_naive_bytes": self.naive_bytes,
+                                        "memory_inplace_nodes": len(self.inplace)}
+        if self.dims:
+            record["memory_plan_dims"] = ", ".join(f"{k}={v}" for k, v in self.dims.items())
+        return record
+
+
+class PlansBySize:
+    """One graph's memory plan, re-sized for the symbolic dims a run binds.
+
+    The pipeline plans once, with every symbolic input dim at 1. A run at
+    batch 8 should report the peak for batch 8: this re-plans for the dims of
+    the run (the in-place decisions are symbolic, so only sizes change) and
+    keeps the last ``MAX_SIZES`` plans, so a steady batch size costs one dict
+    lookup per run.
+    """
+
+    MAX_SIZES = 8
+
+    def __init__(self, graph: Graph, plan: MemoryPlan) -> None:
+        self.graph = graph
+        self.base = plan
+        self.names = tuple(plan.dims)
+        self._plans: dict[tuple[int, ...], MemoryPlan] = {
+            tuple(plan.dims[n] for n in self.names): plan}
+        self._lock = threading.Lock()
+
+    def for_dims(self, dims: Mapping[str, int]) -> MemoryPlan:
+        """The plan sized at ``dims`` (names the graph does not plan for are ignored)."""
+        key = tuple(dims.get(n, self.base.dims[n]) for n in self.names)
+        plan = self._plans.get(key)
+        if plan is not None:
+            return plan
+        plan = plan_memory(self.graph, dims=dict(zip(self.names, key)))
+        with self._lock:  # sessions may run on several threads
+            if len(self._plans) >= self.MAX_SIZES:
+                oldest = next(k for k, p in self._plans.items() if p is not self.base)
+                del self._plans[oldest]
+            self._plans[key] = plan
+        return plan
 
 
 def _mib(n: int) -> str:

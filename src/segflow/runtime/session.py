@@ -13,7 +13,7 @@ import os
 import threading
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -28,6 +28,7 @@ from segflow.ir.graph import Value
 from segflow.ir.types import Device, Dim, DType, TensorSpec
 from segflow.ops.registry import OpRegistry, default_registry
 from segflow.passes.pipeline import OptimizeOptions, configure_threads, run_pipeline
+from segflow.passes.plan_memory import PlansBySize
 from segflow.profiler.sink import active_sink
 from segflow.runtime.compile import SegmentCompiler
 from segflow.runtime.completion import SyncMode
@@ -107,6 +108,9 @@ class InferenceSession:
                                   stream_backend=stream_backend, compiler=compiler)
         # Compile time (not a setting, not run time): compile_report.compile_time_s.
         self.compile_report = compiler.report
+        # RunStats report the memory plan at the dims each run binds (planned at 1).
+        memory = pipeline.memory
+        self._memory_plans = PlansBySize(self.graph, memory) if memory and memory.dims else None
         self._const_storages = {_storage(t) for t in self._executor.template
                                 if t is not None}
         self._local = threading.local()
@@ -136,10 +140,10 @@ class InferenceSession:
     def run(self, output_names: Sequence[str] | None,
             feeds: Mapping[str, Any]) -> list[np.ndarray]:
         """Run the model; returns numpy arrays in ``output_names`` order (None: all)."""
-        tensors = self._validate(feeds)
+        tensors, dims = self._validate(feeds)
         wanted = self._output_indices(output_names)
         outputs, stats = self._executor.run(tensors, active_sink(), host_outputs=True)
-        self._local.stats = stats
+        self._local.stats = self._sized(stats, dims)
         # Outputs that share storage with a weight, a feed or an earlier output are copied,
         # so the caller can never mutate segflow's state or their own inputs through them.
         protected = self._const_storages | {_storage(t) for t in tensors}
@@ -153,9 +157,9 @@ class InferenceSession:
 
     def run_tensors(self, feeds: Mapping[str, Tensor]) -> list[Tensor]:
         """Run on torch tensors; returns torch tensors (no numpy round trip)."""
-        tensors = self._validate(feeds)
+        tensors, dims = self._validate(feeds)
         outputs, stats = self._executor.run(tensors, active_sink())
-        self._local.stats = stats
+        self._local.stats = self._sized(stats, dims)
         return outputs
 
     def close(self) -> None:
@@ -180,7 +184,18 @@ class InferenceSession:
             indices.append(all_names.index(name))
         return indices
 
-    def _validate(self, feeds: Mapping[str, Any]) -> list[Tensor]:
+    def _sized(self, stats: RunStats, dims: dict[str, int]) -> RunStats:
+        """``stats`` with the memory plan sized for this run's symbolic dims (batch ...)."""
+        sizes = self._memory_plans
+        if sizes is None or not dims:
+            return stats
+        plan = sizes.for_dims(dims)
+        if plan is sizes.base:
+            return stats
+        return replace(stats, settings={**stats.settings, **plan.as_record()})
+
+    def _validate(self, feeds: Mapping[str, Any]) -> tuple[list[Tensor], dict[str, int]]:
+        """The feeds as tensors in input order, and the symbolic dims they bind."""
         if not isinstance(feeds, Mapping):
             raise InvalidInput(f"feeds must be a dict of input name -> array, "
                                f"got {type(feeds).__name__}")
@@ -196,7 +211,7 @@ class InferenceSession:
                 raise InvalidInput(f"missing input {value.name!r} "
                                    f"(expected {value.spec.describe()})")
             tensors.append(self._check_feed(value, feeds[value.name], symbols))
-        return tensors
+        return tensors, {name: size for name, (size, _) in symbols.items()}
 
     def _check_feed(self, value: Value, data: Any, symbols: dict[str, tuple[int, str]]) -> Tensor:
         spec = value.spec
