@@ -71,6 +71,31 @@ def test_explain_bulk_off(capsys):
     assert code == 0 and "bulking disabled" in out and "200 tasks" in out
 
 
+def test_compile_and_threads_reach_the_session(capsys):
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        code, out, _ = run_cli(capsys, "run", "builtin:mlp_chain", "--compile", "none",
+                               "--threads", "1")
+        assert code == 0 and "compile: backend=none" in out
+        assert torch.get_num_threads() == 1
+        code, out, _ = run_cli(capsys, "explain", "builtin:mlp_chain", "--compile", "codegen")
+        assert code == 0 and "compile: codegen (requested)" in out
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("argv", [["run", "builtin:mlp_chain", "--threads", "0"],
+                                  ["run", "builtin:mlp_chain", "--compile", "tvm"]])
+def test_bad_compile_or_threads_flag_is_a_usage_error(capsys, argv):
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and ("--threads" in err or "--compile" in err)
+    assert "Traceback" not in err
+
+
 @pytest.mark.parametrize("argv,fragment", [
     (["run", "/no/such/model.onnx"], "model file not found: /no/such/model.onnx"),
     (["run", "builtin:nosuch"], "unknown built-in model 'nosuch'"),

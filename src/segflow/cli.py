@@ -90,7 +90,9 @@ def _session(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     model, label = load_model_arg(args.model)
     bulk = None if getattr(args, "bulk", None) is None else args.bulk == "on"
     sess = segflow.InferenceSession(model, device=args.device, bulk=bulk,
-                                    engine=getattr(args, "engine", None))
+                                    engine=getattr(args, "engine", None),
+                                    compile=getattr(args, "compile", None),
+                                    intra_op_threads=getattr(args, "threads", None))
     return sess, label
 
 
@@ -175,6 +177,16 @@ def _cmd_train_demo(args: argparse.Namespace) -> int:
 
 
 # -- parser -----------------------------------------------------------------------------
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
 def _add_model_args(p: argparse.ArgumentParser, with_inputs: bool = True) -> None:
     p.add_argument("model", nargs="?", default=None,
                    help="ONNX file, or builtin:NAME (default: builtin:resnet50)")
@@ -184,6 +196,13 @@ def _add_model_args(p: argparse.ArgumentParser, with_inputs: bool = True) -> Non
                         "when the plan spans devices, inline otherwise)")
     p.add_argument("--bulk", choices=["on", "off"], default=None,
                    help="bulk segments (default: $SEGFLOW_BULK_INFERENCE or on)")
+    p.add_argument("--compile", choices=["auto", "codegen", "onednn", "inductor", "none"],
+                   default=None,
+                   help="segment backend (default: $SEGFLOW_COMPILE or auto: onednn for CPU "
+                        "graphs with depthwise convolutions, codegen otherwise)")
+    p.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+                   help="torch intra-op threads (default: $SEGFLOW_INTRA_OP_THREADS, "
+                        "else $OMP_NUM_THREADS or the core count)")
     if with_inputs:
         p.add_argument("--input", action="append", default=[], metavar="NAME=SRC",
                        help="NAME=FILE.npy or NAME=rand:1x3x224x224 (repeatable); "
