@@ -19,6 +19,7 @@ import torch
 from onnx import numpy_helper
 
 from segflow.errors import InvalidModel, UnsupportedOp
+from segflow.frontend.symbolic_dims import unify_dims
 from segflow.ir.graph import Graph, Node, Value
 from segflow.ir.types import Dim, DType, TensorSpec
 from segflow.ops.registry import OpRegistry, default_registry
@@ -61,6 +62,7 @@ def import_model(model: str | os.PathLike[str] | bytes | onnx.ModelProto,
     importer = _Importer(registry or default_registry(), opsets)
     graph = importer.graph(proto.graph, parent=None, scope={})
     graph.name = proto.graph.name or "main"
+    unify_dims(graph)
     return graph
 
 

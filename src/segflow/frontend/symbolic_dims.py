@@ -1,0 +1,155 @@
+"""Name the dims ONNX shape inference leaves anonymous, when broadcasting says what they are.
+
+ONNX's shape inference gives a fresh symbol (``unk__0``, ``unk__1``, ...) to
+a dim it cannot tie to a known one: BERT's position ids
+``Range(0, Shape(ids)[1], 1)`` get ``unk__0`` instead of ``seq``, and the
+``Add`` of ``[batch, seq, 768]`` word embeddings and ``[unk__0, 768]``
+position embeddings gets ``unk__1``. Everything downstream inherits the anonymous name (all
+of BERT's hidden states), so the memory planner cannot size them from the
+input dims and specs that should be equal compare unequal.
+
+:func:`unify_dims` walks the nodes in order and recomputes two kinds of
+output dims from the (already renamed) input specs: the length of
+``Range(0, Gather(Shape(x), k), 1)`` -- a transformer's position ids -- is
+dim ``k`` of ``x``; the output of a multidirectional broadcasting op (Add,
+Mul, Where, ...) has the broadcast dims where they are determined (equal dims,
+a dim against 1, a symbol against a fixed size > 1). Where ONNX left an
+anonymous symbol there, the symbol is renamed in every value spec of the
+graph and its subgraphs. It never renames a symbol the
+model's inputs (or a subgraph's) declare, so two input dims are never merged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from segflow.ir.graph import Graph, Node, Value
+from segflow.ir.types import Dim, TensorSpec
+
+# ONNX ops with multidirectional (numpy-style) broadcasting of all their inputs.
+BROADCASTING_OPS = frozenset({
+    "Add", "Sub", "Mul", "Div", "Pow", "Mod", "Max", "Min", "Sum", "Mean", "Where",
+    "Equal", "Greater", "GreaterOrEqual", "Less", "LessOrEqual", "And", "Or", "Xor",
+    "BitShift", "BitwiseAnd", "BitwiseOr", "BitwiseXor", "PRelu",
+})
+
+
+def unify_dims(graph: Graph) -> dict[str, Dim]:
+    """Rename anonymous dims of ``graph`` (in place); returns old symbol -> new dim."""
+    declared = {d for g in _graphs(graph) for v in g.inputs for d in (v.spec.shape or ())
+                if isinstance(d, str)}
+    renames: dict[str, Dim] = {}
+
+    def resolve(dim: Dim) -> Dim:
+        while isinstance(dim, str) and dim in renames:
+            dim = renames[dim]
+        return dim
+
+    for node in graph.walk():
+        if node.domain != "" or len(node.outputs) != 1:
+            continue
+        out = node.outputs[0].spec.shape
+        if out is None:
+            continue
+        if node.op_type == "Range":
+            length = _range_length(node)
+            result = None if length is None else [resolve(length)]
+        elif node.op_type in BROADCASTING_OPS:
+            shapes = [v.spec.shape for v in node.inputs if v is not None]
+            if not shapes or any(s is None for s in shapes):
+                continue
+            result = _broadcast([tuple(resolve(d) for d in s) for s in shapes if s is not None])
+        else:
+            continue
+        if result is None or len(result) != len(out):
+            continue
+        for have, want in zip(out, result):
+            have = resolve(have)
+            if (isinstance(have, str) and have not in declared and want is not None
+                    and want != have):
+                renames[have] = want
+    if renames:
+        final = {symbol: resolve(symbol) for symbol in renames}
+        for value in _all_values(graph):
+            value.spec = _renamed(value.spec, final)
+        return final
+    return {}
+
+
+def _range_length(node: Node) -> Dim:
+    """The length of ``Range(0, Gather(Shape(x), k), 1)``: dim ``k`` of ``x`` (else None)."""
+    start, limit, delta = (list(node.inputs) + [None, None, None])[:3]
+    if not _is_scalar(start, 0) or not _is_scalar(delta, 1) or limit is None:
+        return None
+    gather = limit.producer
+    if (gather is None or gather.op_type != "Gather" or gather.domain != ""
+            or int(gather.attrs.get("axis", 0)) != 0 or len(gather.inputs) != 2):
+        return None
+    data, index = gather.inputs
+    shape_of = data.producer if data is not None else None
+    if (index is None or index.const is None or index.const.dim() != 0
+            or shape_of is None or shape_of.op_type != "Shape" or shape_of.domain != ""):
+        return None
+    source = shape_of.inputs[0]
+    if source is None or source.spec.shape is None:
+        return None
+    rank = len(source.spec.shape)
+    lo = _clamp(int(shape_of.attrs.get("start", 0)), rank)
+    hi = _clamp(int(shape_of.attrs.get("end", rank)), rank)
+    window = source.spec.shape[lo:hi]
+    k = int(index.const.item())
+    return window[k] if -len(window) <= k < len(window) else None
+
+
+def _is_scalar(value: Value | None, expected: int) -> bool:
+    if value is None or value.const is None or value.const.numel() != 1:
+        return False
+    return bool(value.const.item() == expected)
+
+
+def _clamp(axis: int, rank: int) -> int:
+    return min(max(axis + rank if axis < 0 else axis, 0), rank)
+
+
+def _broadcast(shapes: Sequence[tuple[Dim, ...]]) -> list[Dim] | None:
+    """The broadcast shape, a dim None where the specs do not determine it."""
+    rank = max(len(s) for s in shapes)
+    result: list[Dim] = []
+    for axis in range(rank):
+        dims = [s[axis - rank + len(s)] for s in shapes if axis - rank + len(s) >= 0]
+        result.append(_broadcast_dim(dims))
+    return result
+
+
+def _broadcast_dim(dims: Sequence[Dim]) -> Dim:
+    if any(d is None for d in dims):
+        return None
+    fixed = {d for d in dims if isinstance(d, int) and d != 1}
+    symbols = {d for d in dims if isinstance(d, str)}
+    if len(fixed) == 1:
+        return fixed.pop()   # a symbol broadcast against n > 1 must be n (or 1)
+    if fixed:
+        return None          # inconsistent; leave it to the kernel to complain
+    if len(symbols) == 1:
+        return symbols.pop()  # equal symbols, or a symbol against 1
+    return 1 if not symbols else None
+
+
+def _graphs(graph: Graph) -> Iterator[Graph]:
+    yield graph
+    for node in graph.nodes:
+        for sub in node.subgraphs.values():
+            yield from _graphs(sub)
+
+
+def _all_values(graph: Graph) -> Iterator[Value]:
+    for g in _graphs(graph):
+        yield from g.values()
+        yield from g.outputs
+
+
+def _renamed(spec: TensorSpec, renames: dict[str, Dim]) -> TensorSpec:
+    if spec.shape is None or not any(isinstance(d, str) and d in renames for d in spec.shape):
+        return spec
+    shape = tuple(renames.get(d, d) if isinstance(d, str) else d for d in spec.shape)
+    return TensorSpec(spec.dtype, shape)
