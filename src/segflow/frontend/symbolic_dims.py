@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from segflow.ir.graph import Graph, Node, Value
-from segflow.ir.types import Dim, TensorSpec
+from segflow.ir.types import Dim, TensorSpec, shape_window
 
 # ONNX ops with multidirectional (numpy-style) broadcasting of all their inputs.
 BROADCASTING_OPS = frozenset({
@@ -93,10 +93,8 @@ def _range_length(node: Node) -> Dim:
     source = shape_of.inputs[0]
     if source is None or source.spec.shape is None:
         return None
-    rank = len(source.spec.shape)
-    lo = _clamp(int(shape_of.attrs.get("start", 0)), rank)
-    hi = _clamp(int(shape_of.attrs.get("end", rank)), rank)
-    window = source.spec.shape[lo:hi]
+    window = source.spec.shape[shape_window(shape_of.attrs.get("start"),
+                                            shape_of.attrs.get("end"), len(source.spec.shape))]
     k = int(index.const.item())
     return window[k] if -len(window) <= k < len(window) else None
 
@@ -105,10 +103,6 @@ def _is_scalar(value: Value | None, expected: int) -> bool:
     if value is None or value.const is None or value.const.numel() != 1:
         return False
     return bool(value.const.item() == expected)
-
-
-def _clamp(axis: int, rank: int) -> int:
-    return min(max(axis + rank if axis < 0 else axis, 0), rank)
 
 
 def _broadcast(shapes: Sequence[tuple[Dim, ...]]) -> list[Dim] | None:

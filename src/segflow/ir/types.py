@@ -156,6 +156,16 @@ class TensorSpec:
         return f"{dtype}[{dims}]"
 
 
+def shape_window(start: int | None, end: int | None, rank: int) -> slice:
+    """The axes ONNX ``Shape(start=, end=)`` returns for a rank-``rank`` input (clamped)."""
+    def clamp(index: int | None) -> int | None:
+        if index is None:
+            return None
+        index = int(index)
+        return max(0, min(rank, index + rank if index < 0 else index))
+    return slice(clamp(start), clamp(end))
+
+
 class DeviceKind(enum.Enum):
     CPU = "cpu"
     CUDA = "cuda"

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from segflow.ir.graph import Graph, Node, Value
+from segflow.ir.types import shape_window
 from segflow.ops.registry import OpRegistry, SubgraphRunner, default_registry
 from segflow.passes._rewrite import new_const, remove_dead
 from segflow.passes.result import PassResult
@@ -92,19 +93,10 @@ def _static_shape(node: Node) -> list[torch.Tensor] | None:
         return [torch.tensor(total, dtype=torch.int64)]
     start = node.attrs.get("start")
     end = node.attrs.get("end")
-    picked = dims[slice(_clamp(start, len(dims)), _clamp(end, len(dims)))]
+    picked = dims[shape_window(start, end, len(dims))]
     if not all(isinstance(d, int) for d in picked):
         return None
     return [torch.tensor(picked, dtype=torch.int64)]
-
-
-def _clamp(index: int | None, rank: int) -> int | None:
-    if index is None:
-        return None
-    index = int(index)
-    if index < 0:
-        index += rank
-    return max(0, min(rank, index))
 
 
 def _evaluate(node: Node, registry: OpRegistry, ctx: _FoldContext) -> list[torch.Tensor] | None:
