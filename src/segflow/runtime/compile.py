@@ -50,6 +50,7 @@ from segflow.passes.plan_memory import MemoryPlan
 from segflow.passes.segment import Segment
 from segflow.runtime.binding import Step
 from segflow.runtime.onednn_graph import OneDnnGraphSegment
+from segflow.runtime.segment_module import SegmentModule
 
 Tensor = torch.Tensor
 SegmentFn = Callable[[list[Any]], None]
@@ -366,22 +367,6 @@ def _pure_to_env(fn: Callable[..., tuple[Tensor, ...]], constants: tuple[Tensor,
 
 
 # -- inductor ----------------------------------------------------------------------------
-class _Frozen(torch.nn.Module):
-    """The pure segment function with its constants as buffers, for inductor's freezing."""
-
-    def __init__(self, fn: Callable[..., tuple[Tensor, ...]], constants: Sequence[Tensor]
-                 ) -> None:
-        super().__init__()
-        self.fn = fn
-        self.count = len(constants)
-        for i, tensor in enumerate(constants):
-            self.register_buffer(f"c{i}", tensor, persistent=False)
-
-    def forward(self, *inputs: Tensor) -> tuple[Tensor, ...]:
-        constants = [getattr(self, f"c{i}") for i in range(self.count)]
-        return self.fn(*constants, *inputs)
-
-
 class _InductorSegment:
     """A generated segment compiled by torch.compile (inductor, freezing) on its first run.
 
@@ -419,7 +404,7 @@ class _InductorSegment:
         try:
             import torch._inductor.config as inductor_config
 
-            module = _Frozen(program.pure_fn, program.constants).eval()
+            module = SegmentModule(program.pure_fn, program.constants).eval()
             with inductor_config.patch(freezing=True), torch.no_grad():
                 compiled = torch.compile(module, dynamic=False)
                 compiled(*[env[s] for s in program.inputs])  # compile now, on real shapes

@@ -37,6 +37,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from segflow.runtime.segment_module import SegmentModule
+
 if TYPE_CHECKING:
     from segflow.runtime.compile import CompileReport, Program, SegmentFn
 
@@ -57,22 +59,6 @@ def onednn_fusion() -> Iterator[None]:
         yield
     finally:
         torch.jit.enable_onednn_fusion(before)
-
-
-class _Weights(torch.nn.Module):
-    """The pure segment function with its float constants as buffers, so freezing sees them."""
-
-    def __init__(self, fn: Callable[..., tuple[Tensor, ...]], constants: Sequence[Tensor]
-                 ) -> None:
-        super().__init__()
-        self.fn = fn
-        self.count = len(constants)
-        for i, tensor in enumerate(constants):
-            self.register_buffer(f"c{i}", tensor, persistent=False)
-
-    def forward(self, *inputs: Tensor) -> tuple[Tensor, ...]:
-        constants = [getattr(self, f"c{i}") for i in range(self.count)]
-        return self.fn(*constants, *inputs)
 
 
 class OneDnnGraphSegment:
@@ -129,7 +115,7 @@ class OneDnnGraphSegment:
     def _build(self, inputs: list[Tensor]) -> Callable[..., Any]:
         program = self.program
         assert program.pure_fn is not None
-        module = _Weights(program.pure_fn, program.constants).eval()
+        module = SegmentModule(program.pure_fn, program.constants).eval()
         # TorchScript warns that it is deprecated (torch >= 2.10); it is still the only way
         # to reach oneDNN Graph from torch, and this backend is optional.
         with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
