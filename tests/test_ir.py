@@ -90,3 +90,28 @@ def test_device_parse():
     assert str(Device.parse("cuda:1")) == "cuda:1"
     with pytest.raises(ValueError, match="unknown device"):
         Device.parse("tpu:0")
+
+
+def test_shape_inference_runs_without_the_weight_data():
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    from segflow.frontend.onnx_import import INFERENCE_DATA_LIMIT, _with_inferred_shapes
+
+    model = build("resnet18", num_classes=10, image_size=32)
+    big = {t.name: t for t in model.graph.initializer if len(t.raw_data) > INFERENCE_DATA_LIMIT}
+    assert big
+    light = _with_inferred_shapes(model)
+    stripped = {t.name: t for t in light.graph.initializer if t.name in big}
+    assert stripped.keys() == big.keys() and not any(t.raw_data for t in stripped.values())
+    assert [list(t.dims) for t in stripped.values()] == [list(t.dims) for t in big.values()]
+    full = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+    assert ({v.name: v.SerializeToString() for v in light.graph.value_info}
+            == {v.name: v.SerializeToString() for v in full.graph.value_info})
+    graph = import_model(model)  # the data comes from the original model
+    for name, tensor in big.items():
+        np.testing.assert_array_equal(graph.initializers[name].const.numpy(),
+                                      numpy_helper.to_array(tensor))
+    # The caller's model is untouched.
+    assert all(len(t.raw_data) > INFERENCE_DATA_LIMIT for t in big.values())
