@@ -1,12 +1,12 @@
-"""Name the dims ONNX shape inference leaves anonymous, when broadcasting says what they are.
+"""Name the dims ONNX shape inference leaves anonymous, when the graph says what they are.
 
 ONNX's shape inference gives a fresh symbol (``unk__0``, ``unk__1``, ...) to
 a dim it cannot tie to a known one: BERT's position ids
 ``Range(0, Shape(ids)[1], 1)`` get ``unk__0`` instead of ``seq``, and the
 ``Add`` of ``[batch, seq, 768]`` word embeddings and ``[unk__0, 768]``
-position embeddings gets ``unk__1``. Everything downstream inherits the anonymous name (all
-of BERT's hidden states), so the memory planner cannot size them from the
-input dims and specs that should be equal compare unequal.
+position embeddings gets ``unk__1``. Everything downstream inherits the
+anonymous name (all of BERT's hidden states), so the memory planner cannot
+size them from the input dims, and specs that should be equal compare unequal.
 
 :func:`unify_dims` walks the nodes in order and recomputes two kinds of
 output dims from the (already renamed) input specs: the length of
@@ -15,8 +15,8 @@ dim ``k`` of ``x``; the output of a multidirectional broadcasting op (Add,
 Mul, Where, ...) has the broadcast dims where they are determined (equal dims,
 a dim against 1, a symbol against a fixed size > 1). Where ONNX left an
 anonymous symbol there, the symbol is renamed in every value spec of the
-graph and its subgraphs. It never renames a symbol the
-model's inputs (or a subgraph's) declare, so two input dims are never merged.
+graph and its subgraphs. It never renames a symbol the model's inputs (or a
+subgraph's) declare, so two input dims are never merged.
 """
 
 from __future__ import annotations
