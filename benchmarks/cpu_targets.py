@@ -79,6 +79,10 @@ def _segflow_kwargs(variant: str) -> dict[str, Any]:
     return kwargs
 
 
+def _mib(n: Any) -> str:
+    return f"{int(n) / (1 << 20):.1f} MiB"
+
+
 def build_runners(case: Case, variants: list[str]) -> tuple[dict[str, Runner], dict[str, str]]:
     import onnxruntime as ort
     import torch
@@ -98,10 +102,15 @@ def build_runners(case: Case, variants: list[str]) -> tuple[dict[str, Runner], d
         name = "segflow" if variant == "default" else f"segflow[{variant}]"
         runners[name] = (lambda s=sess: s.run(None, feeds))
         report = sess.compile_report
+        sess.run(None, feeds)  # the memory plan at this case's own sizes (RunStats)
+        settings = sess.last_run_stats.settings
+        plan = (f"memory plan at {settings.get('memory_plan_dims', 'static sizes')}: "
+                f"planned {_mib(settings.get('memory_planned_peak_bytes', 0))} vs naive "
+                f"{_mib(settings.get('memory_naive_bytes', 0))}")
         notes[name] = (f"load {load:.2f} s (compile {report.compile_time_s * 1e3:.0f} ms, "
                        f"backend {report.backend}); "
                        + "; ".join(line for line in sess.plan.pass_log
-                                   if line.startswith(("fuse", "plan_memory"))))
+                                   if line.startswith("fuse")) + "; " + plan)
     ort_sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     runners["onnxruntime"] = lambda: ort_sess.run(None, feeds)
     module = models.torch_module(case.model, **build_opts)

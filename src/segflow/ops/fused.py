@@ -450,8 +450,8 @@ def _inline_gemm(node: Node, device: torch.device, consts: Sequence[Tensor | Non
     # addmm(b, x, w.t()) with the transposed view bound once; relu in place on the result.
     small = "{addmm}({in2}, {in0}, {wt})"
     if act.name == "Relu":
-        small = "{relu_}(" + small + ")"
-    bound: dict[str, object] = {"addmm": torch.addmm, "relu_": torch.relu_, "wt": weight.t(),
+        small = small + ".relu_()"
+    bound: dict[str, object] = {"addmm": torch.addmm, "wt": weight.t(),
                                 "fn": fn}
     if device.type != "cpu" or not onednn_available() or post is None:
         return Inline(small, bound)
