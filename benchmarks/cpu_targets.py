@@ -145,10 +145,23 @@ def measure(runners: Mapping[str, Runner], rounds: int, per_round: int, warmup: 
     return samples
 
 
+def round_ratios(samples: dict[str, list[list[float]]], a: str, b: str) -> list[float]:
+    """Per round: median of a / median of b within the round."""
+    return [statistics.median(x) / statistics.median(y) for x, y in zip(samples[a], samples[b])]
+
+
 def ratio(samples: dict[str, list[list[float]]], a: str, b: str) -> float:
     """Median over rounds of (median of a / median of b) within the round."""
-    return statistics.median(statistics.median(x) / statistics.median(y)
-                             for x, y in zip(samples[a], samples[b]))
+    return statistics.median(round_ratios(samples, a, b))
+
+
+def spread(samples: dict[str, list[list[float]]], a: str, b: str) -> tuple[float, float]:
+    """The quartiles of the per-round ratios: how much a shared, noisy machine moved them."""
+    ratios = round_ratios(samples, a, b)
+    if len(ratios) < 2:
+        return ratios[0], ratios[0]
+    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    return q1, q3
 
 
 def overall_ms(times: list[list[float]]) -> float:
@@ -170,8 +183,11 @@ def run_table(cases: list[Case], variants: list[str], rounds: int, per_round: in
                    "eager_ms": overall_ms(samples["torch"]),
                    "vs_ort": ratio(samples, name, "onnxruntime"),
                    "vs_eager": ratio(samples, name, "torch"),
+                   "vs_ort_iqr": spread(samples, name, "onnxruntime"),
+                   "vs_eager_iqr": spread(samples, name, "torch"),
                    "target": _target(case)}
             row["pass"] = _passes(case, row)
+            row["verdict"] = _verdict(case, row)
             rows.append(row)
             print(_format_row(row), flush=True)
     return rows
@@ -195,14 +211,29 @@ def _passes(case: Case, row: Mapping[str, Any]) -> bool:
     return bool(ok)
 
 
+def _verdict(case: Case, row: Mapping[str, Any]) -> str:
+    """PASS / MISS by the median ratio; "(noise)" when the quartiles straddle the target."""
+    straddles = False
+    for target, key in ((case.target_ort, "vs_ort"), (case.target_eager, "vs_eager")):
+        if target is not None:
+            q1, q3 = row[f"{key}_iqr"]
+            straddles |= q1 <= target < q3
+    return ("PASS" if row["pass"] else "MISS") + (" (noise)" if straddles else "")
+
+
 HEADER = (f"{'case':<16} {'runtime':<28} {'segflow ms':>10} {'ort ms':>9} {'eager ms':>9} "
-          f"{'sf/ort':>7} {'sf/eager':>8}  target")
+          f"{'sf/ort [quartiles]':>20} {'sf/eager [quartiles]':>20}  target")
+
+
+def _format_ratio(row: Mapping[str, Any], key: str) -> str:
+    q1, q3 = row[f"{key}_iqr"]
+    return f"{row[key]:.2f} [{q1:.2f}-{q3:.2f}]"
 
 
 def _format_row(row: Mapping[str, Any]) -> str:
     return (f"{row['case']:<16} {row['runtime']:<28} {row['ms']:>10.2f} {row['ort_ms']:>9.2f} "
-            f"{row['eager_ms']:>9.2f} {row['vs_ort']:>7.2f} {row['vs_eager']:>8.2f}  "
-            f"{row['target']} {'PASS' if row['pass'] else 'MISS'}")
+            f"{row['eager_ms']:>9.2f} {_format_ratio(row, 'vs_ort'):>20} "
+            f"{_format_ratio(row, 'vs_eager'):>20}  {row['target']} {row['verdict']}")
 
 
 # -- memory --------------------------------------------------------------------------------
