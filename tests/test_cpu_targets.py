@@ -1,0 +1,62 @@
+"""benchmarks/cpu_targets: ratios, their quartiles and the verdict, on synthetic samples."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def targets() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("cpu_targets",
+                                                  ROOT / "benchmarks" / "cpu_targets.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["cpu_targets"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _samples(per_round_ratios: list[float]) -> dict[str, list[list[float]]]:
+    """segflow/peer rounds whose within-round median ratio is exactly each given value."""
+    peer = [[1.0, 1.0, 1.0] for _ in per_round_ratios]
+    ours = [[r * 0.9, r, r * 1.1] for r in per_round_ratios]
+    return {"segflow": ours, "onnxruntime": peer}
+
+
+def _row(targets: ModuleType, ratios: list[float]) -> dict[str, object]:
+    samples = _samples(ratios)
+    row: dict[str, object] = {"vs_ort": targets.ratio(samples, "segflow", "onnxruntime"),
+                              "vs_ort_iqr": targets.spread(samples, "segflow", "onnxruntime")}
+    case = targets.Case("resnet50", 1, target_ort=1.0)
+    row["pass"] = targets._passes(case, row)
+    row["verdict"] = targets._verdict(case, row)
+    return row
+
+
+def test_ratio_is_the_median_of_round_ratios(targets: ModuleType) -> None:
+    samples = _samples([0.9, 1.2, 1.0, 1.1, 0.95])
+    assert targets.round_ratios(samples, "segflow", "onnxruntime") == pytest.approx(
+        [0.9, 1.2, 1.0, 1.1, 0.95])
+    assert targets.ratio(samples, "segflow", "onnxruntime") == pytest.approx(1.0)
+    q1, q3 = targets.spread(samples, "segflow", "onnxruntime")
+    assert (q1, q3) == pytest.approx((0.95, 1.1))
+
+
+def test_verdict_flags_a_spread_across_the_target(targets: ModuleType) -> None:
+    assert _row(targets, [0.90, 0.92, 0.94, 0.95])["verdict"] == "PASS"
+    assert _row(targets, [1.05, 1.08, 1.10, 1.12])["verdict"] == "MISS"
+    noisy = _row(targets, [0.95, 0.98, 1.04, 1.08, 1.10])
+    assert noisy["verdict"] == "MISS (noise)"
+    assert _row(targets, [0.90, 0.96, 0.99, 1.02, 1.10])["verdict"] == "PASS (noise)"
+
+
+def test_single_round_has_no_spread(targets: ModuleType) -> None:
+    samples = _samples([1.07])
+    assert targets.spread(samples, "segflow", "onnxruntime") == pytest.approx((1.07, 1.07))
