@@ -46,18 +46,18 @@ class DType(enum.Enum):
     @classmethod
     def from_numpy(cls, dtype: np.dtype | type) -> DType:
         key = np.dtype(dtype)
-        for member, np_dtype in _NUMPY.items():
-            if np_dtype == key:
-                return member
+        member = _FROM_NUMPY.get(key)
+        if member is not None:
+            return member
         if key.kind in ("U", "S", "O"):
             return cls.STRING
         raise ValueError(f"numpy dtype {key} has no segflow equivalent")
 
     @classmethod
     def from_torch(cls, dtype: torch.dtype) -> DType:
-        for member, torch_dtype in _TORCH.items():
-            if torch_dtype == dtype:
-                return member
+        member = _FROM_TORCH.get(dtype)
+        if member is not None:
+            return member
         raise ValueError(f"torch dtype {dtype} has no segflow equivalent")
 
     @property
@@ -119,6 +119,10 @@ _NUMPY: dict[DType, np.dtype] = {
     DType.COMPLEX64: np.dtype(np.complex64),
     DType.COMPLEX128: np.dtype(np.complex128),
 }
+
+# Reverse lookups for the per-run feed checks (a dict hit instead of a scan).
+_FROM_TORCH: dict[torch.dtype, DType] = {t: d for d, t in _TORCH.items()}
+_FROM_NUMPY: dict[np.dtype, DType] = {n: d for d, n in _NUMPY.items()}
 
 _ONNX_NAMES = {
     DType.FLOAT32: "float",

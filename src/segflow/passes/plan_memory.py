@@ -118,12 +118,17 @@ class PlansBySize:
         self._plans: dict[tuple[int, ...], MemoryPlan] = {
             tuple(plan.dims[n] for n in self.names): plan}
         self._lock = threading.Lock()
+        self._last: tuple[dict[str, int], MemoryPlan] | None = None
 
     def for_dims(self, dims: Mapping[str, int]) -> MemoryPlan:
         """The plan sized at ``dims`` (names the graph does not plan for are ignored)."""
+        last = self._last  # a steady size: one dict comparison
+        if last is not None and last[0] == dims:
+            return last[1]
         key = tuple(dims.get(n, self.base.dims[n]) for n in self.names)
         plan = self._plans.get(key)
         if plan is not None:
+            self._last = (dict(dims), plan)
             return plan
         plan = plan_memory(self.graph, dims=dict(zip(self.names, key)))
         with self._lock:  # sessions may run on several threads
@@ -131,6 +136,7 @@ class PlansBySize:
                 oldest = next(k for k, p in self._plans.items() if p is not self.base)
                 del self._plans[oldest]
             self._plans[key] = plan
+        self._last = (dict(dims), plan)
         return plan
 
 

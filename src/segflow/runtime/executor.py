@@ -112,6 +112,7 @@ class Executor:
         for value in graph.initializers.values():
             if value in self.slots.slots and self.template[self.slots[value]] is None:
                 self.template[self.slots[value]] = constants.get(value, plan.default_device.torch)
+        self._var_names = [t.segment.first.name for t in self.tasks]
         # Vars a task reads besides its producers' (e.g. parameters a training step updates).
         self.extra_reads: list[tuple[Var, ...]] = [() for _ in self.tasks]
         self.kernels_per_run = sum(len(t.steps) for t in self.tasks)
@@ -178,7 +179,7 @@ class Executor:
         for slot, tensor in zip(self.input_slots, completion.stage_inputs(feeds)):
             env[slot] = tensor
         engine = self.engine
-        run_vars = [Var(t.segment.first.name) for t in self.tasks]
+        run_vars = [Var(name) for name in self._var_names]
         syncs = 0
         run_t0 = time.perf_counter_ns() if sink is not None else 0
         pushed_at = [0]  # the current push's start, for a LOCAL task's host-wait span

@@ -113,8 +113,13 @@ class InferenceSession:
         self._memory_plans = PlansBySize(self.graph, memory) if memory and memory.dims else None
         self._const_storages = {_storage(t) for t in self._executor.template
                                 if t is not None}
+        # Looked up on every run: built once.
+        self._inputs_by_name = {v.name: v for v in self.graph.inputs}
+        self._output_names = [v.name for v in self.graph.outputs]
+        self._all_outputs = tuple(range(len(self.graph.outputs)))
         self._local = threading.local()
         self._warned_outputs: set[str] = set()
+        self._checked_shapes: dict[str, tuple[int, ...]] = {}
 
     # -- description -------------------------------------------------------------------
     def get_inputs(self) -> list[NodeArg]:
@@ -146,13 +151,15 @@ class InferenceSession:
         self._local.stats = self._sized(stats, dims)
         # Outputs that share storage with a weight, a feed or an earlier output are copied,
         # so the caller can never mutate segflow's state or their own inputs through them.
-        protected = self._const_storages | {_storage(t) for t in tensors}
+        weights = self._const_storages
+        seen = {_storage(t) for t in tensors}
         arrays = []
         for i in wanted:
             tensor = outputs[i]
             storage = _storage(tensor)
-            arrays.append(self._to_numpy(self.graph.outputs[i], tensor, storage in protected))
-            protected.add(storage)
+            aliased = storage in seen or storage in weights
+            arrays.append(self._to_numpy(self.graph.outputs[i], tensor, aliased))
+            seen.add(storage)
         return arrays
 
     def run_tensors(self, feeds: Mapping[str, Tensor]) -> list[Tensor]:
@@ -172,10 +179,10 @@ class InferenceSession:
         self.close()
 
     # -- helpers -----------------------------------------------------------------------
-    def _output_indices(self, names: Sequence[str] | None) -> list[int]:
-        all_names = [v.name for v in self.graph.outputs]
+    def _output_indices(self, names: Sequence[str] | None) -> Sequence[int]:
         if names is None:
-            return list(range(len(all_names)))
+            return self._all_outputs
+        all_names = self._output_names
         indices = []
         for name in names:
             if name not in all_names:
@@ -199,7 +206,7 @@ class InferenceSession:
         if not isinstance(feeds, Mapping):
             raise InvalidInput(f"feeds must be a dict of input name -> array, "
                                f"got {type(feeds).__name__}")
-        expected = {v.name: v for v in self.graph.inputs}
+        expected = self._inputs_by_name
         for name in feeds:
             if name not in expected:
                 raise InvalidInput(f"unknown input name {name!r}; the model's inputs are "
@@ -248,7 +255,7 @@ class InferenceSession:
         t = tensor.detach()
         if t.dtype == torch.bfloat16:
             t = t.float()
-        if t.device.type != "cpu":
+        if not t.is_cpu:
             t = t.cpu()
         array = t.numpy()
         if aliased or not array.flags.c_contiguous:
@@ -258,11 +265,12 @@ class InferenceSession:
 
     def _check_declared(self, value: Value, shape: tuple[int, ...]) -> None:
         declared = value.spec.shape
-        if declared is None or value.name in self._warned_outputs:
-            return
+        if declared is None or self._checked_shapes.get(value.name) == shape:
+            return  # nothing declared, or this shape was checked (and warned about) already
+        self._checked_shapes[value.name] = shape
         fixed_mismatch = len(declared) != len(shape) or any(
             isinstance(d, int) and d != s for d, s in zip(declared, shape))
-        if fixed_mismatch:
+        if fixed_mismatch and value.name not in self._warned_outputs:
             self._warned_outputs.add(value.name)
             warnings.warn(f"output {value.name!r} has shape {list(shape)} but the model declares "
                           f"{value.spec.describe()}; returning what the graph computed",
