@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 import pytest
+import torch
 from onnx import TensorProto, helper, numpy_helper
 
 import segflow
@@ -114,17 +115,49 @@ def test_compile_mode_resolution():
 
 
 @pytest.mark.slow
-def test_inductor_backend_matches_onnxruntime():
-    """torch.compile of one small segment (several seconds on 2 cores)."""
+def test_inductor_backend_matches_onnxruntime_and_caches_on_disk(tmp_path, monkeypatch):
+    """AOTInductor on one small segment (~10 s per compile on 2 cores), then the disk cache."""
+    monkeypatch.setenv("SEGFLOW_CACHE_DIR", str(tmp_path))
     model = models.build("mlp_chain", layers=2, width=16)
     feeds = models.example_inputs("mlp_chain", layers=2, width=16)
     ref = ort.InferenceSession(model.SerializeToString(),
                                providers=["CPUExecutionProvider"]).run(None, feeds)
-    sess = segflow.InferenceSession(model, engine="inline", compile="inductor")
+
+    def session() -> segflow.InferenceSession:
+        sess = segflow.InferenceSession(model, engine="inline", compile="inductor")
+        for _ in range(2):
+            np.testing.assert_allclose(sess.run(None, feeds)[0], ref[0], atol=ATOL, rtol=RTOL)
+        return sess
+
+    sess = session()
     assert "layout: skipped (inductor" in sess.explain()
-    for _ in range(2):
-        np.testing.assert_allclose(sess.run(None, feeds)[0], ref[0], atol=ATOL, rtol=RTOL)
     report = sess.compile_report
     assert report.backend == "inductor" and report.segments == 1
-    assert report.first_run_compile_s > 0 or report.fallbacks
+    assert report.fallbacks == [] and report.cache_hits == 0 and report.first_run_compile_s > 0
     assert sess.last_run_stats.settings["compile"] == "inductor"
+    packages = list((tmp_path / "aoti").glob("*.pt2"))
+    assert len(packages) == 1  # no temporary files left behind
+
+    again = session()  # as a second process would: found on disk, not compiled
+    assert again.compile_report.cache_hits == 1 and again.compile_report.fallbacks == []
+    assert "loaded from the disk cache" in again.compile_report.describe()
+
+    packages[0].write_bytes(b"not a package")  # damaged: compiled again, not trusted
+    third = session()
+    assert third.compile_report.cache_hits == 0 and third.compile_report.fallbacks == []
+
+
+def test_package_key_follows_graph_weights_and_inputs():
+    from segflow.runtime.aot_inductor import package_key
+
+    def key(module: torch.nn.Module, x: torch.Tensor) -> str:
+        return package_key(torch.export.export(module.eval(), (x,), strict=False), [x])
+
+    torch.manual_seed(0)
+    a = torch.nn.Linear(4, 3)
+    b = torch.nn.Linear(4, 3)
+    x = torch.randn(2, 4)
+    assert key(a, x) == key(a, x.clone())
+    assert key(a, x) != key(b, x)                                 # other weights
+    assert key(a, x) != key(a, torch.randn(5, 4))                 # other input shape
+    assert key(a, x) != key(torch.nn.Sequential(a, torch.nn.ReLU()), x)  # other graph

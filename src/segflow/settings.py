@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Collection, Mapping
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 ENV_BULK_INFERENCE = "SEGFLOW_BULK_INFERENCE"
 ENV_BULK_TRAIN = "SEGFLOW_BULK_TRAIN"
@@ -25,6 +26,7 @@ ENV_NO_LAYOUT = "SEGFLOW_NO_LAYOUT"                # 1: keep dense NCHW convolut
 ENV_NO_MEMORY_PLAN = "SEGFLOW_NO_MEMORY_PLAN"      # 1: no memory plan, no in-place ops
 ENV_COMPILE = "SEGFLOW_COMPILE"                    # auto | codegen | onednn | inductor | none
 ENV_INTRA_OP_THREADS = "SEGFLOW_INTRA_OP_THREADS"  # torch.set_num_threads (else OMP_NUM_THREADS)
+ENV_CACHE_DIR = "SEGFLOW_CACHE_DIR"  # compiled segments (compile="inductor"); else XDG cache
 
 ENGINES = ("auto", "inline", "threaded")
 
@@ -112,3 +114,17 @@ def debug_level(env: Mapping[str, str] | None = None) -> int:
         return int(env.get(ENV_DEBUG, "0") or 0)
     except ValueError:
         return 0
+
+
+def cache_dir(env: Mapping[str, str] | None = None) -> Path:
+    """Where compiled segments are kept between processes (not created here).
+
+    ``SEGFLOW_CACHE_DIR``, else ``$XDG_CACHE_HOME/segflow``, else ``~/.cache/segflow``.
+    """
+    env = os.environ if env is None else env
+    explicit = env.get(ENV_CACHE_DIR, "").strip()
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = env.get("XDG_CACHE_HOME", "").strip()
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "segflow"

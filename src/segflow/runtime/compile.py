@@ -9,12 +9,13 @@ the outputs. A compiled segment does the same work without the dispatch:
   conv/linear, elementwise arithmetic) are called directly as torch ops, and
   the memory plan's in-place decisions become ``relu_`` / ``add_`` / oneDNN's
   in-place residual conv. Builds in milliseconds.
-- ``inductor``: the same generated function, compiled by ``torch.compile``
-  (inductor, with freezing; inductor's FX graph cache is on disk, so a second
-  process skips codegen of its kernels). Optional: it costs tens of seconds
-  per model on 2 cores and its fp32 linears go through MKL, which is slower
-  than oneDNN on the AMD CPUs we measured. Compilation happens on a segment's
-  first run; that first run's time is reported as compile time.
+- ``inductor``: the pure generated function exported with ``torch.export`` and
+  compiled ahead of time by AOTInductor with freezing, one package per input
+  signature, cached on disk so a second process loads it instead of compiling
+  (:mod:`segflow.runtime.aot_inductor`). Optional: a cold compile costs tens
+  of seconds per model on 2 cores and the package holds a second, prepacked
+  copy of the weights. Compilation happens on a segment's first run; that
+  time is reported as compile time.
 - ``onednn`` (CPU): the pure generated function traced to TorchScript, frozen
   and fused by oneDNN Graph, verified against ``codegen`` on its first run
   (:mod:`segflow.runtime.onednn_graph`).
@@ -32,7 +33,6 @@ nodes are still one kernel each.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -48,9 +48,9 @@ from segflow.ops.fused import FUSED_DOMAIN, Inline, inline_fused, traceable_fuse
 from segflow.passes.pipeline import CompileMode
 from segflow.passes.plan_memory import MemoryPlan
 from segflow.passes.segment import Segment
+from segflow.runtime.aot_inductor import AotInductorSegment
 from segflow.runtime.binding import Step
 from segflow.runtime.onednn_graph import OneDnnGraphSegment
-from segflow.runtime.segment_module import SegmentModule
 
 Tensor = torch.Tensor
 SegmentFn = Callable[[list[Any]], None]
@@ -63,7 +63,8 @@ class CompileReport:
     backend: str
     segments: int = 0
     build_time_s: float = 0.0          # generating / tracing (at session creation)
-    first_run_compile_s: float = 0.0   # inductor: compiling on the first run
+    first_run_compile_s: float = 0.0   # inductor / onednn: compiling on the first run
+    cache_hits: int = 0                # inductor: packages loaded from the disk cache
     fallbacks: list[str] = field(default_factory=list)
 
     @property
@@ -75,6 +76,8 @@ class CompileReport:
                 f"build={self.build_time_s * 1e3:.1f} ms")
         if self.first_run_compile_s:
             text += f" first-run compile={self.first_run_compile_s:.1f} s"
+        if self.cache_hits:
+            text += f" ({self.cache_hits} loaded from the disk cache)"
         if self.fallbacks:
             text += f" ({len(self.fallbacks)} segments interpreted: {self.fallbacks[0]})"
         return text
@@ -110,7 +113,7 @@ class SegmentCompiler:
                 pure = generate(steps, template, live_out, None, self.device, pure=True,
                                 traceable=True)
                 backend = (OneDnnGraphSegment if self.mode is CompileMode.ONEDNN
-                           else _InductorSegment)
+                           else AotInductorSegment)
                 compiled.append(backend(pure, program.fn, self.report))
             else:
                 compiled.append(program.fn)
@@ -299,7 +302,7 @@ def generate(steps: Sequence[Step], template: Sequence[Tensor | None], live_out:
         if gone:
             body.append(f"del {', '.join(gone)}")
     outputs = tuple(sorted(live_out))
-    # The pure form takes its tensor constants as arguments: torch.compile then sees them
+    # The pure form takes its tensor constants as arguments: export and tracing then see them
     # as module buffers it can freeze, instead of closure cells.
     # Only float tensors (weights): integer constants (shapes, indices) that kernels read
     # into Python stay closure constants, so a tracer does not see them as traced values.
@@ -368,50 +371,3 @@ def _pure_to_env(fn: Callable[..., tuple[Tensor, ...]], constants: tuple[Tensor,
 
 
 # -- inductor ----------------------------------------------------------------------------
-class _InductorSegment:
-    """A generated segment compiled by torch.compile (inductor, freezing) on its first run.
-
-    If compilation fails the segment runs its generated Python function instead,
-    and the compile report says why.
-    """
-
-    def __init__(self, program: Program, fallback: SegmentFn, report: CompileReport) -> None:
-        self.program = program
-        self.fallback = fallback
-        self.report = report
-        self._lock = threading.Lock()
-        self._compiled: Callable[..., tuple[Tensor, ...]] | None = None
-        self._failed = False
-
-    def __call__(self, env: list[Any]) -> None:
-        fn = self._compiled
-        if fn is None and not self._failed:
-            with self._lock:
-                if self._compiled is None and not self._failed:
-                    self._compile(env)
-            fn = self._compiled
-        if fn is None:
-            self.fallback(env)
-            return
-        with torch.no_grad():  # the frozen graph was compiled for inference
-            results = fn(*[env[s] for s in self.program.inputs])
-        for slot, tensor in zip(self.program.outputs, results):
-            env[slot] = tensor
-
-    def _compile(self, env: list[Any]) -> None:
-        program = self.program
-        assert program.pure_fn is not None
-        start = time.perf_counter()
-        try:
-            import torch._inductor.config as inductor_config
-
-            module = SegmentModule(program.pure_fn, program.constants).eval()
-            with inductor_config.patch(freezing=True), torch.no_grad():
-                compiled = torch.compile(module, dynamic=False)
-                compiled(*[env[s] for s in program.inputs])  # compile now, on real shapes
-            self._compiled = compiled
-        except Exception as exc:  # torch.compile fails in many ways: interpret instead
-            self._failed = True
-            text = str(exc).strip().splitlines()
-            self.report.fallbacks.append(f"{type(exc).__name__}: {text[0] if text else ''}")
-        self.report.first_run_compile_s += time.perf_counter() - start

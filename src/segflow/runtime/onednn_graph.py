@@ -19,35 +19,29 @@ beside the dense ones the frozen graph references. So ``auto`` picks it only for
 graphs with depthwise convolutions (:func:`segflow.passes.pipeline.choose_backend`).
 
 Safety: a compiled shape is used only after its outputs matched the ``codegen``
-function on the same inputs (first call of that shape); a trace that read input
-values into Python (a ``TracerWarning``) is rejected, since it would bake in those
-values. Either way the segment falls back to ``codegen`` and the compile report
-says why. Each distinct input signature is compiled separately, up to
-``MAX_SIGNATURES``; further ones run ``codegen``.
+function on the same inputs (:class:`segflow.runtime.verified_segment.VerifiedSegment`);
+a trace that read input values into Python (a ``TracerWarning``) is rejected,
+since it would bake in those values. Either way the segment falls back to
+``codegen`` and the compile report says why.
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
-import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
 from segflow.runtime.segment_module import SegmentModule
-
-if TYPE_CHECKING:
-    from segflow.runtime.compile import CompileReport, Program, SegmentFn
+from segflow.runtime.verified_segment import MAX_SIGNATURES, VerifiedSegment
 
 Tensor = torch.Tensor
-Signature = tuple[tuple[tuple[int, ...], tuple[int, ...], torch.dtype], ...]
 
-MAX_SIGNATURES = 8
+__all__ = ["MAX_SIGNATURES", "OneDnnGraphSegment", "onednn_fusion"]
+
 WARMUP_RUNS = 3          # the profiling executor fuses on its second run; one more to settle
-RTOL, ATOL = 1e-3, 1e-4  # verification against codegen, atol scaled by the output's magnitude
 
 
 @contextlib.contextmanager
@@ -61,56 +55,10 @@ def onednn_fusion() -> Iterator[None]:
         torch.jit.enable_onednn_fusion(before)
 
 
-class OneDnnGraphSegment:
+class OneDnnGraphSegment(VerifiedSegment):
     """One segment run through TorchScript + oneDNN Graph, compiled per input signature."""
 
-    def __init__(self, program: Program, fallback: SegmentFn, report: CompileReport) -> None:
-        assert program.pure_fn is not None
-        self.program = program
-        self.fallback = fallback
-        self.report = report
-        self._lock = threading.Lock()
-        # signature -> the frozen TorchScript function, or None: run the fallback
-        self._compiled: dict[Signature, Callable[..., Any] | None] = {}
-
-    def __call__(self, env: list[Any]) -> None:
-        program = self.program
-        inputs = [env[s] for s in program.inputs]
-        signature = _signature(inputs)
-        fn = None if signature is None else self._compiled.get(signature, _MISSING)
-        if signature is not None and fn is _MISSING:
-            with self._lock:
-                if signature not in self._compiled:
-                    self._compiled[signature] = self._compile(env, inputs)
-            fn = self._compiled[signature]
-        if fn is None:
-            self.fallback(env)
-            return
-        for slot in program.released:
-            env[slot] = None
-        with torch.no_grad():
-            results = fn(*inputs)
-        del inputs
-        for slot, tensor in zip(program.outputs, results):
-            env[slot] = tensor
-
-    def _compile(self, env: list[Any], inputs: list[Tensor]) -> Callable[..., Any] | None:
-        """Trace, freeze, fuse and verify for these inputs; None (and a report line) if not."""
-        if len(self._compiled) >= MAX_SIGNATURES:
-            self._fail(f"more than {MAX_SIGNATURES} input signatures")
-            return None
-        start = time.perf_counter()
-        try:
-            fn = self._build(inputs)
-            problem = self._verify(fn, env, inputs)
-        except Exception as exc:  # tracing and fusion fail in many ways: run codegen instead
-            lines = str(exc).strip().splitlines()
-            fn, problem = None, f"{type(exc).__name__}: {lines[0] if lines else ''}"
-        self.report.first_run_compile_s += time.perf_counter() - start
-        if problem is not None:
-            self._fail(problem)
-            return None
-        return fn
+    cpu_only = True
 
     def _build(self, inputs: list[Tensor]) -> Callable[..., Any]:
         program = self.program
@@ -132,42 +80,3 @@ class OneDnnGraphSegment:
                 for _ in range(WARMUP_RUNS):
                     frozen(*inputs)
         return frozen  # type: ignore[no-any-return]
-
-    def _verify(self, fn: Callable[..., Any], env: list[Any], inputs: list[Tensor]
-                ) -> str | None:
-        """Compare with the codegen function on the same inputs; the problem, or None."""
-        with torch.no_grad():
-            got = fn(*inputs)  # first: codegen may write in place into inputs it releases
-        scratch = list(env)
-        self.fallback(scratch)
-        for slot, tensor in zip(self.program.outputs, got):
-            want = scratch[slot]
-            if not isinstance(want, Tensor):
-                return f"slot {slot}: codegen produced {type(want).__name__}"
-            if want.shape != tensor.shape or want.dtype != tensor.dtype:
-                return (f"slot {slot}: {tuple(tensor.shape)} {tensor.dtype}, codegen "
-                        f"{tuple(want.shape)} {want.dtype}")
-            if want.is_floating_point():
-                scale = float(want.abs().max()) if want.numel() else 0.0
-                ok = torch.allclose(tensor, want, rtol=RTOL, atol=ATOL * max(1.0, scale))
-            else:
-                ok = torch.equal(tensor, want)
-            if not ok:
-                return f"slot {slot}: outputs differ from codegen"
-        return None
-
-    def _fail(self, why: str) -> None:
-        self.report.fallbacks.append(why)
-
-
-_MISSING: Any = object()
-
-
-def _signature(inputs: Sequence[object]) -> Signature | None:
-    """Shapes, strides and dtypes of the inputs; None when one is not a CPU tensor."""
-    parts = []
-    for t in inputs:
-        if not isinstance(t, Tensor) or t.device.type != "cpu" or t.is_mkldnn or t.requires_grad:
-            return None
-        parts.append((tuple(t.shape), tuple(t.stride()), t.dtype))
-    return tuple(parts)
