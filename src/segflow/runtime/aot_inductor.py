@@ -15,8 +15,10 @@ graph's code, every constant's bytes, the input signature, the torch version
 and device), so a second process loads it in about 0.1 s after a ~1 s export.
 Measured on the 2-core VM, ResNet-50 at batch 1: compile ~35 s cold, run
 43-47 ms (codegen: 45-49 ms; ``torch.compile`` with freezing: 49-52 ms). The
-cost is memory: the package holds its own (prepacked) copy of the weights
-beside segflow's dense one, which the ``codegen`` fallback needs.
+cost is memory (``benchmarks/cpu_targets.py --memory``): ResNet-50 holds ~315 MiB
+more after its first run, of which ~70 MiB are torch's export/inductor modules
+and ~207 MiB the loaded package (its weights in the shared library's image and
+unpacked), beside segflow's dense weights, which the ``codegen`` fallback needs.
 
 Like the oneDNN Graph backend, a compiled signature is used only after its
 outputs matched ``codegen`` on the same inputs (:class:`VerifiedSegment`).
