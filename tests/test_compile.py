@@ -161,3 +161,15 @@ def test_package_key_follows_graph_weights_and_inputs():
     assert key(a, x) != key(b, x)                                 # other weights
     assert key(a, x) != key(a, torch.randn(5, 4))                 # other input shape
     assert key(a, x) != key(torch.nn.Sequential(a, torch.nn.ReLU()), x)  # other graph
+
+
+def test_inductor_prepacks_weights_only_where_onednn_pays():
+    from segflow.runtime.aot_inductor import wants_prepacked_weights
+
+    def nodes(name: str, **opts: int) -> list:
+        sess = segflow.InferenceSession(models.build(name, **opts), compile="none")
+        return list(sess.plan.graph.nodes)
+
+    assert not wants_prepacked_weights(nodes("mlp_chain", layers=3))  # 64x64: MKL addmm
+    assert wants_prepacked_weights(nodes("resnet18", num_classes=10, image_size=32))  # convs
+    assert wants_prepacked_weights(nodes("mlp_chain", layers=1, width=1024))  # 1M-element weight

@@ -356,3 +356,22 @@ def test_nonzero_scalar(value: int) -> None:
     feeds = {"x": np.array(value, dtype=np.int32)}
     node = helper.make_node("NonZero", ["x"], ["y"])
     assert_matches_ort(make_model([node], feeds, ["y"], 13), feeds)
+
+
+# -- Gather with a constant scalar index -----------------------------------------------------
+
+@pytest.mark.parametrize(("axis", "index"), [(0, 1), (1, -1), (-1, 0), (1, -3)])
+def test_gather_constant_scalar_index(axis: int, index: int) -> None:
+    # Bound to a Python int at plan time (ops/tensor.py): same results as onnxruntime.
+    feeds = {"x": RNG.standard_normal((2, 3, 4)).astype(np.float32)}
+    node = helper.make_node("Gather", ["x", "k"], ["y"], axis=axis)
+    inits = {"k": np.array(index, dtype=np.int64)}
+    assert_matches_ort(make_model([node], feeds, ["y"], 13, inits), feeds)
+
+
+def test_gather_constant_scalar_index_out_of_range() -> None:
+    feeds = {"x": RNG.standard_normal((2, 3)).astype(np.float32)}
+    node = helper.make_node("Gather", ["x", "k"], ["y"], axis=1)
+    model = make_model([node], feeds, ["y"], 13, {"k": np.array(3, dtype=np.int64)})
+    with pytest.raises(segflow.errors.ExecutionError, match="Gather index 3 is out of range"):
+        _run(model, feeds)

@@ -117,6 +117,21 @@ def slice_tensor(x: Tensor, starts: list[int], ends: list[int], axes: list[int],
 
 def _gather(node: Node, ctx: BindContext) -> Kernel:
     axis = int(node.attrs.get("axis", 0))
+    index = node.inputs[1] if len(node.inputs) > 1 else None
+    if index is not None and index.const is not None and index.const.dim() == 0:
+        # A constant scalar index (Gather(Shape(x), k)): a Python int, so no tensor value
+        # is read back on the host and graph tracers see no data-dependent index.
+        k = int(index.const)
+
+        def select(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+            x = inputs[0]
+            assert x is not None
+            a = axis + x.dim() if axis < 0 else axis
+            size = x.shape[a]
+            if not -size <= k < size:
+                raise IndexError(f"Gather index {k} is out of range for axis {a} of size {size}")
+            return [x.select(a, k + size if k < 0 else k)]
+        return select
 
     def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
         x, idx = inputs[0], inputs[1]

@@ -48,7 +48,7 @@ from segflow.ops.fused import FUSED_DOMAIN, Inline, inline_fused, traceable_fuse
 from segflow.passes.pipeline import CompileMode
 from segflow.passes.plan_memory import MemoryPlan
 from segflow.passes.segment import Segment
-from segflow.runtime.aot_inductor import AotInductorSegment
+from segflow.runtime.aot_inductor import AotInductorSegment, wants_prepacked_weights
 from segflow.runtime.binding import Step
 from segflow.runtime.onednn_graph import OneDnnGraphSegment
 
@@ -112,9 +112,11 @@ class SegmentCompiler:
             if self.mode in (CompileMode.INDUCTOR, CompileMode.ONEDNN):
                 pure = generate(steps, template, live_out, None, self.device, pure=True,
                                 traceable=True)
-                backend = (OneDnnGraphSegment if self.mode is CompileMode.ONEDNN
-                           else AotInductorSegment)
-                compiled.append(backend(pure, program.fn, self.report))
+                if self.mode is CompileMode.ONEDNN:
+                    compiled.append(OneDnnGraphSegment(pure, program.fn, self.report))
+                else:
+                    prepack = wants_prepacked_weights(step.node for step in steps)
+                    compiled.append(AotInductorSegment(pure, program.fn, self.report, prepack))
             else:
                 compiled.append(program.fn)
             self.report.segments += 1
