@@ -203,7 +203,7 @@ class InferenceSession:
 
     def _validate(self, feeds: Mapping[str, Any]) -> tuple[list[Tensor], dict[str, int]]:
         """The feeds as tensors in input order, and the symbolic dims they bind."""
-        if not isinstance(feeds, Mapping):
+        if type(feeds) is not dict and not isinstance(feeds, Mapping):  # the ABC check is slow
             raise InvalidInput(f"feeds must be a dict of input name -> array, "
                                f"got {type(feeds).__name__}")
         expected = self._inputs_by_name
@@ -227,7 +227,7 @@ class InferenceSession:
             got = DType.from_torch(data.dtype)
         else:
             array = np.asarray(data)
-            if array.dtype == object or array.dtype.kind in ("U", "S"):
+            if array.dtype.kind in "OUS":  # object, unicode, bytes
                 raise InvalidInput(f"input {value.name!r}: string/object arrays are not "
                                    f"supported (expected {spec.describe()})")
             got = DType.from_numpy(array.dtype)
