@@ -179,7 +179,8 @@ class Executor:
         for slot, tensor in zip(self.input_slots, completion.stage_inputs(feeds)):
             env[slot] = tensor
         engine = self.engine
-        run_vars = [Var(name) for name in self._var_names]
+        names = self._var_names
+        run_vars = [Var(name) for name in names]
         syncs = 0
         run_t0 = time.perf_counter_ns() if sink is not None else 0
         pushed_at = [0]  # the current push's start, for a LOCAL task's host-wait span
@@ -189,8 +190,12 @@ class Executor:
                   else _profiled_task(task, env, sink, pushed_at))
             fn = completion.wrap(index, fn, sink is not None)
             t0 = pushed_at[0] = time.perf_counter_ns() if sink is not None else 0
-            engine.push(fn, [*(run_vars[d] for d in task.reads), *self.extra_reads[index]],
-                        (run_vars[index],), seg.exec_type, seg.device, seg.first.name)
+            reads = [run_vars[d] for d in task.reads]
+            extra = self.extra_reads[index]
+            if extra:
+                reads.extend(extra)
+            engine.push(fn, reads, (run_vars[index],), seg.exec_type, seg.device,
+                        names[index])
             if sink is not None:
                 sink.span("push", f"push {_task_name(task)}", t0, time.perf_counter_ns(),
                           device=str(seg.device), args={"segment": seg.index})
