@@ -23,8 +23,11 @@ unpacked), beside segflow's dense weights, which the ``codegen`` fallback needs.
 Inductor's oneDNN weight prepacking (``cpp.weight_prepack``) pays off for
 convolutions and large linears but costs ~20 us of oneDNN setup per call,
 which swamps tiny layers: the 200-layer MLP chain runs 4.6 ms prepacked and
-0.50 ms through MKL's addmm (codegen: 1.0 ms). :func:`wants_prepacked_weights`
-decides per segment by the same rule as the layout pass.
+0.57 ms through MKL's addmm (codegen: 0.82 ms, benchmarks/cpu_targets.py).
+:func:`wants_prepacked_weights` decides per segment by the layout pass's rule.
+
+Exporting swaps ``sys.stderr`` for the duration (a failed export prints its
+whole graph there), so another thread's stderr output in that window is lost.
 
 Like the oneDNN Graph backend, a compiled signature is used only after its
 outputs matched ``codegen`` on the same inputs (:class:`VerifiedSegment`).
