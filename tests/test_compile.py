@@ -150,17 +150,22 @@ def test_inductor_backend_matches_onnxruntime_and_caches_on_disk(tmp_path, monke
 def test_package_key_follows_graph_weights_and_inputs():
     from segflow.runtime.aot_inductor import package_key
 
-    def key(module: torch.nn.Module, x: torch.Tensor) -> str:
-        return package_key(torch.export.export(module.eval(), (x,), strict=False), [x])
+    def key(model, x: torch.Tensor) -> str:
+        sess = segflow.InferenceSession(model, engine="inline", compile="none")
+        ex = sess._executor
+        steps = ex.tasks[0].steps
+        program = generate(steps, ex.template, set(ex.output_slots), None, pure=True,
+                           traceable=True)
+        return package_key([s.node for s in steps], program.source, [x])
 
-    torch.manual_seed(0)
-    a = torch.nn.Linear(4, 3)
-    b = torch.nn.Linear(4, 3)
-    x = torch.randn(2, 4)
-    assert key(a, x) == key(a, x.clone())
-    assert key(a, x) != key(b, x)                                 # other weights
-    assert key(a, x) != key(a, torch.randn(5, 4))                 # other input shape
-    assert key(a, x) != key(torch.nn.Sequential(a, torch.nn.ReLU()), x)  # other graph
+    model = models.build("mlp_chain", layers=2, width=8)
+    x = torch.randn(1, 8)
+    assert key(model, x) == key(models.build("mlp_chain", layers=2, width=8), x.clone())
+    other_weights = models.build("mlp_chain", layers=2, width=8)
+    other_weights.graph.initializer[0].raw_data = bytes(len(model.graph.initializer[0].raw_data))
+    assert key(model, x) != key(other_weights, x)
+    assert key(model, x) != key(model, torch.randn(3, 8))                          # input shape
+    assert key(model, x) != key(models.build("mlp_chain", layers=3, width=8), x)   # graph
 
 
 def test_inductor_prepacks_weights_only_where_onednn_pays():

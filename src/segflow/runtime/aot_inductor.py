@@ -10,15 +10,17 @@ package runs through inductor's C++ wrapper: no Python between kernels.
 Why ahead of time rather than ``torch.compile``: with freezing on CPU, inductor
 prepacks weights into oneDNN tensors, which its FX graph cache cannot pickle,
 so every process recompiled (ResNet-50: ~8 s before the first run even with a
-warm kernel cache). A package is keyed by what determines it (the exported
-graph's code, every constant's bytes, the input signature, the torch version
-and device), so a second process loads it in about 0.1 s after a ~1 s export.
-Measured on the 2-core VM, ResNet-50 at batch 1: compile ~35 s cold, run
-43-47 ms (codegen: 45-49 ms; ``torch.compile`` with freezing: 49-52 ms). The
-cost is memory (``benchmarks/cpu_targets.py --memory``): ResNet-50 holds ~315 MiB
-more after its first run, of which ~70 MiB are torch's export/inductor modules
-and ~207 MiB the loaded package (its weights in the shared library's image and
-unpacked), beside segflow's dense weights, which the ``codegen`` fallback needs.
+warm kernel cache). A package is keyed by what determines it (the segment's
+nodes and generated source, every constant's bytes, the input signature, the
+segflow and torch versions, the device): a second process hashes and loads it
+through the C++ loader without exporting, or even importing inductor.
+Measured on the 2-core VM, ResNet-50 at batch 1: compile ~20-35 s cold, first
+run 0.5 s from the cache, runs 43-47 ms (codegen: 45-49 ms; ``torch.compile``
+with freezing: 49-52 ms). The cost is memory (``benchmarks/cpu_targets.py
+--memory``): ResNet-50 holds ~215 MiB more after a cached first run (~315 MiB
+cold, with torch's export/inductor modules), mostly the loaded package's
+weights, in the shared library's image and unpacked, beside segflow's dense
+weights, which the ``codegen`` fallback needs.
 
 Inductor's oneDNN weight prepacking (``cpp.weight_prepack``) pays off for
 convolutions and large linears but costs ~20 us of oneDNN setup per call,
@@ -44,6 +46,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from segflow.ir.graph import Node
@@ -82,21 +85,19 @@ class AotInductorSegment(VerifiedSegment):
     """One segment as AOTInductor packages, one per input signature, cached on disk."""
 
     def __init__(self, program: Program, fallback: SegmentFn, report: CompileReport,
-                 prepack: bool = True, directory: Path | None = None) -> None:
+                 nodes: Sequence[Node], prepack: bool = True,
+                 directory: Path | None = None) -> None:
         super().__init__(program, fallback, report)
+        self.nodes = tuple(nodes)
         self.prepack = prepack
         self.directory = directory
 
     def _build(self, inputs: list[Tensor]) -> Callable[..., Sequence[Tensor]]:
         program = self.program
         assert program.pure_fn is not None
-        module = SegmentModule(program.pure_fn, program.constants).eval()
-        # A failed export prints the whole graph to stderr; the failure's first line goes
-        # to the compile report instead (and the segment runs codegen).
-        with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
-            exported = torch.export.export(module, tuple(inputs), strict=False)
         directory = (self.directory or cache_dir()) / "aoti"
-        path = directory / f"{package_key(exported, inputs, self.prepack)}.pt2"
+        key = package_key(self.nodes, program.source, inputs, self.prepack)
+        path = directory / f"{key}.pt2"
         if path.exists():
             try:
                 runner = _load(path)
@@ -105,6 +106,11 @@ class AotInductorSegment(VerifiedSegment):
             else:
                 self.report.cache_hits += 1
                 return runner
+        module = SegmentModule(program.pure_fn, program.constants).eval()
+        # A failed export prints the whole graph to stderr; the failure's first line goes
+        # to the compile report instead (and the segment runs codegen).
+        with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
+            exported = torch.export.export(module, tuple(inputs), strict=False)
         directory.mkdir(parents=True, exist_ok=True)
         # Written beside its final name and renamed: a concurrent process sees all or nothing.
         partial = path.with_name(f"{path.stem}.{os.getpid()}.{threading.get_ident()}.tmp.pt2")
@@ -120,36 +126,86 @@ class AotInductorSegment(VerifiedSegment):
         return _load(path)
 
 
-def package_key(exported: torch.export.ExportedProgram, inputs: Sequence[Tensor],
+def package_key(nodes: Sequence[Node], source: str, inputs: Sequence[Tensor],
                 prepack: bool = True) -> str:
-    """A digest of everything a package depends on (graph, constants, inputs, options,
-    toolchain)."""
+    """A digest of everything a package depends on, computed without exporting.
+
+    The segment's nodes (op, domain, opset, attributes, wiring by value name and
+    spec), every constant's bytes, the generated source, the input signature, the
+    options and the toolchain. A cache hit then costs hashing and loading only.
+    """
+    import segflow
+
     digest = hashlib.blake2b(digest_size=20)
-
-    def text(*parts: object) -> None:
-        digest.update(repr(parts).encode())
-
     device = inputs[0].device if inputs else torch.device("cpu")
-    text(FORMAT, torch.__version__, str(device.type), prepack, exported.graph_module.code)
+    _feed(digest, (FORMAT, segflow.__version__, torch.__version__, device.type, prepack,
+                   source))
     for t in inputs:
-        text(tuple(t.shape), tuple(t.stride()), str(t.dtype), str(t.device))
-    named = {**exported.state_dict, **exported.constants}
-    for name in sorted(named):
-        value = named[name]
-        if not isinstance(value, Tensor):
-            text(name, repr(value))
-            continue
-        text(name, tuple(value.shape), tuple(value.stride()), str(value.dtype))
-        data = value.detach().contiguous().cpu().reshape(-1)
-        if data.numel():
-            digest.update(data.view(torch.uint8).numpy().data)
+        _feed(digest, (tuple(t.shape), tuple(t.stride()), str(t.dtype), str(t.device)))
+    for node in nodes:
+        _feed_node(digest, node)
     return digest.hexdigest()
 
 
+def _feed_node(digest: Any, node: Node) -> None:
+    _feed(digest, (node.domain, node.op_type, node.opset, [v.name for v in node.outputs]))
+    for name in sorted(node.attrs):
+        _feed(digest, name)
+        _feed(digest, node.attrs[name])
+    for value in node.inputs:
+        if value is None:
+            _feed(digest, None)
+            continue
+        spec = value.spec
+        _feed(digest, (value.name, str(spec.dtype), spec.shape))
+        if value.const is not None:
+            _feed(digest, value.const)
+    for name in sorted(node.subgraphs):
+        _feed(digest, name)
+        for inner in node.subgraphs[name].nodes:
+            _feed_node(digest, inner)
+
+
+def _feed(digest: Any, obj: object) -> None:
+    """Add ``obj`` to the digest: tensors and arrays by their bytes, the rest by repr."""
+    if isinstance(obj, Tensor):
+        digest.update(repr(("tensor", tuple(obj.shape), str(obj.dtype))).encode())
+        data = (obj.to_dense() if obj.is_mkldnn else obj).detach().contiguous().cpu().reshape(-1)
+        if data.numel():
+            digest.update(data.view(torch.uint8).numpy().data)
+    elif isinstance(obj, np.ndarray):
+        digest.update(repr(("array", obj.shape, str(obj.dtype))).encode())
+        digest.update(np.ascontiguousarray(obj).tobytes())
+    elif isinstance(obj, (list, tuple)):
+        digest.update(f"{type(obj).__name__}[{len(obj)}](".encode())
+        for item in obj:
+            _feed(digest, item)
+        digest.update(b")")
+    else:
+        digest.update(repr(obj).encode())
+
+
 def _load(path: Path) -> Callable[..., Sequence[Tensor]]:
-    runner = torch._inductor.aoti_load_package(str(path))
+    """The package's runner. Segment inputs and outputs are flat tensor lists, so the
+    C++ loader is called directly: ``aoti_load_package`` would first import
+    ``torch._inductor`` (about 1.5 s) only to flatten and unflatten them."""
+    loader_type = getattr(getattr(torch._C, "_aoti", None), "AOTIModelPackageLoader", None)
+    loader: Any = None
+    if loader_type is not None:
+        for args in ((str(path), "model", False, 1, -1), (str(path), "model", False, 1)):
+            try:
+                loader = loader_type(*args)
+                break
+            except TypeError:  # another torch's constructor signature
+                continue
+    if loader is None:
+        runner = torch._inductor.aoti_load_package(str(path))
+
+        def run_any(*inputs: Tensor) -> Sequence[Tensor]:
+            out: Any = runner(*inputs)
+            return tuple(out) if isinstance(out, (list, tuple)) else (out,)
+        return run_any
 
     def run(*inputs: Tensor) -> Sequence[Tensor]:
-        out: Any = runner(*inputs)
-        return tuple(out) if isinstance(out, (list, tuple)) else (out,)
+        return loader.run(list(inputs))  # type: ignore[no-any-return]
     return run

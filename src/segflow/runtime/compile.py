@@ -115,8 +115,9 @@ class SegmentCompiler:
                 if self.mode is CompileMode.ONEDNN:
                     compiled.append(OneDnnGraphSegment(pure, program.fn, self.report))
                 else:
-                    prepack = wants_prepacked_weights(step.node for step in steps)
-                    compiled.append(AotInductorSegment(pure, program.fn, self.report, prepack))
+                    nodes = [step.node for step in steps]
+                    compiled.append(AotInductorSegment(pure, program.fn, self.report, nodes,
+                                                       wants_prepacked_weights(nodes)))
             else:
                 compiled.append(program.fn)
             self.report.segments += 1
