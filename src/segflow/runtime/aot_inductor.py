@@ -85,17 +85,15 @@ class AotInductorSegment(VerifiedSegment):
     """One segment as AOTInductor packages, one per input signature, cached on disk."""
 
     def __init__(self, program: Program, fallback: SegmentFn, report: CompileReport,
-                 nodes: Sequence[Node], prepack: bool = True,
-                 directory: Path | None = None) -> None:
+                 nodes: Sequence[Node], prepack: bool = True) -> None:
         super().__init__(program, fallback, report)
         self.nodes = tuple(nodes)
         self.prepack = prepack
-        self.directory = directory
 
     def _build(self, inputs: list[Tensor]) -> Callable[..., Sequence[Tensor]]:
         program = self.program
         assert program.pure_fn is not None
-        directory = (self.directory or cache_dir()) / "aoti"
+        directory = cache_dir() / "aoti"
         key = package_key(self.nodes, program.source, inputs, self.prepack)
         path = directory / f"{key}.pt2"
         if path.exists():
