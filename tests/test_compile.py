@@ -166,15 +166,47 @@ def test_package_key_follows_graph_weights_and_inputs():
     assert key(model, x) != key(other_weights, x)
     assert key(model, x) != key(model, torch.randn(3, 8))                          # input shape
     assert key(model, x) != key(models.build("mlp_chain", layers=3, width=8), x)   # graph
+    threads, before = torch.get_num_threads(), key(model, x)
+    try:  # the package bakes in the intra-op thread count
+        torch.set_num_threads(threads + 1)
+        assert key(model, x) != before
+    finally:
+        torch.set_num_threads(threads)
 
 
-def test_inductor_prepacks_weights_only_where_onednn_pays():
-    from segflow.runtime.aot_inductor import wants_prepacked_weights
+def test_largest_op_work_counts_multiply_adds_and_elements():
+    from segflow.runtime.aot_inductor import SERIAL_MAX_WORK, largest_op_work
 
-    def nodes(name: str, **opts: int) -> list:
-        sess = segflow.InferenceSession(models.build(name, **opts), compile="none")
-        return list(sess.plan.graph.nodes)
+    def work(module: torch.nn.Module, *inputs: torch.Tensor) -> int:
+        return largest_op_work(torch.export.export(module.eval(), inputs).graph)
 
-    assert not wants_prepacked_weights(nodes("mlp_chain", layers=3))  # 64x64: MKL addmm
-    assert wants_prepacked_weights(nodes("resnet18", num_classes=10, image_size=32))  # convs
-    assert wants_prepacked_weights(nodes("mlp_chain", layers=1, width=1024))  # 1M-element weight
+    linear = torch.nn.Linear(64, 32)
+    assert work(linear, torch.randn(3, 64)) == 3 * 32 * 64          # rows x out x in
+    conv = torch.nn.Conv2d(4, 8, 3, padding=1)
+    assert work(conv, torch.randn(1, 4, 10, 10)) == 8 * 100 * 4 * 9  # outputs x (in x 3 x 3)
+    assert work(torch.nn.ReLU(), torch.randn(5, 7)) == 35            # elementwise: elements
+    # the MLP chain's 64x64 layers at batch 1 run single-threaded; ResNet's do not
+    assert work(torch.nn.Linear(64, 64), torch.randn(1, 64)) <= SERIAL_MAX_WORK
+    assert work(torch.nn.Conv2d(64, 64, 3), torch.randn(1, 64, 56, 56)) > SERIAL_MAX_WORK
+
+
+def test_inductor_options_follow_the_segments_layers():
+    from segflow.runtime.aot_inductor import inductor_options
+
+    def options(name: str, device: str = "cpu", **opts: int) -> dict:
+        model = models.build(name, **opts) if name != "relu" else helper.make_model(
+            helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "relu",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])]))
+        sess = segflow.InferenceSession(model, compile="none")
+        return inductor_options(sess.plan.graph.nodes, torch.device(device))
+
+    mlp = options("mlp_chain", layers=3)  # linears: GEMMs autotuned, the C++ template needs packing
+    assert mlp["max_autotune"] and mlp["max_autotune_gemm_backends"] == "CPP,ATEN"
+    assert mlp["cpp.weight_prepack"] and mlp["freezing"]
+    resnet = options("resnet18", num_classes=10, image_size=32)  # convs (and the fc linear)
+    assert resnet["cpp.weight_prepack"]
+    assert options("mlp_chain", "cuda", layers=3) == {"freezing": True,  # CPU-only choices
+                                                       "cpp.weight_prepack": False}
+    plain = options("relu")  # no linear, no convolution: nothing to pack or tune
+    assert plain == {"freezing": True, "cpp.weight_prepack": False}

@@ -22,11 +22,15 @@ cold, with torch's export/inductor modules), mostly the loaded package's
 weights, in the shared library's image and unpacked, beside segflow's dense
 weights, which the ``codegen`` fallback needs.
 
-Inductor's oneDNN weight prepacking (``cpp.weight_prepack``) pays off for
-convolutions and large linears but costs ~20 us of oneDNN setup per call,
-which swamps tiny layers: the 200-layer MLP chain runs 4.6 ms prepacked and
-0.57 ms through MKL's addmm (codegen: 0.82 ms, benchmarks/cpu_targets.py).
-:func:`wants_prepacked_weights` decides per segment by the layout pass's rule.
+How a segment is compiled depends on what it holds (:func:`inductor_options`):
+convolutions get oneDNN-prepacked weights; linear layers over constant weights
+get their GEMMs autotuned between inductor's C++ GEMM template and ATen. The
+template matters for small layers: a prepacked oneDNN linear pays ~20 us of
+setup per call (the 200-layer MLP chain ran 4.6 ms that way) and MKL's
+``addmm`` ~2.5 us of dispatch, while the template's generated micro-kernels
+are called straight from the package's C++ (MLP chain: see
+benchmarks/cpu_targets.py). Autotuning adds to a cold compile (the MLP chain:
+~60 s against ~30 s), once per machine.
 
 Exporting swaps ``sys.stderr`` for the duration (a failed export prints its
 whole graph there), so another thread's stderr output in that window is lost.
@@ -41,6 +45,7 @@ import contextlib
 import hashlib
 import io
 import os
+import platform
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -50,7 +55,7 @@ import numpy as np
 import torch
 
 from segflow.ir.graph import Node
-from segflow.ops.fused import FUSED_DOMAIN, LINEAR_PACK_MIN_WEIGHT
+from segflow.ops.fused import FUSED_DOMAIN
 from segflow.runtime.segment_module import SegmentModule
 from segflow.runtime.verified_segment import VerifiedSegment
 from segflow.settings import cache_dir
@@ -60,41 +65,91 @@ if TYPE_CHECKING:
 
 Tensor = torch.Tensor
 
-FORMAT = "aoti-1"  # bump when what a package holds or how it is keyed changes
+FORMAT = "aoti-2"  # bump when what a package holds or how it is keyed changes
+# A segment whose every op is at most this much work (multiply-adds, or elements) is
+# compiled single-threaded: an OpenMP fork/join costs more than splitting such an op saves.
+SERIAL_MAX_WORK = 1 << 16
 _CONVOLUTIONS = {"Conv", "ConvTranspose", "FusedConv"}
 _LINEARS = {"Gemm", "MatMul", "FusedGemm"}
 
 
-def wants_prepacked_weights(nodes: Iterable[Node]) -> bool:
-    """Whether inductor should prepack weights for oneDNN: any convolution, or a linear
-    whose constant weight has at least ``LINEAR_PACK_MIN_WEIGHT`` elements."""
+def inductor_options(nodes: Iterable[Node], device: torch.device) -> dict[str, Any]:
+    """The inductor configuration a segment is compiled with (part of its package key).
+
+    On CPU, a segment with linear layers over constant weights has its GEMMs
+    autotuned between inductor's C++ GEMM template (micro-kernels generated
+    for the exact shape, called without any dispatch) and ATen's kernels; a
+    segment with convolutions gets its weights prepacked for oneDNN. Tiny
+    linears (the MLP chain's 64x64) run ~5x faster through the template than
+    through MKL's ``addmm`` or oneDNN's prepacked linear, which pays ~20 us of
+    setup per call. The template needs prepacked weights, so either case sets
+    ``cpp.weight_prepack``; a segment with neither leaves it off.
+    """
+    options: dict[str, Any] = {"freezing": True, "cpp.weight_prepack": False}
+    if device.type != "cpu":
+        return options
     for node in nodes:
         if node.domain not in ("", FUSED_DOMAIN):
             continue
         if node.op_type in _CONVOLUTIONS:
-            return True
-        if node.op_type in _LINEARS:
-            weight = node.inputs[1] if len(node.inputs) > 1 else None
-            if weight is not None and weight.const is not None \
-                    and weight.const.numel() >= LINEAR_PACK_MIN_WEIGHT:
-                return True
-    return False
+            options["cpp.weight_prepack"] = True
+        elif node.op_type in _LINEARS and _constant_weight(node):
+            options.update({"cpp.weight_prepack": True, "max_autotune": True,
+                            "max_autotune_gemm_backends": "CPP,ATEN"})
+    return options
+
+
+def largest_op_work(graph: torch.fx.Graph) -> int:
+    """The most work one op of an exported graph does: multiply-adds for a matrix
+    product or convolution, the largest tensor it reads or writes otherwise."""
+    largest = 0
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        vals = [n.meta.get("val") for n in node.all_input_nodes]
+        out = node.meta.get("val")
+        vals += list(out) if isinstance(out, (list, tuple)) else [out]
+        tensors = [t for t in vals if isinstance(t, Tensor)]
+        if not tensors:
+            continue
+        work = max(int(t.numel()) for t in tensors)
+        name = getattr(node.target, "__name__", "").split(".")[0]
+        if name in _CONTRACTIONS and isinstance(out, Tensor) and len(tensors) >= 2:
+            operand = tensors[_CONTRACTIONS[name]]
+            if name.startswith("conv"):
+                reduction = int(operand.numel()) // max(1, int(operand.shape[0]))
+            else:
+                reduction = int(operand.shape[-1]) if operand.dim() else 1
+            work = max(work, int(out.numel()) * reduction)
+        largest = max(largest, work)
+    return largest
+
+
+# op name -> which tensor operand gives the reduction length (a convolution: its weight)
+_CONTRACTIONS = {"linear": 0, "mm": 0, "matmul": 0, "bmm": 0, "addmm": 1, "baddbmm": 1,
+                 "conv1d": 1, "conv2d": 1, "conv3d": 1, "convolution": 1}
+
+
+def _constant_weight(node: Node) -> bool:
+    weight = node.inputs[1] if len(node.inputs) > 1 else None
+    return weight is not None and weight.const is not None
 
 
 class AotInductorSegment(VerifiedSegment):
     """One segment as AOTInductor packages, one per input signature, cached on disk."""
 
     def __init__(self, program: Program, fallback: SegmentFn, report: CompileReport,
-                 nodes: Sequence[Node], prepack: bool = True) -> None:
+                 nodes: Sequence[Node]) -> None:
         super().__init__(program, fallback, report)
         self.nodes = tuple(nodes)
-        self.prepack = prepack
 
     def _build(self, inputs: list[Tensor]) -> Callable[..., Sequence[Tensor]]:
         program = self.program
         assert program.pure_fn is not None
         directory = cache_dir() / "aoti"
-        key = package_key(self.nodes, program.source, inputs, self.prepack)
+        device = inputs[0].device if inputs else torch.device("cpu")
+        options = inductor_options(self.nodes, device)
+        key = package_key(self.nodes, program.source, inputs, options)
         path = directory / f"{key}.pt2"
         if path.exists():
             try:
@@ -109,13 +164,14 @@ class AotInductorSegment(VerifiedSegment):
         # to the compile report instead (and the segment runs codegen).
         with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
             exported = torch.export.export(module, tuple(inputs), strict=False)
+        if device.type == "cpu" and largest_op_work(exported.graph) <= SERIAL_MAX_WORK:
+            options = {**options, "cpp.threads": 1}
         directory.mkdir(parents=True, exist_ok=True)
         # Written beside its final name and renamed: a concurrent process sees all or nothing.
         partial = path.with_name(f"{path.stem}.{os.getpid()}.{threading.get_ident()}.tmp.pt2")
         import torch._inductor.config as inductor_config
 
         try:
-            options = {"freezing": True, "cpp.weight_prepack": self.prepack}
             with inductor_config.patch(options), torch.no_grad():
                 torch._inductor.aoti_compile_and_package(exported, package_path=str(partial))
             os.replace(partial, path)
@@ -125,24 +181,41 @@ class AotInductorSegment(VerifiedSegment):
 
 
 def package_key(nodes: Sequence[Node], source: str, inputs: Sequence[Tensor],
-                prepack: bool = True) -> str:
+                options: dict[str, Any] | None = None) -> str:
     """A digest of everything a package depends on, computed without exporting.
 
     The segment's nodes (op, domain, opset, attributes, wiring by value name and
     spec), every constant's bytes, the generated source, the input signature, the
-    options and the toolchain. A cache hit then costs hashing and loading only.
+    inductor options and the toolchain (versions, device, and the CPU's vector ISA:
+    a package holds machine code). A cache hit then costs hashing and loading only.
     """
     import segflow
 
     digest = hashlib.blake2b(digest_size=20)
     device = inputs[0].device if inputs else torch.device("cpu")
-    _feed(digest, (FORMAT, segflow.__version__, torch.__version__, device.type, prepack,
-                   source))
+    _feed(digest, (FORMAT, segflow.__version__, torch.__version__, _target(device),
+                   sorted((options or {}).items()), source))
     for t in inputs:
         _feed(digest, (tuple(t.shape), tuple(t.stride()), str(t.dtype), str(t.device)))
     for node in nodes:
         _feed_node(digest, node)
     return digest.hexdigest()
+
+
+def _target(device: torch.device) -> tuple[object, ...]:
+    """What a package's machine code is built for. Inductor compiles CPU kernels with
+    ``-march=native`` and bakes in the intra-op thread count, so a package must not load
+    on another CPU model or in a process with another thread count; GPU code is built for
+    one compute capability."""
+    if device.type == "cuda":
+        return ("cuda", torch.cuda.get_device_capability(device))
+    if device.type != "cpu":
+        return (device.type,)
+    cpu = platform.processor()
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        lines = [line for line in f if line.startswith(("model name", "flags"))]
+        cpu = "".join(sorted(set(lines)))
+    return ("cpu", torch.backends.cpu.get_cpu_capability(), cpu, torch.get_num_threads())
 
 
 def _feed_node(digest: Any, node: Node) -> None:

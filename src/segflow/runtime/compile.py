@@ -48,7 +48,7 @@ from segflow.ops.fused import FUSED_DOMAIN, Inline, inline_fused, traceable_fuse
 from segflow.passes.pipeline import CompileMode
 from segflow.passes.plan_memory import MemoryPlan
 from segflow.passes.segment import Segment
-from segflow.runtime.aot_inductor import AotInductorSegment, wants_prepacked_weights
+from segflow.runtime.aot_inductor import AotInductorSegment
 from segflow.runtime.binding import Step
 from segflow.runtime.onednn_graph import OneDnnGraphSegment
 
@@ -116,8 +116,7 @@ class SegmentCompiler:
                     compiled.append(OneDnnGraphSegment(pure, program.fn, self.report))
                 else:
                     nodes = [step.node for step in steps]
-                    compiled.append(AotInductorSegment(pure, program.fn, self.report, nodes,
-                                                       wants_prepacked_weights(nodes)))
+                    compiled.append(AotInductorSegment(pure, program.fn, self.report, nodes))
             else:
                 compiled.append(program.fn)
             self.report.segments += 1
