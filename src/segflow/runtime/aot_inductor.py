@@ -138,6 +138,8 @@ def _constant_weight(node: Node) -> bool:
 class AotInductorSegment(VerifiedSegment):
     """One segment as AOTInductor packages, one per input signature, cached on disk."""
 
+    sets_grad_mode = True  # a package's C++ wrapper disables autograd for its run
+
     def __init__(self, program: Program, fallback: SegmentFn, report: CompileReport,
                  nodes: Sequence[Node]) -> None:
         super().__init__(program, fallback, report)

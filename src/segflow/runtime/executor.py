@@ -116,6 +116,7 @@ class Executor:
         # Vars a task reads besides its producers' (e.g. parameters a training step updates).
         self.extra_reads: list[tuple[Var, ...]] = [() for _ in self.tasks]
         self.kernels_per_run = sum(len(t.steps) for t in self.tasks)
+        self.compute_nodes = plan.compute_nodes  # a scan of the plan: counted once
         self.copies_per_run = sum(1 for t in self.tasks if t.segment.exec_type is ExecType.COPY)
         # Streams, events and CUDA graphs on CUDA devices; a no-op on CPU devices.
         self.completion = make_completion(plan, self.tasks, self.input_slots, self.output_slots,
@@ -217,7 +218,7 @@ class Executor:
                       device=str(self.plan.default_device),
                       args={"segments": len(self.tasks), "syncs": syncs})
         stats = RunStats(
-            nodes=self.plan.compute_nodes,
+            nodes=self.compute_nodes,
             segments=len(self.tasks),
             pushes=len(self.tasks) + extra_pushes,
             syncs=syncs,

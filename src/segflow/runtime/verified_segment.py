@@ -37,6 +37,7 @@ class VerifiedSegment:
     """Base class: one segment, compiled per input signature by :meth:`_build`."""
 
     cpu_only = False  # inputs on another device run codegen
+    sets_grad_mode = False  # the compiled callable turns autograd off itself (else: no_grad)
 
     def __init__(self, program: Program, fallback: SegmentFn, report: CompileReport) -> None:
         assert program.pure_fn is not None
@@ -66,8 +67,11 @@ class VerifiedSegment:
             return
         for slot in program.released:
             env[slot] = None
-        with torch.no_grad():
+        if self.sets_grad_mode:
             results = fn(*inputs)
+        else:
+            with torch.no_grad():
+                results = fn(*inputs)
         del inputs
         for slot, tensor in zip(program.outputs, results):
             env[slot] = tensor
