@@ -147,6 +147,46 @@ def test_inductor_backend_matches_onnxruntime_and_caches_on_disk(tmp_path, monke
     assert third.compile_report.cache_hits == 0 and third.compile_report.fallbacks == []
 
 
+def test_auto_runs_a_cached_inductor_package_and_never_compiles_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("SEGFLOW_CACHE_DIR", str(tmp_path))
+    model = models.build("mlp_chain", layers=2, width=16)
+    feeds = models.example_inputs("mlp_chain", layers=2, width=16)
+    ref = ort.InferenceSession(model.SerializeToString(),
+                               providers=["CPUExecutionProvider"]).run(None, feeds)
+
+    def auto() -> segflow.InferenceSession:
+        sess = segflow.InferenceSession(model, engine="inline")
+        for _ in range(2):
+            np.testing.assert_allclose(sess.run(None, feeds)[0], ref[0], atol=ATOL, rtol=RTOL)
+        return sess
+
+    cold = auto()  # nothing cached: codegen, nothing compiled or written
+    assert cold.compile_report.backend == "codegen" and cold.compile_report.cache_hits == 0
+    assert cold.compile_report.fallbacks == [] and not list(tmp_path.rglob("*.pt2"))
+    assert "or for a small segment its inductor package" in cold.explain()
+
+    segflow.InferenceSession(model, engine="inline", compile="inductor").run(None, feeds)
+    warm = auto()  # the package the inductor session left in the cache
+    assert warm.compile_report.cache_hits == 1 and warm.compile_report.fallbacks == []
+    assert "1 segments run cached inductor packages" in warm.compile_report.describe()
+    counters = ("segments", "pushes", "syncs", "kernels", "copies")
+    assert [getattr(warm.last_run_stats, c) for c in counters] == \
+        [getattr(cold.last_run_stats, c) for c in counters]
+
+
+def test_only_small_dense_segments_look_for_cached_packages(monkeypatch):
+    from segflow.runtime import compile as compile_module
+
+    def eligible(name: str, **opts: int) -> bool:
+        sess = segflow.InferenceSession(models.build(name, **opts), compile="codegen")
+        return compile_module.uses_cached_package(sess._executor.tasks[0].steps)
+
+    assert eligible("mlp_chain", layers=3)
+    assert not eligible("resnet18", num_classes=10, image_size=32)  # oneDNN-packed weights
+    monkeypatch.setattr(compile_module, "CACHED_PACKAGE_MAX_BYTES", 3 * 64 * 64 * 4)
+    assert not eligible("mlp_chain", layers=3)  # 3 weights and 3 biases: over the limit
+
+
 def test_package_key_follows_graph_weights_and_inputs():
     from segflow.runtime.aot_inductor import package_key
 

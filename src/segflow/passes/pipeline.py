@@ -204,7 +204,9 @@ def choose_backend(graph: Graph, mode: CompileMode, device: Device | None
     nets the gain is ~0-9% (ResNet-50), not worth doubling the weights by default,
     and without convolutions oneDNN Graph is slower (BERT, the MLP chain), so there
     ``auto`` keeps ``codegen``: always available, builds in milliseconds, one copy
-    of the weights. ``compile="onednn"`` opts in for any graph.
+    of the weights. ``compile="onednn"`` opts in for any graph. A small segment
+    still runs an inductor package found in the disk cache
+    (:func:`segflow.runtime.compile.uses_cached_package`): nothing is compiled for it.
     """
     on_cpu = device is not None and device.kind is DeviceKind.CPU
     if mode is CompileMode.ONEDNN and not (on_cpu and onednn_graph_available()):
@@ -220,7 +222,8 @@ def choose_backend(graph: Graph, mode: CompileMode, device: Device | None
     if convs:
         return CompileMode.CODEGEN, ("auto: no depthwise convolutions; codegen keeps one copy "
                                      "of the weights (compile='onednn' trades memory for speed)")
-    return CompileMode.CODEGEN, "auto: no convolutions; codegen measured fastest here"
+    return CompileMode.CODEGEN, ("auto: no convolutions; codegen, or for a small segment its "
+                                 "inductor package if the disk cache holds one")
 
 
 def _is_conv2d(node: Node) -> bool:

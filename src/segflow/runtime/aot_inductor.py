@@ -141,11 +141,15 @@ class AotInductorSegment(VerifiedSegment):
     sets_grad_mode = True  # a package's C++ wrapper disables autograd for its run
 
     def __init__(self, program: Program, fallback: SegmentFn, report: CompileReport,
-                 nodes: Sequence[Node]) -> None:
+                 nodes: Sequence[Node], cached_only: bool = False) -> None:
+        """``cached_only`` (``auto``): look in the disk cache on the first call and use
+        the package found there; if there is none, run ``codegen`` from then on and
+        compile nothing."""
         super().__init__(program, fallback, report)
         self.nodes = tuple(nodes)
+        self.cached_only = cached_only
 
-    def _build(self, inputs: list[Tensor]) -> Callable[..., Sequence[Tensor]]:
+    def _build(self, inputs: list[Tensor]) -> Callable[..., Sequence[Tensor]] | None:
         program = self.program
         assert program.pure_fn is not None
         directory = cache_dir() / "aoti"
@@ -161,6 +165,8 @@ class AotInductorSegment(VerifiedSegment):
             else:
                 self.report.cache_hits += 1
                 return runner
+        if self.cached_only:
+            return None
         module = SegmentModule(program.pure_fn, program.constants).eval()
         # A failed export prints the whole graph to stderr; the failure's first line goes
         # to the compile report instead (and the segment runs codegen).

@@ -24,8 +24,12 @@ the outputs. A compiled segment does the same work without the dispatch:
 ``auto`` picks ``onednn`` for CPU graphs with depthwise convolutions (MobileNetV2:
 ~35% faster, at the cost of a second, packed copy of the weights) and ``codegen``
 otherwise: always available, fastest to build, one copy of the weights, and
-measured fastest on BERT and the MLP chain (benchmarks/cpu_targets.py).
-:func:`segflow.passes.pipeline.choose_backend` decides.
+measured fastest on BERT and ResNet-50 among the backends that build in
+seconds (benchmarks/cpu_targets.py). :func:`segflow.passes.pipeline.choose_backend`
+decides. Under ``auto``, a small segment (:func:`uses_cached_package`) whose
+inductor package is already in the disk cache, because the model ran once with
+``compile="inductor"``, runs that package: the fastest backend that is
+available without compiling.
 
 The counters do not change: a compiled segment is still one task and its
 nodes are still one kernel each.
@@ -64,7 +68,7 @@ class CompileReport:
     segments: int = 0
     build_time_s: float = 0.0          # generating / tracing (at session creation)
     first_run_compile_s: float = 0.0   # inductor / onednn: compiling on the first run
-    cache_hits: int = 0                # inductor: packages loaded from the disk cache
+    cache_hits: int = 0                # inductor packages loaded from the disk cache
     fallbacks: list[str] = field(default_factory=list)
 
     @property
@@ -76,7 +80,9 @@ class CompileReport:
                 f"build={self.build_time_s * 1e3:.1f} ms")
         if self.first_run_compile_s:
             text += f" first-run compile={self.first_run_compile_s:.1f} s"
-        if self.cache_hits:
+        if self.cache_hits and self.backend != "inductor":
+            text += f" ({self.cache_hits} segments run cached inductor packages)"
+        elif self.cache_hits:
             text += f" ({self.cache_hits} loaded from the disk cache)"
         if self.fallbacks:
             text += f" ({len(self.fallbacks)} segments interpreted: {self.fallbacks[0]})"
@@ -87,10 +93,16 @@ class SegmentCompiler:
     """Lowers the bulk segments of an executor's plan through one backend."""
 
     def __init__(self, mode: CompileMode | str = CompileMode.AUTO,
-                 memory: MemoryPlan | None = None, device: torch.device | None = None) -> None:
+                 memory: MemoryPlan | None = None, device: torch.device | None = None,
+                 cached_packages: bool = False) -> None:
+        """``cached_packages``: ``auto`` chose ``codegen``; a small segment whose
+        inductor package is already in the disk cache runs that package instead
+        (:func:`uses_cached_package`). Nothing is compiled for it."""
         self.mode = CompileMode.parse(mode).resolve()
         self.memory = memory
         self.device = device or torch.device("cpu")
+        self.cached_packages = cached_packages and self.mode is CompileMode.CODEGEN \
+            and self.device.type == "cpu"
         self.report = CompileReport(self.mode.value)
 
     def compile_tasks(self, tasks: Sequence[tuple[Segment, Sequence[Step]]],
@@ -117,11 +129,45 @@ class SegmentCompiler:
                 else:
                     nodes = [step.node for step in steps]
                     compiled.append(AotInductorSegment(pure, program.fn, self.report, nodes))
+            elif self.cached_packages and uses_cached_package(steps):
+                pure = generate(steps, template, live_out, None, self.device, pure=True,
+                                traceable=True)
+                compiled.append(AotInductorSegment(pure, program.fn, self.report,
+                                                   [step.node for step in steps],
+                                                   cached_only=True))
             else:
                 compiled.append(program.fn)
             self.report.segments += 1
         self.report.build_time_s = time.perf_counter() - start
         return compiled
+
+
+CACHED_PACKAGE_MAX_BYTES = 16 << 20
+
+
+def uses_cached_package(steps: Sequence[Step]) -> bool:
+    """Whether ``auto`` looks in the disk cache for an inductor package for this segment.
+
+    Small segments only: every constant dense, at most ``CACHED_PACKAGE_MAX_BYTES``
+    in all. There a package runs the segment several times faster than ``codegen``
+    (no Python or ATen dispatch between small kernels; the MLP chain: about half
+    onnxruntime's time against codegen's 3-4x), its second copy of the weights is
+    cheap, and hashing the weights for its key takes milliseconds. A package gets
+    there by running the model once with ``compile="inductor"``; ``auto`` never
+    compiles one (a cold compile takes a minute or more).
+    """
+    total = 0
+    seen: set[int] = set()
+    for step in steps:
+        for value in step.node.inputs:
+            const = None if value is None else value.const
+            if const is None or id(const) in seen:
+                continue
+            if const.is_mkldnn:
+                return False
+            seen.add(id(const))
+            total += const.numel() * const.element_size()
+    return total <= CACHED_PACKAGE_MAX_BYTES
 
 
 def _reads_by_task(tasks: Sequence[tuple[Segment, Sequence[Step]]],

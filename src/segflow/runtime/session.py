@@ -27,7 +27,12 @@ from segflow.frontend.onnx_import import import_model
 from segflow.ir.graph import Value
 from segflow.ir.types import Device, Dim, DType, TensorSpec
 from segflow.ops.registry import OpRegistry, default_registry
-from segflow.passes.pipeline import OptimizeOptions, configure_threads, run_pipeline
+from segflow.passes.pipeline import (
+    CompileMode,
+    OptimizeOptions,
+    configure_threads,
+    run_pipeline,
+)
 from segflow.passes.plan_memory import PlansBySize
 from segflow.profiler.sink import active_sink
 from segflow.runtime.compile import SegmentCompiler
@@ -102,7 +107,8 @@ class InferenceSession:
                                      "compile": pipeline.compile.value,
                                      "intra_op_threads": threads,
                                      **(pipeline.memory.as_record() if pipeline.memory else {})}
-        compiler = SegmentCompiler(pipeline.compile, pipeline.memory, self.device.torch)
+        compiler = SegmentCompiler(pipeline.compile, pipeline.memory, self.device.torch,
+                                   cached_packages=self.options.compile is CompileMode.AUTO)
         self._executor = Executor(self.plan, self.registry, self._engine, record,
                                   sync_mode=sync_mode, cuda_graphs=cuda_graphs,
                                   stream_backend=stream_backend, compiler=compiler)

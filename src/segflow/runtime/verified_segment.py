@@ -47,12 +47,18 @@ class VerifiedSegment:
         self._lock = threading.Lock()
         # signature -> the compiled function, or None: run the fallback
         self._compiled: dict[Signature, Callable[..., Any] | None] = {}
+        self.codegen_only = False  # _build said there is nothing to compile: skip the lookup
 
-    def _build(self, inputs: list[Tensor]) -> Callable[..., Sequence[Tensor]]:
-        """A callable ``fn(*inputs) -> outputs`` specialized for these inputs."""
+    def _build(self, inputs: list[Tensor]) -> Callable[..., Sequence[Tensor]] | None:
+        """A callable ``fn(*inputs) -> outputs`` specialized for these inputs, or None:
+        nothing to compile here, and ``codegen`` runs this and every later call (not a
+        failure to report)."""
         raise NotImplementedError
 
     def __call__(self, env: list[Any]) -> None:
+        if self.codegen_only:
+            self.fallback(env)
+            return
         program = self.program
         inputs = [env[s] for s in program.inputs]
         signature = _signature(inputs, self.cpu_only)
@@ -84,6 +90,9 @@ class VerifiedSegment:
         start = time.perf_counter()
         try:
             fn = self._build(inputs)
+            if fn is None:
+                self.codegen_only = True
+                return None
             problem = self._verify(fn, env, inputs)
         except Exception as exc:  # compilers fail in many ways: run codegen instead
             lines = str(exc).strip().splitlines()
