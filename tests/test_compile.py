@@ -148,6 +148,8 @@ def test_inductor_backend_matches_onnxruntime_and_caches_on_disk(tmp_path, monke
 
 
 def test_auto_runs_a_cached_inductor_package_and_never_compiles_one(tmp_path, monkeypatch):
+    from segflow.runtime.aot_inductor import AotInductorSegment
+
     monkeypatch.setenv("SEGFLOW_CACHE_DIR", str(tmp_path))
     model = models.build("mlp_chain", layers=2, width=16)
     feeds = models.example_inputs("mlp_chain", layers=2, width=16)
@@ -163,6 +165,7 @@ def test_auto_runs_a_cached_inductor_package_and_never_compiles_one(tmp_path, mo
     cold = auto()  # nothing cached: codegen, nothing compiled or written
     assert cold.compile_report.backend == "codegen" and cold.compile_report.cache_hits == 0
     assert cold.compile_report.fallbacks == [] and not list(tmp_path.rglob("*.pt2"))
+    assert not isinstance(cold._executor.compiled[0], AotInductorSegment)  # not even a lookup
     assert "or for a small segment its inductor package" in cold.explain()
 
     segflow.InferenceSession(model, engine="inline", compile="inductor").run(None, feeds)

@@ -188,6 +188,15 @@ class AotInductorSegment(VerifiedSegment):
         return _load(path)
 
 
+def has_packages() -> bool:
+    """Whether the package cache holds any package at all (one directory listing)."""
+    try:
+        with os.scandir(cache_dir() / "aoti") as entries:
+            return any(entry.name.endswith(".pt2") for entry in entries)
+    except OSError:  # no cache directory yet, or not readable
+        return False
+
+
 def package_key(nodes: Sequence[Node], source: str, inputs: Sequence[Tensor],
                 options: dict[str, Any] | None = None) -> str:
     """A digest of everything a package depends on, computed without exporting.

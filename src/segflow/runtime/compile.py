@@ -52,7 +52,7 @@ from segflow.ops.fused import FUSED_DOMAIN, Inline, inline_fused, traceable_fuse
 from segflow.passes.pipeline import CompileMode
 from segflow.passes.plan_memory import MemoryPlan
 from segflow.passes.segment import Segment
-from segflow.runtime.aot_inductor import AotInductorSegment
+from segflow.runtime.aot_inductor import AotInductorSegment, has_packages
 from segflow.runtime.binding import Step
 from segflow.runtime.onednn_graph import OneDnnGraphSegment
 
@@ -101,8 +101,9 @@ class SegmentCompiler:
         self.mode = CompileMode.parse(mode).resolve()
         self.memory = memory
         self.device = device or torch.device("cpu")
+        # An empty cache (the usual case) costs one directory listing, nothing per segment.
         self.cached_packages = cached_packages and self.mode is CompileMode.CODEGEN \
-            and self.device.type == "cpu"
+            and self.device.type == "cpu" and has_packages()
         self.report = CompileReport(self.mode.value)
 
     def compile_tasks(self, tasks: Sequence[tuple[Segment, Sequence[Step]]],
