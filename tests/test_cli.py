@@ -131,3 +131,20 @@ def test_unknown_flag_is_rejected(capsys):
         cli.main(["run", "--bogus"])
     assert info.value.code == 2
     assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def test_cache_shows_and_clears_packages(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SEGFLOW_CACHE_DIR", str(tmp_path))
+    assert cli.main(["cache"]) == 0
+    assert "0 packages, 0.0 MiB" in capsys.readouterr().out
+    packages = tmp_path / "aoti"
+    packages.mkdir()
+    (packages / "a.pt2").write_bytes(b"x" * (1 << 20))
+    (packages / "b.pt2").write_bytes(b"x" * (1 << 19))
+    (packages / "notes.txt").write_text("not a package")
+    assert cli.main(["cache", "--list"]) == 0
+    out = capsys.readouterr().out
+    assert "2 packages, 1.5 MiB" in out and "a.pt2" in out and "notes.txt" not in out
+    assert cli.main(["cache", "--clear"]) == 0
+    assert "removed 2 packages (1.5 MiB)" in capsys.readouterr().out
+    assert sorted(p.name for p in packages.iterdir()) == ["notes.txt"]

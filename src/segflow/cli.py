@@ -1,4 +1,4 @@
-"""The ``segflow`` command line: run | check | explain | profile | bench | train-demo.
+"""The ``segflow`` command line: run | check | explain | profile | bench | cache | train-demo.
 
 Each subcommand is one ``_cmd_*`` function; ``_build_parser`` is the dispatch table.
 Models are given as an ONNX path or as ``builtin:NAME`` (see ``segflow run --list``);
@@ -166,6 +166,25 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_cache(args: argparse.Namespace) -> int:
+    from segflow.runtime.aot_inductor import cached_packages, clear_packages
+    from segflow.settings import cache_dir
+
+    directory = cache_dir() / "aoti"
+    if args.clear:
+        files, size = clear_packages()
+        print(f"removed {files} packages ({size / (1 << 20):.1f} MiB) from {directory}")
+        return 0
+    packages = cached_packages()
+    total = sum(p.stat().st_size for p in packages)
+    print(f"inductor packages: {directory}")
+    print(f"{len(packages)} packages, {total / (1 << 20):.1f} MiB")
+    if args.list:
+        for path in packages:
+            print(f"  {path.name}  {path.stat().st_size / (1 << 20):8.1f} MiB")
+    return 0
+
+
 def _cmd_train_demo(args: argparse.Namespace) -> int:
     import importlib
 
@@ -199,7 +218,8 @@ def _add_model_args(p: argparse.ArgumentParser, with_inputs: bool = True) -> Non
     p.add_argument("--compile", choices=["auto", "codegen", "onednn", "inductor", "none"],
                    default=None,
                    help="segment backend (default: $SEGFLOW_COMPILE or auto: onednn for CPU "
-                        "graphs with depthwise convolutions, codegen otherwise)")
+                        "graphs with depthwise convolutions, codegen otherwise, and a small "
+                        "segment's inductor package when one is cached)")
     p.add_argument("--threads", type=_positive_int, default=None, metavar="N",
                    help="torch intra-op threads (default: $SEGFLOW_INTRA_OP_THREADS, "
                         "else $OMP_NUM_THREADS or the core count)")
@@ -242,6 +262,16 @@ def _build_parser() -> argparse.ArgumentParser:
                                    "count, exec types, device, boundary reason) and totals.")
     _add_model_args(p, with_inputs=False)
     p.set_defaults(func=_cmd_explain)
+
+    p = sub.add_parser("cache", help="show or clear the compiled-segment package cache",
+                       description="Show where compile=inductor keeps its packages "
+                                   "($SEGFLOW_CACHE_DIR, else ~/.cache/segflow) and how much "
+                                   "they take; packages are never evicted on their own. "
+                                   "Under compile=auto a small segment runs its package "
+                                   "when one is cached.")
+    p.add_argument("--list", action="store_true", help="list each package with its size")
+    p.add_argument("--clear", action="store_true", help="delete every package")
+    p.set_defaults(func=_cmd_cache)
 
     # The demo parses its own flags (and --help), so this parser adds none.
     p = sub.add_parser("train-demo", help="train a small CNN on the bundled digits data set",

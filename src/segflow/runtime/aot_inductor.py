@@ -197,6 +197,25 @@ def has_packages() -> bool:
         return False
 
 
+def cached_packages() -> list[Path]:
+    """The package files in the cache, oldest first (left-over partial files included)."""
+    directory = cache_dir() / "aoti"
+    if not directory.is_dir():
+        return []
+    return sorted(directory.glob("*.pt2"), key=lambda p: p.stat().st_mtime)
+
+
+def clear_packages() -> tuple[int, int]:
+    """Delete every cached package; (files, bytes) removed."""
+    files = size = 0
+    for path in cached_packages():
+        with contextlib.suppress(OSError):
+            nbytes = path.stat().st_size
+            path.unlink()
+            files, size = files + 1, size + nbytes
+    return files, size
+
+
 def package_key(nodes: Sequence[Node], source: str, inputs: Sequence[Tensor],
                 options: dict[str, Any] | None = None) -> str:
     """A digest of everything a package depends on, computed without exporting.
