@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -114,9 +116,10 @@ def test_compile_mode_resolution():
     assert sess.compile_report.backend == "codegen" and sess.compile_report.compile_time_s >= 0
 
 
-@pytest.mark.slow
-def test_inductor_backend_matches_onnxruntime_and_caches_on_disk(tmp_path, monkeypatch):
-    """AOTInductor on one small segment (~10 s per compile on 2 cores), then the disk cache."""
+def _small_mlp_sessions(tmp_path, monkeypatch, compile: str
+                        ) -> Callable[[], segflow.InferenceSession]:
+    """Makes sessions on a 2-layer MLP with the package cache in ``tmp_path``; each new
+    session runs twice and must match onnxruntime both times."""
     monkeypatch.setenv("SEGFLOW_CACHE_DIR", str(tmp_path))
     model = models.build("mlp_chain", layers=2, width=16)
     feeds = models.example_inputs("mlp_chain", layers=2, width=16)
@@ -124,11 +127,17 @@ def test_inductor_backend_matches_onnxruntime_and_caches_on_disk(tmp_path, monke
                                providers=["CPUExecutionProvider"]).run(None, feeds)
 
     def session() -> segflow.InferenceSession:
-        sess = segflow.InferenceSession(model, engine="inline", compile="inductor")
+        sess = segflow.InferenceSession(model, engine="inline", compile=compile)
         for _ in range(2):
             np.testing.assert_allclose(sess.run(None, feeds)[0], ref[0], atol=ATOL, rtol=RTOL)
         return sess
+    return session
 
+
+@pytest.mark.slow
+def test_inductor_backend_matches_onnxruntime_and_caches_on_disk(tmp_path, monkeypatch):
+    """AOTInductor on one small segment (~10 s per compile on 2 cores), then the disk cache."""
+    session = _small_mlp_sessions(tmp_path, monkeypatch, "inductor")
     sess = session()
     assert "layout: skipped (inductor" in sess.explain()
     report = sess.compile_report
@@ -147,28 +156,18 @@ def test_inductor_backend_matches_onnxruntime_and_caches_on_disk(tmp_path, monke
     assert third.compile_report.cache_hits == 0 and third.compile_report.fallbacks == []
 
 
+@pytest.mark.slow
 def test_auto_runs_a_cached_inductor_package_and_never_compiles_one(tmp_path, monkeypatch):
     from segflow.runtime.aot_inductor import AotInductorSegment
 
-    monkeypatch.setenv("SEGFLOW_CACHE_DIR", str(tmp_path))
-    model = models.build("mlp_chain", layers=2, width=16)
-    feeds = models.example_inputs("mlp_chain", layers=2, width=16)
-    ref = ort.InferenceSession(model.SerializeToString(),
-                               providers=["CPUExecutionProvider"]).run(None, feeds)
-
-    def auto() -> segflow.InferenceSession:
-        sess = segflow.InferenceSession(model, engine="inline")
-        for _ in range(2):
-            np.testing.assert_allclose(sess.run(None, feeds)[0], ref[0], atol=ATOL, rtol=RTOL)
-        return sess
-
+    auto = _small_mlp_sessions(tmp_path, monkeypatch, "auto")
     cold = auto()  # nothing cached: codegen, nothing compiled or written
     assert cold.compile_report.backend == "codegen" and cold.compile_report.cache_hits == 0
     assert cold.compile_report.fallbacks == [] and not list(tmp_path.rglob("*.pt2"))
     assert not isinstance(cold._executor.compiled[0], AotInductorSegment)  # not even a lookup
     assert "or for a small segment its inductor package" in cold.explain()
 
-    segflow.InferenceSession(model, engine="inline", compile="inductor").run(None, feeds)
+    _small_mlp_sessions(tmp_path, monkeypatch, "inductor")()  # compiles into the cache
     warm = auto()  # the package the inductor session left in the cache
     assert warm.compile_report.cache_hits == 1 and warm.compile_report.fallbacks == []
     assert "1 segments run cached inductor packages" in warm.compile_report.describe()
