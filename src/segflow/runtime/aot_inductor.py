@@ -172,6 +172,8 @@ class AotInductorSegment(VerifiedSegment):
         # to the compile report instead (and the segment runs codegen).
         with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
             exported = torch.export.export(module, tuple(inputs), strict=False)
+        # Not in the key, and it need not be: it follows from the nodes and input shapes,
+        # which are (a change to SERIAL_MAX_WORK bumps FORMAT).
         if device.type == "cpu" and largest_op_work(exported.graph) <= SERIAL_MAX_WORK:
             options = {**options, "cpp.threads": 1}
         directory.mkdir(parents=True, exist_ok=True)
