@@ -62,6 +62,33 @@ def test_data_dependent_op_mid_graph_gives_three_tasks():
     assert "NonZero" in sess.explain()
 
 
+@pytest.mark.parametrize("name", ["nonzero_mid", "mlp_chain"])
+def test_inline_runs_skip_the_engine_but_count_the_same(name, monkeypatch):
+    """On the host, the inline engine's runs call the task functions directly (no Vars or
+    pushes); counters and outputs stay those of the engine path."""
+    from segflow.engine.inline import InlineEngine
+
+    model, feeds = models.build(name), models.example_inputs(name)
+    threaded = segflow.InferenceSession(model, engine="threaded")
+    want = threaded.run(None, feeds)
+    inline = segflow.InferenceSession(model, engine="inline")
+
+    def no_push(*args, **kwargs):
+        raise AssertionError("the inline run went through the engine")
+    with monkeypatch.context() as patch:
+        patch.setattr(InlineEngine, "push", no_push)
+        got = inline.run(None, feeds)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+    counters = ("nodes", "segments", "pushes", "syncs", "kernels", "copies")
+    assert [getattr(inline.last_run_stats, c) for c in counters] == \
+        [getattr(threaded.last_run_stats, c) for c in counters]
+    with segflow.profile() as prof:  # a profiled run takes the engine path and its spans
+        inline.run(None, feeds)
+    assert any(e.name.startswith("push") for e in prof.events)
+    threaded.close()
+
+
 def _run_all_modes(name: str, compile: str = "codegen"
                    ) -> dict[tuple[str, bool], list[np.ndarray]]:
     model = models.build(name)

@@ -130,6 +130,7 @@ class TrainingExecutor(Executor):
                     if value is not None:
                         found.update(aliases.get(value, ()))
             self.extra_reads[index] = tuple(sorted(found, key=lambda v: v.name))
+        self._direct = None  # runs order against parameter updates through the engine's Vars
         self.phase_counts = {phase: sum(1 for s in plan.segments if s.phase is phase)
                              for phase in (Phase.FORWARD, Phase.BACKWARD)}
 
