@@ -5,7 +5,10 @@ kernels are bound once, constants are placed on their devices once, and each
 value's slot is released after its last use. A run pushes one task per
 segment in plan order, with one engine Var per task: a task reads the Vars of
 the tasks that produce its inputs and writes its own. The host then waits
-once for the tasks that produce the outputs.
+once for the tasks that produce the outputs. Under the inline engine on host
+devices, where every push would run its task at once and in order anyway, an
+unprofiled run calls the task functions directly and counts the same pushes
+and syncs.
 
 Each run owns its slot array, Vars and counters, so one Executor can serve
 many threads at once.
