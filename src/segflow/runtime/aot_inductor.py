@@ -32,8 +32,9 @@ are called straight from the package's C++ (MLP chain: see
 benchmarks/cpu_targets.py). Autotuning adds to a cold compile (the MLP chain:
 ~60 s against ~30 s), once per machine.
 
-Exporting swaps ``sys.stderr`` for the duration (a failed export prints its
-whole graph there), so another thread's stderr output in that window is lost.
+Exporting and compiling swap ``sys.stderr`` for the duration (a failed export
+prints its whole graph there, autotuning its timing tables), so another
+thread's stderr output in that window is lost.
 
 Like the oneDNN Graph backend, a compiled signature is used only after its
 outputs matched ``codegen`` on the same inputs (:class:`VerifiedSegment`).
@@ -182,7 +183,9 @@ class AotInductorSegment(VerifiedSegment):
         import torch._inductor.config as inductor_config
 
         try:
-            with inductor_config.patch(options), torch.no_grad():
+            # Autotuning writes its timing tables to stderr; a compile error still raises.
+            with inductor_config.patch(options), torch.no_grad(), \
+                    contextlib.redirect_stderr(io.StringIO()):
                 torch._inductor.aoti_compile_and_package(exported, package_path=str(partial))
             os.replace(partial, path)
         finally:
