@@ -175,6 +175,17 @@ def test_auto_runs_a_cached_inductor_package_and_never_compiles_one(tmp_path, mo
     assert [getattr(warm.last_run_stats, c) for c in counters] == \
         [getattr(cold.last_run_stats, c) for c in counters]
 
+    # Another batch size has no package: codegen for it, the package still for batch 1.
+    segment = warm._executor.compiled[0]
+    assert isinstance(segment, AotInductorSegment)
+    x3 = {"x": np.random.default_rng(1).standard_normal((3, 16), dtype=np.float32)}
+    ort_mlp = ort.InferenceSession(models.build("mlp_chain", layers=2, width=16)
+                                   .SerializeToString(), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(warm.run(None, x3)[0], ort_mlp.run(None, x3)[0],
+                               atol=ATOL, rtol=RTOL)
+    assert not segment.codegen_only and warm.compile_report.cache_hits == 1
+    assert sorted(fn is not None for fn in segment._compiled.values()) == [False, True]
+
 
 def test_only_small_dense_segments_look_for_cached_packages(monkeypatch):
     from segflow.runtime import compile as compile_module

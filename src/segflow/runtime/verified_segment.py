@@ -51,8 +51,8 @@ class VerifiedSegment:
 
     def _build(self, inputs: list[Tensor]) -> Callable[..., Sequence[Tensor]] | None:
         """A callable ``fn(*inputs) -> outputs`` specialized for these inputs, or None:
-        nothing to compile here, and ``codegen`` runs this and every later call (not a
-        failure to report)."""
+        nothing to compile here, and ``codegen`` runs these inputs (not a failure to
+        report); when no earlier signature was compiled, every later call too."""
         raise NotImplementedError
 
     def __call__(self, env: list[Any]) -> None:
@@ -90,8 +90,9 @@ class VerifiedSegment:
         start = time.perf_counter()
         try:
             fn = self._build(inputs)
-            if fn is None:
-                self.codegen_only = True
+            if fn is None:  # codegen for this signature; for every later one too unless
+                # an earlier signature is compiled (its runs still need the lookup)
+                self.codegen_only = not any(self._compiled.values())
                 return None
             problem = self._verify(fn, env, inputs)
         except Exception as exc:  # compilers fail in many ways: run codegen instead
