@@ -233,18 +233,7 @@ class Executor:
             sink.span("run", "run", run_t0, time.perf_counter_ns(),
                       device=str(self.plan.default_device),
                       args={"segments": len(self.tasks), "syncs": syncs})
-        stats = RunStats(
-            nodes=self.compute_nodes,
-            segments=len(self.tasks),
-            pushes=len(self.tasks) + extra_pushes,
-            syncs=syncs,
-            kernels=self.kernels_per_run,
-            copies=self.copies_per_run,
-            engine=engine.name,
-            settings=self.settings_record,
-            wall_time_s=time.perf_counter() - start,
-        )
-        return outputs, stats  # type: ignore[return-value]
+        return outputs, self._stats(extra_pushes, syncs, start)  # type: ignore[return-value]
 
     def _run_direct(self, feeds: Sequence[Tensor]) -> tuple[list[Tensor], RunStats]:
         """:meth:`run` for the inline engine on the host: the same tasks in the same order
@@ -258,18 +247,21 @@ class Executor:
         for fn in self._direct:
             fn(env)
         outputs = [env[s] for s in self.output_slots]
-        stats = RunStats(
+        return outputs, self._stats(0, self._direct_syncs, start)  # type: ignore[return-value]
+
+    def _stats(self, extra_pushes: int, syncs: int, start: float) -> RunStats:
+        """A run's counters: one push per task (plus ``extra_pushes``), ``syncs``."""
+        return RunStats(
             nodes=self.compute_nodes,
             segments=len(self.tasks),
-            pushes=len(self.tasks),
-            syncs=self._direct_syncs,
+            pushes=len(self.tasks) + extra_pushes,
+            syncs=syncs,
             kernels=self.kernels_per_run,
             copies=self.copies_per_run,
             engine=self.engine.name,
             settings=self.settings_record,
             wall_time_s=time.perf_counter() - start,
         )
-        return outputs, stats  # type: ignore[return-value]
 
     @staticmethod
     def _task_fn(steps: list[Step], env: list[Tensor | None],
