@@ -122,20 +122,16 @@ class SegmentCompiler:
             live_out = {slot for step in steps for slot in step.outputs
                         if slot in read_elsewhere.get(index, set())}
             program = generate(steps, template, live_out, self.memory, self.device)
-            if self.mode in (CompileMode.INDUCTOR, CompileMode.ONEDNN):
+            cached_only = self.cached_packages and uses_cached_package(steps)
+            if self.mode in (CompileMode.INDUCTOR, CompileMode.ONEDNN) or cached_only:
                 pure = generate(steps, template, live_out, None, self.device, pure=True,
                                 traceable=True)
                 if self.mode is CompileMode.ONEDNN:
                     compiled.append(OneDnnGraphSegment(pure, program.fn, self.report))
                 else:
                     nodes = [step.node for step in steps]
-                    compiled.append(AotInductorSegment(pure, program.fn, self.report, nodes))
-            elif self.cached_packages and uses_cached_package(steps):
-                pure = generate(steps, template, live_out, None, self.device, pure=True,
-                                traceable=True)
-                compiled.append(AotInductorSegment(pure, program.fn, self.report,
-                                                   [step.node for step in steps],
-                                                   cached_only=True))
+                    compiled.append(AotInductorSegment(pure, program.fn, self.report, nodes,
+                                                       cached_only=cached_only))
             else:
                 compiled.append(program.fn)
             self.report.segments += 1

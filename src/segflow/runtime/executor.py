@@ -140,8 +140,8 @@ class Executor:
                 and all(t.segment.exec_type is not ExecType.ASYNC for t in self.tasks):
             self._direct = [fn if fn is not None else partial(run_steps, t.steps)
                             for t, fn in zip(self.tasks, self.compiled)]
-        # What run() counts: each host-waiting task, and the one wait for the outputs.
-        self._direct_syncs = sum(1 for t in self.tasks if t.waits_on_host) \
+        # The host waits of every run: each host-waiting task, and the one for the outputs.
+        self.host_syncs = sum(1 for t in self.tasks if t.waits_on_host) \
             + (1 if self.output_tasks else 0)
 
     def _assign_releases(self, outputs: Sequence[Value]) -> None:
@@ -198,7 +198,6 @@ class Executor:
         engine = self.engine
         names = self._var_names
         run_vars = [Var(name) for name in names]
-        syncs = 0
         run_t0 = time.perf_counter_ns() if sink is not None else 0
         pushed_at = [0]  # the current push's start, for a LOCAL task's host-wait span
         for index, task in enumerate(self.tasks):
@@ -216,19 +215,16 @@ class Executor:
             if sink is not None:
                 sink.span("push", f"push {_task_name(task)}", t0, time.perf_counter_ns(),
                           device=str(seg.device), args={"segment": seg.index})
-            if task.waits_on_host:
-                syncs += 1
         extra_pushes = after_tasks(run_vars, env) if after_tasks is not None else 0
         if self.output_tasks:
             t0 = time.perf_counter_ns() if sink is not None else 0
             for index in self.output_tasks:
                 engine.wait(run_vars[index])
-            syncs += 1
             if sink is not None:
                 sink.span("sync", "wait for outputs", t0, time.perf_counter_ns(),
                           device=str(self.plan.default_device))
         outputs = completion.finish([env[s] for s in self.output_slots], host_outputs)
-        syncs += completion.extra_syncs
+        syncs = self.host_syncs + completion.extra_syncs
         if sink is not None:
             sink.span("run", "run", run_t0, time.perf_counter_ns(),
                       device=str(self.plan.default_device),
@@ -247,7 +243,7 @@ class Executor:
         for fn in self._direct:
             fn(env)
         outputs = [env[s] for s in self.output_slots]
-        return outputs, self._stats(0, self._direct_syncs, start)  # type: ignore[return-value]
+        return outputs, self._stats(0, self.host_syncs, start)  # type: ignore[return-value]
 
     def _stats(self, extra_pushes: int, syncs: int, start: float) -> RunStats:
         """A run's counters: one push per task (plus ``extra_pushes``), ``syncs``."""
