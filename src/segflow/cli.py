@@ -92,7 +92,8 @@ def _session(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     sess = segflow.InferenceSession(model, device=args.device, bulk=bulk,
                                     engine=getattr(args, "engine", None),
                                     compile=getattr(args, "compile", None),
-                                    intra_op_threads=getattr(args, "threads", None))
+                                    intra_op_threads=getattr(args, "threads", None),
+                                    host_memory=getattr(args, "host_memory", None))
     return sess, label
 
 
@@ -223,6 +224,10 @@ def _add_model_args(p: argparse.ArgumentParser, with_inputs: bool = True) -> Non
     p.add_argument("--threads", type=_positive_int, default=None, metavar="N",
                    help="torch intra-op threads (default: $SEGFLOW_INTRA_OP_THREADS, "
                         "else $OMP_NUM_THREADS or the core count)")
+    p.add_argument("--host-memory", choices=["retain", "system"], default=None,
+                   help="on CPU, keep a run's freed activation memory for the next run "
+                        "(retain) or leave malloc's policy alone (system); default: "
+                        "$SEGFLOW_HOST_MEMORY or retain")
     if with_inputs:
         p.add_argument("--input", action="append", default=[], metavar="NAME=SRC",
                        help="NAME=FILE.npy or NAME=rand:1x3x224x224 (repeatable); "

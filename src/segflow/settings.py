@@ -27,6 +27,7 @@ ENV_NO_MEMORY_PLAN = "SEGFLOW_NO_MEMORY_PLAN"      # 1: no memory plan, no in-pl
 ENV_COMPILE = "SEGFLOW_COMPILE"                    # auto | codegen | onednn | inductor | none
 ENV_INTRA_OP_THREADS = "SEGFLOW_INTRA_OP_THREADS"  # torch.set_num_threads (else OMP_NUM_THREADS)
 ENV_CACHE_DIR = "SEGFLOW_CACHE_DIR"  # compiled segments (compile="inductor"); else XDG cache
+ENV_HOST_MEMORY = "SEGFLOW_HOST_MEMORY"            # retain | system (runtime/host_memory.py)
 
 ENGINES = ("auto", "inline", "threaded")
 

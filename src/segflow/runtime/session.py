@@ -38,6 +38,7 @@ from segflow.profiler.sink import active_sink
 from segflow.runtime.compile import SegmentCompiler
 from segflow.runtime.completion import SyncMode
 from segflow.runtime.executor import Executor
+from segflow.runtime.host_memory import HostMemory, apply_host_memory
 from segflow.runtime.plan import Plan, make_plan
 from segflow.runtime.stats import RunStats
 from segflow.settings import BulkSettings, engine_for_plan, resolve_engine
@@ -77,6 +78,10 @@ class InferenceSession:
             depthwise convolutions, else codegen; ``compile_report`` says which ran).
         intra_op_threads: torch intra-op threads (process-wide; None: ``SEGFLOW_INTRA_OP_THREADS``,
             else torch's default from ``OMP_NUM_THREADS`` / the core count).
+        host_memory: on CPU, ``"retain"`` keeps a run's freed activation memory in the
+            heap for the next run instead of faulting it in again, ``"system"`` leaves
+            malloc alone (process-wide; None: ``SEGFLOW_HOST_MEMORY``, default retain;
+            see :mod:`segflow.runtime.host_memory`).
     """
 
     def __init__(self, model: ModelSource, device: str | Device = "cpu", *,
@@ -85,7 +90,8 @@ class InferenceSession:
                  registry: OpRegistry | None = None, sync_mode: str = "event",
                  cuda_graphs: bool = False, stream_backend: StreamBackend | None = None,
                  optimize: bool | Mapping[str, bool] | None = None, compile: str | None = None,
-                 intra_op_threads: int | None = None) -> None:
+                 intra_op_threads: int | None = None,
+                 host_memory: str | None = None) -> None:
         self.device = Device.parse(device)
         self.registry = registry or default_registry()
         self.graph = import_model(model, self.registry)
@@ -94,6 +100,7 @@ class InferenceSession:
         self.options = OptimizeOptions.resolve(optimize, compile=compile,
                                                intra_op_threads=intra_op_threads)
         threads = configure_threads(self.options)
+        memory_policy = apply_host_memory(HostMemory.resolve(host_memory), self.device)
         pipeline = run_pipeline(self.graph, self.options, registry=self.registry,
                                 device=None if placement else self.device)
         self.plan: Plan = make_plan(self.graph, self.registry, self.settings, self.device,
@@ -106,6 +113,7 @@ class InferenceSession:
                                      "cuda_graphs": cuda_graphs, **self.options.as_record(),
                                      "compile": pipeline.compile.value,
                                      "intra_op_threads": threads,
+                                     "host_memory": memory_policy.value,
                                      **(pipeline.memory.as_record() if pipeline.memory else {})}
         compiler = SegmentCompiler(pipeline.compile, pipeline.memory, self.device.torch,
                                    cached_packages=self.options.compile is CompileMode.AUTO)

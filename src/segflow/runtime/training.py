@@ -40,6 +40,7 @@ from segflow.passes.place import place
 from segflow.passes.segment import Phase, segment_nodes
 from segflow.profiler.sink import active_sink
 from segflow.runtime.executor import Executor
+from segflow.runtime.host_memory import HostMemory, apply_host_memory
 from segflow.runtime.plan import Plan, make_plan, resolve_opdefs
 from segflow.runtime.stats import RunStats
 from segflow.settings import BulkSettings, engine_for_plan, resolve_engine
@@ -173,6 +174,8 @@ class TrainingSession:
             ``SEGFLOW_BULK_TRAIN``, ``SEGFLOW_BULK_MAX_NODES_FWD/BWD``, then defaults).
         train_mode: BatchNorm normalizes with batch statistics (and updates its running
             ones) and Dropout drops; False keeps the model's inference behaviour.
+        host_memory: ``"retain"`` or ``"system"``, as for
+            :class:`segflow.InferenceSession` (None: ``SEGFLOW_HOST_MEMORY``, default retain).
     """
 
     def __init__(self, model: ModelSource, *, loss: str | CrossEntropyLoss | None = None,
@@ -181,8 +184,9 @@ class TrainingSession:
                  device: str | Device = "cpu", engine: str | None = None,
                  bulk: bool | None = None, max_nodes_fwd: int | None = None,
                  max_nodes_bwd: int | None = None, train_mode: bool = True,
-                 registry: OpRegistry | None = None) -> None:
+                 registry: OpRegistry | None = None, host_memory: str | None = None) -> None:
         self.device = Device.parse(device)
+        memory_policy = apply_host_memory(HostMemory.resolve(host_memory), self.device)
         self.registry = registry or default_registry()
         self.settings = BulkSettings.resolve(train=bulk, max_nodes_fwd=max_nodes_fwd,
                                              max_nodes_bwd=max_nodes_bwd)
@@ -222,7 +226,8 @@ class TrainingSession:
         self.engine_name = engine_for_plan(resolve_engine(engine),
                                            {s.device for s in self.plan.segments})
         self._engine = make_engine(self.engine_name)
-        record: dict[str, object] = {"device": str(self.device), **self.settings.as_dict()}
+        record: dict[str, object] = {"device": str(self.device), **self.settings.as_dict(),
+                                     "host_memory": memory_policy.value}
         aliases = _state_aliases(graph, {graph_input(graph, n): self._vars[n]
                                          for n in state_names})
         self._executor = TrainingExecutor(self.plan, self.registry, self._engine, record,
