@@ -42,6 +42,8 @@ LINEAR_ONEDNN_MIN_MACS = 1 << 20
 # A weight with at least this many elements is worth oneDNN even for a single row (measured
 # equal at 768 x 768, oneDNN ahead above): the layout pass prepacks it, dropping the dense copy.
 LINEAR_PACK_MIN_WEIGHT = 1 << 19
+# relu(addmm(b, x, w)) in one ATen op: same bits as addmm then relu_, one dispatch less.
+_ADDMM_RELU = torch._addmm_activation
 
 
 def onednn_graph_available() -> bool:
@@ -320,12 +322,16 @@ def _linear_callable(node: Node, device: torch.device) -> Callable[..., Tensor]:
     linear_pw = torch.ops.mkldnn._linear_pointwise.default if use_onednn else None
     attr, scalars, algorithm = post if post is not None else ("none", [], "")
     finish = act.inplace
-    addmm = torch.addmm
+    addmm = _ADDMM_RELU if act.name == "Relu" else torch.addmm
     static = _static_macs(node)
 
     def small(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
-        if x.dim() == 2:
-            y = addmm(b, x, w.t()) if b is not None else x @ w.t()
+        if x.dim() == 2 and b is not None:
+            y = addmm(b, x, w.t())
+            if addmm is _ADDMM_RELU:
+                return y
+        elif x.dim() == 2:
+            y = x @ w.t()
         else:
             y = F.linear(x, w, b)
         if finish is not None:
@@ -447,12 +453,13 @@ def _inline_gemm(node: Node, device: torch.device, consts: Sequence[Tensor | Non
     if (weight is None or weight.dim() != 2 or x is None or x.spec.rank != 2 or not has_bias
             or act.name not in ("", "Relu")):
         return generic
-    # addmm(b, x, w.t()) with the transposed view bound once; relu in place on the result.
-    small = "{addmm}({in2}, {in0}, {wt})"
-    if act.name == "Relu":
-        small = small + ".relu_()"
-    bound: dict[str, object] = {"addmm": torch.addmm, "wt": weight.t(),
-                                "fn": fn}
+    # addmm(b, x, w.t()) with the transposed view bound once; with Relu, ATen's
+    # addmm+relu in one call (one dispatch less per layer: the 200-layer MLP chain
+    # 1.12 -> 1.02-1.05 ms, same bits).
+    small = "{addmm_relu}({in2}, {in0}, {wt})" if act.name == "Relu" else \
+        "{addmm}({in2}, {in0}, {wt})"
+    bound: dict[str, object] = {"addmm": torch.addmm, "addmm_relu": _ADDMM_RELU,
+                                "wt": weight.t(), "fn": fn}
     if device.type != "cpu" or not onednn_available() or post is None:
         return Inline(small, bound)
     static = _static_macs(node)
