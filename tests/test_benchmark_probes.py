@@ -1,0 +1,64 @@
+"""benchmarks/conv_kernels.py and benchmarks/host_memory.py: parsing and one small child run."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _verbose(shape: str, ms: float) -> str:
+    return (f"onednn_verbose,v1,primitive,exec,cpu,convolution,brgconv_1x1:avx512_core,"
+            f"forward_inference,src:f32::blocked:acdb::f0,attr-scratchpad:user,"
+            f"alg:convolution_direct,mb1_{shape}_iw56ow56kw1sw1dw0pw0,{ms}")
+
+
+def test_conv_kernels_reads_oneDNN_verbose_run_by_run() -> None:
+    probe = _load("conv_kernels")
+    a, b = "ic64oc64_ih56oh56kh1sh1dh0ph0", "ic64oc256_ih56oh56kh1sh1dh0ph0"
+    warmup = _verbose(a, 99.0)  # before the marker: the untimed run, ignored
+    timed = [_verbose(a, 1.0), _verbose(b, 2.0), "onednn_verbose,v1,primitive,exec,cpu,reorder",
+             _verbose(a, 3.0), _verbose(b, 6.0), _verbose(a, 2.0), _verbose(b, 4.0)]
+    stdout = "\n".join([warmup, "RUNS", *timed, 'RESULT {"wall_ms": [1, 2, 3]}'])
+    shapes, medians, sums = probe._verbose_convs(stdout, runs=3)
+    assert shapes == [a, b]
+    assert medians == [2.0, 4.0]
+    assert sums == [3.0, 9.0, 6.0]
+
+
+def test_host_memory_child_reports_faults_time_and_the_policy_in_force() -> None:
+    probe = _load("host_memory")
+    result = probe.child("mlp_chain", 1, warmup=1, runs=2, policy="system")
+    assert result["policy"] == "system"
+    faults, ms = result["faults"], result["ms"]
+    assert isinstance(faults, list) and len(faults) == 2 and min(faults) >= 0
+    assert isinstance(ms, list) and len(ms) == 2 and min(ms) > 0
+    assert result["hwm_mib"] >= result["rss_mib"] > 0  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("name", ["conv_kernels", "host_memory"])
+def test_probe_help_describes_it(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    probe = _load(name)
+    sys_argv = sys.argv
+    sys.argv = [name, "--help"]
+    try:
+        with pytest.raises(SystemExit):
+            probe.main()
+    finally:
+        sys.argv = sys_argv
+    assert probe.__doc__ is not None
+    assert probe.__doc__.splitlines()[0] in capsys.readouterr().out
