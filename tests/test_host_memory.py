@@ -96,3 +96,14 @@ def test_retain_reuses_freed_activations_instead_of_faulting_them_in_again() -> 
     warm_retain = retain["faults"][2:]  # type: ignore[index]
     assert min(warm_system) > 8192, system  # the premise: 32 MiB of fresh pages a run
     assert sum(warm_retain) < sum(warm_system) / 3, (retain, system)
+
+
+def test_a_bad_setting_is_a_one_line_cli_error(capsys: pytest.CaptureFixture[str],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from segflow.cli import main
+
+    monkeypatch.setenv(ENV_HOST_MEMORY, "forever")
+    assert main(["run", "builtin:mlp_chain"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("segflow: error: SEGFLOW_HOST_MEMORY='forever': expected one of "
+                   "retain, system\n")

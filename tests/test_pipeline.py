@@ -13,6 +13,7 @@ import torch
 
 import segflow
 from segflow import models
+from segflow.errors import InvalidSetting
 from segflow.frontend.onnx_import import import_model
 from segflow.ir.types import Device
 from segflow.passes.pipeline import (
@@ -61,8 +62,10 @@ def test_switches(optimize_arg, env, expected):
 def test_bad_values_are_rejected():
     with pytest.raises(ValueError, match="unknown passes"):
         OptimizeOptions.resolve({"fusion": True}, env={})
-    with pytest.raises(ValueError, match="compile="):
+    with pytest.raises(InvalidSetting, match="^SEGFLOW_COMPILE='fast': expected one of"):
         OptimizeOptions.resolve(env={"SEGFLOW_COMPILE": "fast"})
+    with pytest.raises(InvalidSetting, match="^compile='fast': expected one of"):
+        OptimizeOptions.resolve(compile="fast", env={})
     with pytest.raises(ValueError, match="SEGFLOW_NO_FUSE"):
         OptimizeOptions.resolve(env={"SEGFLOW_NO_FUSE": "maybe"})
     with pytest.raises(ValueError, match="intra_op_threads"):
@@ -129,6 +132,7 @@ def test_thread_option_sets_torch_threads():
 _CHILD = """
 import json, segflow, torch
 from segflow import models
+from segflow.errors import InvalidSetting
 sess = segflow.InferenceSession(models.build("mlp_chain", layers=4))
 sess.run(None, models.example_inputs("mlp_chain", layers=4))
 s = sess.last_run_stats

@@ -11,6 +11,7 @@ from segflow.errors import (
     ExecutionError,
     InvalidInput,
     InvalidModel,
+    InvalidSetting,
     SegflowError,
     UnsupportedOp,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "InferenceSession",
     "InvalidInput",
     "InvalidModel",
+    "InvalidSetting",
     "NodeArg",
     "RunStats",
     "SegflowError",

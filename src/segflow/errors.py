@@ -15,6 +15,10 @@ class UnsupportedOp(InvalidModel):
     """The model uses an operator (or opset version) segflow does not implement."""
 
 
+class InvalidSetting(SegflowError, ValueError):
+    """A session option or ``SEGFLOW_*`` variable has a value segflow does not accept."""
+
+
 class InvalidInput(SegflowError, ValueError):
     """A feed does not match the model: unknown or missing name, wrong dtype, rank or dim."""
 

@@ -12,6 +12,8 @@ from collections.abc import Collection, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from segflow.errors import InvalidSetting
+
 ENV_BULK_INFERENCE = "SEGFLOW_BULK_INFERENCE"
 ENV_BULK_TRAIN = "SEGFLOW_BULK_TRAIN"
 ENV_BULK_MAX_NODES_FWD = "SEGFLOW_BULK_MAX_NODES_FWD"
@@ -41,7 +43,7 @@ def _env_bool(env: Mapping[str, str], name: str, default: bool) -> bool:
         return True
     if text in ("0", "false", "no", "off"):
         return False
-    raise ValueError(f"{name}={raw!r}: expected 0 or 1")
+    raise InvalidSetting(f"{name}={raw!r}: expected 0 or 1")
 
 
 def _env_int(env: Mapping[str, str], name: str, default: int) -> int:
@@ -51,9 +53,9 @@ def _env_int(env: Mapping[str, str], name: str, default: int) -> int:
     try:
         value = int(raw)
     except ValueError:
-        raise ValueError(f"{name}={raw!r}: expected a positive integer") from None
+        raise InvalidSetting(f"{name}={raw!r}: expected a positive integer") from None
     if value < 1:
-        raise ValueError(f"{name}={raw!r}: expected a positive integer")
+        raise InvalidSetting(f"{name}={raw!r}: expected a positive integer")
     return value
 
 
@@ -92,7 +94,7 @@ def resolve_engine(name: str | None, env: Mapping[str, str] | None = None) -> st
     chosen = name or env.get(ENV_ENGINE) or "auto"
     if chosen not in ENGINES:
         source = "engine" if name else ENV_ENGINE
-        raise ValueError(f"{source}={chosen!r}: expected one of {', '.join(ENGINES)}")
+        raise InvalidSetting(f"{source}={chosen!r}: expected one of {', '.join(ENGINES)}")
     return chosen
 
 

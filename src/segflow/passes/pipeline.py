@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from segflow.errors import InvalidSetting
 from segflow.ir.graph import Graph, Node
 from segflow.ir.types import Device, DeviceKind, DType
 from segflow.ops.fused import onednn_graph_available
@@ -58,14 +59,15 @@ class CompileMode(enum.Enum):
     NONE = "none"
 
     @classmethod
-    def parse(cls, text: str | CompileMode) -> CompileMode:
+    def parse(cls, text: str | CompileMode, source: str = "compile") -> CompileMode:
+        """``source`` names where the value came from, for the error message."""
         if isinstance(text, CompileMode):
             return text
         try:
             return cls(str(text).strip().lower())
         except ValueError:
             choices = ", ".join(m.value for m in cls)
-            raise ValueError(f"compile={text!r}: expected one of {choices}") from None
+            raise InvalidSetting(f"{source}={text!r}: expected one of {choices}") from None
 
     def resolve(self) -> CompileMode:
         """The backend ``auto`` stands for without a graph: codegen (builds in ms).
@@ -96,7 +98,8 @@ class OptimizeOptions:
         if isinstance(optimize, Mapping):
             unknown = sorted(set(optimize) - set(PASSES))
             if unknown:
-                raise ValueError(f"optimize: unknown passes {unknown}; known: {', '.join(PASSES)}")
+                raise InvalidSetting(f"optimize: unknown passes {unknown}; "
+                                     f"known: {', '.join(PASSES)}")
             explicit = optimize
             enabled = True
         elif optimize is None:
@@ -109,13 +112,16 @@ class OptimizeOptions:
                 switches[name] = bool(explicit[name])
             else:
                 switches[name] = enabled and not _env_bool(env, _PASS_ENV[name], False)
-        mode = CompileMode.parse(compile if compile is not None else
-                                 env.get(ENV_COMPILE, "").strip() or CompileMode.AUTO)
+        if compile is not None:
+            mode = CompileMode.parse(compile)
+        else:
+            mode = CompileMode.parse(env.get(ENV_COMPILE, "").strip() or CompileMode.AUTO,
+                                     source=ENV_COMPILE)
         threads = intra_op_threads
         if threads is None and env.get(ENV_INTRA_OP_THREADS, "").strip():
             threads = _env_int(env, ENV_INTRA_OP_THREADS, 1)
         if threads is not None and threads < 1:
-            raise ValueError(f"intra_op_threads={threads}: expected a positive integer")
+            raise InvalidSetting(f"intra_op_threads={threads}: expected a positive integer")
         return cls(compile=mode, intra_op_threads=threads, **switches)
 
     def as_record(self) -> dict[str, object]:

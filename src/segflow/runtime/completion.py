@@ -44,6 +44,7 @@ from segflow.engine.streams import (
     StreamPool,
     default_backend,
 )
+from segflow.errors import InvalidSetting
 from segflow.ir.types import Device, DeviceKind
 from segflow.passes.place import COPY_DOMAIN
 from segflow.passes.segment import Segment
@@ -75,7 +76,7 @@ class SyncMode(enum.Enum):
         try:
             return cls(str(value).strip().lower())
         except ValueError:
-            raise ValueError(f"sync_mode={value!r}: expected 'event' or 'stream'") from None
+            raise InvalidSetting(f"sync_mode={value!r}: expected 'event' or 'stream'") from None
 
 
 class End(enum.Enum):

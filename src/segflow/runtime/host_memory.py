@@ -38,6 +38,7 @@ import os
 import platform
 from collections.abc import Callable, Mapping
 
+from segflow.errors import InvalidSetting
 from segflow.ir.types import Device, DeviceKind
 from segflow.settings import ENV_HOST_MEMORY
 
@@ -70,7 +71,7 @@ class HostMemory(enum.Enum):
             return cls(raw.strip().lower())
         except ValueError:
             choices = ", ".join(m.value for m in cls)
-            raise ValueError(f"{source}={raw!r}: expected one of {choices}") from None
+            raise InvalidSetting(f"{source}={raw!r}: expected one of {choices}") from None
 
 
 def _glibc_mallopt() -> Callable[[int, int], int] | None:
