@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import numpy as np
@@ -139,18 +140,28 @@ def _small_mlp_sessions(tmp_path, monkeypatch, compile: str
 def test_inductor_backend_matches_onnxruntime_and_caches_on_disk(tmp_path, monkeypatch):
     """AOTInductor on one small segment (~10 s per compile on 2 cores), then the disk cache."""
     session = _small_mlp_sessions(tmp_path, monkeypatch, "inductor")
+    # A stale package over the cap: writing the new one evicts it (the new one stays,
+    # even alone over the cap).
+    (tmp_path / "aoti").mkdir()
+    stale = tmp_path / "aoti" / "stale.pt2"
+    stale.write_bytes(b"x" * (2 << 20))
+    os.utime(stale, (1e9, 1e9))
+    monkeypatch.setenv("SEGFLOW_CACHE_MAX_MB", "1")
     sess = session()
     assert "layout: skipped (inductor" in sess.explain()
     report = sess.compile_report
     assert report.backend == "inductor" and report.segments == 1
     assert report.fallbacks == [] and report.cache_hits == 0 and report.first_run_compile_s > 0
     assert sess.last_run_stats.settings["compile"] == "inductor"
+    assert report.evicted == 1 and "1 least recently used packages evicted" in report.describe()
     packages = list((tmp_path / "aoti").glob("*.pt2"))
-    assert len(packages) == 1  # no temporary files left behind
+    assert len(packages) == 1 and not stale.exists()  # no temporary files left behind
 
+    os.utime(packages[0], (1e9, 1e9))
     again = session()  # as a second process would: found on disk, not compiled
     assert again.compile_report.cache_hits == 1 and again.compile_report.fallbacks == []
     assert "loaded from the disk cache" in again.compile_report.describe()
+    assert packages[0].stat().st_mtime > 1e9  # a hit marks it used, for eviction by age
 
     packages[0].write_bytes(b"not a package")  # damaged: compiled again, not trusted
     third = session()
@@ -264,3 +275,35 @@ def test_inductor_options_follow_the_segments_layers():
                                                        "cpp.weight_prepack": False}
     plain = options("relu")  # no linear, no convolution: nothing to pack or tune
     assert plain == {"freezing": True, "cpp.weight_prepack": False}
+
+
+def test_eviction_drops_least_recently_used_packages_first(tmp_path, monkeypatch):
+    from segflow.runtime.aot_inductor import evict_packages
+
+    monkeypatch.setenv("SEGFLOW_CACHE_DIR", str(tmp_path))
+    directory = tmp_path / "aoti"
+    directory.mkdir()
+    files = {}
+    for age, name in enumerate(["newest", "middle", "oldest", "kept", "x.123.4.tmp"]):
+        path = directory / f"{name}.pt2"
+        path.write_bytes(b"x" * (1 << 20))
+        os.utime(path, (1e9 - age * 100, 1e9 - age * 100))
+        files[name] = path
+    # 4 MiB of packages (a partial file is another process's: not counted, never
+    # deleted), cap 2 MiB: "kept" is the package just written; of the rest the oldest go.
+    assert evict_packages(2 << 20, keep=files["kept"]) == (2, 2 << 20)
+    assert sorted(p.name for p in directory.iterdir()) == ["kept.pt2", "newest.pt2",
+                                                            "x.123.4.tmp.pt2"]
+    assert evict_packages(10 << 20) == (0, 0)  # under the cap: nothing to do
+    assert evict_packages(0) == (2, 2 << 20)  # without a package to keep, all can go
+    assert [p.name for p in directory.iterdir()] == ["x.123.4.tmp.pt2"]
+
+
+def test_cache_cap_comes_from_the_environment():
+    from segflow.errors import InvalidSetting
+    from segflow.settings import cache_max_bytes
+
+    assert cache_max_bytes({}) == 2048 << 20
+    assert cache_max_bytes({"SEGFLOW_CACHE_MAX_MB": "3"}) == 3 << 20
+    with pytest.raises(InvalidSetting, match="^SEGFLOW_CACHE_MAX_MB='lots': expected a positive"):
+        cache_max_bytes({"SEGFLOW_CACHE_MAX_MB": "lots"})

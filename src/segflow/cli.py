@@ -169,7 +169,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 
 def _cmd_cache(args: argparse.Namespace) -> int:
     from segflow.runtime.aot_inductor import cached_packages, clear_packages
-    from segflow.settings import cache_dir
+    from segflow.settings import cache_dir, cache_max_bytes
 
     directory = cache_dir() / "aoti"
     if args.clear:
@@ -179,7 +179,9 @@ def _cmd_cache(args: argparse.Namespace) -> int:
     packages = cached_packages()
     total = sum(p.stat().st_size for p in packages)
     print(f"inductor packages: {directory}")
-    print(f"{len(packages)} packages, {total / (1 << 20):.1f} MiB")
+    print(f"{len(packages)} packages, {total / (1 << 20):.1f} MiB "
+          f"(cap {cache_max_bytes() >> 20} MiB: $SEGFLOW_CACHE_MAX_MB; least recently used "
+          "packages are evicted when a new one is written)")
     if args.list:
         for path in packages:
             print(f"  {path.name}  {path.stat().st_size / (1 << 20):8.1f} MiB")

@@ -29,6 +29,7 @@ ENV_NO_MEMORY_PLAN = "SEGFLOW_NO_MEMORY_PLAN"      # 1: no memory plan, no in-pl
 ENV_COMPILE = "SEGFLOW_COMPILE"                    # auto | codegen | onednn | inductor | none
 ENV_INTRA_OP_THREADS = "SEGFLOW_INTRA_OP_THREADS"  # torch.set_num_threads (else OMP_NUM_THREADS)
 ENV_CACHE_DIR = "SEGFLOW_CACHE_DIR"  # compiled segments (compile="inductor"); else XDG cache
+ENV_CACHE_MAX_MB = "SEGFLOW_CACHE_MAX_MB"          # package cache size cap, MiB (default 2048)
 ENV_HOST_MEMORY = "SEGFLOW_HOST_MEMORY"            # retain | system (runtime/host_memory.py)
 
 ENGINES = ("auto", "inline", "threaded")
@@ -131,3 +132,16 @@ def cache_dir(env: Mapping[str, str] | None = None) -> Path:
     xdg = env.get("XDG_CACHE_HOME", "").strip()
     base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
     return base / "segflow"
+
+
+CACHE_MAX_MB = 2048
+
+
+def cache_max_bytes(env: Mapping[str, str] | None = None) -> int:
+    """The package cache's size cap: ``SEGFLOW_CACHE_MAX_MB`` MiB, default 2048 (2 GiB).
+
+    A new package evicts the least recently used ones until the cache fits (the new
+    one is always kept, even alone over the cap).
+    """
+    env = os.environ if env is None else env
+    return _env_int(env, ENV_CACHE_MAX_MB, CACHE_MAX_MB) << 20

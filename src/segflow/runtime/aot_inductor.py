@@ -38,6 +38,11 @@ thread's stderr output in that window is lost.
 
 Like the oneDNN Graph backend, a compiled signature is used only after its
 outputs matched ``codegen`` on the same inputs (:class:`VerifiedSegment`).
+
+The cache is capped (``SEGFLOW_CACHE_MAX_MB``, default 2 GiB): writing a package
+evicts the least recently used ones beyond the cap, by file mtime, which a cache
+hit refreshes. The new package is kept even alone over the cap, and partial files
+(another process may be writing them) are never evicted.
 """
 
 from __future__ import annotations
@@ -59,7 +64,7 @@ from segflow.ir.graph import Node
 from segflow.ops.fused import FUSED_DOMAIN
 from segflow.runtime.segment_module import SegmentModule
 from segflow.runtime.verified_segment import VerifiedSegment
-from segflow.settings import cache_dir
+from segflow.settings import cache_dir, cache_max_bytes
 
 if TYPE_CHECKING:
     from segflow.runtime.compile import CompileReport, Program, SegmentFn
@@ -165,6 +170,7 @@ class AotInductorSegment(VerifiedSegment):
                 pass
             else:
                 self.report.cache_hits += 1
+                _mark_used(path)
                 return runner
         if self.cached_only:
             return None
@@ -190,6 +196,7 @@ class AotInductorSegment(VerifiedSegment):
             os.replace(partial, path)
         finally:
             partial.unlink(missing_ok=True)
+        self.report.evicted += evict_packages(cache_max_bytes(), keep=path)[0]
         return _load(path)
 
 
@@ -208,6 +215,43 @@ def cached_packages() -> list[Path]:
     if not directory.is_dir():
         return []
     return sorted(directory.glob("*.pt2"), key=lambda p: p.stat().st_mtime)
+
+
+def _mark_used(path: Path) -> None:
+    """Set a package's mtime to now: eviction goes by last use (atime is often off)."""
+    with contextlib.suppress(OSError):
+        os.utime(path)
+
+
+def evict_packages(max_bytes: int, keep: Path | None = None) -> tuple[int, int]:
+    """Delete the least recently used packages until the cache holds at most ``max_bytes``.
+
+    ``keep`` (the package just written) is never deleted, and neither is a partial
+    file: another process may be writing it. Returns (files, bytes) removed.
+    """
+    packages = []
+    for path in cached_packages():
+        if path.name.endswith(".tmp.pt2"):
+            continue
+        with contextlib.suppress(OSError):
+            packages.append((path.stat().st_size, path))
+    total = sum(size for size, _ in packages)
+    files = freed = 0
+    for size, path in packages:  # oldest first
+        if total <= max_bytes:
+            break
+        if keep is not None and path == keep:
+            continue
+        try:
+            path.unlink()
+        except FileNotFoundError:  # another process evicted it first
+            pass
+        except OSError:  # not ours to delete: try the next one
+            continue
+        else:
+            files, freed = files + 1, freed + size
+        total -= size
+    return files, freed
 
 
 def clear_packages() -> tuple[int, int]:

@@ -69,6 +69,7 @@ class CompileReport:
     build_time_s: float = 0.0          # generating / tracing (at session creation)
     first_run_compile_s: float = 0.0   # inductor / onednn: compiling on the first run
     cache_hits: int = 0                # inductor packages loaded from the disk cache
+    evicted: int = 0                   # older packages deleted to keep the cache under its cap
     fallbacks: list[str] = field(default_factory=list)
 
     @property
@@ -84,6 +85,8 @@ class CompileReport:
             text += f" ({self.cache_hits} segments run cached inductor packages)"
         elif self.cache_hits:
             text += f" ({self.cache_hits} loaded from the disk cache)"
+        if self.evicted:
+            text += f" ({self.evicted} least recently used packages evicted)"
         if self.fallbacks:
             text += f" ({len(self.fallbacks)} segments interpreted: {self.fallbacks[0]})"
         return text
