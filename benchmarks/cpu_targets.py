@@ -245,11 +245,12 @@ def _format_row(row: Mapping[str, Any]) -> str:
 
 # -- memory --------------------------------------------------------------------------------
 def _status_kib(field_name: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field_name + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field_name} not in /proc/self/status")
+    from segflow.bench.memory import status_kib
+
+    kib = status_kib(field_name)
+    if kib is None:
+        raise RuntimeError(f"{field_name} not in /proc/self/status")
+    return kib
 
 
 def _reset_peak() -> None:

@@ -20,7 +20,6 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 POLICIES = ("retain", "system")
 
@@ -28,6 +27,7 @@ POLICIES = ("retain", "system")
 def child(model: str, batch: int, warmup: int, runs: int, policy: str) -> dict[str, object]:
     import segflow
     from segflow import models
+    from segflow.bench.memory import status_kib
 
     feeds = models.example_inputs(model, batch_size=batch)
     sess = segflow.InferenceSession(models.build(model), host_memory=policy)
@@ -40,13 +40,10 @@ def child(model: str, batch: int, warmup: int, runs: int, policy: str) -> dict[s
         sess.run(None, feeds)
         ms.append((time.perf_counter() - start) * 1e3)
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-    status = Path("/proc/self/status").read_text()
 
     def mib(field: str) -> float:
-        for line in status.splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-        return float("nan")
+        kib = status_kib(field)
+        return float("nan") if kib is None else kib / 1024
     assert sess.last_run_stats is not None
     return {"policy": sess.last_run_stats.settings["host_memory"], "faults": faults, "ms": ms,
             "rss_mib": mib("VmRSS"), "hwm_mib": mib("VmHWM")}

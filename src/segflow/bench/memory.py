@@ -27,7 +27,8 @@ _CLEAR_REFS = Path("/proc/self/clear_refs")
 _MIB = 1024 * 1024
 
 
-def _status_kib(field: str) -> int | None:
+def status_kib(field: str) -> int | None:
+    """A ``/proc/self/status`` field in KiB (``VmRSS``, ``VmHWM``...), None where unreadable."""
     try:
         match = re.search(rf"^{field}:\s+(\d+) kB", _STATUS.read_text(), re.MULTILINE)
     except OSError:
@@ -65,12 +66,12 @@ def peak_extra_mib(call: Callable[[], object], device: Device) -> float | None:
         torch.cuda.synchronize(device.torch)
         return (torch.cuda.max_memory_allocated(device.torch) - before) / _MIB
     _trim_heap()
-    before_kib = _status_kib("VmRSS")
+    before_kib = status_kib("VmRSS")
     if before_kib is None or not _reset_rss_peak():
         call()
         return None
     call()
-    peak_kib = _status_kib("VmHWM")
+    peak_kib = status_kib("VmHWM")
     if peak_kib is None:
         return None
     return max(0, peak_kib - before_kib) / 1024
