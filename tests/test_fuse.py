@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from typing import Any
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+import torch
+import torch.nn.functional as F
 from onnx import TensorProto, helper, numpy_helper
 
 import segflow
 from segflow import models
 from segflow.frontend.onnx_import import import_model
+from segflow.ops import fused
 from segflow.passes.fuse import RULES, fuse, run_rules
 
 ATOL, RTOL = 1e-4, 1e-3
@@ -355,3 +359,45 @@ def test_conv_weights_are_repacked_once_per_new_input_shape():
         ref = ort.InferenceSession(model.SerializeToString(),
                                    providers=["CPUExecutionProvider"]).run(None, feeds)
         np.testing.assert_allclose(sess.run(None, feeds)[0], ref[0], atol=ATOL, rtol=RTOL)
+
+
+def _packed_conv(shape: list[int], ic: int, oc: int, k: int) -> tuple[Any, torch.Tensor]:
+    spec = fused._ConvSpec(spatial=2, strides=[1, 1], pads=[k // 2] * 2, begin_end=[],
+                           dilations=[1, 1], group=1, has_bias=False, has_residual=False)
+    w = torch.ops.mkldnn._reorder_convolution_weight(
+        torch.randn(oc, ic, k, k), spec.pads, spec.strides, spec.dilations, 1, shape)
+    return spec, w
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+def test_weight_for_a_new_shape_shares_the_packed_weight_when_the_format_is_the_same():
+    spec, w = _packed_conv([1, 16, 8, 8], 16, 16, 3)
+    weight_for = fused.WeightForInput(spec, [1, 16, 8, 8])
+    x = torch.randn(4, 16, 8, 8).contiguous(memory_format=torch.channels_last)
+    packed = weight_for(x, w)
+    fresh = torch.ops.mkldnn._reorder_convolution_weight(
+        w.to_dense(), spec.pads, spec.strides, spec.dilations, 1, list(x.shape))
+    same_format = fused._blocked_layout(fresh) == fused._blocked_layout(w)
+    if fused._blocked_layout(w) is not None and same_format:
+        assert packed is w and weight_for.copies == 0     # no second copy of the weight
+    else:
+        assert packed is not w and weight_for.copies == 1
+    assert weight_for(x, w) is packed                      # decided once per shape
+    conv = torch.ops.mkldnn._convolution_pointwise.default
+    y = conv(x, packed, None, spec.pads, spec.strides, spec.dilations, 1, "none", [], "")
+    ref = F.conv2d(x, w.to_dense(), padding=1)
+    torch.testing.assert_close(y, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+def test_weight_for_keeps_at_most_max_repacks_copies(monkeypatch: pytest.MonkeyPatch):
+    # Pretend every shape gets its own format: copies stop at MAX_REPACKS, and
+    # later shapes run on the weight as packed (oneDNN reorders on the fly).
+    formats = iter(range(1000))
+    monkeypatch.setattr(fused, "_blocked_layout", lambda t: bytes([next(formats)]))
+    spec, w = _packed_conv([1, 8, 6, 6], 8, 8, 1)
+    weight_for = fused.WeightForInput(spec, [1, 8, 6, 6])
+    results = [weight_for(torch.randn(b, 8, 6, 6), w) for b in (2, 3, 4, 5)]
+    assert weight_for.copies == fused.MAX_REPACKS == 2
+    assert [r is w for r in results] == [False, False, True, True]
+    assert len({id(r) for r in results[:2]}) == 2
