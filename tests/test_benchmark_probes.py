@@ -1,4 +1,4 @@
-"""benchmarks/conv_kernels.py and benchmarks/host_memory.py: parsing and one small child run."""
+"""benchmarks/conv_kernels.py, host_memory.py and grad_mode.py: parsing and one small run each."""
 
 from __future__ import annotations
 
@@ -50,7 +50,15 @@ def test_host_memory_child_reports_faults_time_and_the_policy_in_force() -> None
     assert result["hwm_mib"] >= result["rss_mib"] > 0  # type: ignore[operator]
 
 
-@pytest.mark.parametrize("name", ["conv_kernels", "host_memory"])
+def test_grad_mode_times_run_against_run_tensors_on_one_session() -> None:
+    probe = _load("grad_mode")
+    run_ms, tensors_ms, ratio, q1, q3 = probe.measure("mlp_chain", {"layers": 4}, rounds=4,
+                                                      calls=2)
+    assert run_ms > 0 and tensors_ms > 0
+    assert q1 <= ratio <= q3 and ratio > 0
+
+
+@pytest.mark.parametrize("name", ["conv_kernels", "host_memory", "grad_mode"])
 def test_probe_help_describes_it(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     probe = _load(name)
     sys_argv = sys.argv

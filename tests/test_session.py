@@ -8,10 +8,12 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+import torch
 from onnx import TensorProto, helper
 
 import segflow
 from segflow import models
+from segflow.ops.registry import OpDef, OpRegistry, default_registry
 
 ATOL, RTOL = 1e-4, 1e-3
 
@@ -238,3 +240,39 @@ def test_read_only_and_reversed_feeds():
     np.testing.assert_array_equal(sess.run(None, {"x": frozen})[0], expected)
     reversed_rows = x[::-1].copy()[::-1]  # negative strides, same values as x
     np.testing.assert_array_equal(sess.run(None, {"x": reversed_rows})[0], expected)
+
+
+def _mode_probe_model() -> tuple[onnx.ModelProto, OpRegistry, list[bool]]:
+    """A model whose one test op records whether it ran under torch.inference_mode."""
+    seen: list[bool] = []
+
+    def bind(node, ctx):
+        def kernel(inputs):
+            seen.append(torch.is_inference_mode_enabled())
+            return [inputs[0] * 2]
+        return kernel
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])
+    nodes = [helper.make_node("Probe", ["x"], ["p"], name="probe", domain="test"),
+             helper.make_node("Relu", ["p"], ["y"], name="relu")]
+    model = helper.make_model(helper.make_graph(nodes, "g", [x], [y]),
+                              opset_imports=[helper.make_opsetid("", 17),
+                                             helper.make_opsetid("test", 1)])
+    return model, default_registry().extend([OpDef("Probe", bind, domain="test")]), seen
+
+
+@pytest.mark.parametrize("engine", ["inline", "threaded"])
+def test_numpy_runs_skip_autograd_and_tensor_runs_return_ordinary_tensors(engine):
+    model, registry, seen = _mode_probe_model()
+    sess = segflow.InferenceSession(model, engine=engine, registry=registry)
+    data = np.arange(6, dtype=np.float32).reshape(2, 3) - 2
+    (out,) = sess.run(None, {"x": data})
+    np.testing.assert_array_equal(out, np.maximum(2 * data, 0))
+    # The inline engine runs the kernels in the calling thread, under inference_mode;
+    # the threaded engine's workers run them outside it (the mode is thread-local).
+    assert seen == [engine == "inline"]
+    assert not torch.is_inference_mode_enabled()        # restored after the run
+    (tensor,) = sess.run_tensors({"x": torch.from_numpy(data)})
+    assert seen[-1] is False and not tensor.is_inference()
+    tensor.requires_grad_()                              # usable with autograd

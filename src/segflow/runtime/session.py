@@ -9,10 +9,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -25,7 +27,7 @@ from segflow.engine.streams import StreamBackend
 from segflow.errors import InvalidInput
 from segflow.frontend.onnx_import import import_model
 from segflow.ir.graph import Value
-from segflow.ir.types import Device, Dim, DType, TensorSpec
+from segflow.ir.types import Device, DeviceKind, Dim, DType, TensorSpec
 from segflow.ops.registry import OpRegistry, default_registry
 from segflow.passes.pipeline import (
     CompileMode,
@@ -131,6 +133,16 @@ class InferenceSession:
         self._inputs_by_name = {v.name: v for v in self.graph.inputs}
         self._output_names = [v.name for v in self.graph.outputs]
         self._all_outputs = tuple(range(len(self.graph.outputs)))
+        # run() hands back numpy arrays, so its tensors never meet autograd: on the host
+        # it runs under inference_mode, which skips torch's autograd dispatch layer on
+        # every op (~0.2-0.4 us an addmm; the 200-layer MLP chain 1-2% faster, ResNet-50
+        # and BERT within noise: benchmarks/grad_mode.py). run_tensors() returns torch
+        # tensors that may meet autograd later, so it keeps them ordinary tensors.
+        default = self.plan.default_device
+        host_only = all((s.device or default).kind is DeviceKind.CPU
+                        for s in self.plan.segments) and default.kind is DeviceKind.CPU
+        self._numpy_run_mode: Callable[[], AbstractContextManager[object]] = (
+            torch.inference_mode if host_only else contextlib.nullcontext)
         self._local = threading.local()
         self._warned_outputs: set[str] = set()
         self._checked_shapes: dict[str, tuple[int, ...]] = {}
@@ -158,10 +170,15 @@ class InferenceSession:
     # -- running -----------------------------------------------------------------------
     def run(self, output_names: Sequence[str] | None,
             feeds: Mapping[str, Any]) -> list[np.ndarray]:
-        """Run the model; returns numpy arrays in ``output_names`` order (None: all)."""
+        """Run the model; returns numpy arrays in ``output_names`` order (None: all).
+
+        On the host (inline engine) the kernels run under ``torch.inference_mode``:
+        nothing of the run can reach autograd, so torch skips that dispatch layer.
+        """
         tensors, dims = self._validate(feeds)
         wanted = self._output_indices(output_names)
-        outputs, stats = self._executor.run(tensors, active_sink(), host_outputs=True)
+        with self._numpy_run_mode():
+            outputs, stats = self._executor.run(tensors, active_sink(), host_outputs=True)
         self._local.stats = self._sized(stats, dims)
         # Outputs that share storage with a weight, a feed or an earlier output are copied,
         # so the caller can never mutate segflow's state or their own inputs through them.
@@ -177,7 +194,10 @@ class InferenceSession:
         return arrays
 
     def run_tensors(self, feeds: Mapping[str, Tensor]) -> list[Tensor]:
-        """Run on torch tensors; returns torch tensors (no numpy round trip)."""
+        """Run on torch tensors; returns torch tensors (no numpy round trip).
+
+        The outputs are ordinary tensors (not inference tensors), usable with autograd.
+        """
         tensors, dims = self._validate(feeds)
         outputs, stats = self._executor.run(tensors, active_sink())
         self._local.stats = self._sized(stats, dims)
