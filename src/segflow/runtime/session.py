@@ -14,7 +14,6 @@ import os
 import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -141,7 +140,7 @@ class InferenceSession:
         default = self.plan.default_device
         host_only = all((s.device or default).kind is DeviceKind.CPU
                         for s in self.plan.segments) and default.kind is DeviceKind.CPU
-        self._numpy_run_mode: Callable[[], AbstractContextManager[object]] = (
+        self._numpy_run_mode: Callable[[], contextlib.AbstractContextManager[object]] = (
             torch.inference_mode if host_only else contextlib.nullcontext)
         self._local = threading.local()
         self._warned_outputs: set[str] = set()
