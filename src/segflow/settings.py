@@ -7,12 +7,16 @@ recorded in every RunStats and benchmark record.
 
 from __future__ import annotations
 
+import enum
 import os
 from collections.abc import Collection, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from segflow.errors import InvalidSetting
+
+_Choice = TypeVar("_Choice", bound=enum.Enum)
 
 ENV_BULK_INFERENCE = "SEGFLOW_BULK_INFERENCE"
 ENV_BULK_TRAIN = "SEGFLOW_BULK_TRAIN"
@@ -33,6 +37,21 @@ ENV_CACHE_MAX_MB = "SEGFLOW_CACHE_MAX_MB"          # package cache size cap, MiB
 ENV_HOST_MEMORY = "SEGFLOW_HOST_MEMORY"            # retain | system (runtime/host_memory.py)
 
 ENGINES = ("auto", "inline", "threaded")
+
+
+def parse_choice(kind: type[_Choice], value: object, source: str) -> _Choice:
+    """``value`` as a member of the string enum ``kind`` (case and spaces ignored).
+
+    A value that is none of them raises InvalidSetting naming ``source`` (the
+    option or ``SEGFLOW_*`` variable it came from) and the accepted values.
+    """
+    if isinstance(value, kind):
+        return value
+    try:
+        return kind(str(value).strip().lower())
+    except ValueError:
+        choices = ", ".join(str(m.value) for m in kind)
+        raise InvalidSetting(f"{source}={value!r}: expected one of {choices}") from None
 
 
 def _env_bool(env: Mapping[str, str], name: str, default: bool) -> bool:

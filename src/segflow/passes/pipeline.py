@@ -42,6 +42,7 @@ from segflow.settings import (
     ENV_OPTIMIZE,
     _env_bool,
     _env_int,
+    parse_choice,
 )
 
 PASSES = ("fold_constants", "fuse", "layout", "plan_memory")
@@ -61,13 +62,7 @@ class CompileMode(enum.Enum):
     @classmethod
     def parse(cls, text: str | CompileMode, source: str = "compile") -> CompileMode:
         """``source`` names where the value came from, for the error message."""
-        if isinstance(text, CompileMode):
-            return text
-        try:
-            return cls(str(text).strip().lower())
-        except ValueError:
-            choices = ", ".join(m.value for m in cls)
-            raise InvalidSetting(f"{source}={text!r}: expected one of {choices}") from None
+        return parse_choice(cls, text, source)
 
     def resolve(self) -> CompileMode:
         """The backend ``auto`` stands for without a graph: codegen (builds in ms).

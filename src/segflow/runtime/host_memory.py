@@ -38,9 +38,8 @@ import os
 import platform
 from collections.abc import Callable, Mapping
 
-from segflow.errors import InvalidSetting
 from segflow.ir.types import Device, DeviceKind
-from segflow.settings import ENV_HOST_MEMORY
+from segflow.settings import ENV_HOST_MEMORY, parse_choice
 
 # glibc's mallopt parameters (malloc.h).
 _M_TRIM_THRESHOLD = -1
@@ -62,16 +61,11 @@ class HostMemory(enum.Enum):
     def resolve(cls, value: str | HostMemory | None,
                 env: Mapping[str, str] | None = None) -> HostMemory:
         """The API value first, then ``SEGFLOW_HOST_MEMORY``, then ``retain``."""
-        if isinstance(value, HostMemory):
-            return value
+        if value is not None:
+            return parse_choice(cls, value, "host_memory")
         env = os.environ if env is None else env
-        source = "host_memory" if value is not None else ENV_HOST_MEMORY
-        raw = value if value is not None else env.get(ENV_HOST_MEMORY, "").strip() or "retain"
-        try:
-            return cls(raw.strip().lower())
-        except ValueError:
-            choices = ", ".join(m.value for m in cls)
-            raise InvalidSetting(f"{source}={raw!r}: expected one of {choices}") from None
+        return parse_choice(cls, env.get(ENV_HOST_MEMORY, "").strip() or "retain",
+                            ENV_HOST_MEMORY)
 
 
 def _glibc_mallopt() -> Callable[[int, int], int] | None:
