@@ -77,7 +77,7 @@ def test_one_log_line_per_pass_and_compile():
     log = optimize(graph, OptimizeOptions.resolve(compile="codegen", env={}), device=CPU)
     assert [line.split(":")[0] for line in log] == [*PASSES, "compile"]
     assert log[1].startswith("fuse: 69 -> 24 nodes (batchnorm 20")
-    assert log[2] == "layout: prepacked for oneDNN: 20 convolutions (channels_last)"
+    assert log[2].startswith("layout: prepacked for oneDNN: 20 convolutions (channels_last)")
     assert log[4] == "compile: codegen (requested)"
     graph.validate()
     auto = import_model(models.build("mobilenet_v2", num_classes=10, image_size=32))

@@ -35,6 +35,8 @@ ENV_INTRA_OP_THREADS = "SEGFLOW_INTRA_OP_THREADS"  # torch.set_num_threads (else
 ENV_CACHE_DIR = "SEGFLOW_CACHE_DIR"  # compiled segments (compile="inductor"); else XDG cache
 ENV_CACHE_MAX_MB = "SEGFLOW_CACHE_MAX_MB"          # package cache size cap, MiB (default 2048)
 ENV_HOST_MEMORY = "SEGFLOW_HOST_MEMORY"            # retain | system (runtime/host_memory.py)
+ENV_ONEDNN_DIRECT = "SEGFLOW_ONEDNN_DIRECT"        # 0: convolutions through torch's oneDNN op
+ENV_DNNL_LIBRARY = "SEGFLOW_DNNL_LIBRARY"          # libdnnl path (ops/onednn_direct.py)
 
 ENGINES = ("auto", "inline", "threaded")
 

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from segflow.ir.graph import Node
 from segflow.ops._common import torch_pad
+from segflow.ops.onednn_direct import DirectConv, Library, geometry, onednn_eltwise
 from segflow.ops.registry import BindContext, Kernel, OpDef
 
 Tensor = torch.Tensor
@@ -199,7 +200,7 @@ def _fused_conv(node: Node, ctx: BindContext) -> Kernel:
 
 def _onednn_conv_kernel(node: Node, spec: _ConvSpec, act: Activation,
                         params: list[float]) -> Kernel:
-    fn = _onednn_conv_callable(spec, act, params, False, _weight_for(node, spec))
+    fn = _onednn_conv(node, spec, act, params, False)
 
     def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
         return [fn(*inputs)]
@@ -269,6 +270,30 @@ class WeightForInput:
 def _weight_for(node: Node, spec: _ConvSpec) -> WeightForInput:
     packed_for = node.attrs.get("onednn_input_size")
     return WeightForInput(spec, [int(d) for d in packed_for] if packed_for else None)
+
+
+def _onednn_conv(node: Node, spec: _ConvSpec, act: Activation, params: list[float],
+                 inplace: bool) -> Callable[..., Tensor]:
+    """``fn(x, w, b, z?) -> y`` for a prepacked FusedConv: straight into libdnnl when the
+    layout pass chose that (``onednn_direct``), with torch's op for what it cannot take."""
+    weight_for = _weight_for(node, spec)
+    fallback = _onednn_conv_callable(spec, act, params, inplace, weight_for)
+    lib = Library.load() if node.attrs.get("onednn_direct") else None
+    weight = node.inputs[1]
+    if lib is None or weight is None or weight.spec.shape is None:
+        return fallback
+    post = act.onednn(params)
+    eltwise = None
+    if post is not None and post[0] != "none":
+        eltwise = onednn_eltwise(*post)
+    after: Callable[[Tensor], Tensor] | None = None
+    if act.name and eltwise is None:
+        finish = act.inplace or act.apply
+        def after(y: Tensor) -> Tensor:
+            return finish(y, params)
+    geo = geometry([int(d) for d in weight.spec.shape], spec.strides, spec.pads,  # type: ignore[arg-type]
+                   spec.dilations, spec.group)
+    return DirectConv(lib, geo, eltwise, after, inplace, fallback, MAX_SHAPES, MAX_REPACKS)
 
 
 def _onednn_conv_callable(spec: _ConvSpec, act: Activation, params: list[float],
@@ -449,7 +474,7 @@ def _inline_conv(node: Node, inplace_input: int | None, args: str) -> Inline | N
     spec = _conv_spec(node)
     act, params = activation_of(node)
     post = act.onednn(params)
-    if not spec.has_residual and post is not None:
+    if not spec.has_residual and post is not None and not node.attrs.get("onednn_direct"):
         # Call the oneDNN op itself: one ATen call, no Python frame in between.
         attr, scalars, algorithm = post
         bound = {"conv": torch.ops.mkldnn._convolution_pointwise.default,
@@ -460,7 +485,7 @@ def _inline_conv(node: Node, inplace_input: int | None, args: str) -> Inline | N
                       f"{{strides}}, {{dil}}, {spec.group}, {attr!r}, {{scalars}}, "
                       f"{algorithm!r})", bound)
     inplace = spec.has_residual and inplace_input == 3
-    fn = _onednn_conv_callable(spec, act, params, inplace, _weight_for(node, spec))
+    fn = _onednn_conv(node, spec, act, params, inplace)
     return Inline(f"{{fn}}({args})", {"fn": fn})
 
 

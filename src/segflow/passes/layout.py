@@ -7,7 +7,10 @@ one copy), and is marked ``channels_last``. oneDNN then reads NCHW or NHWC
 activations and writes NHWC ones, so a conv stack stays channels-last from its
 first conv to its last and converts only where it starts: the torch ops between
 convs (Add, MaxPool, GlobalAveragePool, Flatten) keep the memory format they
-are given. Measured on ResNet-50 / MobileNetV2 at batch 1 (see
+are given. When oneDNN's own library is installed (``onednn-cpu-gomp``), each
+packed convolution is marked ``onednn_direct``: its kernel calls libdnnl with a
+primitive built once per input shape, reading the same packed weight
+(``ops/onednn_direct.py``). Measured on ResNet-50 / MobileNetV2 at batch 1 (see
 benchmarks/cpu_targets.py): torch's NCHW ``conv2d`` is several times slower,
 and its 3-channel stem conv alone costs more than oneDNN's whole network.
 """
@@ -26,15 +29,20 @@ from segflow.ops.fused import (
     activation_of,
     onednn_available,
 )
+from segflow.ops.onednn_direct import Library
 from segflow.passes.result import PassResult
 
 
-def layout(graph: Graph, device: Device) -> PassResult:
-    """Prepack FusedConv weights for oneDNN on CPU (in place); a no-op elsewhere."""
+def layout(graph: Graph, device: Device, *, direct: bool = True) -> PassResult:
+    """Prepack FusedConv weights for oneDNN on CPU (in place); a no-op elsewhere.
+
+    ``direct``: mark the packed convolutions to call libdnnl when it loads.
+    """
     if device.kind is not DeviceKind.CPU or not onednn_available():
         return PassResult(graph, False)
     packed: dict[tuple[int, _PackParams], Value] = {}
     changed = 0
+    direct = direct and Library.load() is not None
     for node in graph.nodes:
         if node.domain == FUSED_DOMAIN and node.op_type == "FusedGemm":
             changed += _pack_linear(graph, node, packed)
@@ -57,6 +65,8 @@ def layout(graph: Graph, device: Device) -> PassResult:
             packed[key] = value
         graph.set_input(node, 1, value)
         node.attrs["channels_last"] = 1
+        if direct:
+            node.attrs["onednn_direct"] = 1   # called through libdnnl (ops/onednn_direct.py)
         if params.input_size is not None:
             # The kernel repacks for other input shapes (ops/fused.py WeightForInput).
             node.attrs["onednn_input_size"] = list(params.input_size)

@@ -27,6 +27,7 @@ from segflow.errors import InvalidSetting
 from segflow.ir.graph import Graph, Node
 from segflow.ir.types import Device, DeviceKind, DType
 from segflow.ops.fused import onednn_graph_available
+from segflow.ops.onednn_direct import Library
 from segflow.ops.registry import OpRegistry
 from segflow.passes.fold_constants import fold_constants
 from segflow.passes.fuse import run_rules
@@ -39,6 +40,7 @@ from segflow.settings import (
     ENV_NO_FUSE,
     ENV_NO_LAYOUT,
     ENV_NO_MEMORY_PLAN,
+    ENV_ONEDNN_DIRECT,
     ENV_OPTIMIZE,
     _env_bool,
     _env_int,
@@ -82,6 +84,8 @@ class OptimizeOptions:
     plan_memory: bool = True
     compile: CompileMode = CompileMode.AUTO
     intra_op_threads: int | None = None
+    # Prepacked convolutions call libdnnl directly when it is installed (ops/onednn_direct.py).
+    onednn_direct: bool = True
 
     @classmethod
     def resolve(cls, optimize: bool | Mapping[str, bool] | None = None, *,
@@ -117,12 +121,14 @@ class OptimizeOptions:
             threads = _env_int(env, ENV_INTRA_OP_THREADS, 1)
         if threads is not None and threads < 1:
             raise InvalidSetting(f"intra_op_threads={threads}: expected a positive integer")
-        return cls(compile=mode, intra_op_threads=threads, **switches)
+        direct = _env_bool(env, ENV_ONEDNN_DIRECT, True)
+        return cls(compile=mode, intra_op_threads=threads, onednn_direct=direct, **switches)
 
     def as_record(self) -> dict[str, object]:
         """The options in force, for RunStats settings and benchmark records."""
         return {"fold_constants": self.fold_constants, "fuse": self.fuse, "layout": self.layout,
-                "plan_memory": self.plan_memory, "compile": self.compile.resolve().value}
+                "plan_memory": self.plan_memory, "compile": self.compile.resolve().value,
+                "onednn_direct": self.onednn_direct}
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,7 +257,7 @@ def _layout(graph: Graph, options: OptimizeOptions, backend: CompileMode,
         return "layout: skipped (custom placement)"
     if device.kind is not DeviceKind.CPU:
         return "layout: skipped (not a CPU device)"
-    packed = layout(graph, device)
+    packed = layout(graph, device, direct=options.onednn_direct)
     if not packed.modified:
         return "layout: nothing to do (no oneDNN-eligible convolutions or linears)"
     convs = sum(1 for n in graph.nodes if n.attrs.get("channels_last"))
@@ -259,4 +265,9 @@ def _layout(graph: Graph, options: OptimizeOptions, backend: CompileMode,
                   and n.inputs[1].const is not None and n.inputs[1].const.is_mkldnn)
     parts = [f"{convs} convolutions (channels_last)"] if convs else []
     parts += [f"{linears} linears"] if linears else []
-    return f"layout: prepacked for oneDNN: {', '.join(parts)}"
+    text = f"layout: prepacked for oneDNN: {', '.join(parts)}"
+    if convs and options.onednn_direct:
+        _, why = Library.probe()
+        direct = any(n.attrs.get("onednn_direct") for n in graph.nodes)
+        text += f"; direct calls into {why}" if direct else f"; libdnnl {why}"
+    return text

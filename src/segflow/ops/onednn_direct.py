@@ -1,0 +1,505 @@
+"""Convolutions called straight into oneDNN's C API (``libdnnl``, through ctypes).
+
+Why: torch's ``mkldnn._convolution_pointwise`` rebuilds oneDNN's primitive
+descriptor, memory descriptors and attributes on every call. That costs
+45-95 us per convolution at batch 1 and 0.2-0.5 ms at batch 8, which is the
+whole gap between segflow's default backend and onnxruntime on ResNet-50
+(docs/benchmarking.md). Here a convolution builds its primitive once per input
+shape and then each call is a few C calls: point the source, destination and
+residual memory at the tensors, execute.
+
+The weight is mostly not copied. The layout pass has packed it with torch's
+oneDNN; the primitive built here asks for its own preferred weight format, and
+the packed bytes are read in place when they are exactly what this library
+would write (checked byte for byte against its reorder of the weight, once per
+input layout). When they differ, the convolution keeps its own packed copy
+(ResNet-50: 6 of 53 convolutions, 6 MiB), for at most ``max_copies`` formats.
+
+The library is the ``onednn-cpu-gomp`` wheel (oneDNN 3.x built on GNU OpenMP);
+it must share torch's OpenMP runtime, or the two thread pools would fight for
+the cores, so :meth:`Library.load` refuses a process with two ``libgomp``
+copies. ``SEGFLOW_ONEDNN_DIRECT=0`` turns the path off; ``SEGFLOW_DNNL_LIBRARY``
+names the library file when it is not in the environment's ``lib/``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import os
+import site
+import sys
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from segflow.settings import ENV_DNNL_LIBRARY
+
+Tensor = torch.Tensor
+_P = ctypes.c_void_p
+_Dims = ctypes.c_int64 * 12           # dnnl_dims_t (DNNL_MAX_NDIMS)
+
+# oneDNN 3.x C API constants (oneapi/dnnl/dnnl_types.h, dnnl_common_types.h).
+_CPU_ENGINE = 1
+_STREAM_IN_ORDER = 1
+_F32 = 3
+_FORMAT_ANY = 1
+_TAG_A = 2                            # plain 1-D (bias)
+_FORWARD_INFERENCE = 96
+_CONVOLUTION_DIRECT = 1
+_QUERY_IMPL_INFO = 8
+_QUERY_WEIGHTS_MD = 131
+_ARG_SRC, _ARG_DST, _ARG_WEIGHTS, _ARG_BIAS = 1, 17, 33, 41
+_ARG_SRC_1 = 2
+_POST_OP_ARG_BASE = 32768            # DNNL_ARG_ATTR_MULTIPLE_POST_OP(i) = base * (i + 1)
+_BINARY_ADD = 0x1FFF0
+_OMP_RUNTIME = 2                      # DNNL_RUNTIME_OMP
+
+# torch's oneDNN post-op names (ops/fused.py Activation.onednn) -> oneDNN eltwise
+# (algorithm, alpha, beta) given the activation's scalars.
+_ELTWISE: dict[str, Callable[[Sequence[float], str], tuple[int, float, float] | None]] = {
+    "relu": lambda s, a: (32, 0.0, 0.0),
+    "leaky_relu": lambda s, a: (32, float(s[0]), 0.0),
+    "tanh": lambda s, a: (33, 0.0, 0.0),
+    "hardsigmoid": lambda s, a: (40, 1.0 / 6.0, 0.5),
+    "sigmoid": lambda s, a: (41, 0.0, 0.0),
+    "hardtanh": lambda s, a: (47, float(s[0]), float(s[1])),     # clip_v2: lo <= x <= hi
+    "hardswish": lambda s, a: (52, 1.0 / 6.0, 0.5),
+    "gelu": lambda s, a: (43, 0.0, 0.0) if a == "tanh" else (49, 0.0, 0.0),
+}
+
+
+def onednn_eltwise(attr: str, scalars: Sequence[float], algorithm: str
+                   ) -> tuple[int, float, float] | None:
+    """oneDNN's eltwise ``(algorithm, alpha, beta)`` for torch's post-op name, if any."""
+    make = _ELTWISE.get(attr)
+    return None if make is None else make(scalars, algorithm)
+
+
+class _Version(ctypes.Structure):
+    _fields_ = [("major", ctypes.c_int), ("minor", ctypes.c_int), ("patch", ctypes.c_int),
+                ("hash", ctypes.c_char_p), ("cpu_runtime", ctypes.c_uint),
+                ("gpu_runtime", ctypes.c_uint)]
+
+
+class _ExecArg(ctypes.Structure):
+    _fields_ = [("arg", ctypes.c_int), ("memory", _P)]
+
+
+class DnnlError(RuntimeError):
+    """A oneDNN C call failed (status code in the message)."""
+
+
+def _library_candidates() -> list[str]:
+    """Where to look: the named file, else the environment's ``lib/`` (where the wheel
+    puts it), the user base, then the system's library path."""
+    named = os.environ.get(ENV_DNNL_LIBRARY, "").strip()
+    if named:
+        return [named]
+    if not sys.platform.startswith("linux"):
+        return []
+    found = [str(Path(prefix) / "lib" / "libdnnl.so.3")
+             for prefix in (sys.prefix, site.USER_BASE) if prefix]
+    system = ctypes.util.find_library("dnnl")
+    return found + ([system] if system else [])
+
+
+def _libgomp_copies() -> int:
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return 1
+    return len({line.split()[-1] for line in maps.splitlines()
+                if "libgomp" in line.rsplit("/", 1)[-1]})
+
+
+class Library:
+    """The loaded ``libdnnl``: typed entry points and one CPU engine."""
+
+    def __init__(self, dll: ctypes.CDLL, path: str) -> None:
+        self.path = path
+        dll.dnnl_version.restype = ctypes.POINTER(_Version)
+        version = dll.dnnl_version().contents
+        self.version = f"{version.major}.{version.minor}.{version.patch}"
+        self.major = version.major
+        self.cpu_runtime = version.cpu_runtime
+        self._dll = dll
+        dll.dnnl_primitive_desc_query_md.restype = _P
+        dll.dnnl_primitive_desc_query_md.argtypes = [_P, ctypes.c_int, ctypes.c_int]
+        dll.dnnl_memory_desc_get_size.restype = ctypes.c_size_t
+        dll.dnnl_memory_desc_get_size.argtypes = [_P]
+        dll.dnnl_memory_set_data_handle.argtypes = [_P, _P]
+        dll.dnnl_primitive_execute.argtypes = [_P, _P, ctypes.c_int, _P]
+        dll.dnnl_post_ops_append_eltwise.argtypes = [_P, ctypes.c_int, ctypes.c_float,
+                                                     ctypes.c_float]
+        dll.dnnl_post_ops_append_sum.argtypes = [_P, ctypes.c_float, ctypes.c_int32,
+                                                 ctypes.c_int]
+        dll.dnnl_post_ops_append_binary.argtypes = [_P, ctypes.c_int, _P]
+        dll.dnnl_memory_desc_create_with_strides.argtypes = [ctypes.POINTER(_P), ctypes.c_int,
+                                                             _Dims, ctypes.c_int, _Dims]
+        dll.dnnl_memory_desc_create_with_tag.argtypes = [ctypes.POINTER(_P), ctypes.c_int,
+                                                         _Dims, ctypes.c_int, ctypes.c_int]
+        dll.dnnl_memory_create.argtypes = [ctypes.POINTER(_P), _P, _P, _P]
+        dll.dnnl_primitive_desc_query.argtypes = [_P, ctypes.c_int, ctypes.c_int, _P]
+        dll.dnnl_memory_desc_equal.argtypes = [_P, _P]
+        self.set_handle = dll.dnnl_memory_set_data_handle
+        self.execute = dll.dnnl_primitive_execute
+        self.engine = self._make(dll.dnnl_engine_create, _CPU_ENGINE, ctypes.c_size_t(0))
+
+    @staticmethod
+    def load() -> Library | None:
+        """The process's libdnnl, or None when it is absent or unsafe to mix with torch."""
+        return Library.probe()[0]
+
+    @staticmethod
+    @functools.cache
+    def probe() -> tuple[Library | None, str]:
+        """``(library, why)``: the library or None, and a phrase for explain/logs.
+
+        Loaded once per process; whether a session uses it is the layout pass's
+        ``onednn_direct`` option (``SEGFLOW_ONEDNN_DIRECT=0`` turns it off).
+        """
+        return Library.find()
+
+    @staticmethod
+    def find() -> tuple[Library | None, str]:
+        """:meth:`probe` without the per-process cache."""
+        for path in _library_candidates():
+            if not path or ("/" in path and not Path(path).exists()):
+                continue
+            try:
+                dll = ctypes.CDLL(path)
+                lib = Library(dll, path)
+            except (OSError, AttributeError, DnnlError) as exc:
+                return None, f"is unusable ({path}: {exc})"
+            if lib.major != 3:
+                return None, f"is oneDNN {lib.version} at {path}; segflow needs 3.x"
+            if not hasattr(torch.ops.mkldnn, "data_ptr"):
+                return None, "is not used: this torch cannot expose its packed weights"
+            if lib.cpu_runtime != _OMP_RUNTIME or _libgomp_copies() > 1:
+                return None, (f"is not used: {path} does not share torch's OpenMP runtime "
+                              "(two thread pools would compete for the cores)")
+            return lib, f"oneDNN {lib.version} ({path})"
+        return None, "is not installed (pip install onednn-cpu-gomp)"
+
+    def destroy(self, owned: list[tuple[str, _P]]) -> None:
+        """Free oneDNN objects: ``(kind, handle)``, kind naming the ``dnnl_<kind>_destroy``."""
+        for kind, handle in owned:
+            getattr(self._dll, f"dnnl_{kind}_destroy")(handle)
+        owned.clear()
+
+    def check(self, status: int, what: str) -> None:
+        if status != 0:
+            raise DnnlError(f"{what}: oneDNN status {status}")
+
+    def _make(self, fn: Callable[..., int], *args: object) -> _P:
+        handle = _P()
+        self.check(fn(ctypes.byref(handle), *args), fn.__name__)
+        return handle
+
+    def memory_desc(self, t: Tensor) -> _P:
+        """A float32 memory descriptor with ``t``'s sizes and strides."""
+        return self._make(self._dll.dnnl_memory_desc_create_with_strides, t.dim(),
+                          _Dims(*t.shape), _F32, _Dims(*t.stride()))
+
+    def vector_desc(self, n: int) -> _P:
+        return self._make(self._dll.dnnl_memory_desc_create_with_tag, 1, _Dims(n), _F32, _TAG_A)
+
+    def any_desc(self, sizes: Sequence[int]) -> _P:
+        return self._make(self._dll.dnnl_memory_desc_create_with_tag, len(sizes),
+                          _Dims(*sizes), _F32, _FORMAT_ANY)
+
+    def memory(self, desc: _P, handle: int | None = None) -> _P:
+        return self._make(self._dll.dnnl_memory_create, desc, self.engine, _P(handle))
+
+    def stream(self) -> _P:
+        return self._make(self._dll.dnnl_stream_create, self.engine,
+                          ctypes.c_uint(_STREAM_IN_ORDER))
+
+    def equal(self, a: _P, b: _P) -> bool:
+        return bool(self._dll.dnnl_memory_desc_equal(a, b))
+
+    def size(self, desc: _P) -> int:
+        return int(self._dll.dnnl_memory_desc_get_size(desc))
+
+    def reorder(self, src_desc: _P, src: int, dst_desc: _P, dst: int, stream: _P) -> None:
+        """Copy ``src`` (laid out as ``src_desc``) to ``dst`` in ``dst_desc``'s format."""
+        dll = self._dll
+        pd = self._make(dll.dnnl_reorder_primitive_desc_create, src_desc, self.engine,
+                        dst_desc, self.engine, None)
+        prim = self._make(dll.dnnl_primitive_create, pd)
+        src_mem = self.memory(src_desc, src)
+        dst_mem = self.memory(dst_desc, dst)
+        args = (_ExecArg * 2)(_ExecArg(_ARG_SRC, src_mem), _ExecArg(_ARG_DST, dst_mem))
+        try:
+            self.check(self.execute(prim, stream, 2, args), "reorder")
+            self.check(dll.dnnl_stream_wait(stream), "stream wait")
+        finally:
+            for mem in (src_mem, dst_mem):
+                dll.dnnl_memory_destroy(mem)
+            dll.dnnl_primitive_destroy(prim)
+            dll.dnnl_primitive_desc_destroy(pd)
+
+    def post_ops(self, residual: Tensor | None, inplace: bool,
+                 eltwise: tuple[int, float, float] | None) -> tuple[_P, _P | None]:
+        """Attributes ``[sum | binary add] -> eltwise``; the residual's descriptor, if binary."""
+        dll = self._dll
+        attr = self._make(dll.dnnl_primitive_attr_create)
+        ops = self._make(dll.dnnl_post_ops_create)
+        src1 = None
+        if residual is not None and inplace:
+            self.check(dll.dnnl_post_ops_append_sum(ops, 1.0, 0, 0), "append sum")
+        elif residual is not None:
+            src1 = self.memory_desc(residual)
+            self.check(dll.dnnl_post_ops_append_binary(ops, _BINARY_ADD, src1), "append add")
+        if eltwise is not None:
+            self.check(dll.dnnl_post_ops_append_eltwise(ops, *eltwise), "append eltwise")
+        self.check(dll.dnnl_primitive_attr_set_post_ops(attr, ops), "set post-ops")
+        dll.dnnl_post_ops_destroy(ops)
+        return attr, src1
+
+    def convolution(self, src: _P, weights: _P, bias: _P | None, dst: _P,
+                    strides: Sequence[int], dilations: Sequence[int], pads: Sequence[int],
+                    attr: _P) -> tuple[_P, _P, str]:
+        """(primitive, its weights descriptor, implementation name) for a forward conv."""
+        dll = self._dll
+        spatial = len(strides)
+        pd = self._make(dll.dnnl_convolution_forward_primitive_desc_create, self.engine,
+                        _FORWARD_INFERENCE, _CONVOLUTION_DIRECT, src, weights, bias, dst,
+                        _Dims(*strides), _Dims(*[d - 1 for d in dilations]),
+                        _Dims(*pads[:spatial]), _Dims(*pads[:spatial]), attr)
+        impl = ctypes.c_char_p()
+        dll.dnnl_primitive_desc_query(pd, _QUERY_IMPL_INFO, 0, ctypes.byref(impl))
+        weights_md = _P()
+        self.check(dll.dnnl_memory_desc_clone(ctypes.byref(weights_md),
+                                              _P(dll.dnnl_primitive_desc_query_md(
+                                                  pd, _QUERY_WEIGHTS_MD, 0))), "clone md")
+        prim = self._make(dll.dnnl_primitive_create, pd)
+        dll.dnnl_primitive_desc_destroy(pd)
+        return prim, weights_md, (impl.value or b"?").decode()
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    """A built convolution for one input layout: execute after pointing the memories."""
+
+    primitive: _P
+    src: _P
+    dst: _P
+    residual: _P | None              # the binary-add source, or None
+    args: ctypes.Array[_ExecArg]
+    in_format: torch.memory_format | None   # convert the input to this first (None: as is)
+    out_shape: tuple[int, ...]
+    out_format: torch.memory_format
+    source: Tensor                   # the weight constant this call was built for
+    bias: Tensor | None
+    impl: str
+
+
+class DirectConv:
+    """``fn(x, w, b, z?) -> y``: a FusedConv over libdnnl, one primitive per input layout.
+
+    ``w`` is the layout pass's packed weight. The primitive reads it in place
+    when its bytes are the format this library wants for the shape; otherwise
+    the convolution keeps its own packed copy, for at most ``max_copies``
+    formats. ``fallback`` (torch's oneDNN op, same signature) serves what this
+    path cannot take: a residual that broadcasts, a primitive the library
+    cannot build or only has a reference implementation for, more formats than
+    ``max_copies`` or more layouts than ``max_shapes``. ``why_not`` records why.
+    """
+
+    def __init__(self, lib: Library, spec: ConvGeometry, eltwise: tuple[int, float, float] | None,
+                 after: Callable[[Tensor], Tensor] | None, inplace: bool,
+                 fallback: Callable[..., Tensor], max_shapes: int, max_copies: int) -> None:
+        self.lib = lib
+        self.spec = spec
+        self.eltwise = eltwise
+        self.after = after
+        self.inplace = inplace
+        self.fallback = fallback
+        self.max_shapes = max_shapes
+        self.max_copies = max_copies
+        self.calls: dict[tuple[object, ...], _Call | None] = {}
+        self.why_not: dict[tuple[object, ...], str] = {}
+        self.copies: list[tuple[_P, Tensor]] = []    # (weights descriptor, own packed copy)
+        self.lock = threading.Lock()
+        self._stream: _P | None = None
+        # oneDNN objects this convolution created, destroyed with it (JIT code included).
+        self._owned: list[tuple[str, _P]] = []
+        weakref.finalize(self, lib.destroy, self._owned)
+
+    def __call__(self, x: Tensor, w: Tensor, b: Tensor | None = None,
+                 z: Tensor | None = None) -> Tensor:
+        key = (x.shape, x.stride()) if z is None else (x.shape, x.stride(), z.stride())
+        try:
+            call = self.calls[key]
+        except KeyError:
+            call = self._build(key, x, w, b, z)
+        if call is None or w is not call.source or b is not call.bias:
+            return self.fallback(x, w, b) if z is None else self.fallback(x, w, b, z)
+        if call.in_format is not None:
+            x = x.contiguous(memory_format=call.in_format)
+        lib = self.lib
+        y = z if z is not None and self.inplace else torch.empty(
+            call.out_shape, memory_format=call.out_format)
+        with self.lock:
+            lib.set_handle(call.src, x.data_ptr())
+            lib.set_handle(call.dst, y.data_ptr())
+            if call.residual is not None:
+                lib.set_handle(call.residual, z.data_ptr())  # type: ignore[union-attr]
+            status = lib.execute(call.primitive, self._stream, len(call.args), call.args)
+        if status != 0:
+            raise DnnlError(f"convolution ({call.impl}): oneDNN status {status}")
+        return y if self.after is None else self.after(y)
+
+    @property
+    def direct_layouts(self) -> int:
+        """How many input layouts run through libdnnl (the rest fall back)."""
+        return sum(1 for call in self.calls.values() if call is not None)
+
+    def _build(self, key: tuple[object, ...], x: Tensor, w: Tensor, b: Tensor | None,
+               z: Tensor | None) -> _Call | None:
+        call: _Call | None = None
+        why = f"more than {self.max_shapes} input layouts"
+        if len(self.calls) < self.max_shapes:
+            try:
+                call, why = self._make_call(x, w, b, z)
+            except DnnlError as exc:
+                why = str(exc)
+        if call is None:
+            self.why_not[key] = why
+        self.calls[key] = call
+        return call
+
+    def _make_call(self, x: Tensor, w: Tensor, b: Tensor | None,
+                   z: Tensor | None) -> tuple[_Call | None, str]:
+        lib, spec = self.lib, self.spec
+        if x.dtype != torch.float32 or not w.is_mkldnn or x.dim() not in (4, 5):
+            return None, "not a packed float32 2-D/3-D convolution"
+        # oneDNN has only reference kernels for plain NCHW input with channels-last output.
+        want = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
+        in_format = None if x.is_contiguous(memory_format=want) else want
+        if in_format is not None:
+            x = x.contiguous(memory_format=want)
+        out_spatial = [(size + 2 * p - d * (k - 1) - 1) // s + 1 for size, p, d, k, s in
+                       zip(x.shape[2:], spec.pads, spec.dilations, spec.kernel, spec.strides,
+                           strict=True)]
+        out_shape = (x.shape[0], spec.out_channels, *out_spatial)
+        out_format = want
+        if z is not None and (tuple(z.shape) != out_shape or z.dtype != torch.float32):
+            return None, "residual shape differs from the output's"
+        example = z if z is not None and self.inplace else torch.empty(
+            out_shape, memory_format=out_format)
+        attr, src1 = lib.post_ops(z, self.inplace, self.eltwise)
+        src_md = lib.memory_desc(x)
+        dst_md = lib.memory_desc(example)
+        bias_md = lib.vector_desc(spec.out_channels) if b is not None else None
+        any_weights = lib.any_desc(spec.weight_dims)
+        try:
+            prim, weights_md, impl = lib.convolution(
+                src_md, any_weights, bias_md, dst_md, spec.strides, spec.dilations, spec.pads,
+                attr)
+        finally:
+            lib.destroy([("memory_desc", any_weights), ("primitive_attr", attr)])
+        owned = self._owned
+        owned.extend(("memory_desc", md) for md in (src_md, dst_md, bias_md, src1, weights_md)
+                     if md is not None)
+        if impl.startswith("ref"):
+            lib.destroy([("primitive", prim)])
+            return None, f"only a reference implementation ({impl})"
+        weight_ptr = self._weight(w, weights_md)
+        if weight_ptr is None:
+            lib.destroy([("primitive", prim)])
+            return None, f"a weight format beyond {self.max_copies} own copies ({impl})"
+        owned.append(("primitive", prim))
+        if self._stream is None:
+            self._stream = lib.stream()
+            owned.append(("stream", self._stream))
+        src = lib.memory(src_md)
+        dst = lib.memory(dst_md)
+        weights = lib.memory(weights_md, weight_ptr)
+        owned.extend(("memory", m) for m in (src, dst, weights))
+        args = [_ExecArg(_ARG_SRC, src), _ExecArg(_ARG_DST, dst), _ExecArg(_ARG_WEIGHTS, weights)]
+        if b is not None and bias_md is not None:
+            bias = lib.memory(bias_md, b.data_ptr())
+            owned.append(("memory", bias))
+            args.append(_ExecArg(_ARG_BIAS, bias))
+        residual = None
+        if src1 is not None:
+            residual = lib.memory(src1)
+            owned.append(("memory", residual))
+            args.append(_ExecArg(_POST_OP_ARG_BASE | _ARG_SRC_1, residual))
+        return _Call(prim, src, dst, residual, (_ExecArg * len(args))(*args), in_format,
+                     out_shape, out_format, w, b, impl), ""
+
+    def _weight(self, w: Tensor, weights_md: _P) -> int | None:
+        """The address of ``w``'s values in the format ``weights_md`` (None: over the cap)."""
+        lib = self.lib
+        for desc, copy in self.copies:
+            if lib.equal(desc, weights_md):
+                return int(copy.data_ptr())
+        mine = _reorder_weight(lib, w, weights_md, self.spec)
+        if same_bytes(w, mine):
+            return int(torch.ops.mkldnn.data_ptr(w))
+        if len(self.copies) >= self.max_copies:
+            return None
+        self.copies.append((weights_md, mine))
+        return int(mine.data_ptr())
+
+
+@dataclass(frozen=True, slots=True)
+class ConvGeometry:
+    """What the primitive depends on besides the input layout."""
+
+    out_channels: int
+    weight_dims: tuple[int, ...]     # oneDNN's: (g, oc/g, ic/g, k...) when grouped
+    kernel: tuple[int, ...]
+    strides: tuple[int, ...]
+    pads: tuple[int, ...]
+    dilations: tuple[int, ...]
+    dense_shape: tuple[int, ...]     # torch's weight shape (oc, ic/g, k...)
+
+
+def geometry(weight_shape: Sequence[int], strides: Sequence[int], pads: Sequence[int],
+             dilations: Sequence[int], group: int) -> ConvGeometry:
+    oc, icg, *kernel = (int(d) for d in weight_shape)
+    dims = (oc, icg, *kernel) if group == 1 else (group, oc // group, icg, *kernel)
+    return ConvGeometry(oc, dims, tuple(kernel), tuple(int(s) for s in strides),
+                        tuple(int(p) for p in pads), tuple(int(d) for d in dilations),
+                        (oc, icg, *kernel))
+
+
+def _format_of(t: Tensor) -> torch.memory_format:
+    if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    if t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d):
+        return torch.channels_last_3d
+    return torch.contiguous_format
+
+
+def same_bytes(packed: Tensor, mine: Tensor) -> bool:
+    """Whether torch's packed (``mkldnn``) tensor holds exactly the bytes of ``mine``."""
+    size = mine.numel()
+    if torch.ops.mkldnn._nbytes(packed) != size:
+        return False
+    theirs = (ctypes.c_uint8 * size).from_address(torch.ops.mkldnn.data_ptr(packed))
+    return bool(torch.equal(mine, torch.frombuffer(theirs, dtype=torch.uint8)))
+
+
+def _reorder_weight(lib: Library, packed: Tensor, weights_md: _P,
+                    spec: ConvGeometry) -> Tensor:
+    """``packed``'s values written by this library in the format ``weights_md`` (bytes)."""
+    dense = packed.to_dense().reshape(spec.weight_dims).contiguous()
+    mine = torch.empty(lib.size(weights_md), dtype=torch.uint8)
+    stream = lib.stream()
+    dense_md = lib.memory_desc(dense)
+    try:
+        lib.reorder(dense_md, dense.data_ptr(), weights_md, mine.data_ptr(), stream)
+    finally:
+        lib.destroy([("stream", stream), ("memory_desc", dense_md)])
+    return mine

@@ -1,0 +1,293 @@
+"""Tests for ops/onednn_direct.py: convolutions called straight into libdnnl.
+
+Each DirectConv is checked against torch's ``F.conv2d``/``F.conv3d`` (float32,
+atol/rtol 1e-4: the same oneDNN kernels, summed in a possibly different order)
+and asserted to have run through the library, not through its fallback. The
+session-level tests compare whole models with onnxruntime (the repository's
+model tests already run every builder model with the direct path on).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+import torch.nn.functional as F
+
+import segflow
+from segflow import models
+from segflow.frontend.onnx_import import import_model
+from segflow.ir.types import Device, DeviceKind
+from segflow.ops import fused, onednn_direct
+from segflow.ops.onednn_direct import DirectConv, Library, geometry, onednn_eltwise
+from segflow.passes.pipeline import OptimizeOptions, optimize
+
+LIB = Library.load()
+pytestmark = pytest.mark.skipif(LIB is None, reason=f"libdnnl {Library.probe()[1]}")
+ATOL = RTOL = 1e-4
+CPU = Device(DeviceKind.CPU, 0)
+
+
+class Fallback:
+    """Stands in for torch's op and counts the calls that reach it."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, *args: Any) -> torch.Tensor:
+        self.calls += 1
+        return torch.zeros(1)
+
+
+def _direct(w: torch.Tensor, x_shape: list[int], *, stride: int = 1, pad: int = 0,
+            dilation: int = 1, group: int = 1, eltwise: tuple[int, float, float] | None = None,
+            after: Callable[[torch.Tensor], torch.Tensor] | None = None, inplace: bool = False,
+            max_shapes: int = 32, max_copies: int = 2) -> tuple[DirectConv, torch.Tensor, Fallback]:
+    spatial = w.dim() - 2
+    packed = torch.ops.mkldnn._reorder_convolution_weight(
+        w, [pad] * spatial, [stride] * spatial, [dilation] * spatial, group, x_shape)
+    geo = geometry(list(w.shape), [stride] * spatial, [pad] * spatial, [dilation] * spatial,
+                   group)
+    fallback = Fallback()
+    assert LIB is not None
+    conv = DirectConv(LIB, geo, eltwise, after, inplace, fallback, max_shapes, max_copies)
+    return conv, packed, fallback
+
+
+ACTS: dict[str, tuple[tuple[str, list[float], str] | None, Callable[..., torch.Tensor]]] = {
+    # torch's post-op (name, scalars, algorithm) -> the reference activation
+    "none": (None, lambda y: y),
+    "relu": (("relu", [], ""), torch.relu),
+    "leaky_relu": (("leaky_relu", [0.1], ""), lambda y: F.leaky_relu(y, 0.1)),
+    "hardtanh": (("hardtanh", [0.0, 6.0], ""), lambda y: torch.clamp(y, 0.0, 6.0)),
+    "sigmoid": (("sigmoid", [], ""), torch.sigmoid),
+    "tanh": (("tanh", [], ""), torch.tanh),
+    "hardswish": (("hardswish", [], ""), F.hardswish),
+    "hardsigmoid": (("hardsigmoid", [], ""), F.hardsigmoid),
+    "gelu": (("gelu", [], "none"), F.gelu),
+    "gelu_tanh": (("gelu", [], "tanh"), lambda y: F.gelu(y, approximate="tanh")),
+}
+
+
+@pytest.mark.parametrize("act", sorted(ACTS))
+@pytest.mark.parametrize("case", [
+    # (batch, ic, oc, size, kernel, stride, pad, dilation, group)
+    (1, 16, 32, 10, 3, 1, 1, 1, 1),
+    (2, 32, 16, 9, 1, 2, 0, 1, 1),
+    (1, 24, 24, 12, 3, 1, 2, 2, 1),         # dilated
+    (3, 32, 32, 8, 3, 2, 1, 1, 32),        # depthwise
+    (1, 16, 32, 7, 3, 1, 1, 1, 4),         # grouped
+])
+def test_direct_conv_matches_torch(case: tuple[int, ...], act: str):
+    n, ic, oc, size, k, stride, pad, dil, group = case
+    post, ref_act = ACTS[act]
+    torch.manual_seed(0)
+    w = torch.randn(oc, ic // group, k, k) * 0.1
+    b = torch.randn(oc)
+    x = torch.randn(n, ic, size, size).contiguous(memory_format=torch.channels_last)
+    conv, packed, fallback = _direct(
+        w, list(x.shape), stride=stride, pad=pad, dilation=dil, group=group,
+        eltwise=None if post is None else onednn_eltwise(*post))
+    y = conv(x, packed, b)
+    ref = ref_act(F.conv2d(x, w, b, stride, pad, dil, group))
+    torch.testing.assert_close(y, ref, atol=ATOL, rtol=RTOL)
+    assert fallback.calls == 0 and conv.direct_layouts == 1
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(conv(x, packed, b), ref, atol=ATOL, rtol=RTOL)  # built once
+    assert len(conv.calls) == 1
+
+
+@pytest.mark.parametrize("inplace", [True, False])
+def test_residual_add_then_relu(inplace: bool):
+    torch.manual_seed(1)
+    w = torch.randn(16, 16, 3, 3) * 0.1
+    x = torch.randn(2, 16, 8, 8).contiguous(memory_format=torch.channels_last)
+    z = torch.randn(2, 16, 8, 8).contiguous(memory_format=torch.channels_last)
+    ref = torch.relu(F.conv2d(x, w, None, 1, 1) + z)
+    conv, packed, fallback = _direct(w, list(x.shape), pad=1, eltwise=(32, 0.0, 0.0),
+                                     inplace=inplace)
+    z_before = z.clone()
+    y = conv(x, packed, None, z)
+    torch.testing.assert_close(y, ref, atol=ATOL, rtol=RTOL)
+    assert fallback.calls == 0
+    if inplace:
+        assert y.data_ptr() == z.data_ptr()       # the sum post-op wrote into the residual
+    else:
+        torch.testing.assert_close(z, z_before, atol=0, rtol=0)
+
+
+def test_plain_nchw_input_and_an_activation_without_a_post_op():
+    # A graph input arrives NCHW: it is converted (oneDNN has only reference kernels
+    # for NCHW in, NHWC out). An activation oneDNN cannot fuse runs after the call.
+    torch.manual_seed(2)
+    w = torch.randn(8, 3, 7, 7) * 0.1
+    x = torch.randn(1, 3, 20, 20)
+    conv, packed, fallback = _direct(w, list(x.shape), stride=2, pad=3,
+                                     after=lambda y: y.mul_(2.0))
+    y = conv(x, packed)
+    torch.testing.assert_close(y, F.conv2d(x, w, None, 2, 3) * 2.0, atol=ATOL, rtol=RTOL)
+    assert fallback.calls == 0
+    call = next(iter(conv.calls.values()))
+    assert call is not None and call.in_format is torch.channels_last
+    assert not call.impl.startswith("ref")
+
+
+def test_conv3d():
+    torch.manual_seed(3)
+    w = torch.randn(8, 4, 3, 3, 3) * 0.1
+    x = torch.randn(1, 4, 6, 6, 6).contiguous(memory_format=torch.channels_last_3d)
+    conv, packed, fallback = _direct(w, list(x.shape), pad=1)
+    torch.testing.assert_close(conv(x, packed), F.conv3d(x, w, None, 1, 1), atol=ATOL, rtol=RTOL)
+    assert fallback.calls == 0
+
+
+def test_new_shapes_build_new_primitives_until_max_shapes():
+    torch.manual_seed(4)
+    w = torch.randn(8, 8, 3, 3) * 0.1
+    conv, packed, fallback = _direct(w, [1, 8, 6, 6], pad=1, max_shapes=2)
+    for batch in (1, 2):
+        x = torch.randn(batch, 8, 6, 6).contiguous(memory_format=torch.channels_last)
+        torch.testing.assert_close(conv(x, packed), F.conv2d(x, w, None, 1, 1),
+                                   atol=ATOL, rtol=RTOL)
+    assert fallback.calls == 0 and conv.direct_layouts == 2
+    conv(torch.randn(3, 8, 6, 6).contiguous(memory_format=torch.channels_last), packed)
+    assert fallback.calls == 1
+    assert list(conv.why_not.values()) == ["more than 2 input layouts"]
+
+
+def test_a_broadcast_residual_falls_back():
+    w = torch.randn(8, 8, 1, 1)
+    conv, packed, fallback = _direct(w, [1, 8, 4, 4])
+    x = torch.randn(1, 8, 4, 4).contiguous(memory_format=torch.channels_last)
+    conv(x, packed, None, torch.randn(1, 8, 1, 1))
+    assert fallback.calls == 1
+    assert list(conv.why_not.values()) == ["residual shape differs from the output's"]
+
+
+def test_a_weight_format_unlike_torchs_is_copied_at_most_max_copies_times(
+        monkeypatch: pytest.MonkeyPatch):
+    # Pretend torch's packing never matches, and every shape wants another format.
+    monkeypatch.setattr(onednn_direct, "same_bytes", lambda packed, mine: False)
+    assert LIB is not None
+    monkeypatch.setattr(LIB, "equal", lambda a, b: False)
+    torch.manual_seed(5)
+    w = torch.randn(8, 8, 3, 3) * 0.1
+    conv, packed, fallback = _direct(w, [1, 8, 6, 6], pad=1, max_copies=2)
+    for batch in (1, 2, 3):
+        x = torch.randn(batch, 8, 6, 6).contiguous(memory_format=torch.channels_last)
+        y = conv(x, packed)
+        if batch < 3:
+            torch.testing.assert_close(y, F.conv2d(x, w, None, 1, 1), atol=ATOL, rtol=RTOL)
+    assert len(conv.copies) == 2 and fallback.calls == 1
+    assert "own copies" in next(iter(conv.why_not.values()))
+
+
+def test_same_bytes_compares_torchs_packed_buffer_byte_for_byte():
+    packed = torch.ops.mkldnn._reorder_convolution_weight(
+        torch.randn(32, 16, 3, 3), [1, 1], [1, 1], [1, 1], 1, [1, 16, 8, 8])
+    size = torch.ops.mkldnn._nbytes(packed)
+    raw = (ctypes.c_uint8 * size).from_address(torch.ops.mkldnn.data_ptr(packed))
+    mine = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    assert onednn_direct.same_bytes(packed, mine)
+    flipped = mine.clone()
+    flipped[size // 2] ^= 1
+    assert not onednn_direct.same_bytes(packed, flipped)
+    assert not onednn_direct.same_bytes(packed, mine[:-4])
+
+
+def test_a_different_weight_tensor_goes_to_the_fallback():
+    w = torch.randn(8, 8, 3, 3)
+    conv, packed, fallback = _direct(w, [1, 8, 5, 5], pad=1)
+    x = torch.randn(1, 8, 5, 5).contiguous(memory_format=torch.channels_last)
+    conv(x, packed)
+    other = torch.ops.mkldnn._reorder_convolution_weight(w, [1, 1], [1, 1], [1, 1], 1,
+                                                         [1, 8, 5, 5])
+    conv(x, other)
+    assert fallback.calls == 1
+
+
+def test_concurrent_calls_on_one_convolution():
+    torch.manual_seed(7)
+    w = torch.randn(16, 16, 3, 3) * 0.1
+    conv, packed, _ = _direct(w, [1, 16, 10, 10], pad=1)
+    inputs = [torch.randn(1, 16, 10, 10).contiguous(memory_format=torch.channels_last)
+              for _ in range(4)]
+    refs = [F.conv2d(x, w, None, 1, 1) for x in inputs]
+    errors: list[str] = []
+
+    def work(i: int) -> None:
+        for _ in range(50):
+            y = conv(inputs[i], packed)
+            if not torch.allclose(y, refs[i], atol=ATOL, rtol=RTOL):
+                errors.append(f"thread {i}")
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+
+
+def test_oneDNN_objects_are_freed_with_the_convolution():
+    w = torch.randn(8, 8, 3, 3)
+    conv, packed, _ = _direct(w, [1, 8, 5, 5], pad=1)
+    conv(torch.randn(1, 8, 5, 5).contiguous(memory_format=torch.channels_last), packed)
+    owned = conv._owned
+    assert any(kind == "primitive" for kind, _ in owned)
+    del conv
+    gc.collect()
+    assert owned == []
+
+
+def test_eltwise_table_covers_every_fusable_activation():
+    for name, act in fused.ACTIVATIONS.items():
+        params = {"Clip": [0.0, 6.0], "LeakyRelu": [0.1], "HardSigmoid": [1 / 6, 0.5]}.get(
+            name, [])
+        post = act.onednn(params)
+        if post is not None and post[0] != "none":
+            assert onednn_eltwise(*post) is not None, name
+
+
+def test_library_not_found_is_reported(monkeypatch: pytest.MonkeyPatch, tmp_path):
+    monkeypatch.setenv("SEGFLOW_DNNL_LIBRARY", str(tmp_path / "libdnnl.so.3"))
+    lib, why = Library.find()
+    assert lib is None and "pip install onednn-cpu-gomp" in why
+
+
+def _resnet18_log(env: dict[str, str]) -> tuple[list[str], Any]:
+    graph = import_model(models.build("resnet18", num_classes=10, image_size=32))
+    log = optimize(graph, OptimizeOptions.resolve(compile="codegen", env=env), device=CPU)
+    return log, graph
+
+
+def test_layout_marks_convolutions_direct_and_the_option_turns_it_off():
+    log, graph = _resnet18_log({})
+    convs = [n for n in graph.nodes if n.op_type == "FusedConv"]
+    assert all(n.attrs.get("onednn_direct") == 1 for n in convs)
+    assert "direct calls into oneDNN" in log[2]
+    log, graph = _resnet18_log({"SEGFLOW_ONEDNN_DIRECT": "0"})
+    assert not any(n.attrs.get("onednn_direct") for n in graph.nodes)
+    assert log[2] == "layout: prepacked for oneDNN: 20 convolutions (channels_last)"
+
+
+@pytest.mark.parametrize("name,options", [("resnet18", {"image_size": 48}),
+                                          ("mobilenet_v2", {"image_size": 64})])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_models_match_onnxruntime_with_direct_calls(name: str, options: dict[str, int],
+                                                    batch: int):
+    model = models.build(name, **options)
+    feeds = models.example_inputs(name, batch_size=batch, **options)
+    sess = segflow.InferenceSession(model.SerializeToString(), compile="codegen")
+    assert "direct calls into oneDNN" in sess.explain()
+    ref = ort.InferenceSession(model.SerializeToString(),
+                               providers=["CPUExecutionProvider"]).run(None, feeds)
+    for _ in range(2):
+        np.testing.assert_allclose(sess.run(None, feeds)[0], ref[0], atol=1e-4, rtol=1e-3)
