@@ -15,8 +15,9 @@ machine noise hits all of them alike. A ratio is the median over rounds of
 Peers: onnxruntime with default session options (CPU provider), torch eager
 (``segflow.models.torch_module``) under ``torch.inference_mode``. segflow runs
 with its defaults unless ``--variants`` says otherwise (``key=value`` pairs
-joined by ``,``: ``compile``, ``engine``, ``threads``, and pass switches
-``fold_constants``/``fuse``/``layout``/``plan_memory`` = on|off).
+joined by ``,``: ``compile``, ``engine``, ``threads``, pass switches
+``fold_constants``/``fuse``/``layout``/``plan_memory`` = on|off, and
+``direct`` = on|off for convolutions through libdnnl or torch's oneDNN op).
 The default (``compile=auto``) runs a small segment's inductor package when the
 package cache (``SEGFLOW_CACHE_DIR``) already holds one, as after a
 ``compile=inductor`` variant has run; the case line then says "cached inductor
@@ -63,8 +64,10 @@ CASES = {
 }
 
 
-def _segflow_kwargs(variant: str) -> dict[str, Any]:
+def _segflow_kwargs(variant: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """Session keyword arguments, and environment variables to set while it is made."""
     kwargs: dict[str, Any] = {}
+    env: dict[str, str] = {}
     passes: dict[str, bool] = {}
     for item in filter(None, (p.strip() for p in variant.split(","))):
         if item == "default":
@@ -76,11 +79,13 @@ def _segflow_kwargs(variant: str) -> dict[str, Any]:
             kwargs["intra_op_threads"] = int(value)
         elif key in ("compile", "engine"):
             kwargs[key] = value
+        elif key == "direct":  # convolutions through libdnnl (on) or torch's op (off)
+            env["SEGFLOW_ONEDNN_DIRECT"] = "0" if value in ("off", "0", "false") else "1"
         else:
             raise SystemExit(f"unknown variant key {key!r} in {variant!r}")
     if passes:
         kwargs["optimize"] = passes
-    return kwargs
+    return kwargs, env
 
 
 def _mib(n: Any) -> str:
@@ -100,9 +105,19 @@ def build_runners(case: Case, variants: list[str]) -> tuple[dict[str, Runner], d
     runners: dict[str, Runner] = {}
     notes: dict[str, str] = {}
     for variant in variants:
-        start = time.perf_counter()
-        sess = segflow.InferenceSession(model, **_segflow_kwargs(variant))
-        load = time.perf_counter() - start
+        kwargs, env = _segflow_kwargs(variant)
+        saved = {key: os.environ.get(key) for key in env}
+        os.environ.update(env)
+        try:
+            start = time.perf_counter()
+            sess = segflow.InferenceSession(model, **kwargs)
+            load = time.perf_counter() - start
+        finally:
+            for key, old in saved.items():
+                if old is None:
+                    del os.environ[key]
+                else:
+                    os.environ[key] = old
         name = "segflow" if variant == "default" else f"segflow[{variant}]"
         runners[name] = (lambda s=sess: s.run(None, feeds))
         report = sess.compile_report
@@ -117,7 +132,9 @@ def build_runners(case: Case, variants: list[str]) -> tuple[dict[str, Runner], d
         notes[name] = (f"load {load:.2f} s (compile {report.compile_time_s * 1e3:.0f} ms, "
                        f"backend {backend}); "
                        + "; ".join(line for line in sess.plan.pass_log
-                                   if line.startswith("fuse")) + "; " + plan)
+                                   if line.startswith("fuse")) + "; " + plan
+                       + ("; convolutions call libdnnl" if any(
+                           "direct calls into" in line for line in sess.plan.pass_log) else ""))
     ort_sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     runners["onnxruntime"] = lambda: ort_sess.run(None, feeds)
     module = models.torch_module(case.model, **build_opts)
@@ -292,7 +309,9 @@ def memory_child(runtime: str, case: Case, runs: int, variant: str = "default"
             with torch.inference_mode():
                 return module(**tensors)
     else:
-        sess = segflow.InferenceSession(model, **_segflow_kwargs(variant))
+        kwargs, env = _segflow_kwargs(variant)
+        os.environ.update(env)  # a fresh process per measurement
+        sess = segflow.InferenceSession(model, **kwargs)
         run = lambda: sess.run(None, feeds)  # noqa: E731
     load_peak = _status_kib("VmHWM") - before
     _trim()

@@ -27,6 +27,7 @@ from segflow.frontend.onnx_import import import_model
 from segflow.ir.types import Device, DeviceKind
 from segflow.ops import fused, onednn_direct
 from segflow.ops.onednn_direct import DirectConv, Library, geometry, onednn_eltwise
+from segflow.passes.layout import _pack_conv, _PackParams
 from segflow.passes.pipeline import OptimizeOptions, optimize
 
 LIB = Library.load()
@@ -291,3 +292,32 @@ def test_models_match_onnxruntime_with_direct_calls(name: str, options: dict[str
                                providers=["CPUExecutionProvider"]).run(None, feeds)
     for _ in range(2):
         np.testing.assert_allclose(sess.run(None, feeds)[0], ref[0], atol=1e-4, rtol=1e-3)
+
+
+@pytest.mark.parametrize("shape,input_size", [
+    ((1024, 256, 1, 1), (1, 256, 14, 14)),    # ResNet-50's: torch's batch-1 packing differs here
+    ((64, 64, 3, 3), (1, 64, 56, 56)),
+    ((32, 1, 3, 3), (1, 32, 28, 28)),         # depthwise
+])
+def test_layout_keeps_the_torch_packing_libdnnl_reads_in_place(shape, input_size):
+    torch.manual_seed(8)
+    dense = torch.randn(*shape)
+    group = input_size[1] // shape[1]
+    k = shape[-1]
+    params = _PackParams((k // 2, k // 2), (1, 1), (1, 1), group, input_size)
+    assert LIB is not None
+    wanted = LIB.preferred_weight(dense, geometry(shape, (1, 1), (k // 2,) * 2, (1, 1), group),
+                                  input_size)
+    packed, packed_for = _pack_conv(dense, params, LIB)
+
+    def torch_pack(size):
+        return torch.ops.mkldnn._reorder_convolution_weight(
+            dense, [k // 2] * 2, [1, 1], [1, 1], group, None if size is None else list(size))
+
+    candidates = [input_size, (2, *input_size[1:]), None]
+    matching = [c for c in candidates if onednn_direct.same_bytes(torch_pack(c), wanted)]
+    if matching:
+        assert onednn_direct.same_bytes(packed, wanted) and packed_for == matching[0]
+    else:
+        assert packed_for == input_size
+    torch.testing.assert_close(packed.to_dense(), dense)

@@ -265,23 +265,47 @@ class Library:
 
     def convolution(self, src: _P, weights: _P, bias: _P | None, dst: _P,
                     strides: Sequence[int], dilations: Sequence[int], pads: Sequence[int],
-                    attr: _P) -> tuple[_P, _P, str]:
-        """(primitive, its weights descriptor, implementation name) for a forward conv."""
+                    attr: _P | None, *, create: bool = True) -> tuple[_P | None, _P, str]:
+        """(primitive, its weights descriptor, implementation name) for a forward conv.
+
+        ``create=False`` stops at the descriptor (no JIT code): primitive None.
+        """
         dll = self._dll
         spatial = len(strides)
         pd = self._make(dll.dnnl_convolution_forward_primitive_desc_create, self.engine,
                         _FORWARD_INFERENCE, _CONVOLUTION_DIRECT, src, weights, bias, dst,
                         _Dims(*strides), _Dims(*[d - 1 for d in dilations]),
                         _Dims(*pads[:spatial]), _Dims(*pads[:spatial]), attr)
-        impl = ctypes.c_char_p()
-        dll.dnnl_primitive_desc_query(pd, _QUERY_IMPL_INFO, 0, ctypes.byref(impl))
-        weights_md = _P()
-        self.check(dll.dnnl_memory_desc_clone(ctypes.byref(weights_md),
-                                              _P(dll.dnnl_primitive_desc_query_md(
-                                                  pd, _QUERY_WEIGHTS_MD, 0))), "clone md")
-        prim = self._make(dll.dnnl_primitive_create, pd)
-        dll.dnnl_primitive_desc_destroy(pd)
+        try:
+            impl = ctypes.c_char_p()
+            dll.dnnl_primitive_desc_query(pd, _QUERY_IMPL_INFO, 0, ctypes.byref(impl))
+            weights_md = _P()
+            self.check(dll.dnnl_memory_desc_clone(ctypes.byref(weights_md),
+                                                  _P(dll.dnnl_primitive_desc_query_md(
+                                                      pd, _QUERY_WEIGHTS_MD, 0))), "clone md")
+            prim = self._make(dll.dnnl_primitive_create, pd) if create else None
+        finally:
+            dll.dnnl_primitive_desc_destroy(pd)
         return prim, weights_md, (impl.value or b"?").decode()
+
+    def preferred_weight(self, dense: Tensor, spec: ConvGeometry, input_size: Sequence[int]
+                         ) -> Tensor:
+        """``dense`` packed the way this library's convolution over a channels-last input
+        of ``input_size`` wants it (bytes). The layout pass compares torch's packing with it."""
+        example = torch.empty(list(input_size), memory_format=_channels_last(len(input_size)))
+        src = self.memory_desc(example)
+        out = torch.empty(spec.output_size(input_size),
+                          memory_format=_channels_last(len(input_size)))
+        dst = self.memory_desc(out)
+        any_weights = self.any_desc(spec.weight_dims)
+        owned: list[tuple[str, _P]] = [("memory_desc", d) for d in (src, dst, any_weights)]
+        try:
+            _, weights_md, _ = self.convolution(src, any_weights, None, dst, spec.strides,
+                                                spec.dilations, spec.pads, None, create=False)
+            owned.append(("memory_desc", weights_md))
+            return _reorder_weight(self, dense, weights_md, spec)
+        finally:
+            self.destroy(owned)
 
 
 @dataclass(frozen=True, slots=True)
@@ -382,14 +406,11 @@ class DirectConv:
         if x.dtype != torch.float32 or not w.is_mkldnn or x.dim() not in (4, 5):
             return None, "not a packed float32 2-D/3-D convolution"
         # oneDNN has only reference kernels for plain NCHW input with channels-last output.
-        want = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
+        want = _channels_last(x.dim())
         in_format = None if x.is_contiguous(memory_format=want) else want
         if in_format is not None:
             x = x.contiguous(memory_format=want)
-        out_spatial = [(size + 2 * p - d * (k - 1) - 1) // s + 1 for size, p, d, k, s in
-                       zip(x.shape[2:], spec.pads, spec.dilations, spec.kernel, spec.strides,
-                           strict=True)]
-        out_shape = (x.shape[0], spec.out_channels, *out_spatial)
+        out_shape = spec.output_size(x.shape)
         out_format = want
         if z is not None and (tuple(z.shape) != out_shape or z.dtype != torch.float32):
             return None, "residual shape differs from the output's"
@@ -401,11 +422,13 @@ class DirectConv:
         bias_md = lib.vector_desc(spec.out_channels) if b is not None else None
         any_weights = lib.any_desc(spec.weight_dims)
         try:
-            prim, weights_md, impl = lib.convolution(
+            made, weights_md, impl = lib.convolution(
                 src_md, any_weights, bias_md, dst_md, spec.strides, spec.dilations, spec.pads,
                 attr)
         finally:
             lib.destroy([("memory_desc", any_weights), ("primitive_attr", attr)])
+        assert made is not None
+        prim = made
         owned = self._owned
         owned.extend(("memory_desc", md) for md in (src_md, dst_md, bias_md, src1, weights_md)
                      if md is not None)
@@ -464,6 +487,12 @@ class ConvGeometry:
     dilations: tuple[int, ...]
     dense_shape: tuple[int, ...]     # torch's weight shape (oc, ic/g, k...)
 
+    def output_size(self, input_size: Sequence[int]) -> tuple[int, ...]:
+        spatial = [(size + 2 * p - d * (k - 1) - 1) // s + 1 for size, p, d, k, s in
+                   zip(input_size[2:], self.pads, self.dilations, self.kernel, self.strides,
+                       strict=True)]
+        return (int(input_size[0]), self.out_channels, *spatial)
+
 
 def geometry(weight_shape: Sequence[int], strides: Sequence[int], pads: Sequence[int],
              dilations: Sequence[int], group: int) -> ConvGeometry:
@@ -474,12 +503,8 @@ def geometry(weight_shape: Sequence[int], strides: Sequence[int], pads: Sequence
                         (oc, icg, *kernel))
 
 
-def _format_of(t: Tensor) -> torch.memory_format:
-    if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last):
-        return torch.channels_last
-    if t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d):
-        return torch.channels_last_3d
-    return torch.contiguous_format
+def _channels_last(rank: int) -> torch.memory_format:
+    return torch.channels_last if rank == 4 else torch.channels_last_3d
 
 
 def same_bytes(packed: Tensor, mine: Tensor) -> bool:
@@ -491,10 +516,12 @@ def same_bytes(packed: Tensor, mine: Tensor) -> bool:
     return bool(torch.equal(mine, torch.frombuffer(theirs, dtype=torch.uint8)))
 
 
-def _reorder_weight(lib: Library, packed: Tensor, weights_md: _P,
+def _reorder_weight(lib: Library, weight: Tensor, weights_md: _P,
                     spec: ConvGeometry) -> Tensor:
-    """``packed``'s values written by this library in the format ``weights_md`` (bytes)."""
-    dense = packed.to_dense().reshape(spec.weight_dims).contiguous()
+    """``weight``'s values (packed or dense) written by this library in the format
+    ``weights_md`` (bytes)."""
+    dense = (weight.to_dense() if weight.is_mkldnn else weight).reshape(
+        spec.weight_dims).contiguous()
     mine = torch.empty(lib.size(weights_md), dtype=torch.uint8)
     stream = lib.stream()
     dense_md = lib.memory_desc(dense)

@@ -29,7 +29,7 @@ from segflow.ops.fused import (
     activation_of,
     onednn_available,
 )
-from segflow.ops.onednn_direct import Library
+from segflow.ops.onednn_direct import DnnlError, Library, geometry, same_bytes
 from segflow.passes.result import PassResult
 
 
@@ -41,8 +41,9 @@ def layout(graph: Graph, device: Device, *, direct: bool = True) -> PassResult:
     if device.kind is not DeviceKind.CPU or not onednn_available():
         return PassResult(graph, False)
     packed: dict[tuple[int, _PackParams], Value] = {}
+    packed_size: dict[int, tuple[int, ...] | None] = {}
     changed = 0
-    direct = direct and Library.load() is not None
+    lib = Library.load() if direct else None
     for node in graph.nodes:
         if node.domain == FUSED_DOMAIN and node.op_type == "FusedGemm":
             changed += _pack_linear(graph, node, packed)
@@ -57,25 +58,59 @@ def layout(graph: Graph, device: Device, *, direct: bool = True) -> PassResult:
         key = (id(weight), params)
         value = packed.get(key)
         if value is None:
-            tensor = torch.ops.mkldnn._reorder_convolution_weight(
-                weight.const, list(params.pads), list(params.strides), list(params.dilations),
-                params.groups, None if params.input_size is None else list(params.input_size))
+            tensor, packed_for = _pack_conv(weight.const, params, lib)
             value = Value(f"{weight.name}.onednn", weight.spec, const=tensor)
             graph.add_initializer(value)
             packed[key] = value
+            packed_size[id(value)] = packed_for
         graph.set_input(node, 1, value)
         node.attrs["channels_last"] = 1
-        if direct:
+        if lib is not None:
             node.attrs["onednn_direct"] = 1   # called through libdnnl (ops/onednn_direct.py)
-        if params.input_size is not None:
+        packed_for = packed_size[id(value)]
+        if packed_for is not None:
             # The kernel repacks for other input shapes (ops/fused.py WeightForInput).
-            node.attrs["onednn_input_size"] = list(params.input_size)
+            node.attrs["onednn_input_size"] = list(packed_for)
         changed += 1
     if changed:
         for name, value in list(graph.initializers.items()):
             if not value.uses and value not in graph.outputs:
                 del graph.initializers[name]
     return PassResult(graph, changed > 0)
+
+
+def _pack_conv(dense: torch.Tensor, params: _PackParams, lib: Library | None
+               ) -> tuple[torch.Tensor, tuple[int, ...] | None]:
+    """torch's packed weight, and the input size it was packed for.
+
+    torch's oneDNN packs for ``params.input_size``. When the convolution will
+    call libdnnl, whose format choice can differ (ResNet-50 at batch 1: the six
+    1x1 256->1024 convolutions), torch's packing for a batch of 2 or for no
+    particular size is tried too, and the one whose bytes are libdnnl's is
+    kept, so the kernel reads it in place instead of holding its own copy.
+    """
+    def pack(size: tuple[int, ...] | None) -> torch.Tensor:
+        return torch.ops.mkldnn._reorder_convolution_weight(
+            dense, list(params.pads), list(params.strides), list(params.dilations),
+            params.groups, None if size is None else list(size))
+
+    size = params.input_size
+    tensor = pack(size)
+    if lib is None or size is None:
+        return tensor, size
+    geo = geometry(list(dense.shape), params.strides, params.pads, params.dilations,
+                   params.groups)
+    try:
+        wanted = lib.preferred_weight(dense, geo, size)
+    except DnnlError:
+        return tensor, size
+    if same_bytes(tensor, wanted):
+        return tensor, size
+    for other in ((2, *size[1:]), None):
+        candidate = pack(other)
+        if same_bytes(candidate, wanted):
+            return candidate, other
+    return tensor, size
 
 
 def _pack_linear(graph: Graph, node: Node, packed: dict[tuple[int, _PackParams], Value]) -> int:
