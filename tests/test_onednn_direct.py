@@ -308,7 +308,7 @@ def test_layout_keeps_the_torch_packing_libdnnl_reads_in_place(shape, input_size
     assert LIB is not None
     wanted = LIB.preferred_weight(dense, geometry(shape, (1, 1), (k // 2,) * 2, (1, 1), group),
                                   input_size)
-    packed, packed_for = _pack_conv(dense, params, LIB)
+    packed, packed_for, verified = _pack_conv(dense, params, LIB)
 
     def torch_pack(size):
         return torch.ops.mkldnn._reorder_convolution_weight(
@@ -318,6 +318,29 @@ def test_layout_keeps_the_torch_packing_libdnnl_reads_in_place(shape, input_size
     matching = [c for c in candidates if onednn_direct.same_bytes(torch_pack(c), wanted)]
     if matching:
         assert onednn_direct.same_bytes(packed, wanted) and packed_for == matching[0]
+        assert verified == input_size
     else:
-        assert packed_for == input_size
+        assert packed_for == input_size and verified is None
     torch.testing.assert_close(packed.to_dense(), dense)
+
+
+def test_a_weight_the_layout_pass_verified_is_read_without_comparing_bytes(
+        monkeypatch: pytest.MonkeyPatch):
+    torch.manual_seed(9)
+    dense = torch.randn(64, 64, 3, 3) * 0.1
+    size = (1, 64, 14, 14)
+    packed, packed_for, verified = _pack_conv(
+        dense, _PackParams((1, 1), (1, 1), (1, 1), 1, size), LIB)
+    if verified is None:
+        pytest.skip("no torch packing of this weight is libdnnl's format on this CPU")
+
+    def no_dense_copy(*args: Any) -> torch.Tensor:
+        raise AssertionError("compared bytes although the layout pass verified the weight")
+    monkeypatch.setattr(onednn_direct, "_reorder_weight", no_dense_copy)
+    assert LIB is not None
+    conv = DirectConv(LIB, geometry(dense.shape, (1, 1), (1, 1), (1, 1), 1), None, None, False,
+                      Fallback(), 32, 2, verified)
+    x = torch.randn(*size).contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(conv(x, packed), F.conv2d(x, dense, None, 1, 1),
+                               atol=ATOL, rtol=RTOL)
+    assert conv.direct_layouts == 1 and conv.copies == []

@@ -293,7 +293,9 @@ def _onednn_conv(node: Node, spec: _ConvSpec, act: Activation, params: list[floa
             return finish(y, params)
     geo = geometry([int(d) for d in weight.spec.shape], spec.strides, spec.pads,  # type: ignore[arg-type]
                    spec.dilations, spec.group)
-    return DirectConv(lib, geo, eltwise, after, inplace, fallback, MAX_SHAPES, MAX_REPACKS)
+    verified = node.attrs.get("onednn_direct_verified_for")
+    return DirectConv(lib, geo, eltwise, after, inplace, fallback, MAX_SHAPES, MAX_REPACKS,
+                      [int(d) for d in verified] if verified else None)
 
 
 def _onednn_conv_callable(spec: _ConvSpec, act: Activation, params: list[float],

@@ -288,24 +288,29 @@ class Library:
             dll.dnnl_primitive_desc_destroy(pd)
         return prim, weights_md, (impl.value or b"?").decode()
 
-    def preferred_weight(self, dense: Tensor, spec: ConvGeometry, input_size: Sequence[int]
-                         ) -> Tensor:
-        """``dense`` packed the way this library's convolution over a channels-last input
-        of ``input_size`` wants it (bytes). The layout pass compares torch's packing with it."""
-        example = torch.empty(list(input_size), memory_format=_channels_last(len(input_size)))
-        src = self.memory_desc(example)
-        out = torch.empty(spec.output_size(input_size),
-                          memory_format=_channels_last(len(input_size)))
-        dst = self.memory_desc(out)
+    def preferred_desc(self, spec: ConvGeometry, input_size: Sequence[int]) -> _P:
+        """The weights descriptor of this library's convolution over a channels-last
+        input of ``input_size`` (no post-ops); the caller destroys it."""
+        layout = _channels_last(len(input_size))
+        src = self.memory_desc(torch.empty(list(input_size), memory_format=layout))
+        dst = self.memory_desc(torch.empty(spec.output_size(input_size), memory_format=layout))
         any_weights = self.any_desc(spec.weight_dims)
-        owned: list[tuple[str, _P]] = [("memory_desc", d) for d in (src, dst, any_weights)]
         try:
             _, weights_md, _ = self.convolution(src, any_weights, None, dst, spec.strides,
                                                 spec.dilations, spec.pads, None, create=False)
-            owned.append(("memory_desc", weights_md))
+        finally:
+            self.destroy([("memory_desc", d) for d in (src, dst, any_weights)])
+        return weights_md
+
+    def preferred_weight(self, dense: Tensor, spec: ConvGeometry, input_size: Sequence[int]
+                         ) -> Tensor:
+        """``dense`` packed the way :meth:`preferred_desc` says (bytes). The layout pass
+        compares torch's packing with it."""
+        weights_md = self.preferred_desc(spec, input_size)
+        try:
             return _reorder_weight(self, dense, weights_md, spec)
         finally:
-            self.destroy(owned)
+            self.destroy([("memory_desc", weights_md)])
 
 
 @dataclass(frozen=True, slots=True)
@@ -339,8 +344,14 @@ class DirectConv:
 
     def __init__(self, lib: Library, spec: ConvGeometry, eltwise: tuple[int, float, float] | None,
                  after: Callable[[Tensor], Tensor] | None, inplace: bool,
-                 fallback: Callable[..., Tensor], max_shapes: int, max_copies: int) -> None:
+                 fallback: Callable[..., Tensor], max_shapes: int, max_copies: int,
+                 verified_for: Sequence[int] | None = None) -> None:
         self.lib = lib
+        # The layout pass checked that ``w``'s bytes are this library's format for a
+        # channels-last input of this size: a primitive whose weights descriptor equals
+        # that one reads ``w`` without comparing bytes again (no dense temporaries).
+        self.verified_for = tuple(verified_for) if verified_for else None
+        self._verified_md: _P | None = None
         self.spec = spec
         self.eltwise = eltwise
         self.after = after
@@ -466,6 +477,12 @@ class DirectConv:
         for desc, copy in self.copies:
             if lib.equal(desc, weights_md):
                 return int(copy.data_ptr())
+        if self.verified_for is not None:
+            if self._verified_md is None:
+                self._verified_md = lib.preferred_desc(self.spec, self.verified_for)
+                self._owned.append(("memory_desc", self._verified_md))
+            if lib.equal(self._verified_md, weights_md):
+                return int(torch.ops.mkldnn.data_ptr(w))
         mine = _reorder_weight(lib, w, weights_md, self.spec)
         if same_bytes(w, mine):
             return int(torch.ops.mkldnn.data_ptr(w))

@@ -41,7 +41,7 @@ def layout(graph: Graph, device: Device, *, direct: bool = True) -> PassResult:
     if device.kind is not DeviceKind.CPU or not onednn_available():
         return PassResult(graph, False)
     packed: dict[tuple[int, _PackParams], Value] = {}
-    packed_size: dict[int, tuple[int, ...] | None] = {}
+    packed_size: dict[int, tuple[tuple[int, ...] | None, tuple[int, ...] | None]] = {}
     changed = 0
     lib = Library.load() if direct else None
     for node in graph.nodes:
@@ -58,16 +58,18 @@ def layout(graph: Graph, device: Device, *, direct: bool = True) -> PassResult:
         key = (id(weight), params)
         value = packed.get(key)
         if value is None:
-            tensor, packed_for = _pack_conv(weight.const, params, lib)
+            tensor, packed_for, verified = _pack_conv(weight.const, params, lib)
             value = Value(f"{weight.name}.onednn", weight.spec, const=tensor)
             graph.add_initializer(value)
             packed[key] = value
-            packed_size[id(value)] = packed_for
+            packed_size[id(value)] = (packed_for, verified)
         graph.set_input(node, 1, value)
         node.attrs["channels_last"] = 1
+        packed_for, verified = packed_size[id(value)]
         if lib is not None:
             node.attrs["onednn_direct"] = 1   # called through libdnnl (ops/onednn_direct.py)
-        packed_for = packed_size[id(value)]
+            if verified is not None:
+                node.attrs["onednn_direct_verified_for"] = list(verified)
         if packed_for is not None:
             # The kernel repacks for other input shapes (ops/fused.py WeightForInput).
             node.attrs["onednn_input_size"] = list(packed_for)
@@ -80,8 +82,9 @@ def layout(graph: Graph, device: Device, *, direct: bool = True) -> PassResult:
 
 
 def _pack_conv(dense: torch.Tensor, params: _PackParams, lib: Library | None
-               ) -> tuple[torch.Tensor, tuple[int, ...] | None]:
-    """torch's packed weight, and the input size it was packed for.
+               ) -> tuple[torch.Tensor, tuple[int, ...] | None, tuple[int, ...] | None]:
+    """torch's packed weight, the input size it was packed for, and the input size
+    for which its bytes were found to be libdnnl's format (None: not checked or not).
 
     torch's oneDNN packs for ``params.input_size``. When the convolution will
     call libdnnl, whose format choice can differ (ResNet-50 at batch 1: the six
@@ -97,20 +100,20 @@ def _pack_conv(dense: torch.Tensor, params: _PackParams, lib: Library | None
     size = params.input_size
     tensor = pack(size)
     if lib is None or size is None:
-        return tensor, size
+        return tensor, size, None
     geo = geometry(list(dense.shape), params.strides, params.pads, params.dilations,
                    params.groups)
     try:
         wanted = lib.preferred_weight(dense, geo, size)
     except DnnlError:
-        return tensor, size
+        return tensor, size, None
     if same_bytes(tensor, wanted):
-        return tensor, size
+        return tensor, size, size
     for other in ((2, *size[1:]), None):
         candidate = pack(other)
         if same_bytes(candidate, wanted):
-            return candidate, other
-    return tensor, size
+            return candidate, other, size
+    return tensor, size, None
 
 
 def _pack_linear(graph: Graph, node: Node, packed: dict[tuple[int, _PackParams], Value]) -> int:
