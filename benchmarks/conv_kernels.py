@@ -57,19 +57,25 @@ def _segflow_child(model: str, batch: int, threads: int, runs: int) -> dict[str,
 
     import segflow
     from segflow import models
+    from segflow.ops.onednn_direct import Library
 
     feeds = models.example_inputs(model, batch_size=batch)
     sess = segflow.InferenceSession(models.build(model), intra_op_threads=threads)
     for _ in range(3):
         sess.run(None, feeds)
     wall = []
+    direct = Library.load()   # convolutions that call libdnnl print through its own switch
     with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
+        if direct is not None:
+            direct.set_verbose(1)
         sess.run(None, feeds)  # the verbose header prints on the first primitive
         print("RUNS", flush=True)
         for _ in range(runs):
             start = time.perf_counter()
             sess.run(None, feeds)
             wall.append((time.perf_counter() - start) * 1e3)
+        if direct is not None:
+            direct.set_verbose(0)
     return {"wall_ms": wall}
 
 

@@ -193,6 +193,11 @@ class Library:
             getattr(self._dll, f"dnnl_{kind}_destroy")(handle)
         owned.clear()
 
+    def set_verbose(self, level: int) -> None:
+        """oneDNN's verbose mode for this library (1: one line per primitive executed),
+        the counterpart of ``torch.backends.mkldnn.verbose`` for torch's copy."""
+        self.check(self._dll.dnnl_set_verbose(level), "set verbose")
+
     def check(self, status: int, what: str) -> None:
         if status != 0:
             raise DnnlError(f"{what}: oneDNN status {status}")
