@@ -43,7 +43,11 @@ def layout(graph: Graph, device: Device, *, direct: bool = True) -> PassResult:
     packed: dict[tuple[int, _PackParams], Value] = {}
     packed_size: dict[int, tuple[tuple[int, ...] | None, tuple[int, ...] | None]] = {}
     changed = 0
-    lib = Library.load() if direct else None
+    # Loaded only for a graph with convolutions to pack: a process that runs none
+    # never maps the library.
+    lib = Library.load() if direct and any(
+        node.op_type == "FusedConv" and node.domain == FUSED_DOMAIN and _packable(node)
+        for node in graph.nodes) else None
     for node in graph.nodes:
         if node.domain == FUSED_DOMAIN and node.op_type == "FusedGemm":
             changed += _pack_linear(graph, node, packed)
