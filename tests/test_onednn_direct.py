@@ -349,3 +349,13 @@ def test_a_weight_the_layout_pass_verified_is_read_without_comparing_bytes(
     torch.testing.assert_close(conv(x, packed), F.conv2d(x, dense, None, 1, 1),
                                atol=ATOL, rtol=RTOL)
     assert conv.direct_layouts == 1 and conv.copies == []
+
+
+def test_a_float64_input_falls_back_without_hiding_float32_calls_of_that_shape():
+    w = torch.randn(8, 8, 3, 3)
+    conv, packed, fallback = _direct(w, [1, 8, 5, 5], pad=1)
+    x = torch.randn(1, 8, 5, 5).contiguous(memory_format=torch.channels_last)
+    conv(x.double(), packed)
+    assert fallback.calls == 1
+    torch.testing.assert_close(conv(x, packed), F.conv2d(x, w, None, 1, 1), atol=ATOL, rtol=RTOL)
+    assert fallback.calls == 1 and conv.direct_layouts == 1

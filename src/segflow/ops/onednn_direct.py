@@ -2,18 +2,19 @@
 
 Why: torch's ``mkldnn._convolution_pointwise`` rebuilds oneDNN's primitive
 descriptor, memory descriptors and attributes on every call. That costs
-45-95 us per convolution at batch 1 and 0.2-0.5 ms at batch 8, which is the
+45-95 us per convolution at batch 1 and 0.2-0.5 ms at batch 8, which was the
 whole gap between segflow's default backend and onnxruntime on ResNet-50
 (docs/benchmarking.md). Here a convolution builds its primitive once per input
-shape and then each call is a few C calls: point the source, destination and
-residual memory at the tensors, execute.
+layout, and then a call costs about 6 us: point the source, destination and
+residual memories at the tensors, execute (ctypes releases the GIL).
 
-The weight is mostly not copied. The layout pass has packed it with torch's
-oneDNN; the primitive built here asks for its own preferred weight format, and
-the packed bytes are read in place when they are exactly what this library
-would write (checked byte for byte against its reorder of the weight, once per
-input layout). When they differ, the convolution keeps its own packed copy
-(ResNet-50: 6 of 53 convolutions, 6 MiB), for at most ``max_copies`` formats.
+The weight is read in place. The layout pass packs it with torch's oneDNN and
+checks, byte for byte against this library's reorder, that the packing is the
+format this library's convolution wants (trying torch's packing for another
+size where the first differs); such a weight is then matched by descriptor at
+run time. Otherwise the bytes are compared once per input layout, and a weight
+whose format differs gets the convolution's own packed copy, for at most
+``max_copies`` formats (ResNet-50: only the 37 KB stem).
 
 The library is the ``onednn-cpu-gomp`` wheel (oneDNN 3.x built on GNU OpenMP);
 it must share torch's OpenMP runtime, or the two thread pools would fight for
@@ -375,7 +376,8 @@ class DirectConv:
 
     def __call__(self, x: Tensor, w: Tensor, b: Tensor | None = None,
                  z: Tensor | None = None) -> Tensor:
-        key = (x.shape, x.stride()) if z is None else (x.shape, x.stride(), z.stride())
+        key = (x.shape, x.stride(), x.dtype) if z is None else (x.shape, x.stride(), x.dtype,
+                                                                   z.stride(), z.shape)
         try:
             call = self.calls[key]
         except KeyError:
