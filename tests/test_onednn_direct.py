@@ -359,3 +359,18 @@ def test_a_float64_input_falls_back_without_hiding_float32_calls_of_that_shape()
     assert fallback.calls == 1
     torch.testing.assert_close(conv(x, packed), F.conv2d(x, w, None, 1, 1), atol=ATOL, rtol=RTOL)
     assert fallback.calls == 1 and conv.direct_layouts == 1
+
+
+@pytest.mark.parametrize("inplace", [True, False])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_1x1_spatial_input_runs_direct(batch: int, inplace: bool):
+    # A squeeze-excitation conv reads [N, C, 1, 1]: torch gives it NCHW strides although it
+    # is channels-last too; with those oneDNN has only its reference kernel.
+    torch.manual_seed(10)
+    w = torch.randn(8, 16, 1, 1)
+    x = torch.randn(batch, 16, 1, 1)
+    z = torch.randn(batch, 8, 1, 1)
+    ref = torch.sigmoid(F.conv2d(x, w) + z)
+    conv, packed, fallback = _direct(w, list(x.shape), eltwise=(41, 0.0, 0.0), inplace=inplace)
+    torch.testing.assert_close(conv(x, packed, None, z.clone()), ref, atol=ATOL, rtol=RTOL)
+    assert fallback.calls == 0 and conv.why_not == {}

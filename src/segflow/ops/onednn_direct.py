@@ -209,9 +209,17 @@ class Library:
         return handle
 
     def memory_desc(self, t: Tensor) -> _P:
-        """A float32 memory descriptor with ``t``'s sizes and strides."""
+        """A float32 memory descriptor with ``t``'s sizes and strides.
+
+        A channels-last tensor gets the canonical channels-last strides: where a dim
+        has size 1 torch's strides are arbitrary (a ``[N, C, 1, 1]`` tensor reads
+        as NCHW), and oneDNN would then pick its reference kernels.
+        """
+        strides = list(t.stride())
+        if t.dim() in (4, 5) and t.is_contiguous(memory_format=_channels_last(t.dim())):
+            strides = _channels_last_strides(list(t.shape))
         return self._make(self._dll.dnnl_memory_desc_create_with_strides, t.dim(),
-                          _Dims(*t.shape), _F32, _Dims(*t.stride()))
+                          _Dims(*t.shape), _F32, _Dims(*strides))
 
     def vector_desc(self, n: int) -> _P:
         return self._make(self._dll.dnnl_memory_desc_create_with_tag, 1, _Dims(n), _F32, _TAG_A)
@@ -529,6 +537,19 @@ def geometry(weight_shape: Sequence[int], strides: Sequence[int], pads: Sequence
 
 def _channels_last(rank: int) -> torch.memory_format:
     return torch.channels_last if rank == 4 else torch.channels_last_3d
+
+
+def _channels_last_strides(sizes: Sequence[int]) -> list[int]:
+    """Element strides of a dense ``[N, C, *spatial]`` tensor stored channels-last."""
+    n, c, *spatial = sizes
+    strides = [0] * len(sizes)
+    strides[1] = 1
+    step = c
+    for dim in range(len(sizes) - 1, 1, -1):
+        strides[dim] = step
+        step *= sizes[dim]
+    strides[0] = step
+    return strides
 
 
 def same_bytes(packed: Tensor, mine: Tensor) -> bool:
