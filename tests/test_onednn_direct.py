@@ -374,3 +374,26 @@ def test_a_1x1_spatial_input_runs_direct(batch: int, inplace: bool):
     conv, packed, fallback = _direct(w, list(x.shape), eltwise=(41, 0.0, 0.0), inplace=inplace)
     torch.testing.assert_close(conv(x, packed, None, z.clone()), ref, atol=ATOL, rtol=RTOL)
     assert fallback.calls == 0 and conv.why_not == {}
+
+
+@pytest.mark.parametrize("engine", ["inline", "threaded"])
+def test_concurrent_runs_of_one_session_match_onnxruntime(engine: str):
+    model = models.build("resnet18", image_size=32).SerializeToString()
+    sess = segflow.InferenceSession(model, engine=engine)
+    oracle = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    errors: list[str] = []
+
+    def work(seed: int) -> None:
+        feeds = models.example_inputs("resnet18", batch_size=1 + seed, image_size=32, seed=seed)
+        ref = oracle.run(None, feeds)[0]
+        for _ in range(5):
+            out = sess.run(None, feeds)[0]
+            if not np.allclose(out, ref, atol=1e-4, rtol=1e-3):
+                errors.append(f"seed {seed}: max error {np.abs(out - ref).max()}")
+
+    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
