@@ -62,6 +62,15 @@ def _direct(w: torch.Tensor, x_shape: list[int], *, stride: int = 1, pad: int = 
     return conv, packed, fallback
 
 
+def _in_threads(work: Callable[[int], None], count: int) -> None:
+    """Run ``work(0) ... work(count - 1)`` on that many threads at once; wait for all."""
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 ACTS: dict[str, tuple[tuple[str, list[float], str] | None, Callable[..., torch.Tensor]]] = {
     # torch's post-op (name, scalars, algorithm) -> the reference activation
     "none": (None, lambda y: y),
@@ -229,11 +238,7 @@ def test_concurrent_calls_on_one_convolution():
             if not torch.allclose(y, refs[i], atol=ATOL, rtol=RTOL):
                 errors.append(f"thread {i}")
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _in_threads(work, 4)
     assert errors == []
 
 
@@ -391,9 +396,5 @@ def test_concurrent_runs_of_one_session_match_onnxruntime(engine: str):
             if not np.allclose(out, ref, atol=1e-4, rtol=1e-3):
                 errors.append(f"seed {seed}: max error {np.abs(out - ref).max()}")
 
-    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _in_threads(work, 3)
     assert errors == []
