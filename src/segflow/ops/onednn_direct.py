@@ -437,11 +437,10 @@ class DirectConv:
         if in_format is not None:
             x = x.contiguous(memory_format=want)
         out_shape = spec.output_size(x.shape)
-        out_format = want
         if z is not None and (tuple(z.shape) != out_shape or z.dtype != torch.float32):
             return None, "residual shape differs from the output's"
         example = z if z is not None and self.inplace else torch.empty(
-            out_shape, memory_format=out_format)
+            out_shape, memory_format=want)
         attr, src1 = lib.post_ops(z, self.inplace, self.eltwise)
         src_md = lib.memory_desc(x)
         dst_md = lib.memory_desc(example)
@@ -484,7 +483,7 @@ class DirectConv:
             owned.append(("memory", residual))
             args.append(_ExecArg(_POST_OP_ARG_BASE | _ARG_SRC_1, residual))
         return _Call(prim, src, dst, residual, (_ExecArg * len(args))(*args), in_format,
-                     out_shape, out_format, w, b, impl), ""
+                     out_shape, want, w, b, impl), ""
 
     def _weight(self, w: Tensor, weights_md: _P) -> int | None:
         """The address of ``w``'s values in the format ``weights_md`` (None: over the cap)."""
@@ -517,7 +516,6 @@ class ConvGeometry:
     strides: tuple[int, ...]
     pads: tuple[int, ...]
     dilations: tuple[int, ...]
-    dense_shape: tuple[int, ...]     # torch's weight shape (oc, ic/g, k...)
 
     def output_size(self, input_size: Sequence[int]) -> tuple[int, ...]:
         spatial = [(size + 2 * p - d * (k - 1) - 1) // s + 1 for size, p, d, k, s in
@@ -531,8 +529,7 @@ def geometry(weight_shape: Sequence[int], strides: Sequence[int], pads: Sequence
     oc, icg, *kernel = (int(d) for d in weight_shape)
     dims = (oc, icg, *kernel) if group == 1 else (group, oc // group, icg, *kernel)
     return ConvGeometry(oc, dims, tuple(kernel), tuple(int(s) for s in strides),
-                        tuple(int(p) for p in pads), tuple(int(d) for d in dilations),
-                        (oc, icg, *kernel))
+                        tuple(int(p) for p in pads), tuple(int(d) for d in dilations))
 
 
 def _channels_last(rank: int) -> torch.memory_format:

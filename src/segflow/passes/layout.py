@@ -43,11 +43,7 @@ def layout(graph: Graph, device: Device, *, direct: bool = True) -> PassResult:
     packed: dict[tuple[int, _PackParams], Value] = {}
     packed_size: dict[int, tuple[tuple[int, ...] | None, tuple[int, ...] | None]] = {}
     changed = 0
-    # Loaded only for a graph with convolutions to pack: a process that runs none
-    # never maps the library.
-    lib = Library.load() if direct and any(
-        node.op_type == "FusedConv" and node.domain == FUSED_DOMAIN and _packable(node)
-        for node in graph.nodes) else None
+    lib: Library | None = None
     for node in graph.nodes:
         if node.domain == FUSED_DOMAIN and node.op_type == "FusedGemm":
             changed += _pack_linear(graph, node, packed)
@@ -57,6 +53,10 @@ def layout(graph: Graph, device: Device, *, direct: bool = True) -> PassResult:
         params = _packable(node)
         if params is None:
             continue
+        if direct and lib is None:
+            # Loaded at the first convolution to pack: a process that packs none never
+            # maps the library.
+            lib = Library.load()
         weight = node.inputs[1]
         assert weight is not None and weight.const is not None
         key = (id(weight), params)
