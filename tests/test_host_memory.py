@@ -59,9 +59,11 @@ def test_a_session_records_the_policy_in_force() -> None:
 # channels-last input copy). Retained, later runs reuse the heap; glibc still
 # grows it now and then (an aligned block cannot always reuse a freed one of the
 # same size): 1-2 runs of the first 6 and 1-3 in 300, so the test skips 4 runs
-# and compares sums.
+# and compares sums. The probe measures malloc's policy, so the input copy comes
+# from malloc too (SEGFLOW_ARENA=0; the arena would hold it in its own block).
 _PROBE = """
-import json, resource, sys
+import json, os, resource, sys
+os.environ["SEGFLOW_ARENA"] = "0"
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 import segflow

@@ -398,3 +398,97 @@ def test_concurrent_runs_of_one_session_match_onnxruntime(engine: str):
 
     _in_threads(work, 3)
     assert errors == []
+
+
+# -- max pooling ---------------------------------------------------------------------------
+def _pool(kernel: list[int], strides: list[int], dilations: list[int], begin: list[int],
+          end: list[int], *, ceil_mode: bool = False,
+          destination: Callable[[], torch.Tensor | None] | None = None
+          ) -> tuple[onednn_direct.DirectPool, Fallback]:
+    fallback = Fallback()
+    assert LIB is not None
+    pool = onednn_direct.DirectPool(LIB, kernel, strides, dilations, lambda x: (begin, end),
+                                    ceil_mode, fallback, 32, destination)
+    return pool, fallback
+
+
+def _torch_max_pool(x: torch.Tensor, kernel: list[int], strides: list[int],
+                    dilations: list[int], begin: list[int], end: list[int]) -> torch.Tensor:
+    pad = [p for b, e in zip(reversed(begin), reversed(end)) for p in (b, e)]
+    padded = F.pad(x, pad, value=-float("inf"))
+    fn = F.max_pool2d if x.dim() == 4 else F.max_pool3d
+    return fn(padded, kernel, strides, 0, dilations)
+
+
+@pytest.mark.parametrize("case", [
+    # kernel, strides, dilations, begin pads, end pads, input shape
+    ([3, 3], [2, 2], [1, 1], [1, 1], [1, 1], [1, 16, 28, 28]),   # ResNet's stem pool
+    ([2, 2], [2, 2], [1, 1], [0, 0], [0, 0], [2, 8, 9, 9]),
+    ([3, 3], [1, 1], [1, 1], [2, 2], [2, 2], [1, 8, 10, 10]),     # pads up to the kernel
+    ([3, 2], [1, 2], [1, 1], [0, 1], [1, 0], [3, 5, 7, 6]),       # asymmetric pads
+    ([2, 2, 2], [2, 2, 2], [1, 1, 1], [0, 0, 0], [0, 0, 0], [1, 4, 6, 6, 6]),
+])
+def test_direct_max_pool_matches_torch(case):
+    kernel, strides, dilations, begin, end, shape = case
+    layout = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
+    x = torch.randn(shape).contiguous(memory_format=layout)
+    pool, fallback = _pool(kernel, strides, dilations, begin, end)
+    got = pool(x)
+    assert fallback.calls == 0 and pool.why_not == {} and pool.direct_layouts == 1
+    assert got.is_contiguous(memory_format=layout)
+    torch.testing.assert_close(got, _torch_max_pool(x, kernel, strides, dilations, begin, end),
+                               atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("why,x,ceil_mode", [
+    ("not a channels-last float32 input", torch.randn(1, 8, 8, 8), False),
+    ("not a channels-last float32 input",
+     torch.randn(1, 8, 8, 8, dtype=torch.float64).contiguous(memory_format=torch.channels_last),
+     False),
+    ("ceil_mode", torch.randn(1, 8, 8, 8).contiguous(memory_format=torch.channels_last), True),
+])
+def test_direct_max_pool_falls_back(why: str, x: torch.Tensor, ceil_mode: bool):
+    pool, fallback = _pool([2, 2], [2, 2], [1, 1], [0, 0], [0, 0], ceil_mode=ceil_mode)
+    pool(x)
+    assert fallback.calls == 1 and list(pool.why_not.values()) == [why]
+
+
+def test_a_dilated_max_pool_has_only_a_reference_kernel_and_falls_back():
+    x = torch.randn(1, 8, 10, 10).contiguous(memory_format=torch.channels_last)
+    pool, fallback = _pool([3, 3], [1, 1], [2, 2], [2, 2], [2, 2])
+    pool(x)
+    assert fallback.calls == 1
+    assert list(pool.why_not.values())[0].startswith("only a reference implementation")
+
+
+def test_direct_max_pool_writes_into_the_given_storage_when_it_fits():
+    x = torch.randn(1, 8, 8, 8).contiguous(memory_format=torch.channels_last)
+    given = torch.full((1, 8, 4, 4), 7.0).contiguous(memory_format=torch.channels_last)
+    pool, _ = _pool([2, 2], [2, 2], [1, 1], [0, 0], [0, 0], destination=lambda: given)
+    got = pool(x)
+    assert got is given
+    torch.testing.assert_close(got, F.max_pool2d(x, 2, 2), atol=0, rtol=0)
+    wrong = torch.empty(1, 8, 5, 5).contiguous(memory_format=torch.channels_last)
+    pool, _ = _pool([2, 2], [2, 2], [1, 1], [0, 0], [0, 0], destination=lambda: wrong)
+    assert pool(x) is not wrong
+
+
+def test_a_conv_copies_a_plain_input_into_the_staging_storage():
+    w = torch.randn(8, 3, 3, 3)
+    conv, packed, fallback = _direct(w, [1, 3, 10, 10], pad=1)
+    staged = torch.empty(1, 3, 10, 10).contiguous(memory_format=torch.channels_last)
+    conv.staging = lambda: staged
+    x = torch.randn(1, 3, 10, 10)
+    got = conv(x, packed)
+    torch.testing.assert_close(staged, x)           # the channels-last copy went there
+    torch.testing.assert_close(got, F.conv2d(x, w, padding=1), atol=ATOL, rtol=RTOL)
+    assert fallback.calls == 0
+
+
+def test_layout_marks_the_max_pool_after_a_direct_convolution():
+    log, graph = _resnet18_log({})
+    pools = [n for n in graph.nodes if n.op_type == "MaxPool"]
+    assert len(pools) == 1 and pools[0].attrs.get("onednn_direct") == 1
+    assert log[2].endswith("(and 1 max pool)")
+    _, graph = _resnet18_log({"SEGFLOW_ONEDNN_DIRECT": "0"})
+    assert not any(n.attrs.get("onednn_direct") for n in graph.nodes if n.op_type == "MaxPool")

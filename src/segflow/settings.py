@@ -37,6 +37,7 @@ ENV_CACHE_MAX_MB = "SEGFLOW_CACHE_MAX_MB"          # package cache size cap, MiB
 ENV_HOST_MEMORY = "SEGFLOW_HOST_MEMORY"            # retain | system (runtime/host_memory.py)
 ENV_ONEDNN_DIRECT = "SEGFLOW_ONEDNN_DIRECT"        # 0: convolutions through torch's oneDNN op
 ENV_DNNL_LIBRARY = "SEGFLOW_DNNL_LIBRARY"          # libdnnl path (ops/onednn_direct.py)
+ENV_ARENA = "SEGFLOW_ARENA"                        # 0: direct convolutions allocate outputs
 
 ENGINES = ("auto", "inline", "threaded")
 

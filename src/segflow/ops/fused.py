@@ -30,7 +30,13 @@ import torch.nn.functional as F
 
 from segflow.ir.graph import Node
 from segflow.ops._common import torch_pad
-from segflow.ops.onednn_direct import DirectConv, Library, geometry, onednn_eltwise
+from segflow.ops.onednn_direct import (
+    Destination,
+    DirectConv,
+    Library,
+    geometry,
+    onednn_eltwise,
+)
 from segflow.ops.registry import BindContext, Kernel, OpDef
 
 Tensor = torch.Tensor
@@ -174,7 +180,8 @@ def _fused_conv(node: Node, ctx: BindContext) -> Kernel:
     spec = _conv_spec(node)
     act, params = activation_of(node)
     if conv_uses_onednn(node):
-        return _onednn_conv_kernel(node, spec, act, params)
+        return _onednn_conv_kernel(node, spec, act, params, ctx.destination(node.outputs[0]),
+                                   ctx.staging(node))
     conv = _CONV[spec.spatial]
     pad = torch_pad(spec.begin_end) if spec.begin_end else None
     channels_last = bool(node.attrs.get("channels_last", 0)) and spec.spatial == 2
@@ -198,9 +205,9 @@ def _fused_conv(node: Node, ctx: BindContext) -> Kernel:
     return kernel
 
 
-def _onednn_conv_kernel(node: Node, spec: _ConvSpec, act: Activation,
-                        params: list[float]) -> Kernel:
-    fn = _onednn_conv(node, spec, act, params, False)
+def _onednn_conv_kernel(node: Node, spec: _ConvSpec, act: Activation, params: list[float],
+                        destination: Destination | None, staging: Destination | None) -> Kernel:
+    fn = _onednn_conv(node, spec, act, params, False, destination, staging)
 
     def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
         return [fn(*inputs)]
@@ -273,9 +280,12 @@ def _weight_for(node: Node, spec: _ConvSpec) -> WeightForInput:
 
 
 def _onednn_conv(node: Node, spec: _ConvSpec, act: Activation, params: list[float],
-                 inplace: bool) -> Callable[..., Tensor]:
+                 inplace: bool, destination: Destination | None = None,
+                 staging: Destination | None = None) -> Callable[..., Tensor]:
     """``fn(x, w, b, z?) -> y`` for a prepacked FusedConv: straight into libdnnl when the
-    layout pass chose that (``onednn_direct``), with torch's op for what it cannot take."""
+    layout pass chose that (``onednn_direct``), with torch's op for what it cannot take.
+    ``destination``/``staging``: the run's planned storage for the output and for a
+    channels-last copy of a plain input (runtime/arena.py)."""
     weight_for = _weight_for(node, spec)
     fallback = _onednn_conv_callable(spec, act, params, inplace, weight_for)
     lib = Library.load() if node.attrs.get("onednn_direct") else None
@@ -295,7 +305,7 @@ def _onednn_conv(node: Node, spec: _ConvSpec, act: Activation, params: list[floa
                    spec.dilations, spec.group)
     verified = node.attrs.get("onednn_direct_verified_for")
     return DirectConv(lib, geo, eltwise, after, inplace, fallback, MAX_SHAPES, MAX_REPACKS,
-                      [int(d) for d in verified] if verified else None)
+                      [int(d) for d in verified] if verified else None, destination, staging)
 
 
 def _onednn_conv_callable(spec: _ConvSpec, act: Activation, params: list[float],
@@ -453,16 +463,19 @@ def _attention(node: Node, ctx: BindContext) -> Kernel:
 
 # -- inline forms for generated code -------------------------------------------------------
 def inline_fused(node: Node, device: torch.device, inplace_input: int | None,
-                 consts: Sequence[Tensor | None]) -> Inline | None:
+                 consts: Sequence[Tensor | None], destination: Destination | None = None,
+                 staging: Destination | None = None) -> Inline | None:
     """The expression codegen emits for a fused node (None: call the kernel instead).
 
     ``inplace_input`` is the input the memory plan allows this node to overwrite;
-    ``consts[i]`` is the bound (device-placed) constant behind input ``i``, if any.
+    ``consts[i]`` is the bound (device-placed) constant behind input ``i``, if any;
+    ``destination``/``staging`` the run's planned storage for the output and for a
+    copy of the input (runtime/arena.py).
     """
     n_in = len(node.inputs)
     args = ", ".join("None" if node.inputs[i] is None else f"{{in{i}}}" for i in range(n_in))
     if node.op_type == "FusedConv":
-        return _inline_conv(node, inplace_input, args)
+        return _inline_conv(node, inplace_input, args, destination, staging)
     if node.op_type == "FusedGemm":
         return _inline_gemm(node, device, consts)
     if node.op_type == "Attention":
@@ -470,7 +483,9 @@ def inline_fused(node: Node, device: torch.device, inplace_input: int | None,
     return None
 
 
-def _inline_conv(node: Node, inplace_input: int | None, args: str) -> Inline | None:
+def _inline_conv(node: Node, inplace_input: int | None, args: str,
+                 destination: Destination | None, staging: Destination | None
+                 ) -> Inline | None:
     if not conv_uses_onednn(node):
         return None
     spec = _conv_spec(node)
@@ -487,7 +502,7 @@ def _inline_conv(node: Node, inplace_input: int | None, args: str) -> Inline | N
                       f"{{strides}}, {{dil}}, {spec.group}, {attr!r}, {{scalars}}, "
                       f"{algorithm!r})", bound)
     inplace = spec.has_residual and inplace_input == 3
-    fn = _onednn_conv(node, spec, act, params, inplace)
+    fn = _onednn_conv(node, spec, act, params, inplace, destination, staging)
     return Inline(f"{{fn}}({args})", {"fn": fn})
 
 

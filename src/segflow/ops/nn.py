@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from segflow.ir.graph import Node
 from segflow.ops import _deform, _losses, _transformer, gradients
 from segflow.ops._common import has_input, resolve_pads, torch_pad
+from segflow.ops.onednn_direct import MAX_LAYOUTS, DirectPool, Library
 from segflow.ops.registry import BindContext, Kernel, OpDef
 
 Tensor = torch.Tensor
@@ -150,7 +151,20 @@ def _maxpool(node: Node, ctx: BindContext) -> Kernel:
             idx = _unpad_indices(idx, x.shape, begin, end, storage_order)
             return [y, idx]
         return [_MAXPOOL[n](xp, kshape, win.strides, 0, win.dilations, ceil_mode)]
-    return kernel
+
+    lib = Library.load() if node.attrs.get("onednn_direct") and not want_indices else None
+    if lib is None or n not in (2, 3):
+        return kernel
+    # The layout pass marked it: max pooling straight into libdnnl (ops/onednn_direct.py).
+    direct = DirectPool(lib, kshape, win.strides, win.dilations,
+                        lambda x: _pool_out_pad(x, win), ceil_mode, lambda x: kernel((x,))[0],
+                        MAX_LAYOUTS, ctx.destination(node.outputs[0]))
+
+    def direct_kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        x = inputs[0]
+        assert x is not None
+        return [direct(x)]
+    return direct_kernel
 
 
 def _unpad_indices(idx: Tensor, shape: Sequence[int], begin: list[int], end: list[int],

@@ -36,12 +36,15 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from segflow.settings import ENV_DNNL_LIBRARY
 
 Tensor = torch.Tensor
+# Where a convolution writes its output in a run: the storage planned for it, or None.
+Destination = Callable[[], Tensor | None]
 _P = ctypes.c_void_p
 _Dims = ctypes.c_int64 * 12           # dnnl_dims_t (DNNL_MAX_NDIMS)
 
@@ -53,6 +56,7 @@ _FORMAT_ANY = 1
 _TAG_A = 2                            # plain 1-D (bias)
 _FORWARD_INFERENCE = 96
 _CONVOLUTION_DIRECT = 1
+_POOLING_MAX = 0x1FF
 _QUERY_IMPL_INFO = 8
 _QUERY_WEIGHTS_MD = 131
 _ARG_SRC, _ARG_DST, _ARG_WEIGHTS, _ARG_BIAS = 1, 17, 33, 41
@@ -60,6 +64,9 @@ _ARG_SRC_1 = 2
 _POST_OP_ARG_BASE = 32768            # DNNL_ARG_ATTR_MULTIPLE_POST_OP(i) = base * (i + 1)
 _BINARY_ADD = 0x1FFF0
 _OMP_RUNTIME = 2                      # DNNL_RUNTIME_OMP
+
+# Primitives an op builds (one per input layout) before the rest go to its fallback.
+MAX_LAYOUTS = 32
 
 # torch's oneDNN post-op names (ops/fused.py Activation.onednn) -> oneDNN eltwise
 # (algorithm, alpha, beta) given the activation's scalars.
@@ -217,7 +224,7 @@ class Library:
         """
         strides = list(t.stride())
         if t.dim() in (4, 5) and t.is_contiguous(memory_format=_channels_last(t.dim())):
-            strides = _channels_last_strides(list(t.shape))
+            strides = channels_last_strides(list(t.shape))
         return self._make(self._dll.dnnl_memory_desc_create_with_strides, t.dim(),
                           _Dims(*t.shape), _F32, _Dims(*strides))
 
@@ -302,6 +309,23 @@ class Library:
             dll.dnnl_primitive_desc_destroy(pd)
         return prim, weights_md, (impl.value or b"?").decode()
 
+    def pooling(self, src: _P, dst: _P, kernel: Sequence[int], strides: Sequence[int],
+                dilations: Sequence[int], begin: Sequence[int], end: Sequence[int]
+                ) -> tuple[_P, str]:
+        """(primitive, implementation name) for a forward max pooling."""
+        dll = self._dll
+        pd = self._make(dll.dnnl_pooling_forward_primitive_desc_create, self.engine,
+                        _FORWARD_INFERENCE, _POOLING_MAX, src, dst, _Dims(*strides),
+                        _Dims(*kernel), _Dims(*[d - 1 for d in dilations]), _Dims(*begin),
+                        _Dims(*end), None)
+        try:
+            impl = ctypes.c_char_p()
+            dll.dnnl_primitive_desc_query(pd, _QUERY_IMPL_INFO, 0, ctypes.byref(impl))
+            prim = self._make(dll.dnnl_primitive_create, pd)
+        finally:
+            dll.dnnl_primitive_desc_destroy(pd)
+        return prim, (impl.value or b"?").decode()
+
     def preferred_desc(self, spec: ConvGeometry, input_size: Sequence[int]) -> _P:
         """The weights descriptor of this library's convolution over a channels-last
         input of ``input_size`` (no post-ops); the caller destroys it."""
@@ -329,22 +353,97 @@ class Library:
 
 @dataclass(frozen=True, slots=True)
 class _Call:
-    """A built convolution for one input layout: execute after pointing the memories."""
+    """A built primitive for one input layout: execute after pointing the memories."""
 
     primitive: _P
     src: _P
     dst: _P
-    residual: _P | None              # the binary-add source, or None
+    residual: _P | None              # a convolution's binary-add source, or None
     args: ctypes.Array[_ExecArg]
     in_format: torch.memory_format | None   # convert the input to this first (None: as is)
     out_shape: tuple[int, ...]
     out_format: torch.memory_format
-    source: Tensor                   # the weight constant this call was built for
+    source: Tensor | None            # the weight constant a convolution was built for
     bias: Tensor | None
     impl: str
 
 
-class DirectConv:
+class _DirectOp:
+    """What the direct convolution and pooling share: one primitive per input layout
+    (``calls``, at most ``max_shapes``; None where the fallback serves it, ``why_not``
+    says why), a lock and a stream per op, and the oneDNN objects it owns."""
+
+    kind = "primitive"
+
+    def __init__(self, lib: Library, fallback: Callable[..., Tensor], max_shapes: int,
+                 destination: Destination | None) -> None:
+        self.lib = lib
+        self.fallback = fallback
+        self.max_shapes = max_shapes
+        # Storage the run planned for the output (runtime/arena.py); None: allocate it.
+        self.destination = destination
+        self.calls: dict[tuple[object, ...], _Call | None] = {}
+        self.why_not: dict[tuple[object, ...], str] = {}
+        self.lock = threading.Lock()
+        self._stream: _P | None = None
+        # oneDNN objects this op created, destroyed with it (JIT code included).
+        self._owned: list[tuple[str, _P]] = []
+        weakref.finalize(self, lib.destroy, self._owned)
+
+    @property
+    def direct_layouts(self) -> int:
+        """How many input layouts run through libdnnl (the rest fall back)."""
+        return sum(1 for call in self.calls.values() if call is not None)
+
+    def _output(self, call: _Call) -> Tensor:
+        """The planned storage when the run has it at this size, else a new tensor."""
+        given = self.destination() if self.destination is not None else None
+        if given is not None and given.shape == call.out_shape:
+            return given
+        return torch.empty(call.out_shape, memory_format=call.out_format)
+
+    def _run(self, call: _Call, x: Tensor, y: Tensor, z: Tensor | None = None) -> None:
+        lib = self.lib
+        with self.lock:
+            lib.set_handle(call.src, x.data_ptr())
+            lib.set_handle(call.dst, y.data_ptr())
+            if call.residual is not None:
+                lib.set_handle(call.residual, z.data_ptr())  # type: ignore[union-attr]
+            status = lib.execute(call.primitive, self._stream, len(call.args), call.args)
+        if status != 0:
+            raise DnnlError(f"{self.kind} ({call.impl}): oneDNN status {status}")
+
+    def _build(self, key: tuple[object, ...], make: Callable[[], tuple[_Call | None, str]]
+               ) -> _Call | None:
+        call: _Call | None = None
+        why = f"more than {self.max_shapes} input layouts"
+        if len(self.calls) < self.max_shapes:
+            try:
+                call, why = make()
+            except DnnlError as exc:
+                why = str(exc)
+        if call is None:
+            self.why_not[key] = why
+        self.calls[key] = call
+        return call
+
+    def _finish(self, prim: _P, src_md: _P, dst_md: _P, extra: Sequence[tuple[int, _P]],
+                **fields: Any) -> _Call:
+        """Own ``prim`` and memories for src/dst (set per call) and ``extra`` args."""
+        lib, owned = self.lib, self._owned
+        owned.append(("primitive", prim))
+        if self._stream is None:
+            self._stream = lib.stream()
+            owned.append(("stream", self._stream))
+        src = lib.memory(src_md)
+        dst = lib.memory(dst_md)
+        owned.extend(("memory", m) for m in (src, dst))
+        args = [_ExecArg(_ARG_SRC, src), _ExecArg(_ARG_DST, dst),
+                *(_ExecArg(arg, memory) for arg, memory in extra)]
+        return _Call(prim, src, dst, args=(_ExecArg * len(args))(*args), **fields)
+
+
+class DirectConv(_DirectOp):
     """``fn(x, w, b, z?) -> y``: a FusedConv over libdnnl, one primitive per input layout.
 
     ``w`` is the layout pass's packed weight. The primitive reads it in place
@@ -354,13 +453,21 @@ class DirectConv:
     path cannot take: a residual that broadcasts, a primitive the library
     cannot build or only has a reference implementation for, more formats than
     ``max_copies`` or more layouts than ``max_shapes``. ``why_not`` records why.
+    ``destination()`` returns the storage the run planned for the output, if any
+    (a channels-last tensor of the output's size), and ``staging()`` the storage
+    for a plain (NCHW) input's channels-last copy (``runtime/arena.py``).
     """
+
+    kind = "convolution"
 
     def __init__(self, lib: Library, spec: ConvGeometry, eltwise: tuple[int, float, float] | None,
                  after: Callable[[Tensor], Tensor] | None, inplace: bool,
                  fallback: Callable[..., Tensor], max_shapes: int, max_copies: int,
-                 verified_for: Sequence[int] | None = None) -> None:
-        self.lib = lib
+                 verified_for: Sequence[int] | None = None,
+                 destination: Destination | None = None,
+                 staging: Destination | None = None) -> None:
+        super().__init__(lib, fallback, max_shapes, destination)
+        self.staging = staging
         # The layout pass checked that ``w``'s bytes are this library's format for a
         # channels-last input of this size: a primitive whose weights descriptor equals
         # that one reads ``w`` without comparing bytes again (no dense temporaries).
@@ -370,17 +477,8 @@ class DirectConv:
         self.eltwise = eltwise
         self.after = after
         self.inplace = inplace
-        self.fallback = fallback
-        self.max_shapes = max_shapes
         self.max_copies = max_copies
-        self.calls: dict[tuple[object, ...], _Call | None] = {}
-        self.why_not: dict[tuple[object, ...], str] = {}
         self.copies: list[tuple[_P, Tensor]] = []    # (weights descriptor, own packed copy)
-        self.lock = threading.Lock()
-        self._stream: _P | None = None
-        # oneDNN objects this convolution created, destroyed with it (JIT code included).
-        self._owned: list[tuple[str, _P]] = []
-        weakref.finalize(self, lib.destroy, self._owned)
 
     def __call__(self, x: Tensor, w: Tensor, b: Tensor | None = None,
                  z: Tensor | None = None) -> Tensor:
@@ -389,42 +487,21 @@ class DirectConv:
         try:
             call = self.calls[key]
         except KeyError:
-            call = self._build(key, x, w, b, z)
+            call = self._build(key, lambda: self._make_call(x, w, b, z))
         if call is None or w is not call.source or b is not call.bias:
             return self.fallback(x, w, b) if z is None else self.fallback(x, w, b, z)
         if call.in_format is not None:
-            x = x.contiguous(memory_format=call.in_format)
-        lib = self.lib
-        y = z if z is not None and self.inplace else torch.empty(
-            call.out_shape, memory_format=call.out_format)
-        with self.lock:
-            lib.set_handle(call.src, x.data_ptr())
-            lib.set_handle(call.dst, y.data_ptr())
-            if call.residual is not None:
-                lib.set_handle(call.residual, z.data_ptr())  # type: ignore[union-attr]
-            status = lib.execute(call.primitive, self._stream, len(call.args), call.args)
-        if status != 0:
-            raise DnnlError(f"convolution ({call.impl}): oneDNN status {status}")
+            x = self._staged(x, call.in_format)
+        y = z if z is not None and self.inplace else self._output(call)
+        self._run(call, x, y, z)
         return y if self.after is None else self.after(y)
 
-    @property
-    def direct_layouts(self) -> int:
-        """How many input layouts run through libdnnl (the rest fall back)."""
-        return sum(1 for call in self.calls.values() if call is not None)
-
-    def _build(self, key: tuple[object, ...], x: Tensor, w: Tensor, b: Tensor | None,
-               z: Tensor | None) -> _Call | None:
-        call: _Call | None = None
-        why = f"more than {self.max_shapes} input layouts"
-        if len(self.calls) < self.max_shapes:
-            try:
-                call, why = self._make_call(x, w, b, z)
-            except DnnlError as exc:
-                why = str(exc)
-        if call is None:
-            self.why_not[key] = why
-        self.calls[key] = call
-        return call
+    def _staged(self, x: Tensor, layout: torch.memory_format) -> Tensor:
+        """``x`` in channels-last: into the run's staging storage when it has some."""
+        staged = self.staging() if self.staging is not None else None
+        if staged is not None and staged.shape == x.shape:
+            return staged.copy_(x)
+        return x.contiguous(memory_format=layout)
 
     def _make_call(self, x: Tensor, w: Tensor, b: Tensor | None,
                    z: Tensor | None) -> tuple[_Call | None, str]:
@@ -464,26 +541,21 @@ class DirectConv:
         if weight_ptr is None:
             lib.destroy([("primitive", prim)])
             return None, f"a weight format beyond {self.max_copies} own copies ({impl})"
-        owned.append(("primitive", prim))
-        if self._stream is None:
-            self._stream = lib.stream()
-            owned.append(("stream", self._stream))
-        src = lib.memory(src_md)
-        dst = lib.memory(dst_md)
         weights = lib.memory(weights_md, weight_ptr)
-        owned.extend(("memory", m) for m in (src, dst, weights))
-        args = [_ExecArg(_ARG_SRC, src), _ExecArg(_ARG_DST, dst), _ExecArg(_ARG_WEIGHTS, weights)]
+        owned.append(("memory", weights))
+        extra = [(_ARG_WEIGHTS, weights)]
         if b is not None and bias_md is not None:
             bias = lib.memory(bias_md, b.data_ptr())
             owned.append(("memory", bias))
-            args.append(_ExecArg(_ARG_BIAS, bias))
+            extra.append((_ARG_BIAS, bias))
         residual = None
         if src1 is not None:
             residual = lib.memory(src1)
             owned.append(("memory", residual))
-            args.append(_ExecArg(_POST_OP_ARG_BASE | _ARG_SRC_1, residual))
-        return _Call(prim, src, dst, residual, (_ExecArg * len(args))(*args), in_format,
-                     out_shape, want, w, b, impl), ""
+            extra.append((_POST_OP_ARG_BASE | _ARG_SRC_1, residual))
+        return self._finish(prim, src_md, dst_md, extra, residual=residual, in_format=in_format,
+                            out_shape=out_shape, out_format=want, source=w, bias=b,
+                            impl=impl), ""
 
     def _weight(self, w: Tensor, weights_md: _P) -> int | None:
         """The address of ``w``'s values in the format ``weights_md`` (None: over the cap)."""
@@ -504,6 +576,70 @@ class DirectConv:
             return None
         self.copies.append((weights_md, mine))
         return int(mine.data_ptr())
+
+
+class DirectPool(_DirectOp):
+    """``fn(x) -> y``: MaxPool over libdnnl for a channels-last float32 input, one
+    primitive per input layout, writing into the run's planned storage.
+
+    ``pads(x)`` gives the begin and end padding for ``x``'s size (``auto_pad``
+    resolves per size). ``fallback`` (torch's pooling, same signature) serves a
+    plain-layout or non-float32 input and ``ceil_mode``. torch's CPU max pool
+    also allocates the int64 argmax it then drops: at ResNet-50's stem that is
+    1.6 MiB a run, besides being 3-4x slower than this kernel at batch 1.
+    """
+
+    kind = "max pooling"
+
+    def __init__(self, lib: Library, kernel: Sequence[int], strides: Sequence[int],
+                 dilations: Sequence[int], pads: Callable[[Tensor], tuple[list[int], list[int]]],
+                 ceil_mode: bool, fallback: Callable[[Tensor], Tensor], max_shapes: int,
+                 destination: Destination | None = None) -> None:
+        super().__init__(lib, fallback, max_shapes, destination)
+        self.kernel = [int(k) for k in kernel]
+        self.strides = [int(v) for v in strides]
+        self.dilations = [int(v) for v in dilations]
+        self.pads = pads
+        self.ceil_mode = ceil_mode
+
+    def __call__(self, x: Tensor) -> Tensor:
+        key = (x.shape, x.stride(), x.dtype)
+        try:
+            call = self.calls[key]
+        except KeyError:
+            call = self._build(key, lambda: self._make_call(x))
+        if call is None:
+            return self.fallback(x)
+        y = self._output(call)
+        self._run(call, x, y)
+        return y
+
+    def _make_call(self, x: Tensor) -> tuple[_Call | None, str]:
+        if self.ceil_mode:
+            return None, "ceil_mode"
+        if x.dtype != torch.float32 or x.dim() not in (4, 5) \
+                or not x.is_contiguous(memory_format=_channels_last(x.dim())):
+            return None, "not a channels-last float32 input"
+        begin, end = self.pads(x)
+        out_shape = (int(x.shape[0]), int(x.shape[1]), *(
+            (size + b + e - d * (k - 1) - 1) // s + 1 for size, b, e, d, k, s in
+            zip(x.shape[2:], begin, end, self.dilations, self.kernel, self.strides,
+                strict=True)))
+        if min(out_shape) < 1:
+            return None, "an empty output"
+        lib = self.lib
+        layout = _channels_last(x.dim())
+        src_md = lib.memory_desc(x)
+        dst_md = lib.memory_desc(torch.empty(out_shape, memory_format=layout))
+        self._owned.extend(("memory_desc", md) for md in (src_md, dst_md))
+        prim, impl = lib.pooling(src_md, dst_md, self.kernel, self.strides, self.dilations,
+                                 begin, end)
+        if impl.startswith("ref"):
+            lib.destroy([("primitive", prim)])
+            return None, f"only a reference implementation ({impl})"
+        return self._finish(prim, src_md, dst_md, (), residual=None, in_format=None,
+                            out_shape=out_shape, out_format=layout, source=None, bias=None,
+                            impl=impl), ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -536,7 +672,7 @@ def _channels_last(rank: int) -> torch.memory_format:
     return torch.channels_last if rank == 4 else torch.channels_last_3d
 
 
-def _channels_last_strides(sizes: Sequence[int]) -> list[int]:
+def channels_last_strides(sizes: Sequence[int]) -> list[int]:
     """Element strides of a dense ``[N, C, *spatial]`` tensor stored channels-last."""
     n, c, *spatial = sizes
     strides = [0] * len(sizes)

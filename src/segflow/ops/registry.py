@@ -57,6 +57,16 @@ class BindContext(Protocol):
         """
         ...
 
+    def destination(self, value: Value) -> Callable[[], Tensor | None] | None:
+        """Storage the run plans for ``value``, for a kernel that can write into given
+        storage: call it in the kernel (None: allocate). None: never planned."""
+        ...
+
+    def staging(self, node: Node) -> Callable[[], Tensor | None] | None:
+        """Storage the run plans for a copy of ``node``'s first input that its kernel
+        makes (a plain input in the layout the kernel reads), like :meth:`destination`."""
+        ...
+
 
 Bind = Callable[["Node", BindContext], Kernel]
 GradRule = Callable[..., Any]

@@ -47,6 +47,12 @@ class _FoldContext:
     def subgraph(self, graph: Graph) -> SubgraphRunner:
         raise NotImplementedError("nodes with subgraphs are not folded")
 
+    def destination(self, value: Value) -> None:
+        return None  # folded values are constants: no run storage
+
+    def staging(self, node: Node) -> None:
+        return None
+
 
 def fold_constants(graph: Graph, registry: OpRegistry | None = None, *,
                    max_bytes: int = DEFAULT_MAX_BYTES) -> PassResult:

@@ -10,7 +10,8 @@ convs (Add, MaxPool, GlobalAveragePool, Flatten) keep the memory format they
 are given. When oneDNN's own library is installed (``onednn-cpu-gomp``), each
 packed convolution is marked ``onednn_direct``: its kernel calls libdnnl with a
 primitive built once per input shape, reading the same packed weight
-(``ops/onednn_direct.py``). Measured on ResNet-50 / MobileNetV2 at batch 1 (see
+(``ops/onednn_direct.py``); so is a MaxPool that reads such a convolution's
+output. Measured on ResNet-50 / MobileNetV2 at batch 1 (see
 benchmarks/cpu_targets.py): torch's NCHW ``conv2d`` is several times slower,
 and its 3-channel stem conv alone costs more than oneDNN's whole network.
 """
@@ -48,6 +49,10 @@ def layout(graph: Graph, device: Device, *, direct: bool = True) -> PassResult:
         if node.domain == FUSED_DOMAIN and node.op_type == "FusedGemm":
             changed += _pack_linear(graph, node, packed)
             continue
+        if _direct_pool(node, lib):
+            node.attrs["onednn_direct"] = 1   # max pooling through libdnnl too
+            changed += 1
+            continue
         if node.domain != FUSED_DOMAIN or node.op_type != "FusedConv":
             continue
         params = _packable(node)
@@ -83,6 +88,30 @@ def layout(graph: Graph, device: Device, *, direct: bool = True) -> PassResult:
             if not value.uses and value not in graph.outputs:
                 del graph.initializers[name]
     return PassResult(graph, changed > 0)
+
+
+def calls_libdnnl(node: Node) -> bool:
+    """Whether the layout pass sent this node's kernel straight into libdnnl: it then
+    writes its output where the run says (runtime/arena.py)."""
+    return bool(node.attrs.get("onednn_direct"))
+
+
+def converts_input(node: Node) -> bool:
+    """A direct convolution over a graph input: its kernel first copies that (plain,
+    NCHW) input to channels-last, since libdnnl has only reference kernels for plain
+    input with channels-last output."""
+    x = node.inputs[0] if node.inputs else None
+    return node.op_type == "FusedConv" and calls_libdnnl(node) and x is not None \
+        and x.producer is None and x.const is None
+
+
+def _direct_pool(node: Node, lib: Library | None) -> bool:
+    """A single-output MaxPool over a direct convolution's (channels-last) output."""
+    source = node.inputs[0] if node.inputs else None
+    producer = source.producer if source is not None else None
+    return (lib is not None and node.domain == "" and node.op_type == "MaxPool"
+            and len(node.outputs) == 1 and producer is not None
+            and bool(producer.attrs.get("onednn_direct")))
 
 
 def _pack_conv(dense: torch.Tensor, params: _PackParams, lib: Library | None

@@ -34,6 +34,7 @@ from segflow.passes.fuse import run_rules
 from segflow.passes.layout import layout
 from segflow.passes.plan_memory import MemoryPlan, plan_memory
 from segflow.settings import (
+    ENV_ARENA,
     ENV_COMPILE,
     ENV_INTRA_OP_THREADS,
     ENV_NO_FOLD,
@@ -86,6 +87,8 @@ class OptimizeOptions:
     intra_op_threads: int | None = None
     # Prepacked convolutions call libdnnl directly when it is installed (ops/onednn_direct.py).
     onednn_direct: bool = True
+    # Their outputs are carved out of one planned block per run (runtime/arena.py).
+    arena: bool = True
 
     @classmethod
     def resolve(cls, optimize: bool | Mapping[str, bool] | None = None, *,
@@ -122,13 +125,15 @@ class OptimizeOptions:
         if threads is not None and threads < 1:
             raise InvalidSetting(f"intra_op_threads={threads}: expected a positive integer")
         direct = _env_bool(env, ENV_ONEDNN_DIRECT, True)
-        return cls(compile=mode, intra_op_threads=threads, onednn_direct=direct, **switches)
+        arena = _env_bool(env, ENV_ARENA, True)
+        return cls(compile=mode, intra_op_threads=threads, onednn_direct=direct, arena=arena,
+                   **switches)
 
     def as_record(self) -> dict[str, object]:
         """The options in force, for RunStats settings and benchmark records."""
         return {"fold_constants": self.fold_constants, "fuse": self.fuse, "layout": self.layout,
                 "plan_memory": self.plan_memory, "compile": self.compile.resolve().value,
-                "onednn_direct": self.onednn_direct}
+                "onednn_direct": self.onednn_direct, "arena": self.arena}
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,5 +274,8 @@ def _layout(graph: Graph, options: OptimizeOptions, backend: CompileMode,
     if convs and options.onednn_direct:
         _, why = Library.probe()
         direct = any(n.attrs.get("onednn_direct") for n in graph.nodes)
-        text += f"; direct calls into {why}" if direct else f"; libdnnl {why}"
+        pools = sum(1 for n in graph.nodes if n.op_type == "MaxPool" and n.attrs.get(
+            "onednn_direct"))
+        also = f" (and {pools} max pool{'s' if pools > 1 else ''})" if pools else ""
+        text += f"; direct calls into {why}{also}" if direct else f"; libdnnl {why}"
     return text

@@ -247,7 +247,7 @@ def plan_memory(graph: Graph, order: Sequence[Node] | None = None, *,
                                       last_use.get(node.outputs[0], index))
 
     buffers, unplanned = _buffers(nodes, groups, pinned, group_end, defined, chosen, dims)
-    placed = _place(buffers)
+    placed = place(buffers)
     return MemoryPlan(
         buffers=tuple(placed),
         arena_bytes=max((b.offset + b.nbytes for b in placed), default=0),
@@ -325,16 +325,16 @@ def _buffers(nodes: Sequence[Node], groups: _Groups, pinned: set[Value],
         # In-place results are listed with the first buffer of their group.
         extra = members.get(root, []) if root not in named else []
         named.add(root)
-        buffers.append(Buffer((value.name, *extra), _align(size), defined[value],
+        buffers.append(Buffer((value.name, *extra), align(size), defined[value],
                               max(group_end.get(root, defined[value]), defined[value])))
     return buffers, unplanned
 
 
-def _align(n: int) -> int:
+def align(n: int) -> int:
     return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
 
 
-def _place(buffers: list[Buffer]) -> list[Buffer]:
+def place(buffers: list[Buffer]) -> list[Buffer]:
     """Greedy by size: largest first, at the lowest offset free for its whole lifetime."""
     order = sorted(range(len(buffers)), key=lambda i: (-buffers[i].nbytes, buffers[i].start))
     placed: list[Buffer] = []

@@ -15,7 +15,9 @@ import torch
 
 from segflow.errors import ExecutionError
 from segflow.ir.graph import Graph, Node, Value, captured_inputs, node_reads
+from segflow.ops.onednn_direct import Destination
 from segflow.ops.registry import Kernel, OpRegistry, SubgraphRunner
+from segflow.runtime.arena import ArenaPool
 
 Tensor = torch.Tensor
 
@@ -72,10 +74,20 @@ class BindContext:
     """Gives kernel factories their device and a way to bind subgraphs."""
 
     def __init__(self, registry: OpRegistry, device: torch.device,
-                 constants: ConstantCache) -> None:
+                 constants: ConstantCache, arena: ArenaPool | None = None) -> None:
         self.registry = registry
         self._device = device
         self.constants = constants
+        self.arena = arena
+
+    def destination(self, value: Value) -> Destination | None:
+        """Where a kernel that takes given storage writes ``value`` in a run (None:
+        allocate it; see runtime/arena.py)."""
+        return self.arena.destination(value) if self.arena is not None else None
+
+    def staging(self, node: Node) -> Destination | None:
+        """Where ``node``'s kernel copies its input before reading it (None: allocate)."""
+        return self.arena.staging(node) if self.arena is not None else None
 
     @property
     def device(self) -> torch.device:

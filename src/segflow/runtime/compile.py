@@ -53,6 +53,7 @@ from segflow.passes.pipeline import CompileMode
 from segflow.passes.plan_memory import MemoryPlan
 from segflow.passes.segment import Segment
 from segflow.runtime.aot_inductor import AotInductorSegment, has_packages
+from segflow.runtime.arena import ArenaPool
 from segflow.runtime.binding import Step
 from segflow.runtime.onednn_graph import OneDnnGraphSegment
 
@@ -111,8 +112,10 @@ class SegmentCompiler:
 
     def compile_tasks(self, tasks: Sequence[tuple[Segment, Sequence[Step]]],
                       template: Sequence[Tensor | None],
-                      output_slots: Sequence[int]) -> list[SegmentFn | None]:
-        """One callable ``fn(env)`` per task (None: interpret it)."""
+                      output_slots: Sequence[int], arena: ArenaPool | None = None
+                      ) -> list[SegmentFn | None]:
+        """One callable ``fn(env)`` per task (None: interpret it). ``arena``: where
+        kernels that take given storage write their outputs (runtime/arena.py)."""
         if self.mode is CompileMode.NONE:
             return [None] * len(tasks)
         start = time.perf_counter()
@@ -124,7 +127,8 @@ class SegmentCompiler:
                 continue
             live_out = {slot for step in steps for slot in step.outputs
                         if slot in read_elsewhere.get(index, set())}
-            program = generate(steps, template, live_out, self.memory, self.device)
+            program = generate(steps, template, live_out, self.memory, self.device,
+                               arena=arena)
             cached_only = self.cached_packages and uses_cached_package(steps)
             if self.mode in (CompileMode.INDUCTOR, CompileMode.ONEDNN) or cached_only:
                 pure = generate(steps, template, live_out, None, self.device, pure=True,
@@ -248,11 +252,15 @@ _CORE: Mapping[str, _CoreOp] = {
 
 
 def _inline(node: Node, inplace_input: int | None, device: torch.device,
-            consts: Sequence[Tensor | None], traceable: bool = False) -> Inline | None:
+            consts: Sequence[Tensor | None], traceable: bool = False,
+            arena: ArenaPool | None = None) -> Inline | None:
     if node.domain == FUSED_DOMAIN:
         if traceable:
             return traceable_fused(node)
-        return inline_fused(node, device, inplace_input, consts)
+        if arena is None:
+            return inline_fused(node, device, inplace_input, consts)
+        return inline_fused(node, device, inplace_input, consts,
+                            arena.destination(node.outputs[0]), arena.staging(node))
     op = _CORE.get(node.op_type)
     if node.domain != "" or op is None or len(node.outputs) != 1:
         return None
@@ -286,12 +294,14 @@ class _Emitter:
 
 def generate(steps: Sequence[Step], template: Sequence[Tensor | None], live_out: set[int],
              memory: MemoryPlan | None = None, device: torch.device | None = None, *,
-             pure: bool = False, traceable: bool = False) -> Program:
+             pure: bool = False, traceable: bool = False,
+             arena: ArenaPool | None = None) -> Program:
     """Generate the straight-line function for ``steps`` (see the module docstring).
 
     ``live_out``: slots other tasks or the caller read, written back to the slot array.
     ``pure``: also build ``f(*inputs) -> outputs`` without the slot array (for tracing).
     ``traceable``: plain functional torch ops only (no oneDNN ops, no in-place writes).
+    ``arena``: the run storage of outputs whose kernels take it (runtime/arena.py).
     """
     device = device or torch.device("cpu")
     em = _Emitter()
@@ -325,7 +335,8 @@ def generate(steps: Sequence[Step], template: Sequence[Tensor | None], live_out:
         if slot_inplace is not None and step.inputs[slot_inplace] not in step.release:
             slot_inplace = None  # another task may still read it: not ours to overwrite
         body.append(f"_i = {index}")
-        inline = (_inline(node, None if traceable else slot_inplace, device, consts, traceable)
+        inline = (_inline(node, None if traceable else slot_inplace, device, consts, traceable,
+                          None if pure else arena)
                   if len(step.outputs) == 1 else None)
         if inline is not None:
             names = {key: em.bind(obj, "b") for key, obj in inline.bound.items()

@@ -17,7 +17,7 @@ many threads at once.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -27,11 +27,12 @@ from segflow.engine.base import Engine, ExecType, Var
 from segflow.engine.inline import InlineEngine
 from segflow.engine.streams import StreamBackend
 from segflow.ir.graph import Value
-from segflow.ir.types import Device
+from segflow.ir.types import Device, DeviceKind
 from segflow.ops.registry import OpRegistry
 from segflow.passes.segment import Segment
 from segflow.profiler.cuda import device_marker
 from segflow.profiler.sink import EventSink
+from segflow.runtime.arena import ArenaPool
 from segflow.runtime.binding import (
     BindContext,
     ConstantCache,
@@ -65,11 +66,15 @@ class Executor:
                  settings_record: dict[str, object] | None = None, *,
                  sync_mode: str | SyncMode = SyncMode.EVENT, cuda_graphs: bool = False,
                  stream_backend: StreamBackend | None = None,
-                 compiler: SegmentCompiler | None = None) -> None:
+                 compiler: SegmentCompiler | None = None,
+                 arena: ArenaPool | None = None) -> None:
         self.plan = plan
         self.engine = engine
         self.settings_record = dict(settings_record or {})
         graph = plan.graph
+        # Planned run storage (runtime/arena.py) needs the plan's node order to be the
+        # order the nodes run in: tasks one after another on the calling thread.
+        self.arena = arena if arena is not None and _runs_in_graph_order(plan, engine) else None
         self.slots = SlotMap()
         constants = ConstantCache()
         contexts: dict[Device, BindContext] = {}
@@ -77,7 +82,7 @@ class Executor:
         def context(device: Device | None) -> BindContext:
             dev = device or plan.default_device
             if dev not in contexts:
-                contexts[dev] = BindContext(registry, dev.torch, constants)
+                contexts[dev] = BindContext(registry, dev.torch, constants, self.arena)
             return contexts[dev]
 
         self.input_slots = [self.slots[v] for v in graph.inputs]
@@ -131,7 +136,7 @@ class Executor:
         # Compiled bulk segments (runtime/compile.py): one callable over the slot array each.
         self.compiled: list[SegmentFn | None] = (
             compiler.compile_tasks([(t.segment, t.steps) for t in self.tasks], self.template,
-                                   self.output_slots)
+                                   self.output_slots, self.arena)
             if compiler is not None else [None] * len(self.tasks))
         # The inline engine on host-only devices runs each task at push, in order: a run
         # needs no Vars, pushes or waits, only the task functions (see _run_direct).
@@ -177,8 +182,8 @@ class Executor:
 
     # -- running -----------------------------------------------------------------------
     def run(self, feeds: Sequence[Tensor], sink: EventSink | None = None, *,
-            host_outputs: bool = False, after_tasks: AfterTasks | None = None
-            ) -> tuple[list[Tensor], RunStats]:
+            host_outputs: bool = False, after_tasks: AfterTasks | None = None,
+            dims: Mapping[str, int] | None = None) -> tuple[list[Tensor], RunStats]:
         """Run once on ``feeds`` (tensors in graph-input order, already validated).
 
         With a ``sink`` (an active profiler) every push, segment, node and host
@@ -186,8 +191,19 @@ class Executor:
         ``host_outputs``: return outputs in host memory (copied back on the
         device's copy stream within the one output wait). ``after_tasks(run_vars,
         env)`` pushes further tasks once the plan's are pushed (a training step's
-        parameter updates) and returns how many; they count as pushes.
+        parameter updates) and returns how many; they count as pushes. ``dims``: the
+        symbolic dims the feeds bind (sizes the run's arena; None: no arena).
         """
+        if self.arena is None or dims is None:
+            return self._run(feeds, sink, host_outputs, after_tasks)
+        arena = self.arena.acquire(dims)
+        try:
+            return self._run(feeds, sink, host_outputs, after_tasks)
+        finally:
+            self.arena.release(arena)
+
+    def _run(self, feeds: Sequence[Tensor], sink: EventSink | None, host_outputs: bool,
+             after_tasks: AfterTasks | None) -> tuple[list[Tensor], RunStats]:
         if self._direct is not None and sink is None and after_tasks is None:
             return self._run_direct(feeds)
         start = time.perf_counter()
@@ -318,3 +334,16 @@ def _profiled_task(task: _BoundTask, env: list[Tensor | None], sink: EventSink,
                       args={"segment": seg.index, "nodes": len(seg.nodes),
                             "reason": seg.reason})
     return run
+
+
+def _runs_in_graph_order(plan: Plan, engine: Engine) -> bool:
+    """Whether every run executes the graph's nodes in its node order on the calling
+    thread: the inline engine, host devices only, segments in node order."""
+    if not isinstance(engine, InlineEngine):
+        return False
+    if any(seg.exec_type is ExecType.ASYNC or (seg.device or plan.default_device).kind
+           is not DeviceKind.CPU for seg in plan.segments):
+        return False
+    order = [node for seg in plan.segments for node in seg.nodes]
+    return len(order) == len(plan.graph.nodes) and all(
+        a is b for a, b in zip(order, plan.graph.nodes))

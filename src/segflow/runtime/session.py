@@ -28,6 +28,7 @@ from segflow.frontend.onnx_import import import_model
 from segflow.ir.graph import Value
 from segflow.ir.types import Device, DeviceKind, Dim, DType, TensorSpec
 from segflow.ops.registry import OpRegistry, default_registry
+from segflow.passes.layout import calls_libdnnl, converts_input
 from segflow.passes.pipeline import (
     CompileMode,
     OptimizeOptions,
@@ -36,6 +37,7 @@ from segflow.passes.pipeline import (
 )
 from segflow.passes.plan_memory import PlansBySize
 from segflow.profiler.sink import active_sink
+from segflow.runtime.arena import ArenaPool
 from segflow.runtime.compile import SegmentCompiler
 from segflow.runtime.completion import SyncMode
 from segflow.runtime.executor import Executor
@@ -118,14 +120,19 @@ class InferenceSession:
                                      **(pipeline.memory.as_record() if pipeline.memory else {})}
         compiler = SegmentCompiler(pipeline.compile, pipeline.memory, self.device.torch,
                                    cached_packages=self.options.compile is CompileMode.AUTO)
+        memory = pipeline.memory
+        plans = PlansBySize(self.graph, memory) if memory is not None else None
+        arena = None
+        if plans is not None and self.options.arena:
+            pool = ArenaPool(plans, self.graph.nodes, calls_libdnnl, converts_input)
+            arena = pool if pool else None
         self._executor = Executor(self.plan, self.registry, self._engine, record,
                                   sync_mode=sync_mode, cuda_graphs=cuda_graphs,
-                                  stream_backend=stream_backend, compiler=compiler)
+                                  stream_backend=stream_backend, compiler=compiler, arena=arena)
         # Compile time (not a setting, not run time): compile_report.compile_time_s.
         self.compile_report = compiler.report
         # RunStats report the memory plan at the dims each run binds (planned at 1).
-        memory = pipeline.memory
-        self._memory_plans = PlansBySize(self.graph, memory) if memory and memory.dims else None
+        self._memory_plans = plans if memory is not None and memory.dims else None
         self._const_storages = {_storage(t) for t in self._executor.template
                                 if t is not None}
         # Looked up on every run: built once.
@@ -159,6 +166,9 @@ class InferenceSession:
         On devices with streams, also the sync mode and each segment's CUDA-graph state.
         """
         lines = self._executor.completion.describe()
+        arena = self._executor.arena
+        if arena is not None:   # the block at the sizes the plan was made for
+            lines = [*lines, arena.layout(arena.plans.base.dims).describe()]
         return "\n".join([self.plan.explain(), *lines]) if lines else self.plan.explain()
 
     @property
@@ -177,7 +187,8 @@ class InferenceSession:
         tensors, dims = self._validate(feeds)
         wanted = self._output_indices(output_names)
         with self._numpy_run_mode():
-            outputs, stats = self._executor.run(tensors, active_sink(), host_outputs=True)
+            outputs, stats = self._executor.run(tensors, active_sink(), host_outputs=True,
+                                                dims=dims)
         self._local.stats = self._sized(stats, dims)
         # Outputs that share storage with a weight, a feed or an earlier output are copied,
         # so the caller can never mutate segflow's state or their own inputs through them.
@@ -198,7 +209,7 @@ class InferenceSession:
         The outputs are ordinary tensors (not inference tensors), usable with autograd.
         """
         tensors, dims = self._validate(feeds)
-        outputs, stats = self._executor.run(tensors, active_sink())
+        outputs, stats = self._executor.run(tensors, active_sink(), dims=dims)
         self._local.stats = self._sized(stats, dims)
         return outputs
 
