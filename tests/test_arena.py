@@ -62,7 +62,7 @@ def test_convolution_and_pool_outputs_live_in_one_block(resnet):
     sess = segflow.InferenceSession(model.SerializeToString(), compile="codegen")
     pool = _pool(sess)
     direct = [n for n in sess.graph.nodes if n.attrs.get("onednn_direct")]
-    assert sorted({n.op_type for n in direct}) == ["FusedConv", "MaxPool"]
+    assert sorted({n.op_type for n in direct}) == ["FusedConv", "GlobalAveragePool", "MaxPool"]
     assert len(pool.values) == len(direct)
     assert [node.op_type for _, node in pool.staged] == ["FusedConv"]  # the stem, NCHW input
     got = sess.run(None, feeds)[0]

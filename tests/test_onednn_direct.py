@@ -407,8 +407,9 @@ def _pool(kernel: list[int], strides: list[int], dilations: list[int], begin: li
           ) -> tuple[onednn_direct.DirectPool, Fallback]:
     fallback = Fallback()
     assert LIB is not None
-    pool = onednn_direct.DirectPool(LIB, kernel, strides, dilations, lambda x: (begin, end),
-                                    ceil_mode, fallback, 32, destination)
+    pool = onednn_direct.DirectPool(
+        LIB, onednn_direct.POOL_MAX, lambda x: (kernel, strides, dilations, begin, end),
+        ceil_mode, fallback, 32, destination)
     return pool, fallback
 
 
@@ -485,10 +486,27 @@ def test_a_conv_copies_a_plain_input_into_the_staging_storage():
     assert fallback.calls == 0
 
 
-def test_layout_marks_the_max_pool_after_a_direct_convolution():
+@pytest.mark.parametrize("algorithm,reference", [
+    ("POOL_AVG_EXCLUDE_PADDING", lambda x: x.mean((2, 3), keepdim=True)),
+    ("POOL_MAX", lambda x: x.amax((2, 3), keepdim=True)),
+])
+@pytest.mark.parametrize("shape", [[1, 2048, 7, 7], [3, 16, 5, 4]])
+def test_direct_global_pooling_matches_torch(algorithm: str, reference: Any, shape: list[int]):
+    x = torch.randn(shape).contiguous(memory_format=torch.channels_last)
+    fallback = Fallback()
+    assert LIB is not None
+    pool = onednn_direct.DirectPool(
+        LIB, getattr(onednn_direct, algorithm),
+        lambda x: (list(x.shape[2:]), [1, 1], [1, 1], [0, 0], [0, 0]), False, fallback, 32)
+    got = pool(x)
+    assert fallback.calls == 0 and got.shape == (shape[0], shape[1], 1, 1)
+    torch.testing.assert_close(got, reference(x), atol=1e-6, rtol=1e-5)
+
+
+def test_layout_marks_the_pools_after_a_direct_convolution():
     log, graph = _resnet18_log({})
-    pools = [n for n in graph.nodes if n.op_type == "MaxPool"]
-    assert len(pools) == 1 and pools[0].attrs.get("onednn_direct") == 1
-    assert log[2].endswith("(and 1 max pool)")
+    pools = [n for n in graph.nodes if n.op_type in ("MaxPool", "GlobalAveragePool")]
+    assert len(pools) == 2 and all(n.attrs.get("onednn_direct") == 1 for n in pools)
+    assert log[2].endswith("(and 2 poolings)")
     _, graph = _resnet18_log({"SEGFLOW_ONEDNN_DIRECT": "0"})
-    assert not any(n.attrs.get("onednn_direct") for n in graph.nodes if n.op_type == "MaxPool")
+    assert not any(n.attrs.get("onednn_direct") for n in graph.nodes)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -11,7 +11,14 @@ import torch.nn.functional as F
 from segflow.ir.graph import Node
 from segflow.ops import _deform, _losses, _transformer, gradients
 from segflow.ops._common import has_input, resolve_pads, torch_pad
-from segflow.ops.onednn_direct import MAX_LAYOUTS, DirectPool, Library
+from segflow.ops.onednn_direct import (
+    MAX_LAYOUTS,
+    POOL_AVG_EXCLUDE_PADDING,
+    POOL_MAX,
+    DirectPool,
+    Library,
+    PoolWindow,
+)
 from segflow.ops.registry import BindContext, Kernel, OpDef
 
 Tensor = torch.Tensor
@@ -152,12 +159,24 @@ def _maxpool(node: Node, ctx: BindContext) -> Kernel:
             return [y, idx]
         return [_MAXPOOL[n](xp, kshape, win.strides, 0, win.dilations, ceil_mode)]
 
-    lib = Library.load() if node.attrs.get("onednn_direct") and not want_indices else None
-    if lib is None or n not in (2, 3):
+    if want_indices or n not in (2, 3):
         return kernel
-    # The layout pass marked it: max pooling straight into libdnnl (ops/onednn_direct.py).
-    direct = DirectPool(lib, kshape, win.strides, win.dilations,
-                        lambda x: _pool_out_pad(x, win), ceil_mode, lambda x: kernel((x,))[0],
+
+    def window(x: Tensor) -> PoolWindow:
+        begin, end = _pool_out_pad(x, win)
+        return list(kshape), list(win.strides), list(win.dilations), begin, end
+    return _direct_pool(node, ctx, POOL_MAX, window, ceil_mode, kernel)
+
+
+def _direct_pool(node: Node, ctx: BindContext, algorithm: int,
+                 window: Callable[[Tensor], PoolWindow], ceil_mode: bool, kernel: Kernel
+                 ) -> Kernel:
+    """``kernel``, or a pooling straight into libdnnl (ops/onednn_direct.py) with
+    ``kernel`` as its fallback when the layout pass marked the node ``onednn_direct``."""
+    lib = Library.load() if node.attrs.get("onednn_direct") else None
+    if lib is None:
+        return kernel
+    direct = DirectPool(lib, algorithm, window, ceil_mode, lambda x: kernel((x,))[0],
                         MAX_LAYOUTS, ctx.destination(node.outputs[0]))
 
     def direct_kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
@@ -248,7 +267,12 @@ def _global_pool(reduce: str):  # type: ignore[no-untyped-def]
             if reduce == "mean":
                 return [x.mean(dim=dims, keepdim=True)]
             return [x.amax(dim=dims, keepdim=True)]
-        return kernel
+
+        def window(x: Tensor) -> PoolWindow:
+            spatial = x.dim() - 2
+            return list(x.shape[2:]), [1] * spatial, [1] * spatial, [0] * spatial, [0] * spatial
+        algorithm = POOL_AVG_EXCLUDE_PADDING if reduce == "mean" else POOL_MAX
+        return _direct_pool(node, ctx, algorithm, window, False, kernel)
     return bind
 
 

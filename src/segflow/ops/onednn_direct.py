@@ -45,6 +45,8 @@ from segflow.settings import ENV_DNNL_LIBRARY
 Tensor = torch.Tensor
 # Where a convolution writes its output in a run: the storage planned for it, or None.
 Destination = Callable[[], Tensor | None]
+# A pooling window for one input size: kernel, strides, dilations, begin and end pads.
+PoolWindow = tuple[list[int], list[int], list[int], list[int], list[int]]
 _P = ctypes.c_void_p
 _Dims = ctypes.c_int64 * 12           # dnnl_dims_t (DNNL_MAX_NDIMS)
 
@@ -56,7 +58,10 @@ _FORMAT_ANY = 1
 _TAG_A = 2                            # plain 1-D (bias)
 _FORWARD_INFERENCE = 96
 _CONVOLUTION_DIRECT = 1
-_POOLING_MAX = 0x1FF
+# Pooling algorithms (dnnl_alg_kind_t).
+POOL_MAX = 0x1FF
+POOL_AVG_INCLUDE_PADDING = 0x2FF
+POOL_AVG_EXCLUDE_PADDING = 0x3FF
 _QUERY_IMPL_INFO = 8
 _QUERY_WEIGHTS_MD = 131
 _ARG_SRC, _ARG_DST, _ARG_WEIGHTS, _ARG_BIAS = 1, 17, 33, 41
@@ -309,13 +314,12 @@ class Library:
             dll.dnnl_primitive_desc_destroy(pd)
         return prim, weights_md, (impl.value or b"?").decode()
 
-    def pooling(self, src: _P, dst: _P, kernel: Sequence[int], strides: Sequence[int],
-                dilations: Sequence[int], begin: Sequence[int], end: Sequence[int]
-                ) -> tuple[_P, str]:
-        """(primitive, implementation name) for a forward max pooling."""
+    def pooling(self, src: _P, dst: _P, algorithm: int, window: PoolWindow) -> tuple[_P, str]:
+        """(primitive, implementation name) for a forward pooling (``POOL_*``)."""
         dll = self._dll
+        kernel, strides, dilations, begin, end = window
         pd = self._make(dll.dnnl_pooling_forward_primitive_desc_create, self.engine,
-                        _FORWARD_INFERENCE, _POOLING_MAX, src, dst, _Dims(*strides),
+                        _FORWARD_INFERENCE, algorithm, src, dst, _Dims(*strides),
                         _Dims(*kernel), _Dims(*[d - 1 for d in dilations]), _Dims(*begin),
                         _Dims(*end), None)
         try:
@@ -579,27 +583,27 @@ class DirectConv(_DirectOp):
 
 
 class DirectPool(_DirectOp):
-    """``fn(x) -> y``: MaxPool over libdnnl for a channels-last float32 input, one
+    """``fn(x) -> y``: a pooling over libdnnl for a channels-last float32 input, one
     primitive per input layout, writing into the run's planned storage.
 
-    ``pads(x)`` gives the begin and end padding for ``x``'s size (``auto_pad``
-    resolves per size). ``fallback`` (torch's pooling, same signature) serves a
-    plain-layout or non-float32 input and ``ceil_mode``. torch's CPU max pool
-    also allocates the int64 argmax it then drops: at ResNet-50's stem that is
-    1.6 MiB a run, besides being 3-4x slower than this kernel at batch 1.
+    ``window(x)`` gives (kernel, strides, dilations, begin pads, end pads) for
+    ``x``'s size (``auto_pad`` and global pooling depend on it); ``algorithm``
+    is one of ``POOL_*``. ``fallback`` (torch's pooling, same signature) serves
+    a plain-layout or non-float32 input, ``ceil_mode`` and what has only a
+    reference kernel (dilated windows). Why bother: torch's CPU max pool also
+    allocates the int64 argmax it then drops (1.6 MiB a run at ResNet-50's
+    stem) and is 3-4x slower at batch 1, and the first call of torch's mean
+    faults in ~1.7 MiB of its reduction code.
     """
 
-    kind = "max pooling"
+    kind = "pooling"
 
-    def __init__(self, lib: Library, kernel: Sequence[int], strides: Sequence[int],
-                 dilations: Sequence[int], pads: Callable[[Tensor], tuple[list[int], list[int]]],
+    def __init__(self, lib: Library, algorithm: int, window: Callable[[Tensor], PoolWindow],
                  ceil_mode: bool, fallback: Callable[[Tensor], Tensor], max_shapes: int,
                  destination: Destination | None = None) -> None:
         super().__init__(lib, fallback, max_shapes, destination)
-        self.kernel = [int(k) for k in kernel]
-        self.strides = [int(v) for v in strides]
-        self.dilations = [int(v) for v in dilations]
-        self.pads = pads
+        self.algorithm = algorithm
+        self.window = window
         self.ceil_mode = ceil_mode
 
     def __call__(self, x: Tensor) -> Tensor:
@@ -620,11 +624,11 @@ class DirectPool(_DirectOp):
         if x.dtype != torch.float32 or x.dim() not in (4, 5) \
                 or not x.is_contiguous(memory_format=_channels_last(x.dim())):
             return None, "not a channels-last float32 input"
-        begin, end = self.pads(x)
+        window = self.window(x)
+        kernel, strides, dilations, begin, end = window
         out_shape = (int(x.shape[0]), int(x.shape[1]), *(
             (size + b + e - d * (k - 1) - 1) // s + 1 for size, b, e, d, k, s in
-            zip(x.shape[2:], begin, end, self.dilations, self.kernel, self.strides,
-                strict=True)))
+            zip(x.shape[2:], begin, end, dilations, kernel, strides, strict=True)))
         if min(out_shape) < 1:
             return None, "an empty output"
         lib = self.lib
@@ -632,8 +636,7 @@ class DirectPool(_DirectOp):
         src_md = lib.memory_desc(x)
         dst_md = lib.memory_desc(torch.empty(out_shape, memory_format=layout))
         self._owned.extend(("memory_desc", md) for md in (src_md, dst_md))
-        prim, impl = lib.pooling(src_md, dst_md, self.kernel, self.strides, self.dilations,
-                                 begin, end)
+        prim, impl = lib.pooling(src_md, dst_md, self.algorithm, window)
         if impl.startswith("ref"):
             lib.destroy([("primitive", prim)])
             return None, f"only a reference implementation ({impl})"

@@ -10,8 +10,8 @@ convs (Add, MaxPool, GlobalAveragePool, Flatten) keep the memory format they
 are given. When oneDNN's own library is installed (``onednn-cpu-gomp``), each
 packed convolution is marked ``onednn_direct``: its kernel calls libdnnl with a
 primitive built once per input shape, reading the same packed weight
-(``ops/onednn_direct.py``); so is a MaxPool that reads such a convolution's
-output. Measured on ResNet-50 / MobileNetV2 at batch 1 (see
+(``ops/onednn_direct.py``); so is a max or global pooling that reads such a
+convolution's output. Measured on ResNet-50 / MobileNetV2 at batch 1 (see
 benchmarks/cpu_targets.py): torch's NCHW ``conv2d`` is several times slower,
 and its 3-channel stem conv alone costs more than oneDNN's whole network.
 """
@@ -105,11 +105,14 @@ def converts_input(node: Node) -> bool:
         and x.producer is None and x.const is None
 
 
+POOLS = ("MaxPool", "GlobalAveragePool", "GlobalMaxPool")
+
+
 def _direct_pool(node: Node, lib: Library | None) -> bool:
-    """A single-output MaxPool over a direct convolution's (channels-last) output."""
+    """A single-output pooling over a direct kernel's (channels-last) output."""
     source = node.inputs[0] if node.inputs else None
     producer = source.producer if source is not None else None
-    return (lib is not None and node.domain == "" and node.op_type == "MaxPool"
+    return (lib is not None and node.domain == "" and node.op_type in POOLS
             and len(node.outputs) == 1 and producer is not None
             and bool(producer.attrs.get("onednn_direct")))
 

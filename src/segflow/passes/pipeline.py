@@ -31,7 +31,7 @@ from segflow.ops.onednn_direct import Library
 from segflow.ops.registry import OpRegistry
 from segflow.passes.fold_constants import fold_constants
 from segflow.passes.fuse import run_rules
-from segflow.passes.layout import layout
+from segflow.passes.layout import POOLS, layout
 from segflow.passes.plan_memory import MemoryPlan, plan_memory
 from segflow.settings import (
     ENV_ARENA,
@@ -274,8 +274,8 @@ def _layout(graph: Graph, options: OptimizeOptions, backend: CompileMode,
     if convs and options.onednn_direct:
         _, why = Library.probe()
         direct = any(n.attrs.get("onednn_direct") for n in graph.nodes)
-        pools = sum(1 for n in graph.nodes if n.op_type == "MaxPool" and n.attrs.get(
+        pools = sum(1 for n in graph.nodes if n.op_type in POOLS and n.attrs.get(
             "onednn_direct"))
-        also = f" (and {pools} max pool{'s' if pools > 1 else ''})" if pools else ""
+        also = f" (and {pools} pooling{'s' if pools > 1 else ''})" if pools else ""
         text += f"; direct calls into {why}{also}" if direct else f"; libdnnl {why}"
     return text

@@ -15,12 +15,13 @@ shapes in value specs:
   the same time). ``arena_bytes`` is the planned peak; ``naive_bytes`` is what
   one allocation per value would hold.
 
-segflow's kernels are torch ops that allocate their own outputs, so the
-runtime does not carve tensors out of the arena: it uses the plan's in-place
-decisions (generated code calls ``relu_``, ``add_``, oneDNN's in-place
-residual conv) and frees every value at its last use, which keeps the real
-peak close to the planned one. The arena layout is what a static allocator
-would need; ``explain()`` and RunStats report it next to the naive total.
+The runtime uses the plan three ways: its in-place decisions (generated code
+calls ``relu_``, ``add_``, oneDNN's in-place residual conv); freeing every
+value at its last use; and, for kernels that write where they are told (the
+convolutions and poolings called straight into libdnnl), the arena itself:
+``runtime/arena.py`` lays those outputs out again by this plan, in one block
+per run. Torch ops still allocate their own outputs. ``explain()`` and
+RunStats report the planned peak next to the naive total.
 """
 
 from __future__ import annotations
