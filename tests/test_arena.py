@@ -114,6 +114,16 @@ def test_interpreter_and_codegen_both_write_into_the_block(resnet, compile):
     np.testing.assert_allclose(first, _oracle(model).run(None, feeds)[0], atol=ATOL, rtol=RTOL)
 
 
+def test_a_profiled_run_uses_the_block_too(resnet):
+    model, feeds = resnet
+    sess = segflow.InferenceSession(model.SerializeToString())
+    plain = sess.run(None, feeds)[0]
+    with segflow.profile():
+        profiled = sess.run(None, feeds)[0]
+    np.testing.assert_array_equal(plain, profiled)
+    assert _pool(sess).held_bytes() == _pool(sess).layout({"batch": 1}).nbytes
+
+
 def test_threaded_engine_and_switches_turn_it_off(resnet, monkeypatch):
     model, feeds = resnet
     data = model.SerializeToString()

@@ -70,3 +70,18 @@ def test_probe_help_describes_it(name: str, capsys: pytest.CaptureFixture[str]) 
         sys.argv = sys_argv
     assert probe.__doc__ is not None
     assert probe.__doc__.splitlines()[0] in capsys.readouterr().out
+
+
+def test_mxnet_peer_hands_mxnet_the_weights_segflow_runs(tmp_path: Path) -> None:
+    import numpy as np
+
+    import segflow
+
+    probe = _load("mxnet_peer")
+    model, arrays = probe._weights(layers=3, width=8, batch=2)
+    y = arrays["x"]
+    for i in range(arrays["layers"]):   # what MXNet's Dense(activation="relu") computes
+        y = np.maximum(y @ arrays[f"w{i}"].T + arrays[f"b{i}"], 0)
+    got = segflow.InferenceSession(model).run(None, {"x": arrays["x"]})[0]
+    np.testing.assert_allclose(got, y, atol=1e-5, rtol=1e-5)
+    assert probe.main(["--mxnet-python", str(tmp_path / "missing")]) == 2

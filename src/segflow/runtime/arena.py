@@ -13,8 +13,8 @@ carved out of one block per run instead of coming from malloc:
   that live until the end of the run (graph outputs, and anything sharing
   their storage) are never placed here: the caller keeps them after the block
   is reused;
-- the offsets are re-planned for only these outputs (the arena is smaller than
-  the plan's peak), once per set of symbolic dims a run binds (batch size).
+- the offsets are re-planned for only these outputs (the block is no larger
+  than the plan's peak), once per set of symbolic dims a run binds (batch size).
 
 Why: glibc spreads a run's freed activations over the heap, and the pages a
 run touches above its live peak are what it costs in memory (ResNet-50 at
