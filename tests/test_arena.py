@@ -243,3 +243,4 @@ def test_random_conv_graphs_match_onnxruntime_and_keep_their_outputs(case):
     if pool is not None:
         for dims in ({"batch": 1}, {"batch": 2}):
             _assert_no_live_overlap(pool.layout(dims))
+

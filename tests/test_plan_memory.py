@@ -256,3 +256,30 @@ def test_no_two_live_values_share_storage(model):
     feeds = {"x": rng.standard_normal((4, 8), dtype=np.float32),
              "y": rng.standard_normal((4, 8), dtype=np.float32)}
     _run_against_ort(model, feeds)
+
+
+def test_a_reduce_over_no_axes_does_not_hand_out_its_input_storage():
+    # ReduceMean with noop_with_empty_axes is an identity; the plan counts a reduce's
+    # output as new storage (FRESH_OUTPUT_OPS), so a kernel returning its input itself
+    # let the in-place Relu after it overwrite the convolution output the Add still reads.
+    w = np.random.default_rng(0).standard_normal((8, 8, 3, 3)).astype(np.float32)
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("ReduceMean", ["c", "axes"], ["m"], keepdims=1,
+                              noop_with_empty_axes=1),
+             helper.make_node("Relu", ["m"], ["r"]),
+             helper.make_node("Add", ["r", "c"], ["y"])]
+    shape = [1, 8, 8, 8]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", F32, shape)],
+        [helper.make_tensor_value_info("y", F32, shape)],
+        initializer=[numpy_helper.from_array(w, "w"),
+                     numpy_helper.from_array(np.zeros(0, np.int64), "axes")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 8
+    feeds = {"x": np.random.default_rng(1).standard_normal(shape).astype(np.float32)}
+    for compile in ("codegen", "none"):
+        got = segflow.InferenceSession(model.SerializeToString(), compile=compile).run(
+            None, feeds)[0]
+        want = ort.InferenceSession(model.SerializeToString(),
+                                    providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-3, err_msg=compile)

@@ -185,11 +185,12 @@ def test_div(dtype: type) -> None:
 
 @pytest.mark.parametrize(("opset", "dtype", "lo", "hi"), [
     (13, np.int32, -2, 3), (13, np.float32, None, 0.5), (13, np.uint8, 3, None),
-    (13, np.int64, None, None), (6, np.float32, -0.5, 0.5)])
+    (13, np.int64, None, None), (6, np.float32, -0.5, 0.5), (6, np.float32, None, None)])
 def test_clip(opset: int, dtype: type, lo: float | None, hi: float | None) -> None:
     feeds = {"x": (RNG.standard_normal((3, 4)) * 5).astype(dtype)}
     if opset < 11:
-        node = helper.make_node("Clip", ["x"], ["y"], min=lo, max=hi)
+        bounds = {k: v for k, v in (("min", lo), ("max", hi)) if v is not None}
+        node = helper.make_node("Clip", ["x"], ["y"], **bounds)
         inits = {}
     else:
         inits = {}

@@ -81,6 +81,8 @@ def _clip(node: Node, ctx: BindContext) -> Kernel:
         def kernel_attr(inputs: Sequence[Tensor | None]) -> list[Tensor]:
             x = inputs[0]
             assert x is not None
+            if lo_attr is None and hi_attr is None:  # both default to the float range
+                return [x.clone()]
             return [torch.clamp(x, lo_attr, hi_attr)]
         return kernel_attr
 

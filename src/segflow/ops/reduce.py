@@ -108,7 +108,9 @@ def reduce_tensor(spec: ReduceSpec, x: Tensor, axes: Sequence[int] | None, keep:
             raise ValueError(f"reduce axes {list(axes)} out of range for rank {rank}")
     y = spec.pre(x) if spec.pre is not None else x
     if not dims or rank == 0:
-        out = y
+        # Never the input itself: the memory plan counts a reduce's output as new storage
+        # (plan_memory.FRESH_OUTPUT_OPS), which an in-place op after it may overwrite.
+        out = y.clone() if y is x else y
     elif y.numel() == 0:
         fill = _empty_fill(spec.kind, dtype)
         shape = _reduced_shape(x.shape, dims, keep)
