@@ -43,7 +43,7 @@ import torch
 from segflow.settings import ENV_DNNL_LIBRARY
 
 Tensor = torch.Tensor
-# Where a convolution writes its output in a run: the storage planned for it, or None.
+# Where a direct kernel writes its output in a run: the storage planned for it, or None.
 Destination = Callable[[], Tensor | None]
 # A pooling window for one input size: kernel, strides, dilations, begin and end pads.
 PoolWindow = tuple[list[int], list[int], list[int], list[int], list[int]]
@@ -60,7 +60,6 @@ _FORWARD_INFERENCE = 96
 _CONVOLUTION_DIRECT = 1
 # Pooling algorithms (dnnl_alg_kind_t).
 POOL_MAX = 0x1FF
-POOL_AVG_INCLUDE_PADDING = 0x2FF
 POOL_AVG_EXCLUDE_PADDING = 0x3FF
 _QUERY_IMPL_INFO = 8
 _QUERY_WEIGHTS_MD = 131
