@@ -336,6 +336,7 @@ def memory_child(runtime: str, case: Case, runs: int, variant: str = "default"
     if runtime == "segflow":
         planned = sess.last_run_stats.settings.get("memory_planned_peak_bytes", 0)
         result["planned_mib"] = planned / (1 << 20)
+        result["arena_mib"] = sess.arena_bytes / (1 << 20)
     return result
 
 
@@ -422,7 +423,8 @@ def main(argv: list[str] | None = None) -> int:
               f"what {args.runs} more runs add on top; run total = held + warm peak; "
               "process = loaded + run total (weights included)")
         for runtime, r in results.items():
-            extra = f"  planned {r['planned_mib']:.1f}" if "planned_mib" in r else ""
+            extra = (f"  planned {r['planned_mib']:.1f}  arena {r['arena_mib']:.1f}"
+                     if "planned_mib" in r else "")
             total = r["held_mib"] + r["warm_run_peak_mib"]
             print(f"  {runtime:<12} loaded {r['loaded_mib']:7.1f}  load peak "
                   f"{r['load_peak_mib']:7.1f}  cold peak {r['run_peak_mib']:6.1f}  held "

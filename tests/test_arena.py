@@ -74,6 +74,7 @@ def test_convolution_and_pool_outputs_live_in_one_block(resnet):
     plan = sess._executor.arena.plans.for_dims({"batch": 1})  # type: ignore[union-attr]
     assert 0 < layout.nbytes <= plan.arena_bytes
     assert pool.held_bytes() == layout.nbytes       # one block, kept for the next run
+    assert sess.arena_bytes == layout.nbytes
     assert "arena:" in sess.explain() and "views in" in sess.explain()
 
 
@@ -82,7 +83,7 @@ def test_runs_match_the_same_session_without_the_arena_bit_for_bit(resnet, monke
     with_arena = segflow.InferenceSession(model.SerializeToString(), compile="codegen")
     monkeypatch.setenv("SEGFLOW_ARENA", "0")
     without = segflow.InferenceSession(model.SerializeToString(), compile="codegen")
-    assert without._executor.arena is None
+    assert without._executor.arena is None and without.arena_bytes == 0
     assert without.last_run_stats is None
     for batch in (1, 3, 1, 2):
         feeds = models.example_inputs("resnet18", batch_size=batch, image_size=48, seed=batch)

@@ -172,6 +172,13 @@ class InferenceSession:
         return "\n".join([self.plan.explain(), *lines]) if lines else self.plan.explain()
 
     @property
+    def arena_bytes(self) -> int:
+        """Bytes of the planned activation blocks the session keeps between runs
+        (runtime/arena.py; 0 when no kernel writes into one)."""
+        arena = self._executor.arena
+        return arena.held_bytes() if arena is not None else 0
+
+    @property
     def last_run_stats(self) -> RunStats | None:
         """Counters of the last run made by the calling thread."""
         return getattr(self._local, "stats", None)
