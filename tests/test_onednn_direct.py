@@ -49,7 +49,7 @@ class Fallback:
 
 def _direct(w: torch.Tensor, x_shape: list[int], *, stride: int = 1, pad: int = 0,
             dilation: int = 1, group: int = 1, eltwise: tuple[int, float, float] | None = None,
-            after: Callable[[torch.Tensor], torch.Tensor] | None = None, inplace: bool = False,
+            after: Callable[[torch.Tensor], torch.Tensor] | None = None,
             max_shapes: int = 32, max_copies: int = 2) -> tuple[DirectConv, torch.Tensor, Fallback]:
     spatial = w.dim() - 2
     packed = torch.ops.mkldnn._reorder_convolution_weight(
@@ -58,7 +58,7 @@ def _direct(w: torch.Tensor, x_shape: list[int], *, stride: int = 1, pad: int = 
                    group)
     fallback = Fallback()
     assert LIB is not None
-    conv = DirectConv(LIB, geo, eltwise, after, inplace, fallback, max_shapes, max_copies)
+    conv = DirectConv(LIB, geo, eltwise, after, fallback, max_shapes, max_copies)
     return conv, packed, fallback
 
 
@@ -121,10 +121,9 @@ def test_residual_add_then_relu(inplace: bool):
     x = torch.randn(2, 16, 8, 8).contiguous(memory_format=torch.channels_last)
     z = torch.randn(2, 16, 8, 8).contiguous(memory_format=torch.channels_last)
     ref = torch.relu(F.conv2d(x, w, None, 1, 1) + z)
-    conv, packed, fallback = _direct(w, list(x.shape), pad=1, eltwise=(32, 0.0, 0.0),
-                                     inplace=inplace)
+    conv, packed, fallback = _direct(w, list(x.shape), pad=1, eltwise=(32, 0.0, 0.0))
     z_before = z.clone()
-    y = conv(x, packed, None, z)
+    y = (conv.inplace_call if inplace else conv)(x, packed, None, z)
     torch.testing.assert_close(y, ref, atol=ATOL, rtol=RTOL)
     assert fallback.calls == 0
     if inplace:
@@ -348,7 +347,7 @@ def test_a_weight_the_layout_pass_verified_is_read_without_comparing_bytes(
         raise AssertionError("compared bytes although the layout pass verified the weight")
     monkeypatch.setattr(onednn_direct, "_reorder_weight", no_dense_copy)
     assert LIB is not None
-    conv = DirectConv(LIB, geometry(dense.shape, (1, 1), (1, 1), (1, 1), 1), None, None, False,
+    conv = DirectConv(LIB, geometry(dense.shape, (1, 1), (1, 1), (1, 1), 1), None, None,
                       Fallback(), 32, 2, verified)
     x = torch.randn(*size).contiguous(memory_format=torch.channels_last)
     torch.testing.assert_close(conv(x, packed), F.conv2d(x, dense, None, 1, 1),
@@ -376,8 +375,9 @@ def test_a_1x1_spatial_input_runs_direct(batch: int, inplace: bool):
     x = torch.randn(batch, 16, 1, 1)
     z = torch.randn(batch, 8, 1, 1)
     ref = torch.sigmoid(F.conv2d(x, w) + z)
-    conv, packed, fallback = _direct(w, list(x.shape), eltwise=(41, 0.0, 0.0), inplace=inplace)
-    torch.testing.assert_close(conv(x, packed, None, z.clone()), ref, atol=ATOL, rtol=RTOL)
+    conv, packed, fallback = _direct(w, list(x.shape), eltwise=(41, 0.0, 0.0))
+    call = conv.inplace_call if inplace else conv
+    torch.testing.assert_close(call(x, packed, None, z.clone()), ref, atol=ATOL, rtol=RTOL)
     assert fallback.calls == 0 and conv.why_not == {}
 
 
@@ -510,3 +510,42 @@ def test_layout_marks_the_pools_after_a_direct_convolution():
     assert log[2].endswith("(and 2 poolings)")
     _, graph = _resnet18_log({"SEGFLOW_ONEDNN_DIRECT": "0"})
     assert not any(n.attrs.get("onednn_direct") for n in graph.nodes)
+
+
+def test_explain_counts_direct_kernels_and_names_each_fallback():
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = np.random.default_rng(0).standard_normal((8, 8, 3, 3)).astype(np.float32)
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c"], ["r"]),
+             helper.make_node("MaxPool", ["r"], ["y"], kernel_shape=[3, 3],
+                              dilations=[2, 2], pads=[2, 2, 2, 2])]   # dilated: no jit kernel
+    shape = [1, 8, 10, 10]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                                         shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    sess = segflow.InferenceSession(model.SerializeToString())
+    assert ("direct kernels (libdnnl): 1 convolution, 1 pooling; no input layout built yet "
+            "(each is built at its first run)") in sess.explain()
+    feeds = {"x": np.random.default_rng(1).standard_normal(shape).astype(np.float32)}
+    ref = ort.InferenceSession(model.SerializeToString(),
+                               providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    np.testing.assert_allclose(sess.run(None, feeds)[0], ref, atol=1e-4, rtol=1e-3)
+    lines = sess.explain().splitlines()
+    assert ("direct kernels (libdnnl): 1 convolution, 1 pooling; 1 input layout built, "
+            "1 fell back to torch") in lines
+    fallback = next(line for line in lines if line.startswith("  fallback: "))
+    assert "MaxPool" in fallback and "[1, 8, 10, 10] torch.float32" in fallback
+    assert "only a reference implementation" in fallback
+
+
+def test_generated_code_calls_the_kernels_own_direct_convolution():
+    model = models.build("resnet18", image_size=32)
+    sess = segflow.InferenceSession(model.SerializeToString(), compile="codegen")
+    sess.run(None, models.example_inputs("resnet18", batch_size=1, image_size=32))
+    ops = [op for _, op in sess._executor.direct_ops]
+    # Every primitive was built by the op the kernel holds: none by a second copy.
+    assert sum(op.direct_layouts for op in ops) == len(ops) == 22

@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from segflow.ir.graph import Node
 from segflow.ops._common import torch_pad
 from segflow.ops.onednn_direct import (
-    Destination,
     DirectConv,
+    DirectKernel,
     Library,
     geometry,
     onednn_eltwise,
@@ -180,8 +180,7 @@ def _fused_conv(node: Node, ctx: BindContext) -> Kernel:
     spec = _conv_spec(node)
     act, params = activation_of(node)
     if conv_uses_onednn(node):
-        return _onednn_conv_kernel(node, spec, act, params, ctx.destination(node.outputs[0]),
-                                   ctx.staging(node))
+        return _onednn_conv_kernel(node, spec, act, params, ctx)
     conv = _CONV[spec.spatial]
     pad = torch_pad(spec.begin_end) if spec.begin_end else None
     channels_last = bool(node.attrs.get("channels_last", 0)) and spec.spatial == 2
@@ -206,12 +205,35 @@ def _fused_conv(node: Node, ctx: BindContext) -> Kernel:
 
 
 def _onednn_conv_kernel(node: Node, spec: _ConvSpec, act: Activation, params: list[float],
-                        destination: Destination | None, staging: Destination | None) -> Kernel:
-    fn = _onednn_conv(node, spec, act, params, False, destination, staging)
-
-    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
-        return [fn(*inputs)]
-    return kernel
+                        ctx: BindContext) -> Kernel:
+    """A prepacked FusedConv's kernel: over libdnnl when the layout pass chose that
+    (``onednn_direct``; codegen then calls the same op), else torch's oneDNN op."""
+    weight_for = _weight_for(node, spec)
+    fallback = _onednn_conv_callable(spec, act, params, False, weight_for)
+    lib = Library.load() if node.attrs.get("onednn_direct") else None
+    weight = node.inputs[1]
+    if lib is None or weight is None or weight.spec.shape is None:
+        def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+            return [fallback(*inputs)]
+        return kernel
+    post = act.onednn(params)
+    eltwise = None
+    if post is not None and post[0] != "none":
+        eltwise = onednn_eltwise(*post)
+    after: Callable[[Tensor], Tensor] | None = None
+    if act.name and eltwise is None:
+        finish = act.inplace or act.apply
+        def after(y: Tensor) -> Tensor:
+            return finish(y, params)
+    geo = geometry([int(d) for d in weight.spec.shape], spec.strides, spec.pads,  # type: ignore[arg-type]
+                   spec.dilations, spec.group)
+    verified = node.attrs.get("onednn_direct_verified_for")
+    fallback_inplace = (_onednn_conv_callable(spec, act, params, True, weight_for)
+                        if spec.has_residual else None)
+    return DirectKernel(DirectConv(
+        lib, geo, eltwise, after, fallback, MAX_SHAPES, MAX_REPACKS,
+        [int(d) for d in verified] if verified else None, ctx.destination(node.outputs[0]),
+        ctx.staging(node), fallback_inplace))
 
 
 MAX_REPACKS = 2
@@ -277,35 +299,6 @@ class WeightForInput:
 def _weight_for(node: Node, spec: _ConvSpec) -> WeightForInput:
     packed_for = node.attrs.get("onednn_input_size")
     return WeightForInput(spec, [int(d) for d in packed_for] if packed_for else None)
-
-
-def _onednn_conv(node: Node, spec: _ConvSpec, act: Activation, params: list[float],
-                 inplace: bool, destination: Destination | None = None,
-                 staging: Destination | None = None) -> Callable[..., Tensor]:
-    """``fn(x, w, b, z?) -> y`` for a prepacked FusedConv: straight into libdnnl when the
-    layout pass chose that (``onednn_direct``), with torch's op for what it cannot take.
-    ``destination``/``staging``: the run's planned storage for the output and for a
-    channels-last copy of a plain input (runtime/arena.py)."""
-    weight_for = _weight_for(node, spec)
-    fallback = _onednn_conv_callable(spec, act, params, inplace, weight_for)
-    lib = Library.load() if node.attrs.get("onednn_direct") else None
-    weight = node.inputs[1]
-    if lib is None or weight is None or weight.spec.shape is None:
-        return fallback
-    post = act.onednn(params)
-    eltwise = None
-    if post is not None and post[0] != "none":
-        eltwise = onednn_eltwise(*post)
-    after: Callable[[Tensor], Tensor] | None = None
-    if act.name and eltwise is None:
-        finish = act.inplace or act.apply
-        def after(y: Tensor) -> Tensor:
-            return finish(y, params)
-    geo = geometry([int(d) for d in weight.spec.shape], spec.strides, spec.pads,  # type: ignore[arg-type]
-                   spec.dilations, spec.group)
-    verified = node.attrs.get("onednn_direct_verified_for")
-    return DirectConv(lib, geo, eltwise, after, inplace, fallback, MAX_SHAPES, MAX_REPACKS,
-                      [int(d) for d in verified] if verified else None, destination, staging)
 
 
 def _onednn_conv_callable(spec: _ConvSpec, act: Activation, params: list[float],
@@ -463,19 +456,18 @@ def _attention(node: Node, ctx: BindContext) -> Kernel:
 
 # -- inline forms for generated code -------------------------------------------------------
 def inline_fused(node: Node, device: torch.device, inplace_input: int | None,
-                 consts: Sequence[Tensor | None], destination: Destination | None = None,
-                 staging: Destination | None = None) -> Inline | None:
+                 consts: Sequence[Tensor | None], kernel: Kernel | None = None
+                 ) -> Inline | None:
     """The expression codegen emits for a fused node (None: call the kernel instead).
 
     ``inplace_input`` is the input the memory plan allows this node to overwrite;
     ``consts[i]`` is the bound (device-placed) constant behind input ``i``, if any;
-    ``destination``/``staging`` the run's planned storage for the output and for a
-    copy of the input (runtime/arena.py).
+    ``kernel`` the node's bound kernel (a direct convolution's op is called as is).
     """
     n_in = len(node.inputs)
     args = ", ".join("None" if node.inputs[i] is None else f"{{in{i}}}" for i in range(n_in))
     if node.op_type == "FusedConv":
-        return _inline_conv(node, inplace_input, args, destination, staging)
+        return _inline_conv(node, inplace_input, args, kernel)
     if node.op_type == "FusedGemm":
         return _inline_gemm(node, device, consts)
     if node.op_type == "Attention":
@@ -483,8 +475,7 @@ def inline_fused(node: Node, device: torch.device, inplace_input: int | None,
     return None
 
 
-def _inline_conv(node: Node, inplace_input: int | None, args: str,
-                 destination: Destination | None, staging: Destination | None
+def _inline_conv(node: Node, inplace_input: int | None, args: str, kernel: Kernel | None
                  ) -> Inline | None:
     if not conv_uses_onednn(node):
         return None
@@ -502,7 +493,10 @@ def _inline_conv(node: Node, inplace_input: int | None, args: str,
                       f"{{strides}}, {{dil}}, {spec.group}, {attr!r}, {{scalars}}, "
                       f"{algorithm!r})", bound)
     inplace = spec.has_residual and inplace_input == 3
-    fn = _onednn_conv(node, spec, act, params, inplace, destination, staging)
+    op = kernel.op if isinstance(kernel, DirectKernel) else None
+    if isinstance(op, DirectConv):   # the kernel's own op: one set of primitives per node
+        return Inline(f"{{fn}}({args})", {"fn": op.inplace_call if inplace else op})
+    fn = _onednn_conv_callable(spec, act, params, inplace, _weight_for(node, spec))
     return Inline(f"{{fn}}({args})", {"fn": fn})
 
 

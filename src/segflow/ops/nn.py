@@ -15,6 +15,7 @@ from segflow.ops.onednn_direct import (
     MAX_LAYOUTS,
     POOL_AVG_EXCLUDE_PADDING,
     POOL_MAX,
+    DirectKernel,
     DirectPool,
     Library,
     PoolWindow,
@@ -176,14 +177,9 @@ def _direct_pool(node: Node, ctx: BindContext, algorithm: int,
     lib = Library.load() if node.attrs.get("onednn_direct") else None
     if lib is None:
         return kernel
-    direct = DirectPool(lib, algorithm, window, ceil_mode, lambda x: kernel((x,))[0],
-                        MAX_LAYOUTS, ctx.destination(node.outputs[0]))
-
-    def direct_kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
-        x = inputs[0]
-        assert x is not None
-        return [direct(x)]
-    return direct_kernel
+    return DirectKernel(DirectPool(lib, algorithm, window, ceil_mode,
+                                   lambda x: kernel((x,))[0], MAX_LAYOUTS,
+                                   ctx.destination(node.outputs[0])))
 
 
 def _unpad_indices(idx: Tensor, shape: Sequence[int], begin: list[int], end: list[int],

@@ -371,7 +371,7 @@ class _Call:
     impl: str
 
 
-class _DirectOp:
+class DirectOp:
     """What the direct convolution and pooling share: one primitive per input layout
     (``calls``, at most ``max_shapes``; None where the fallback serves it, ``why_not``
     says why), a lock and a stream per op, and the oneDNN objects it owns."""
@@ -446,7 +446,7 @@ class _DirectOp:
         return _Call(prim, src, dst, args=(_ExecArg * len(args))(*args), **fields)
 
 
-class DirectConv(_DirectOp):
+class DirectConv(DirectOp):
     """``fn(x, w, b, z?) -> y``: a FusedConv over libdnnl, one primitive per input layout.
 
     ``w`` is the layout pass's packed weight. The primitive reads it in place
@@ -464,13 +464,15 @@ class DirectConv(_DirectOp):
     kind = "convolution"
 
     def __init__(self, lib: Library, spec: ConvGeometry, eltwise: tuple[int, float, float] | None,
-                 after: Callable[[Tensor], Tensor] | None, inplace: bool,
+                 after: Callable[[Tensor], Tensor] | None,
                  fallback: Callable[..., Tensor], max_shapes: int, max_copies: int,
                  verified_for: Sequence[int] | None = None,
                  destination: Destination | None = None,
-                 staging: Destination | None = None) -> None:
+                 staging: Destination | None = None,
+                 fallback_inplace: Callable[..., Tensor] | None = None) -> None:
         super().__init__(lib, fallback, max_shapes, destination)
         self.staging = staging
+        self.fallback_inplace = fallback_inplace or fallback
         # The layout pass checked that ``w``'s bytes are this library's format for a
         # channels-last input of this size: a primitive whose weights descriptor equals
         # that one reads ``w`` without comparing bytes again (no dense temporaries).
@@ -479,23 +481,33 @@ class DirectConv(_DirectOp):
         self.spec = spec
         self.eltwise = eltwise
         self.after = after
-        self.inplace = inplace
         self.max_copies = max_copies
         self.copies: list[tuple[_P, Tensor]] = []    # (weights descriptor, own packed copy)
 
     def __call__(self, x: Tensor, w: Tensor, b: Tensor | None = None,
                  z: Tensor | None = None) -> Tensor:
+        return self._conv(x, w, b, z, False)
+
+    def inplace_call(self, x: Tensor, w: Tensor, b: Tensor | None, z: Tensor) -> Tensor:
+        """Like calling it, but the output overwrites the residual ``z`` (where the
+        memory plan allows: ``z`` dies here)."""
+        return self._conv(x, w, b, z, True)
+
+    def _conv(self, x: Tensor, w: Tensor, b: Tensor | None, z: Tensor | None,
+              inplace: bool) -> Tensor:
         key = (x.shape, x.stride(), x.dtype) if z is None else (x.shape, x.stride(), x.dtype,
-                                                                   z.stride(), z.shape)
+                                                                   z.stride(), z.shape, inplace)
         try:
             call = self.calls[key]
         except KeyError:
-            call = self._build(key, lambda: self._make_call(x, w, b, z))
+            call = self._build(key, lambda: self._make_call(x, w, b, z, inplace))
         if call is None or w is not call.source or b is not call.bias:
-            return self.fallback(x, w, b) if z is None else self.fallback(x, w, b, z)
+            if z is None:
+                return self.fallback(x, w, b)
+            return (self.fallback_inplace if inplace else self.fallback)(x, w, b, z)
         if call.in_format is not None:
             x = self._staged(x, call.in_format)
-        y = z if z is not None and self.inplace else self._output(call)
+        y = z if z is not None and inplace else self._output(call)
         self._run(call, x, y, z)
         return y if self.after is None else self.after(y)
 
@@ -506,8 +518,8 @@ class DirectConv(_DirectOp):
             return staged.copy_(x)
         return x.contiguous(memory_format=layout)
 
-    def _make_call(self, x: Tensor, w: Tensor, b: Tensor | None,
-                   z: Tensor | None) -> tuple[_Call | None, str]:
+    def _make_call(self, x: Tensor, w: Tensor, b: Tensor | None, z: Tensor | None,
+                   inplace: bool) -> tuple[_Call | None, str]:
         lib, spec = self.lib, self.spec
         if x.dtype != torch.float32 or not w.is_mkldnn or x.dim() not in (4, 5):
             return None, "not a packed float32 2-D/3-D convolution"
@@ -519,9 +531,8 @@ class DirectConv(_DirectOp):
         out_shape = spec.output_size(x.shape)
         if z is not None and (tuple(z.shape) != out_shape or z.dtype != torch.float32):
             return None, "residual shape differs from the output's"
-        example = z if z is not None and self.inplace else torch.empty(
-            out_shape, memory_format=want)
-        attr, src1 = lib.post_ops(z, self.inplace, self.eltwise)
+        example = z if z is not None and inplace else torch.empty(out_shape, memory_format=want)
+        attr, src1 = lib.post_ops(z, inplace, self.eltwise)
         src_md = lib.memory_desc(x)
         dst_md = lib.memory_desc(example)
         bias_md = lib.vector_desc(spec.out_channels) if b is not None else None
@@ -581,7 +592,7 @@ class DirectConv(_DirectOp):
         return int(mine.data_ptr())
 
 
-class DirectPool(_DirectOp):
+class DirectPool(DirectOp):
     """``fn(x) -> y``: a pooling over libdnnl for a channels-last float32 input, one
     primitive per input layout, writing into the run's planned storage.
 
@@ -642,6 +653,44 @@ class DirectPool(_DirectOp):
         return self._finish(prim, src_md, dst_md, (), residual=None, in_format=None,
                             out_shape=out_shape, out_format=layout, source=None, bias=None,
                             impl=impl), ""
+
+
+class DirectKernel:
+    """A node's kernel over a direct op: ``kernel(inputs) -> [op(*inputs)]``. The op
+    stays reachable, so generated code calls the same op (one set of primitives per
+    node) and ``explain()`` can say which layouts fell back and why."""
+
+    __slots__ = ("op",)
+
+    def __init__(self, op: DirectOp) -> None:
+        self.op = op
+
+    def __call__(self, inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        return [self.op(*inputs)]  # type: ignore[operator]
+
+
+def describe_direct(ops: Sequence[tuple[str, DirectOp]], limit: int = 8) -> list[str]:
+    """``explain()`` lines for a session's direct ops (``(node label, op)``): how many,
+    the input layouts built through libdnnl, and each fallback with its reason."""
+    if not ops:
+        return []
+    kinds: dict[str, int] = {}
+    for _, op in ops:
+        kinds[op.kind] = kinds.get(op.kind, 0) + 1
+    what = ", ".join(f"{n} {kind}{'s' if n > 1 else ''}" for kind, n in kinds.items())
+    built = sum(op.direct_layouts for _, op in ops)
+    fallbacks = [(label, key, why) for label, op in ops for key, why in op.why_not.items()]
+    if not built and not fallbacks:
+        return [f"direct kernels (libdnnl): {what}; no input layout built yet (each is built "
+                "at its first run)"]
+    lines = [f"direct kernels (libdnnl): {what}; {built} input layout{'s' if built != 1 else ''}"
+             f" built, {len(fallbacks)} fell back to torch"]
+    for label, key, why in fallbacks[:limit]:
+        shape, dtype = key[0], key[2]   # the input's sizes and dtype (the layout key)
+        lines.append(f"  fallback: {label} at {list(shape)} {dtype}: {why}")  # type: ignore[call-overload]
+    if len(fallbacks) > limit:
+        lines.append(f"  ... and {len(fallbacks) - limit} more")
+    return lines
 
 
 @dataclass(frozen=True, slots=True)

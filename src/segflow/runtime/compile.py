@@ -49,11 +49,11 @@ from segflow.errors import ExecutionError
 from segflow.ir.graph import Node
 from segflow.ir.types import DType
 from segflow.ops.fused import FUSED_DOMAIN, Inline, inline_fused, traceable_fused
+from segflow.ops.registry import Kernel
 from segflow.passes.pipeline import CompileMode
 from segflow.passes.plan_memory import MemoryPlan
 from segflow.passes.segment import Segment
 from segflow.runtime.aot_inductor import AotInductorSegment, has_packages
-from segflow.runtime.arena import ArenaPool
 from segflow.runtime.binding import Step
 from segflow.runtime.onednn_graph import OneDnnGraphSegment
 
@@ -112,10 +112,8 @@ class SegmentCompiler:
 
     def compile_tasks(self, tasks: Sequence[tuple[Segment, Sequence[Step]]],
                       template: Sequence[Tensor | None],
-                      output_slots: Sequence[int], arena: ArenaPool | None = None
-                      ) -> list[SegmentFn | None]:
-        """One callable ``fn(env)`` per task (None: interpret it). ``arena``: where
-        kernels that take given storage write their outputs (runtime/arena.py)."""
+                      output_slots: Sequence[int]) -> list[SegmentFn | None]:
+        """One callable ``fn(env)`` per task (None: interpret it)."""
         if self.mode is CompileMode.NONE:
             return [None] * len(tasks)
         start = time.perf_counter()
@@ -127,8 +125,7 @@ class SegmentCompiler:
                 continue
             live_out = {slot for step in steps for slot in step.outputs
                         if slot in read_elsewhere.get(index, set())}
-            program = generate(steps, template, live_out, self.memory, self.device,
-                               arena=arena)
+            program = generate(steps, template, live_out, self.memory, self.device)
             cached_only = self.cached_packages and uses_cached_package(steps)
             if self.mode in (CompileMode.INDUCTOR, CompileMode.ONEDNN) or cached_only:
                 pure = generate(steps, template, live_out, None, self.device, pure=True,
@@ -253,14 +250,11 @@ _CORE: Mapping[str, _CoreOp] = {
 
 def _inline(node: Node, inplace_input: int | None, device: torch.device,
             consts: Sequence[Tensor | None], traceable: bool = False,
-            arena: ArenaPool | None = None) -> Inline | None:
+            kernel: Kernel | None = None) -> Inline | None:
     if node.domain == FUSED_DOMAIN:
         if traceable:
             return traceable_fused(node)
-        if arena is None:
-            return inline_fused(node, device, inplace_input, consts)
-        return inline_fused(node, device, inplace_input, consts,
-                            arena.destination(node.outputs[0]), arena.staging(node))
+        return inline_fused(node, device, inplace_input, consts, kernel)
     op = _CORE.get(node.op_type)
     if node.domain != "" or op is None or len(node.outputs) != 1:
         return None
@@ -294,14 +288,12 @@ class _Emitter:
 
 def generate(steps: Sequence[Step], template: Sequence[Tensor | None], live_out: set[int],
              memory: MemoryPlan | None = None, device: torch.device | None = None, *,
-             pure: bool = False, traceable: bool = False,
-             arena: ArenaPool | None = None) -> Program:
+             pure: bool = False, traceable: bool = False) -> Program:
     """Generate the straight-line function for ``steps`` (see the module docstring).
 
     ``live_out``: slots other tasks or the caller read, written back to the slot array.
     ``pure``: also build ``f(*inputs) -> outputs`` without the slot array (for tracing).
     ``traceable``: plain functional torch ops only (no oneDNN ops, no in-place writes).
-    ``arena``: the run storage of outputs whose kernels take it (runtime/arena.py).
     """
     device = device or torch.device("cpu")
     em = _Emitter()
@@ -336,7 +328,7 @@ def generate(steps: Sequence[Step], template: Sequence[Tensor | None], live_out:
             slot_inplace = None  # another task may still read it: not ours to overwrite
         body.append(f"_i = {index}")
         inline = (_inline(node, None if traceable else slot_inplace, device, consts, traceable,
-                          None if pure else arena)
+                          step.kernel)
                   if len(step.outputs) == 1 else None)
         if inline is not None:
             names = {key: em.bind(obj, "b") for key, obj in inline.bound.items()

@@ -28,6 +28,7 @@ from segflow.engine.inline import InlineEngine
 from segflow.engine.streams import StreamBackend
 from segflow.ir.graph import Value
 from segflow.ir.types import Device, DeviceKind
+from segflow.ops.onednn_direct import DirectKernel
 from segflow.ops.registry import OpRegistry
 from segflow.passes.segment import Segment
 from segflow.profiler.cuda import device_marker
@@ -113,6 +114,9 @@ class Executor:
             waits = seg.exec_type is ExecType.LOCAL and bool(deps)
             self.tasks.append(_BoundTask(seg, steps, tuple(sorted(deps)), waits))
         self._assign_releases(graph.outputs)
+        # Kernels over libdnnl (ops/onednn_direct.py), for explain(): what fell back and why.
+        self.direct_ops = [(step.node.label, step.kernel.op) for task in self.tasks
+                           for step in task.steps if isinstance(step.kernel, DirectKernel)]
         self.output_slots = [self.slots[v] for v in graph.outputs]
         self.output_tasks = sorted({producer_task[v] for v in graph.outputs if v in producer_task})
         self.template: list[Tensor | None] = [None] * len(self.slots)
@@ -136,7 +140,7 @@ class Executor:
         # Compiled bulk segments (runtime/compile.py): one callable over the slot array each.
         self.compiled: list[SegmentFn | None] = (
             compiler.compile_tasks([(t.segment, t.steps) for t in self.tasks], self.template,
-                                   self.output_slots, self.arena)
+                                   self.output_slots)
             if compiler is not None else [None] * len(self.tasks))
         # The inline engine on host-only devices runs each task at push, in order: a run
         # needs no Vars, pushes or waits, only the task functions (see _run_direct).

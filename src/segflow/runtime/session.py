@@ -27,6 +27,7 @@ from segflow.errors import InvalidInput
 from segflow.frontend.onnx_import import import_model
 from segflow.ir.graph import Value
 from segflow.ir.types import Device, DeviceKind, Dim, DType, TensorSpec
+from segflow.ops.onednn_direct import describe_direct
 from segflow.ops.registry import OpRegistry, default_registry
 from segflow.passes.layout import calls_libdnnl, converts_input
 from segflow.passes.pipeline import (
@@ -163,12 +164,15 @@ class InferenceSession:
     def explain(self) -> str:
         """The segment table: index, first..last node, count, exec types, device, reason.
 
-        On devices with streams, also the sync mode and each segment's CUDA-graph state.
+        On devices with streams, also the sync mode and each segment's CUDA-graph state;
+        on CPU, the kernels that call libdnnl (with any input layout that fell back to
+        torch so far, and why) and the activation arena.
         """
-        lines = self._executor.completion.describe()
+        lines = [*self._executor.completion.describe(),
+                 *describe_direct(self._executor.direct_ops)]
         arena = self._executor.arena
         if arena is not None:   # the block at the sizes the plan was made for
-            lines = [*lines, arena.layout(arena.plans.base.dims).describe()]
+            lines.append(arena.layout(arena.plans.base.dims).describe())
         return "\n".join([self.plan.explain(), *lines]) if lines else self.plan.explain()
 
     @property
