@@ -7,6 +7,7 @@ import onnx
 import pytest
 
 from segflow import cli, models
+from segflow.ops.onednn_direct import Library
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
@@ -21,6 +22,9 @@ def test_run_with_no_arguments_runs_builtin_resnet50(capsys):
     assert "builtin:resnet50" in out
     assert "output logits: float32[1, 1000] checksum=" in out
     assert "segments=1 pushes=1 syncs=1" in out
+    if Library.load() is not None:   # what the kernels did: libdnnl, fallbacks, the arena
+        assert "direct kernels (libdnnl): 53 convolutions, 2 poolings; " in out
+        assert "arena: 40 views in 5.0 MiB at batch=1" in out
 
 
 def test_run_list(capsys):

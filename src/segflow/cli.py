@@ -126,6 +126,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     hint = "  (run 1 includes it; --repeat N to time later runs)" \
         if report.first_run_compile_s and args.repeat == 1 else ""
     print(report.describe() + hint)
+    for line in sess.kernel_report():
+        print(line)
     return 0
 
 

@@ -168,12 +168,17 @@ class InferenceSession:
         on CPU, the kernels that call libdnnl (with any input layout that fell back to
         torch so far, and why) and the activation arena.
         """
-        lines = [*self._executor.completion.describe(),
-                 *describe_direct(self._executor.direct_ops)]
+        lines = [*self._executor.completion.describe(), *self.kernel_report()]
+        return "\n".join([self.plan.explain(), *lines]) if lines else self.plan.explain()
+
+    def kernel_report(self) -> list[str]:
+        """What the CPU kernels did so far: those calling libdnnl, the input layouts they
+        built and each that fell back to torch (and why), and the activation arena."""
+        lines = describe_direct(self._executor.direct_ops)
         arena = self._executor.arena
         if arena is not None:   # the block at the sizes the plan was made for
             lines.append(arena.layout(arena.plans.base.dims).describe())
-        return "\n".join([self.plan.explain(), *lines]) if lines else self.plan.explain()
+        return lines
 
     @property
     def arena_bytes(self) -> int:
