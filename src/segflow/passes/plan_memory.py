@@ -145,21 +145,36 @@ def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB"
 
 
+def static_sizes(value: Value, dims: Mapping[str, int] | None = None
+                 ) -> tuple[int, ...] | None:
+    """``value``'s sizes with symbolic dims taken from ``dims`` (None: not all known)."""
+    shape = value.spec.shape
+    if shape is None:
+        return None
+    sizes = []
+    for d in shape:
+        if isinstance(d, str) and dims is not None and d in dims:
+            d = dims[d]
+        if not isinstance(d, int):
+            return None
+        sizes.append(d)
+    return tuple(sizes)
+
+
 def nbytes(value: Value, dims: Mapping[str, int] | None = None) -> int | None:
     """Bytes of ``value`` when its dtype and shape are known (symbolic dims from ``dims``)."""
     spec = value.spec
-    if spec.dtype is None or spec.shape is None:
+    if spec.dtype is None:
         return None
     try:
         itemsize = spec.dtype.torch.itemsize
     except (ValueError, AttributeError):
         return None
+    sizes = static_sizes(value, dims)
+    if sizes is None:
+        return None
     count = 1
-    for d in spec.shape:
-        if isinstance(d, str) and dims is not None and d in dims:
-            d = dims[d]
-        if not isinstance(d, int):
-            return None
+    for d in sizes:
         count *= d
     return count * itemsize
 

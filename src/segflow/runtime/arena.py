@@ -7,7 +7,7 @@ their own outputs, but a convolution called straight into libdnnl
 carved out of one block per run instead of coming from malloc:
 
 - a run's storage is one ``torch.empty`` block, allocated at the first
-  convolution that asks (a run whose convolutions all fell back, or were
+  direct kernel that asks (a run whose kernels all fell back, or were
   compiled by another backend, allocates nothing) and kept for the next run;
 - each planned output is a channels-last view at its planned offset. Outputs
   that live until the end of the run (graph outputs, and anything sharing
@@ -37,7 +37,14 @@ import torch
 
 from segflow.ir.graph import Node, Value
 from segflow.ops.onednn_direct import Destination, channels_last_strides
-from segflow.passes.plan_memory import Buffer, PlansBySize, align, nbytes, place
+from segflow.passes.plan_memory import (
+    Buffer,
+    PlansBySize,
+    align,
+    nbytes,
+    place,
+    static_sizes,
+)
 
 Tensor = torch.Tensor
 
@@ -191,7 +198,7 @@ class ArenaPool:
         placed = place([buf for buf, _, _ in wanted])
         entries = []
         for buf, (_, index, value) in zip(placed, wanted, strict=True):
-            sizes = _sizes(value, plan.dims)
+            sizes = static_sizes(value, plan.dims)
             if sizes is None or value.spec.dtype is None:
                 continue
             entries.append(Placed(index, buf.values[0], buf.offset, sizes,
@@ -246,13 +253,3 @@ def _outputs(nodes: Sequence[Node], takes_storage: Callable[[Node], bool]) -> li
     return [node.outputs[0] for node in nodes
             if len(node.outputs) == 1 and takes_storage(node) and _float_image(node.outputs[0])]
 
-
-def _sizes(value: Value, dims: Mapping[str, int]) -> tuple[int, ...] | None:
-    sizes = []
-    for d in value.spec.shape or ():
-        if isinstance(d, str):
-            d = dims.get(d)  # type: ignore[assignment]
-        if not isinstance(d, int):
-            return None
-        sizes.append(d)
-    return tuple(sizes)
