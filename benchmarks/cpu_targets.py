@@ -7,6 +7,7 @@ machine noise hits all of them alike. A ratio is the median over rounds of
 
     python benchmarks/cpu_targets.py                       # the full table
     python benchmarks/cpu_targets.py --cases mlp_chain --rounds 30
+    python benchmarks/cpu_targets.py --cases mlp_chain --variants "default;dense_chain=off"
     python benchmarks/cpu_targets.py --cases resnet50 --variants "default;compile=none;layout=off"
     python benchmarks/cpu_targets.py --memory               # peak memory, ResNet-50 batch 1
     python benchmarks/cpu_targets.py --memory --cases mobilenet_v2 --variants "default;compile=none"
@@ -16,7 +17,7 @@ Peers: onnxruntime with default session options (CPU provider), torch eager
 (``segflow.models.torch_module``) under ``torch.inference_mode``. segflow runs
 with its defaults unless ``--variants`` says otherwise (``key=value`` pairs
 joined by ``,``: ``compile``, ``engine``, ``threads``, pass switches
-``fold_constants``/``fuse``/``layout``/``plan_memory`` = on|off,
+``fold_constants``/``fuse``/``dense_chain``/``layout``/``plan_memory`` = on|off,
 ``direct`` = on|off for convolutions through libdnnl or torch's oneDNN op, and
 ``arena`` = on|off for their outputs in a planned block per run or from malloc).
 The default (``compile=auto``) runs a small segment's inductor package when the
@@ -74,7 +75,7 @@ def _segflow_kwargs(variant: str) -> tuple[dict[str, Any], dict[str, str]]:
         if item == "default":
             continue
         key, _, value = item.partition("=")
-        if key in ("fold_constants", "fuse", "layout", "plan_memory"):
+        if key in ("fold_constants", "fuse", "dense_chain", "layout", "plan_memory"):
             passes[key] = value not in ("off", "0", "false")
         elif key == "threads":
             kwargs["intra_op_threads"] = int(value)

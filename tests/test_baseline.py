@@ -18,6 +18,13 @@ COMMITTED = Path(segflow.bench.__file__).parent / "baseline_counters.json"
 TINY = "mlp_chain:layers=3"
 
 
+@pytest.fixture
+def _layers_stay_nodes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Count per-node work (tasks, pushes) over a small MLP: the dense_chain pass would
+    make all its layers one node (tests/test_dense_chain.py)."""
+    monkeypatch.setenv("SEGFLOW_NO_DENSE_CHAIN", "1")
+
+
 def _record(counters: dict[str, int] | None = None, ratios: dict[str, float] | None = None,
             batch_size: int = 1, settings: dict[str, Any] | None = None) -> dict[str, Any]:
     counters = counters or {"segments": 1, "pushes": 1, "syncs": 1, "kernels": 6, "copies": 0}
@@ -114,6 +121,7 @@ def test_bad_baseline_files(tmp_path: Path) -> None:
 
 
 # -- end to end through the CLI -----------------------------------------------------------
+@pytest.mark.usefixtures("_layers_stay_nodes")
 def test_disabling_bulking_by_environment_fails_the_counter_gate(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:

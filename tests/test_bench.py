@@ -26,6 +26,13 @@ from segflow.errors import SegflowError
 TINY = "mlp_chain:layers=3"
 
 
+@pytest.fixture(autouse=True)
+def _layers_stay_nodes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests count per-node work (kernels, tasks, syncs) over a small MLP; the
+    dense_chain pass would make all its layers one node (tests/test_dense_chain.py)."""
+    monkeypatch.setenv("SEGFLOW_NO_DENSE_CHAIN", "1")
+
+
 def test_model_specs() -> None:
     spec = parse_model_spec("mlp_chain:layers=3,width=8")
     assert (spec.builtin, dict(spec.options), spec.label) == (

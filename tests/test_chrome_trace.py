@@ -16,7 +16,9 @@ from segflow.profiler.chrome_trace import check_trace, to_chrome_trace
 
 def _profiled(name: str, bulk: bool, engine: str, runs: int = 2) -> tuple[Profiler, Any]:
     opts = {"layers": 3} if name == "mlp_chain" else {}
-    sess = segflow.InferenceSession(models.build(name, **opts), bulk=bulk, engine=engine)
+    # The MLP's layers stay nodes (no dense chain): the trace tests count per-node spans.
+    sess = segflow.InferenceSession(models.build(name, **opts), bulk=bulk, engine=engine,
+                                    optimize={"dense_chain": False})
     feeds = models.example_inputs(name, **opts)
     with segflow.profile() as prof:
         for _ in range(runs):

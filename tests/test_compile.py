@@ -57,7 +57,8 @@ def test_codegen_matches_interpreter_and_onnxruntime(name, engine):
 
 
 def test_generated_code_is_straight_line_with_locals():
-    sess = segflow.InferenceSession(models.build("mlp_chain", layers=3), engine="inline")
+    sess = segflow.InferenceSession(models.build("mlp_chain", layers=3), engine="inline",
+                                    optimize={"dense_chain": False})
     ex = sess._executor
     steps = ex.tasks[0].steps
     program = generate(steps, ex.template, set(ex.output_slots), None)

@@ -277,10 +277,10 @@ def test_layout_marks_convolutions_direct_and_the_option_turns_it_off():
     log, graph = _resnet18_log({})
     convs = [n for n in graph.nodes if n.op_type == "FusedConv"]
     assert all(n.attrs.get("onednn_direct") == 1 for n in convs)
-    assert "direct calls into oneDNN" in log[2]
+    assert "direct calls into oneDNN" in log[3]
     log, graph = _resnet18_log({"SEGFLOW_ONEDNN_DIRECT": "0"})
     assert not any(n.attrs.get("onednn_direct") for n in graph.nodes)
-    assert log[2] == "layout: prepacked for oneDNN: 20 convolutions (channels_last)"
+    assert log[3] == "layout: prepacked for oneDNN: 20 convolutions (channels_last)"
 
 
 @pytest.mark.parametrize("name,options", [("resnet18", {"image_size": 48}),
@@ -507,7 +507,7 @@ def test_layout_marks_the_pools_after_a_direct_convolution():
     log, graph = _resnet18_log({})
     pools = [n for n in graph.nodes if n.op_type in ("MaxPool", "GlobalAveragePool")]
     assert len(pools) == 2 and all(n.attrs.get("onednn_direct") == 1 for n in pools)
-    assert log[2].endswith("(and 2 poolings)")
+    assert log[3].endswith("(and 2 poolings)")
     _, graph = _resnet18_log({"SEGFLOW_ONEDNN_DIRECT": "0"})
     assert not any(n.attrs.get("onednn_direct") for n in graph.nodes)
 

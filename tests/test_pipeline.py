@@ -77,13 +77,14 @@ def test_one_log_line_per_pass_and_compile():
     log = optimize(graph, OptimizeOptions.resolve(compile="codegen", env={}), device=CPU)
     assert [line.split(":")[0] for line in log] == [*PASSES, "compile"]
     assert log[1].startswith("fuse: 69 -> 24 nodes (batchnorm 20")
-    assert log[2].startswith("layout: prepacked for oneDNN: 20 convolutions (channels_last)")
-    assert log[4] == "compile: codegen (requested)"
+    assert log[2] == "dense_chain: nothing to chain (no runs of small dense layers)"
+    assert log[3].startswith("layout: prepacked for oneDNN: 20 convolutions (channels_last)")
+    assert log[5] == "compile: codegen (requested)"
     graph.validate()
     auto = import_model(models.build("mobilenet_v2", num_classes=10, image_size=32))
     log = optimize(auto, OptimizeOptions.resolve(env={}), device=CPU)
-    assert log[2] == "layout: skipped (oneDNN Graph packs its own weights)"
-    assert log[4].startswith("compile: onednn (auto: 52 convolutions, 17 depthwise")
+    assert log[3] == "layout: skipped (oneDNN Graph packs its own weights)"
+    assert log[5].startswith("compile: onednn (auto: 52 convolutions, 17 depthwise")
 
 
 def test_everything_off_leaves_the_imported_graph():
@@ -92,13 +93,14 @@ def test_everything_off_leaves_the_imported_graph():
     before = [n.op_type for n in graph.nodes]
     result = run_pipeline(graph, OptimizeOptions.resolve(False, env={}), device=CPU)
     assert [n.op_type for n in graph.nodes] == before and result.memory is None
-    assert all(line.endswith("off") for line in result.log[:4])
+    assert all(line.endswith("off") for line in result.log[:5])
 
 
 def test_custom_placement_keeps_imported_nodes():
     graph = import_model(models.build("mlp_chain", layers=2))
     log = optimize(graph, OptimizeOptions.resolve(env={}), device=None)
     assert "fuse: skipped (custom placement names the imported nodes)" in log
+    assert "dense_chain: skipped (custom placement)" in log
     assert [n.op_type for n in graph.nodes] == ["Gemm", "Relu", "Gemm", "Relu"]
 
 
@@ -114,7 +116,7 @@ def test_session_counters_stay_exact_with_optimization():
         assert stats.settings["compile"] == "codegen" and stats.settings["fuse"] is True
         assert stats.settings["intra_op_threads"] == torch.get_num_threads()
     text = sess.explain()
-    for prefix in ("pass: fold_constants:", "pass: fuse:", "pass: layout:",
+    for prefix in ("pass: fold_constants:", "pass: fuse:", "pass: dense_chain:", "pass: layout:",
                    "pass: plan_memory:", "pass: compile: codegen"):
         assert prefix in text
 
@@ -142,11 +144,12 @@ print(json.dumps({"nodes": s.nodes, "settings": s.settings, "threads": torch.get
 
 
 @pytest.mark.parametrize("env,nodes,key,value", [
-    ({}, 4, "fuse", True),
+    ({}, 1, "dense_chain", True),     # 4 x (Gemm, Relu): fused, then one chain
+    ({"SEGFLOW_NO_DENSE_CHAIN": "1"}, 4, "dense_chain", False),
     ({"SEGFLOW_NO_FUSE": "1"}, 8, "fuse", False),
     ({"SEGFLOW_OPTIMIZE": "0"}, 8, "fold_constants", False),
-    ({"SEGFLOW_COMPILE": "none"}, 4, "compile", "none"),
-    ({"SEGFLOW_INTRA_OP_THREADS": "1"}, 4, "intra_op_threads", 1),
+    ({"SEGFLOW_COMPILE": "none"}, 1, "compile", "none"),
+    ({"SEGFLOW_INTRA_OP_THREADS": "1"}, 1, "intra_op_threads", 1),
 ])
 def test_environment_flags_in_a_fresh_process(env, nodes, key, value):
     clean = {k: v for k, v in os.environ.items() if not k.startswith("SEGFLOW_")}

@@ -22,6 +22,13 @@ ENGINES = ["inline", "threaded"]
 LAYERS = 4  # mlp_chain: 4 x (Gemm, Relu)
 
 
+@pytest.fixture(autouse=True)
+def _layers_stay_nodes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests count per-node work (kernels, tasks, syncs) over a small MLP; the
+    dense_chain pass would make all its layers one node (tests/test_dense_chain.py)."""
+    monkeypatch.setenv("SEGFLOW_NO_DENSE_CHAIN", "1")
+
+
 @pytest.fixture(scope="module")
 def mlp():
     return models.build("mlp_chain", layers=LAYERS, width=8)
@@ -34,7 +41,9 @@ def mlp_feeds():
 
 @pytest.fixture(scope="module")
 def mlp_reference(mlp, mlp_feeds):
-    return segflow.InferenceSession(mlp, engine="inline").run(None, mlp_feeds)
+    # Module scope runs before the function-scoped environment fixture: say it here too.
+    return segflow.InferenceSession(mlp, engine="inline",
+                                    optimize={"dense_chain": False}).run(None, mlp_feeds)
 
 
 def _session(model, fake, **kwargs):

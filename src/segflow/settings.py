@@ -38,6 +38,8 @@ ENV_HOST_MEMORY = "SEGFLOW_HOST_MEMORY"            # retain | system (runtime/ho
 ENV_ONEDNN_DIRECT = "SEGFLOW_ONEDNN_DIRECT"        # 0: convolutions through torch's oneDNN op
 ENV_DNNL_LIBRARY = "SEGFLOW_DNNL_LIBRARY"          # libdnnl path (ops/onednn_direct.py)
 ENV_ARENA = "SEGFLOW_ARENA"                        # 0: direct convolutions allocate outputs
+ENV_NO_DENSE_CHAIN = "SEGFLOW_NO_DENSE_CHAIN"      # 1: small dense layers stay one node each
+ENV_NATIVE = "SEGFLOW_NATIVE"                      # 0: never build or load native kernels
 
 ENGINES = ("auto", "inline", "threaded")
 

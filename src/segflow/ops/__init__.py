@@ -8,6 +8,7 @@ from segflow.ops import (
     backward,
     control,
     copy,
+    dense_chain,
     elementwise,
     fused,
     image,
@@ -23,6 +24,6 @@ from segflow.ops import (
 from segflow.ops.registry import BindContext, Kernel, OpDef, OpRegistry, default_registry
 
 ALL_FAMILIES = (elementwise, nn, tensor, reduce, indexing, image, control, rnn, quant, linalg,
-                misc, copy, backward, fused)
+                misc, copy, backward, fused, dense_chain)
 
 __all__ = ["ALL_FAMILIES", "BindContext", "Kernel", "OpDef", "OpRegistry", "default_registry"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from segflow.ir.graph import Graph, Node, Value
@@ -45,6 +47,20 @@ def replace_value(graph: Graph, old: Value, new: Value) -> None:
     if old in graph.outputs and new.name != old.name and new.producer is not None:
         new.name = old.name
     graph.replace_all_uses(old, new)
+
+
+def replace_nodes(graph: Graph, anchor: Node, absorbed: Sequence[Node], fused: Node) -> None:
+    """Put ``fused`` where ``anchor`` is and drop ``anchor`` and ``absorbed``; ``fused``'s
+    output takes over ``anchor``'s (its name, spec and uses)."""
+    old = anchor.outputs[0]
+    new = fused.outputs[0]
+    new.name = old.name
+    new.spec = old.spec
+    graph.insert_before(anchor, fused)
+    graph.replace_all_uses(old, new)
+    for node in [anchor, *reversed(absorbed)]:
+        if node.graph is graph:
+            graph.remove(node)
 
 
 def remove_dead(graph: Graph) -> int:

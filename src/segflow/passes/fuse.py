@@ -31,7 +31,14 @@ import torch
 from segflow.ir.graph import Graph, Node, Value
 from segflow.ir.types import DType
 from segflow.ops.fused import FUSED_DOMAIN
-from segflow.passes._rewrite import bypass, can_bypass, const_scalar, new_const, remove_dead
+from segflow.passes._rewrite import (
+    bypass,
+    can_bypass,
+    const_scalar,
+    new_const,
+    remove_dead,
+    replace_nodes,
+)
 from segflow.passes.result import PassResult
 
 Rule = Callable[[Graph], int]
@@ -67,19 +74,6 @@ def _only_consumer(graph: Graph, value: Value) -> Node | None:
         return None
     node = value.uses[0]
     return node if sum(1 for v in node.inputs if v is value) == 1 else None
-
-
-def _replace(graph: Graph, anchor: Node, absorbed: Sequence[Node], fused: Node) -> None:
-    """Put ``fused`` where ``anchor`` is; its output takes over ``anchor``'s output."""
-    old = anchor.outputs[0]
-    new = fused.outputs[0]
-    new.name = old.name
-    new.spec = old.spec
-    graph.insert_before(anchor, fused)
-    graph.replace_all_uses(old, new)
-    for node in [anchor, *reversed(absorbed)]:
-        if node.graph is graph:
-            graph.remove(node)
 
 
 def _float32(value: Value | None) -> bool:
@@ -142,7 +136,7 @@ def _merge_transposes(graph: Graph, node: Node) -> bool:
         return True
     merged = Node("Transpose", [x], [Value(node.outputs[0].name)], {"perm": composed},
                   name=inner.name, opset=node.opset)
-    _replace(graph, node, [inner], merged)
+    replace_nodes(graph, node, [inner], merged)
     return True
 
 
@@ -215,7 +209,7 @@ def _bn_into_conv(graph: Graph, conv: Node, bn: Node, scale: torch.Tensor,
     x = conv.inputs[0]
     fused = Node("Conv", [x, w_value, b_value], [Value(bn.outputs[0].name)], dict(conv.attrs),
                  name=conv.name, opset=conv.opset)
-    _replace(graph, bn, [conv], fused)
+    replace_nodes(graph, bn, [conv], fused)
     return True
 
 
@@ -242,7 +236,7 @@ def _bn_into_gemm(graph: Graph, gemm: Node, bn: Node, scale: torch.Tensor,
     c_new = new_const(graph, f"{gemm.name}.bias_bn", new_c.to(b.dtype).contiguous())
     fused = Node("Gemm", [gemm.inputs[0], b_value, c_new], [Value(bn.outputs[0].name)], attrs,
                  name=gemm.name, opset=gemm.opset)
-    _replace(graph, bn, [gemm], fused)
+    replace_nodes(graph, bn, [gemm], fused)
     return True
 
 
@@ -290,7 +284,7 @@ def _gemm_to_fused(graph: Graph, gemm: Node) -> bool:
         inputs.append(new_const(graph, f"{gemm.name}.bias", bias))
     fused = Node("FusedGemm", inputs, [Value(gemm.outputs[0].name)], {}, name=gemm.name,
                  domain=FUSED_DOMAIN, opset=1)
-    _replace(graph, gemm, [], fused)
+    replace_nodes(graph, gemm, [], fused)
     return True
 
 
@@ -314,7 +308,7 @@ def _matmul_to_fused(graph: Graph, mm: Node) -> bool:
         inputs.append(new_const(graph, f"{anchor.name}.bias", bias))
     fused = Node("FusedGemm", inputs, [Value(anchor.outputs[0].name)], {}, name=mm.name,
                  domain=FUSED_DOMAIN, opset=1)
-    _replace(graph, anchor, absorbed, fused)
+    replace_nodes(graph, anchor, absorbed, fused)
     return True
 
 
@@ -354,7 +348,7 @@ def fuse_gelu(graph: Graph) -> int:
         last, absorbed = match
         gelu = Node("Gelu", [x], [Value(last.outputs[0].name)], {"approximate": "none"},
                     name=erf.name, opset=erf.opset)
-        _replace(graph, last, [pre, erf, *absorbed], gelu)
+        replace_nodes(graph, last, [pre, erf, *absorbed], gelu)
         count += 1
     return count
 
@@ -435,7 +429,7 @@ def fuse_conv(graph: Graph) -> int:
             anchor, absorbed = add, [conv]
         fused = Node("FusedConv", inputs, [Value(anchor.outputs[0].name)], attrs,
                      name=conv.name, domain=FUSED_DOMAIN, opset=1)
-        _replace(graph, anchor, absorbed, fused)
+        replace_nodes(graph, anchor, absorbed, fused)
         count += 1
     return count
 
@@ -504,7 +498,7 @@ def fuse_activation(graph: Graph) -> int:
         attrs["activation"], attrs["activation_params"] = act
         fused = Node(node.op_type, node.inputs, [Value(consumer.outputs[0].name)], attrs,
                      name=node.name, domain=FUSED_DOMAIN, opset=node.opset)
-        _replace(graph, consumer, [node], fused)
+        replace_nodes(graph, consumer, [node], fused)
         count += 1
     return count
 
@@ -522,7 +516,7 @@ def fuse_attention(graph: Graph) -> int:
         inputs = [q, kt, v] + ([mask] if mask is not None else [])
         fused = Node("Attention", inputs, [Value(last.outputs[0].name)], {"scale": scale},
                      name=first.name, domain=FUSED_DOMAIN, opset=1)
-        _replace(graph, last, absorbed, fused)
+        replace_nodes(graph, last, absorbed, fused)
         count += 1
     return count
 

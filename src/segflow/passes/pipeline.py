@@ -2,12 +2,12 @@
 
 ``InferenceSession`` runs it between import and segmentation::
 
-    fold_constants -> fuse -> layout -> plan_memory
+    fold_constants -> fuse -> dense_chain -> layout -> plan_memory
 
 Every pass can be switched off, from the API (``optimize=False`` or
 ``optimize={"fuse": False}``) or the environment (``SEGFLOW_OPTIMIZE=0``,
-``SEGFLOW_NO_FOLD``, ``SEGFLOW_NO_FUSE``, ``SEGFLOW_NO_LAYOUT``,
-``SEGFLOW_NO_MEMORY_PLAN``); the API wins. Each pass adds one line to the log
+``SEGFLOW_NO_FOLD``, ``SEGFLOW_NO_FUSE``, ``SEGFLOW_NO_DENSE_CHAIN``,
+``SEGFLOW_NO_LAYOUT``, ``SEGFLOW_NO_MEMORY_PLAN``); the API wins. Each pass adds one line to the log
 that ``explain()`` prints, e.g. ``fuse: 175 -> 57 nodes (batchnorm 53, conv 53,
 activation 49, linear 1)``.
 
@@ -26,9 +26,10 @@ import torch
 from segflow.errors import InvalidSetting
 from segflow.ir.graph import Graph, Node
 from segflow.ir.types import Device, DeviceKind, DType
-from segflow.ops.fused import onednn_graph_available
+from segflow.ops.fused import FUSED_DOMAIN, onednn_graph_available
 from segflow.ops.onednn_direct import Library
 from segflow.ops.registry import OpRegistry
+from segflow.passes.dense_chain import chain_dense
 from segflow.passes.fold_constants import fold_constants
 from segflow.passes.fuse import run_rules
 from segflow.passes.layout import POOLS, layout
@@ -37,6 +38,7 @@ from segflow.settings import (
     ENV_ARENA,
     ENV_COMPILE,
     ENV_INTRA_OP_THREADS,
+    ENV_NO_DENSE_CHAIN,
     ENV_NO_FOLD,
     ENV_NO_FUSE,
     ENV_NO_LAYOUT,
@@ -48,8 +50,9 @@ from segflow.settings import (
     parse_choice,
 )
 
-PASSES = ("fold_constants", "fuse", "layout", "plan_memory")
-_PASS_ENV = {"fold_constants": ENV_NO_FOLD, "fuse": ENV_NO_FUSE, "layout": ENV_NO_LAYOUT,
+PASSES = ("fold_constants", "fuse", "dense_chain", "layout", "plan_memory")
+_PASS_ENV = {"fold_constants": ENV_NO_FOLD, "fuse": ENV_NO_FUSE,
+             "dense_chain": ENV_NO_DENSE_CHAIN, "layout": ENV_NO_LAYOUT,
              "plan_memory": ENV_NO_MEMORY_PLAN}
 
 
@@ -81,6 +84,7 @@ class OptimizeOptions:
 
     fold_constants: bool = True
     fuse: bool = True
+    dense_chain: bool = True
     layout: bool = True
     plan_memory: bool = True
     compile: CompileMode = CompileMode.AUTO
@@ -131,7 +135,8 @@ class OptimizeOptions:
 
     def as_record(self) -> dict[str, object]:
         """The options in force, for RunStats settings and benchmark records."""
-        return {"fold_constants": self.fold_constants, "fuse": self.fuse, "layout": self.layout,
+        return {"fold_constants": self.fold_constants, "fuse": self.fuse,
+                "dense_chain": self.dense_chain, "layout": self.layout,
                 "plan_memory": self.plan_memory, "compile": self.compile.resolve().value,
                 "onednn_direct": self.onednn_direct, "arena": self.arena}
 
@@ -190,6 +195,7 @@ def run_pipeline(graph: Graph, options: OptimizeOptions, *, registry: OpRegistry
         log.append(f"fuse: {start} -> {len(graph.nodes)} nodes ({done or 'nothing to fuse'})")
     else:
         log.append("fuse: off")
+    log.append(_dense_chain(graph, options, device))
     backend, why = choose_backend(graph, options.compile, device)
     log.append(_layout(graph, options, backend, device))
     memory = None
@@ -248,6 +254,23 @@ def _is_conv2d(node: Node) -> bool:
 def _is_depthwise(node: Node) -> bool:
     shape = node.inputs[1].spec.shape if node.inputs[1] is not None else None
     return int(node.attrs.get("group", 1)) > 1 and shape is not None and shape[1] == 1
+
+
+def _dense_chain(graph: Graph, options: OptimizeOptions, device: Device | None) -> str:
+    if not options.dense_chain:
+        return "dense_chain: off"
+    if device is None:
+        return "dense_chain: skipped (custom placement)"
+    if device.kind is not DeviceKind.CPU:
+        return "dense_chain: skipped (not a CPU device)"
+    before = len(graph.nodes)
+    if not chain_dense(graph).modified:
+        return "dense_chain: nothing to chain (no runs of small dense layers)"
+    chains = [n for n in graph.nodes if n.op_type == "DenseChain" and n.domain == FUSED_DOMAIN]
+    layers = sum(len(n.attrs["activations"]) for n in chains)
+    return (f"dense_chain: {before} -> {len(graph.nodes)} nodes ({len(chains)} "
+            f"chain{'s' if len(chains) > 1 else ''} of {layers} small dense layers, one native "
+            "call each)")
 
 
 def _layout(graph: Graph, options: OptimizeOptions, backend: CompileMode,

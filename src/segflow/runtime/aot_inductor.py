@@ -76,7 +76,7 @@ FORMAT = "aoti-2"  # bump when what a package holds or how it is keyed changes
 # compiled single-threaded: an OpenMP fork/join costs more than splitting such an op saves.
 SERIAL_MAX_WORK = 1 << 16
 _CONVOLUTIONS = {"Conv", "ConvTranspose", "FusedConv"}
-_LINEARS = {"Gemm", "MatMul", "FusedGemm"}
+_LINEARS = {"Gemm", "MatMul", "FusedGemm", "DenseChain"}
 
 
 def inductor_options(nodes: Iterable[Node], device: torch.device) -> dict[str, Any]:

@@ -48,6 +48,7 @@ from segflow.engine.base import ExecType
 from segflow.errors import ExecutionError
 from segflow.ir.graph import Node
 from segflow.ir.types import DType
+from segflow.ops.dense_chain import inline_chain, traceable_chain
 from segflow.ops.fused import FUSED_DOMAIN, Inline, inline_fused, traceable_fused
 from segflow.ops.registry import Kernel
 from segflow.passes.pipeline import CompileMode
@@ -251,6 +252,8 @@ _CORE: Mapping[str, _CoreOp] = {
 def _inline(node: Node, inplace_input: int | None, device: torch.device,
             consts: Sequence[Tensor | None], traceable: bool = False,
             kernel: Kernel | None = None) -> Inline | None:
+    if node.domain == FUSED_DOMAIN and node.op_type == "DenseChain":
+        return traceable_chain(node) if traceable else inline_chain(node, kernel)
     if node.domain == FUSED_DOMAIN:
         if traceable:
             return traceable_fused(node)

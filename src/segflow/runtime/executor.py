@@ -28,6 +28,7 @@ from segflow.engine.inline import InlineEngine
 from segflow.engine.streams import StreamBackend
 from segflow.ir.graph import Value
 from segflow.ir.types import Device, DeviceKind
+from segflow.ops.dense_chain import DenseChainKernel
 from segflow.ops.onednn_direct import DirectKernel
 from segflow.ops.registry import OpRegistry
 from segflow.passes.segment import Segment
@@ -117,6 +118,9 @@ class Executor:
         # Kernels over libdnnl (ops/onednn_direct.py), for explain(): what fell back and why.
         self.direct_ops = [(step.node.label, step.kernel.op) for task in self.tasks
                            for step in task.steps if isinstance(step.kernel, DirectKernel)]
+        # Chains of small dense layers (ops/dense_chain.py): how their calls ran.
+        self.chain_ops = [(step.node.label, step.kernel.op) for task in self.tasks
+                          for step in task.steps if isinstance(step.kernel, DenseChainKernel)]
         self.output_slots = [self.slots[v] for v in graph.outputs]
         self.output_tasks = sorted({producer_task[v] for v in graph.outputs if v in producer_task})
         self.template: list[Tensor | None] = [None] * len(self.slots)

@@ -1,0 +1,147 @@
+"""Native kernels: C sources shipped in ``ops/native/``, built on first use, cached on disk.
+
+Some work is too small for any library call to pay: a 64 x 64 dense layer at
+batch 1 is ~4k multiply-adds, about 0.1 us of arithmetic, while one ATen call
+costs 3-4 us of dispatch. For such kernels segflow ships C source and builds it
+with the system C compiler (``$CC``, else ``cc``; ``-O3 -march=native``) the
+first time a process needs it, into ``<cache dir>/native/`` (see
+:func:`segflow.settings.cache_dir`), keyed by the source, the compiler and the
+CPU; later processes load the built library in about a millisecond.
+
+Nothing here is required: without a compiler, or with ``SEGFLOW_NATIVE=0``,
+:meth:`NativeLibrary.probe` returns None and a phrase saying why, and the
+kernels that would use it run through torch (``explain()`` says so).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from segflow.settings import ENV_NATIVE, _env_bool, cache_dir
+
+SOURCE = Path(__file__).with_name("native") / "dense_chain.c"
+ABI = 1          # segflow_native_abi() of the source this module speaks to
+FLAGS = ("-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC")
+BUILD_TIMEOUT_S = 120
+
+
+@dataclass(frozen=True, slots=True)
+class NativeLibrary:
+    """A loaded build of ``ops/native/*.c``: its functions, where it lives, how it got there."""
+
+    dll: ctypes.CDLL
+    path: Path
+    compiler: str            # the compiler's first ``--version`` line
+    build_s: float           # seconds spent compiling it in this process (0: loaded from cache)
+
+    @staticmethod
+    @functools.cache
+    def probe() -> tuple[NativeLibrary | None, str]:
+        """``(library, why)``: the library or None, and a phrase for explain/logs.
+
+        Built or loaded once per process.
+        """
+        return NativeLibrary.find()
+
+    @staticmethod
+    def find(env: Mapping[str, str] | None = None) -> tuple[NativeLibrary | None, str]:
+        """:meth:`probe` without the per-process cache (``env``: the variables to obey)."""
+        env = os.environ if env is None else env
+        if not _env_bool(env, ENV_NATIVE, True):
+            return None, f"are off ({ENV_NATIVE}=0)"
+        compiler = env.get("CC", "").strip() or "cc"
+        exe = shutil.which(compiler)
+        if exe is None:
+            return None, f"need a C compiler and found none ({compiler!r} is not on PATH; set CC)"
+        try:
+            version = _first_line(subprocess.run(
+                [exe, "--version"], capture_output=True, text=True, timeout=30).stdout)
+        except (OSError, subprocess.SubprocessError) as exc:
+            return None, f"need a working C compiler ({exe}: {exc})"
+        try:
+            source = SOURCE.read_bytes()
+        except OSError as exc:
+            return None, f"are missing their source ({exc})"
+        key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(FLAGS).encode(),
+                                         _cpu_identity().encode()])).hexdigest()[:20]
+        directory = cache_dir(env) / "native"
+        target = directory / f"{SOURCE.stem}-{key}.so"
+        built_s = 0.0
+        if not target.exists():
+            try:
+                directory.mkdir(parents=True, exist_ok=True)
+            except OSError:   # a read-only cache: build for this process only
+                directory = Path(tempfile.mkdtemp(prefix="segflow-native-"))
+                target = directory / target.name
+            start = time.perf_counter()
+            failure = _build(exe, target)
+            if failure:
+                return None, f"could not be built: {failure}"
+            built_s = time.perf_counter() - start
+        try:
+            dll = ctypes.CDLL(str(target))
+            abi = int(dll.segflow_native_abi())
+        except (OSError, AttributeError) as exc:
+            return None, f"could not be loaded ({target}: {exc})"
+        if abi != ABI:
+            return None, f"are stale ({target} speaks ABI {abi}, segflow {ABI})"
+        return NativeLibrary(dll, target, version, built_s), f"{version}, {' '.join(FLAGS[:2])}"
+
+    def describe(self) -> str:
+        """How this process got the library, for explain()."""
+        if self.build_s:
+            return f"built in {self.build_s:.2f} s into {self.path}"
+        return f"loaded from {self.path}"
+
+
+def _build(exe: str, target: Path) -> str:
+    """Compile :data:`SOURCE` to ``target`` (atomically: a temporary file, then a rename,
+    so concurrent processes never load a half-written library). '' on success."""
+    fd, tmp = tempfile.mkstemp(suffix=".so", prefix=".build-", dir=target.parent)
+    os.close(fd)
+    try:
+        for flags in (FLAGS, tuple(f for f in FLAGS if not f.startswith("-march"))):
+            try:
+                done = subprocess.run([exe, *flags, "-o", tmp, str(SOURCE), "-lm"],
+                                      capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+            except (OSError, subprocess.SubprocessError) as exc:
+                return f"{exe}: {exc}"
+            if done.returncode == 0:
+                os.replace(tmp, target)
+                return ""
+        return f"{exe} exited with {done.returncode}: {_first_line(done.stderr)}"
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _first_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    return lines[0].strip() if lines else ""
+
+
+def _cpu_identity() -> str:
+    """What ``-march=native`` depends on: the machine and its CPU's model and feature flags."""
+    parts = [platform.machine()]
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
+            for line in info:
+                name = line.split(":", 1)[0].strip()
+                if name in ("model name", "flags", "Features", "CPU part") and line not in parts:
+                    parts.append(line.strip())
+                if len(parts) >= 3 and name == "":
+                    break
+    except OSError:
+        parts.append(platform.processor())
+    return "\n".join(parts)
