@@ -136,7 +136,9 @@ def build_runners(case: Case, variants: list[str]) -> tuple[dict[str, Runner], d
         notes[name] = (f"load {load:.2f} s (compile {report.compile_time_s * 1e3:.0f} ms, "
                        f"backend {backend}); "
                        + "; ".join(line for line in sess.plan.pass_log
-                                   if line.startswith("fuse")) + "; " + plan
+                                   if line.startswith("fuse") or (
+                                       line.startswith("dense_chain") and "->" in line))
+                       + "; " + plan
                        + ("; convolutions call libdnnl" if any(
                            "direct calls into" in line for line in sess.plan.pass_log) else ""))
     ort_sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])

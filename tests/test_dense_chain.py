@@ -242,7 +242,7 @@ def _reference(layers: list[ChainLayer], x: torch.Tensor) -> torch.Tensor:
 @needs_native
 @settings(max_examples=40, deadline=None)
 @given(widths=st.lists(st.integers(1, 70), min_size=2, max_size=6),
-       rows=st.integers(0, 9), data=st.data())
+       rows=st.integers(0, 20), data=st.data())
 def test_native_kernel_against_float64(widths, rows, data):
     acts = [data.draw(st.sampled_from(NATIVE_ACTIVATIONS)) for _ in widths[1:]]
     layers = _layers(widths, acts, seed=rows)

@@ -85,8 +85,9 @@ def layers_of(node: Node) -> list[ChainLayer]:
 class DenseChain:
     """The op behind a DenseChain node: ``op(x) -> y`` (native or torch, per call).
 
-    Counts its calls by path for ``explain()``; ``why_torch`` says why calls went
-    through torch (no library, too large a call, an input that is not float32 on CPU).
+    Counts its calls by path for ``explain()`` (the native count is not locked, so
+    concurrent runs may undercount it); ``why_torch`` says why calls went through
+    torch (no library, too large a call, an input that is not float32 on CPU).
     """
 
     kind = "dense chain"
@@ -106,9 +107,9 @@ class DenseChain:
         self._widest = max([int(layer.weight.shape[1]) for layer in self.layers[:-1]] or [0])
         self._steps = [(layer.weight, layer.bias, layer.activation, list(layer.params))
                        for layer in self.layers]
-        self._fn = self._bind(library) if library is not None else None
+        self._fn = self._prepare_native(library) if library is not None else None
 
-    def _bind(self, library: NativeLibrary) -> Any:
+    def _prepare_native(self, library: NativeLibrary) -> Any:
         layers = self.layers
         for layer in layers:
             if not (layer.weight.is_contiguous() and layer.bias.is_contiguous()

@@ -51,6 +51,15 @@ static inline v8 splat(float a) { return (v8){a, a, a, a, a, a, a, a}; }
             for (int v = 0; v < V; v++) *(v8 *)(y + r * n + 8 * v) = acc[r][v];        \
     }
 
+/* With AVX-512's 32 vector registers, blocks of 16 accumulators fit; with 16 (AVX2,
+ * SSE) they would spill, so there the largest blocks hold 8. */
+#if defined(__AVX512F__)
+#define WIDE_BLOCKS 1
+MICRO(micro_8x16, 8, 2)
+MICRO(micro_4x32, 4, 4)
+#else
+#define WIDE_BLOCKS 0
+#endif
 MICRO(micro_4x16, 4, 2)
 MICRO(micro_4x8, 4, 1)
 MICRO(micro_1x64, 1, 8)
@@ -65,19 +74,40 @@ static inline void column(long k, long n, const float *restrict x, const float *
     *y = acc;
 }
 
+/* Rows r0 .. r0+R-1 (R = 8, 4 or 1) from column j on, with the narrower kernels. */
+static void rows_tail(long R, long j, long k, long n, const float *restrict xr,
+                      const float *restrict w, const float *restrict b, float *restrict yr) {
+    long vec = n - n % 8;
+    for (long q = 0; q < R; q++) {
+        long c = j;
+        for (; c < vec; c += 8) micro_1x8(k, n, xr + q * k, w + c, b + c, yr + q * n + c);
+        for (; c < n; c++) column(k, n, xr + q * k, w + c, b[c], yr + q * n + c);
+    }
+}
+
 static void dense(long rows, long k, long n, const float *restrict x,
                   const float *restrict w, const float *restrict b, float *restrict y) {
     long r = 0;
     long vec = n - n % 8;
+#if WIDE_BLOCKS
+    for (; r + 8 <= rows; r += 8) {
+        const float *xr = x + r * k;
+        float *yr = y + r * n;
+        long j = 0;
+        for (; j + 16 <= vec; j += 16) micro_8x16(k, n, xr, w + j, b + j, yr + j);
+        rows_tail(8, j, k, n, xr, w, b, yr);
+    }
+#endif
     for (; r + 4 <= rows; r += 4) {
         const float *xr = x + r * k;
         float *yr = y + r * n;
         long j = 0;
+#if WIDE_BLOCKS
+        for (; j + 32 <= vec; j += 32) micro_4x32(k, n, xr, w + j, b + j, yr + j);
+#endif
         for (; j + 16 <= vec; j += 16) micro_4x16(k, n, xr, w + j, b + j, yr + j);
         for (; j < vec; j += 8) micro_4x8(k, n, xr, w + j, b + j, yr + j);
-        for (long q = 0; q < 4; q++)
-            for (long c = vec; c < n; c++)
-                column(k, n, xr + q * k, w + c, b[c], yr + q * n + c);
+        rows_tail(4, j, k, n, xr, w, b, yr);
     }
     for (; r < rows; r++) {
         const float *xr = x + r * k;
@@ -86,7 +116,7 @@ static void dense(long rows, long k, long n, const float *restrict x,
         for (; j + 64 <= vec; j += 64) micro_1x64(k, n, xr, w + j, b + j, yr + j);
         for (; j + 32 <= vec; j += 32) micro_1x32(k, n, xr, w + j, b + j, yr + j);
         for (; j < vec; j += 8) micro_1x8(k, n, xr, w + j, b + j, yr + j);
-        for (long c = vec; c < n; c++) column(k, n, xr, w + c, b[c], yr + c);
+        for (; j < n; j++) column(k, n, xr, w + j, b[j], yr + j);
     }
 }
 
