@@ -45,9 +45,11 @@ Tensor = torch.Tensor
 NATIVE_ACTIVATIONS = ("", "Relu", "LeakyRelu", "Clip", "Sigmoid", "Tanh", "HardSigmoid",
                       "HardSwish", "Gelu", "GeluTanh")
 # Per layer and call: above this many multiply-adds (rows x K x N) the chain runs through
-# torch. Measured on the 2-core EPYC (benchmarks/dense_chain.py): native single-threaded
-# C against MKL addmm per layer, 0.06x at 200 x 64-wide layers at batch 1, 0.4x at 512 wide,
-# 0.7x at 128 wide x 16 rows (262k), 1.2x at 256 wide x 16 rows (1M).
+# torch. Measured on the 2-core EPYC (python benchmarks/dense_chain.py, 20 Relu layers),
+# native / torch per layer (MKL addmm, 2 threads): width 64 at 1-64 rows 0.13-0.54; 128 at
+# 16 rows (262k) 0.53, at 64 rows (1M) 0.94; 256 at 4 rows (262k) 0.45, at 16 rows (1M)
+# 0.95; 512 at 1 row (262k) 0.74, at 4 rows (1M) 1.58. So the threshold sits where native
+# still wins at every width measured.
 NATIVE_MAX_MACS = 1 << 18
 
 
@@ -146,13 +148,19 @@ class DenseChain:
             with self._lock:
                 self.torch_calls += 1
                 self.why_torch[why] = self.why_torch.get(why, 0) + 1
-            return self._torch(x)
+            return self.through_torch(x)
         self.native_calls += 1
+        return self.native(x)
+
+    def native(self, x: Tensor) -> Tensor:
+        """The chain in one native call (float32 CPU ``x``; the library must be loaded)."""
+        if self._fn is None:
+            raise RuntimeError(f"DenseChain: native kernels {self.why_native}")
+        rows = x.numel() // self.in_features
         x2 = x.contiguous()
         y = torch.empty((*x.shape[:-1], self.out_features), dtype=torch.float32)
         scratch = torch.empty(2 * rows * self._widest, dtype=torch.float32)
         count, dims, weights, biases, acts, p0, p1 = self._args
-        assert self._fn is not None
         if self._fn(count, rows, dims, weights, biases, acts, p0, p1, x2.data_ptr(),
                     y.data_ptr(), scratch.data_ptr()):
             raise RuntimeError("DenseChain: the native kernel rejected its activations")
@@ -168,7 +176,8 @@ class DenseChain:
                     f"above {NATIVE_MAX_MACS} (MKL's GEMM is faster there)")
         return ""
 
-    def _torch(self, x: Tensor) -> Tensor:
+    def through_torch(self, x: Tensor) -> Tensor:
+        """The chain as one torch ``addmm`` (and activation) per layer."""
         h = x.reshape(-1, self.in_features)
         for weight, bias, act, params in self._steps:
             if act.name == "Relu":   # relu(addmm) in one ATen call (same bits)
