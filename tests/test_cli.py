@@ -150,6 +150,13 @@ def test_cache_shows_and_clears_packages(tmp_path, monkeypatch, capsys):
     assert cli.main(["cache", "--list"]) == 0
     out = capsys.readouterr().out
     assert "2 packages, 1.5 MiB" in out and "a.pt2" in out and "notes.txt" not in out
+    assert "native kernels: " in out and ": 0 builds, 0.0 MiB" in out
+    native = tmp_path / "native"
+    native.mkdir()
+    (native / "dense_chain-0123.so").write_bytes(b"x" * (1 << 19))
     assert cli.main(["cache", "--clear"]) == 0
-    assert "removed 2 packages (1.5 MiB)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "removed 2 packages (1.5 MiB)" in out
+    assert "removed 1 native kernel builds (0.5 MiB)" in out
     assert sorted(p.name for p in packages.iterdir()) == ["notes.txt"]
+    assert list(native.iterdir()) == []

@@ -170,6 +170,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 
 
 def _cmd_cache(args: argparse.Namespace) -> int:
+    from segflow.ops.native_library import cached_builds, clear_builds
     from segflow.runtime.aot_inductor import cached_packages, clear_packages
     from segflow.settings import cache_dir, cache_max_bytes
 
@@ -177,6 +178,9 @@ def _cmd_cache(args: argparse.Namespace) -> int:
     if args.clear:
         files, size = clear_packages()
         print(f"removed {files} packages ({size / (1 << 20):.1f} MiB) from {directory}")
+        files, size = clear_builds()
+        print(f"removed {files} native kernel builds ({size / (1 << 20):.1f} MiB) from "
+              f"{cache_dir() / 'native'}")
         return 0
     packages = cached_packages()
     total = sum(p.stat().st_size for p in packages)
@@ -187,6 +191,9 @@ def _cmd_cache(args: argparse.Namespace) -> int:
     if args.list:
         for path in packages:
             print(f"  {path.name}  {path.stat().st_size / (1 << 20):8.1f} MiB")
+    builds = cached_builds()
+    print(f"native kernels: {cache_dir() / 'native'}: {len(builds)} builds, "
+          f"{sum(p.stat().st_size for p in builds) / (1 << 20):.1f} MiB (rebuilt on demand)")
     return 0
 
 
@@ -275,11 +282,14 @@ def _build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("cache", help="show or clear the compiled-segment package cache",
                        description="Show where compile=inductor keeps its packages "
                                    "($SEGFLOW_CACHE_DIR, else ~/.cache/segflow) and how much "
-                                   "they take; packages are never evicted on their own. "
-                                   "Under compile=auto a small segment runs its package "
-                                   "when one is cached.")
+                                   "they take; writing a package evicts the least recently "
+                                   "used ones beyond $SEGFLOW_CACHE_MAX_MB. Under "
+                                   "compile=auto a small segment runs its package when one "
+                                   "is cached. Also the native kernels built there "
+                                   "(ops/native), which any process rebuilds when missing.")
     p.add_argument("--list", action="store_true", help="list each package with its size")
-    p.add_argument("--clear", action="store_true", help="delete every package")
+    p.add_argument("--clear", action="store_true",
+                   help="delete every package and native kernel build")
     p.set_defaults(func=_cmd_cache)
 
     # The demo parses its own flags (and --help), so this parser adds none.

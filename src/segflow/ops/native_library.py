@@ -105,6 +105,25 @@ class NativeLibrary:
         return f"loaded from {self.path}"
 
 
+def cached_builds(env: Mapping[str, str] | None = None) -> list[Path]:
+    """The built libraries in the cache (every source version and CPU that built one)."""
+    directory = cache_dir(env) / "native"
+    return sorted(directory.glob("*.so")) if directory.is_dir() else []
+
+
+def clear_builds(env: Mapping[str, str] | None = None) -> tuple[int, int]:
+    """Delete the cached builds; returns (files, bytes). The next process rebuilds."""
+    files = size = 0
+    for path in cached_builds(env):
+        try:
+            size += path.stat().st_size
+            path.unlink()
+            files += 1
+        except OSError:
+            continue
+    return files, size
+
+
 def _build(exe: str, target: Path) -> str:
     """Compile :data:`SOURCE` to ``target`` (atomically: a temporary file, then a rename,
     so concurrent processes never load a half-written library). '' on success."""
@@ -132,16 +151,17 @@ def _first_line(text: str) -> str:
 
 
 def _cpu_identity() -> str:
-    """What ``-march=native`` depends on: the machine and its CPU's model and feature flags."""
+    """What ``-march=native`` depends on: the machine, and the first CPU's model and
+    feature flags (``/proc/cpuinfo``; the platform's processor string elsewhere)."""
     parts = [platform.machine()]
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
             for line in info:
-                name = line.split(":", 1)[0].strip()
-                if name in ("model name", "flags", "Features", "CPU part") and line not in parts:
+                if not line.strip():
+                    break        # the end of the first processor's block
+                if line.split(":", 1)[0].strip() in ("model name", "flags", "Features",
+                                                     "CPU part"):
                     parts.append(line.strip())
-                if len(parts) >= 3 and name == "":
-                    break
     except OSError:
         parts.append(platform.processor())
     return "\n".join(parts)
