@@ -226,6 +226,51 @@ def test_matmul_add_gelu_becomes_fused_gemm():
     assert sess.graph.nodes[0].attrs["activation"] == "Gelu"
 
 
+@pytest.mark.parametrize("avx512", [False, True])
+def test_transcendental_post_ops_of_a_linear_follow_the_cpu(monkeypatch, avx512):
+    """Sigmoid/Tanh/GELU are fused into oneDNN's matmul only on AVX-512 CPUs; elsewhere
+    the linear runs plain and torch applies them in place. Relu/Clip are always fused."""
+    monkeypatch.setattr(fused, "_cpu_has_avx512", lambda: avx512)
+    for name in ("Sigmoid", "Tanh", "Gelu", "GeluTanh"):
+        act = fused.ACTIVATIONS[name]
+        assert (fused.linear_post_op(act, []) is not None) is avx512
+        assert act.inplace is not None
+    assert fused.linear_post_op(fused.ACTIVATIONS["Relu"], []) == ("relu", [], "")
+    assert fused.linear_post_op(fused.ACTIVATIONS["Clip"], [0.0, 6.0]) == (
+        "hardtanh", [0.0, 6.0], "")
+
+
+@pytest.mark.parametrize("avx512", [False, True])
+@pytest.mark.parametrize("compile_mode", ["none", "codegen"])
+@pytest.mark.parametrize("act", ["Sigmoid", "Tanh", "Gelu", "GeluTanh"])
+def test_prepacked_linear_with_a_transcendental_activation_matches_onnxruntime(
+        monkeypatch, avx512, compile_mode, act):
+    # 768 x 768 is above LINEAR_PACK_MIN_WEIGHT: the layout pass prepacks it for oneDNN.
+    k = n = 768
+    assert k * n >= fused.LINEAR_PACK_MIN_WEIGHT
+    monkeypatch.setattr(fused, "_cpu_has_avx512", lambda: avx512)
+    inits = {"w": _rand(k, n, scale=0.05), "b": _rand(n)}
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]),
+             helper.make_node("Add", ["m", "b"], ["y"])]
+    opset = 17
+    if act in ("Sigmoid", "Tanh"):
+        nodes.append(helper.make_node(act, ["y"], ["out"]))
+    else:
+        opset = 20
+        nodes.append(helper.make_node("Gelu", ["y"], ["out"],
+                                      approximate="tanh" if act == "GeluTanh" else "none"))
+    model = _model(nodes, {"x": ["batch", 16, k]}, ["out"], inits, opset=opset)
+    sess = _check(model, {"x": _rand(2, 16, k)}, ["FusedGemm"], compile=compile_mode)
+    assert sess.graph.nodes[0].attrs["activation"] == act
+    assert fused.linear_uses_onednn(sess.graph.nodes[0])
+    # The output is the activation's, not the plain linear's (the unfused path applies it).
+    out = sess.run(None, {"x": np.zeros((1, 16, k), np.float32)})[0]
+    expect = {"Sigmoid": torch.sigmoid, "Tanh": torch.tanh, "Gelu": F.gelu,
+              "GeluTanh": lambda t: F.gelu(t, approximate="tanh")}[act](
+        torch.from_numpy(inits["b"]))
+    np.testing.assert_allclose(out[0, 3], expect.numpy(), atol=1e-5, rtol=1e-5)
+
+
 def test_gelu_without_a_linear_before_it_is_one_gelu_node():
     inits = {"isq": np.array(1 / math.sqrt(2), np.float32), "one": np.array(1.0, np.float32),
              "half": np.array(0.5, np.float32)}
