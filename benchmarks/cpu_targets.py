@@ -3,7 +3,10 @@
 Every runtime runs the same model in the same process, in rounds: each round
 runs every runtime ``--per-round`` times (the order rotates per round), so
 machine noise hits all of them alike. A ratio is the median over rounds of
-(segflow median / peer median) within the round.
+(segflow median / peer median) within the round. Between onnxruntime's calls
+and another runtime's the script pauses ``--settle`` seconds (0.1, untimed):
+onnxruntime's thread pool spins ~40 ms after a run, and the runtime after it
+would otherwise share the cores with those spinning workers.
 
     python benchmarks/cpu_targets.py                       # the full table
     python benchmarks/cpu_targets.py --cases mlp_chain --rounds 30
@@ -153,18 +156,28 @@ def build_runners(case: Case, variants: list[str]) -> tuple[dict[str, Runner], d
     return runners, notes
 
 
-def measure(runners: Mapping[str, Runner], rounds: int, per_round: int, warmup: int
-            ) -> dict[str, list[list[float]]]:
-    """Per runtime, per round: the latencies (seconds) of ``per_round`` calls."""
+def measure(runners: Mapping[str, Runner], rounds: int, per_round: int, warmup: int,
+            settle: float = 0.0) -> dict[str, list[list[float]]]:
+    """Per runtime, per round: the latencies (seconds) of ``per_round`` calls.
+
+    ``settle`` seconds pass (untimed) between onnxruntime's calls and another
+    runtime's: its thread pool spins ~40 ms after a run, and whichever runtime
+    follows would share the cores with it (segflow's ResNet-50 batch-1 run took
+    88-95 ms instead of 50 right after one).
+    """
     names = list(runners)
     for name in names:
         for _ in range(warmup):
             runners[name]()
     samples: dict[str, list[list[float]]] = {name: [] for name in names}
     clock = time.perf_counter
+    previous = names[-1]
     for r in range(rounds):
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
+            if settle and name != previous and "onnxruntime" in (name, previous):
+                time.sleep(settle)
+            previous = name
             run = runners[name]
             times = []
             for _ in range(per_round):
@@ -199,11 +212,11 @@ def overall_ms(times: list[list[float]]) -> float:
 
 
 def run_table(cases: list[Case], variants: list[str], rounds: int, per_round: int,
-              warmup: int) -> list[dict[str, Any]]:
+              warmup: int, settle: float = 0.1) -> list[dict[str, Any]]:
     rows = []
     for case in cases:
         runners, notes = build_runners(case, variants)
-        samples = measure(runners, rounds, per_round, warmup)
+        samples = measure(runners, rounds, per_round, warmup, settle)
         for name, note in notes.items():
             print(f"  {case.label} {name}: {note}", flush=True)
         for name in [n for n in runners if n.startswith("segflow")]:
@@ -397,6 +410,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--per-round", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--settle", type=float, default=0.1,
+                        help="untimed seconds between onnxruntime's calls and another "
+                             "runtime's (its pool spins ~40 ms after a run; 0: no pause)")
     parser.add_argument("--memory", action="store_true", help="peak memory, fresh processes")
     parser.add_argument("--runs", type=int, default=5, help="runs per memory measurement")
     parser.add_argument("--json", help="write the rows here")
@@ -438,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
         run_standalone(cases, variants, max(args.runs, 20))
         return 0
     print(HEADER)
-    rows = run_table(cases, variants, args.rounds, args.per_round, args.warmup)
+    rows = run_table(cases, variants, args.rounds, args.per_round, args.warmup, args.settle)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

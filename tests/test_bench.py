@@ -83,6 +83,31 @@ def test_benchmark_measures_modes_and_peers() -> None:
         assert word in text
 
 
+def test_rounds_pause_around_onnxruntime_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """onnxruntime's thread pool spins after a run: the variant after it, and
+    onnxruntime after another variant, start ``settle_s`` later (untimed)."""
+    from segflow.bench import runner
+
+    calls: list[str] = []
+    real_sleep = runner.time.sleep
+
+    def sleep(seconds: float) -> None:
+        if seconds == 0.0123:
+            calls.append("settle")
+        else:
+            real_sleep(seconds)
+    monkeypatch.setattr(runner.time, "sleep", sleep)
+    settings = BenchSettings(runs=3, warmup=1, settle_s=0.0123)
+    (result,) = run_benchmark(resolve_models([TINY]), settings)
+    assert [v.name for v in result.variants] == ["bulk", "nobulk", "onnxruntime", "torch"]
+    # Rounds [bulk nobulk ORT torch], [nobulk ORT torch bulk], [ORT torch bulk nobulk],
+    # after the warm-up ended with torch: two pauses a round, one on each side of ORT.
+    assert calls == ["settle"] * 6
+    assert to_record([result], settings)["settings"]["settle_s"] == 0.0123
+    with pytest.raises(SegflowError, match="--settle"):
+        BenchSettings(settle_s=-1).validate()
+
+
 def test_missing_peers_are_reported_not_raised(tmp_path: Path,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "m.onnx"

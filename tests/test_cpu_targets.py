@@ -60,3 +60,26 @@ def test_verdict_flags_a_spread_across_the_target(targets: ModuleType) -> None:
 def test_single_round_has_no_spread(targets: ModuleType) -> None:
     samples = _samples([1.07])
     assert targets.spread(samples, "segflow", "onnxruntime") == pytest.approx((1.07, 1.07))
+
+
+def test_measure_pauses_only_around_onnxruntime(targets: ModuleType,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """onnxruntime's pool spins after a run: the runtime after it waits ``settle``
+    (untimed), and so does onnxruntime after another runtime; no pause elsewhere."""
+    events: list[str] = []
+    monkeypatch.setattr(targets.time, "sleep", lambda s: events.append(f"sleep {s}"))
+    runners = {name: (lambda n=name: events.append(n))
+               for name in ("segflow", "onnxruntime", "torch")}
+    samples = targets.measure(runners, rounds=3, per_round=2, warmup=0, settle=0.25)
+    assert {name: len(rounds) for name, rounds in samples.items()} == {
+        "segflow": 3, "onnxruntime": 3, "torch": 3}
+    # Round orders: [sf, ort, torch], [ort, torch, sf], [torch, sf, ort].
+    assert events == [
+        "segflow", "segflow", "sleep 0.25", "onnxruntime", "onnxruntime",
+        "sleep 0.25", "torch", "torch",
+        "sleep 0.25", "onnxruntime", "onnxruntime", "sleep 0.25", "torch", "torch",
+        "segflow", "segflow",
+        "torch", "torch", "segflow", "segflow", "sleep 0.25", "onnxruntime", "onnxruntime"]
+    events.clear()
+    targets.measure(runners, rounds=1, per_round=1, warmup=0, settle=0.0)
+    assert events == ["segflow", "onnxruntime", "torch"]

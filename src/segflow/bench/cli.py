@@ -68,7 +68,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         peers=() if counters_only else _csv(args.peers),
         warmup=0 if counters_only else args.warmup,
         runs=args.runs, seconds=args.seconds if args.seconds is not None else DEFAULT_SECONDS,
-        counters_only=counters_only)
+        counters_only=counters_only, settle_s=args.settle)
     settings.validate()
     specs = resolve_models(args.models)
     with _progress_bar(not args.no_progress) as progress:
@@ -139,6 +139,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     amount.add_argument("--runs", type=int, default=None, help="timed rounds per model")
     amount.add_argument("--seconds", type=float, default=None,
                         help=f"timed seconds per model, at least 3 rounds ({DEFAULT_SECONDS:g})")
+    p.add_argument("--settle", type=float, default=0.1, metavar="SECONDS",
+                   help="untimed pause before and after each onnxruntime call, whose "
+                        "thread pool spins ~40 ms after a run and would slow the next "
+                        "variant (0.1; 0 measures that interference)")
     p.add_argument("--json", metavar="PATH", help="write the machine-readable record")
     p.add_argument("--save-baseline", metavar="PATH", help="write the record as a baseline")
     p.add_argument("--baseline", metavar="PATH",

@@ -43,6 +43,9 @@ class PeerRunner:
     detail: str
     version: str
     run: Callable[[], list[np.ndarray]]
+    # Its own CPU thread pool, which keeps spinning after a run: the runner pauses
+    # between this peer's calls and the others' (BenchSettings.settle_s).
+    own_pool: bool = False
 
 
 def _onnxruntime(source: ModelSource, feeds: Mapping[str, np.ndarray],
@@ -68,7 +71,9 @@ def _onnxruntime(source: ModelSource, feeds: Mapping[str, np.ndarray],
     def run() -> list[np.ndarray]:
         return list(sess.run(None, inputs))
 
-    return PeerRunner("onnxruntime", name, ort.__version__, run)
+    # onnxruntime's intra-op threads spin for ~40 ms after a run (measured: segflow's
+    # ResNet-50 batch-1 run right after one took 88-95 ms instead of 50).
+    return PeerRunner("onnxruntime", name, ort.__version__, run, own_pool=True)
 
 
 def _torch_eager(source: ModelSource, feeds: Mapping[str, np.ndarray],

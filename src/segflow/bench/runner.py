@@ -8,6 +8,13 @@ other processes) hits all variants alike. Ratios between variants are the
 median of per-round ratios, which cancels drift that a ratio of medians
 would not.
 
+Between a peer with its own spinning thread pool (onnxruntime) and the next
+variant, and before such a peer, the runner idles ``settle_s`` seconds
+(untimed): otherwise whichever variant runs right after onnxruntime shares the
+cores with its still-spinning workers (segflow's ResNet-50 batch-1 run took
+88-95 ms instead of 50 there), and onnxruntime likewise after torch's OpenMP
+threads. segflow and torch eager share one OpenMP pool and need no pause.
+
 >>> from segflow.bench.runner import BenchSettings, run_benchmark, resolve_models
 >>> result = run_benchmark(resolve_models(["mlp_chain:layers=4"]), BenchSettings(runs=5))
 ...                                                   # doctest: +SKIP
@@ -79,6 +86,8 @@ class BenchSettings:
     seconds: float = 8.0
     min_runs: int = 3
     counters_only: bool = False
+    # Untimed pause around a peer that owns a spinning thread pool (module docstring).
+    settle_s: float = 0.1
 
     def validate(self) -> None:
         unknown = [m for m in self.modes if m not in MODES]
@@ -94,6 +103,8 @@ class BenchSettings:
             raise SegflowError("--batch-size and --runs must be >= 1, --warmup >= 0")
         if self.runs is None and self.seconds <= 0:
             raise SegflowError("--seconds must be > 0")
+        if not 0 <= self.settle_s <= 10:
+            raise SegflowError("--settle must be between 0 and 10 seconds")
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,6 +261,7 @@ class _Live:
     peak_mib: float | None = None
     diff: float | None = None
     close: Callable[[], None] | None = None
+    own_pool: bool = False
 
 
 Progress = Callable[[str, float], None]
@@ -287,7 +299,8 @@ def _prepare(source: ModelSource, feeds: Mapping[str, np.ndarray],
             live.append(_Live(peer, VariantKind.PEER, None, "missing", str(exc)))
             continue
         live.append(_Live(peer, VariantKind.PEER, runner.run,
-                          detail=f"{runner.detail} ({peer} {runner.version})"))
+                          detail=f"{runner.detail} ({peer} {runner.version})",
+                          own_pool=runner.own_pool))
     return live
 
 
@@ -331,6 +344,9 @@ def _timed_rounds(active: list[_Live], settings: BenchSettings,
     start = time.perf_counter()
     rounds = 0
     clock = time.perf_counter_ns
+    # Every variant has run before timing starts (first run, memory probe, warm-up), the
+    # last of them last.
+    previous: _Live | None = active[-1] if active else None
     while True:
         if settings.runs is not None:
             if rounds >= settings.runs:
@@ -340,9 +356,12 @@ def _timed_rounds(active: list[_Live], settings: BenchSettings,
         shift = rounds % len(active)
         for v in active[shift:] + active[:shift]:
             assert v.run is not None
+            if previous is not None and previous is not v and (previous.own_pool or v.own_pool):
+                time.sleep(settings.settle_s)
             t0 = clock()
             v.run()
             v.times.append(clock() - t0)
+            previous = v
         rounds += 1
         done = rounds / settings.runs if settings.runs else \
             (time.perf_counter() - start) / settings.seconds
