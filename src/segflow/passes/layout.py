@@ -28,10 +28,17 @@ from segflow.ops.fused import (
     FUSED_DOMAIN,
     LINEAR_PACK_MIN_WEIGHT,
     activation_of,
+    direct_linear_preferred,
     onednn_available,
 )
 from segflow.ops.onednn_direct import DnnlError, Library, geometry, same_bytes
 from segflow.passes.result import PassResult
+
+# The row count a linear with a dynamic batch (or sequence) is packed for: BERT-base at
+# sequence 128. libdnnl's inner product chose the same weight format for 1, 8, 128 and
+# 256 rows at every BERT/ResNet/MobileNet linear size tried (1024 x 1024 differed at
+# 1 row); a row count that wants another format gets the kernel's own copy.
+DIRECT_LINEAR_ROWS = 128
 
 
 def layout(graph: Graph, device: Device, *, direct: bool = True) -> PassResult:
@@ -47,7 +54,10 @@ def layout(graph: Graph, device: Device, *, direct: bool = True) -> PassResult:
     lib: Library | None = None
     for node in graph.nodes:
         if node.domain == FUSED_DOMAIN and node.op_type == "FusedGemm":
-            changed += _pack_linear(graph, node, packed)
+            if direct and lib is None and direct_linear_preferred():
+                lib = Library.load()
+            changed += _pack_linear(graph, node, packed,
+                                    lib if direct and direct_linear_preferred() else None)
             continue
         if _direct_pool(node, lib):
             node.attrs["onednn_direct"] = 1   # max pooling through libdnnl too
@@ -152,8 +162,14 @@ def _pack_conv(dense: torch.Tensor, params: _PackParams, lib: Library | None
     return tensor, size, None
 
 
-def _pack_linear(graph: Graph, node: Node, packed: dict[tuple[int, _PackParams], Value]) -> int:
-    """Prepack a large FusedGemm weight for oneDNN's matmul (small ones stay dense for MKL)."""
+def _pack_linear(graph: Graph, node: Node, packed: dict[tuple[int, _PackParams], Value],
+                 lib: Library | None) -> int:
+    """Prepack a large FusedGemm weight for oneDNN (small ones stay dense for MKL).
+
+    With ``lib``, the packing is libdnnl's own, for its inner product, and the node is
+    marked ``onednn_direct_linear`` (the row count it was packed for): its kernel is
+    ``DirectLinear``. Otherwise it is torch's, for ``mkldnn._linear_pointwise``.
+    """
     weight, x = node.inputs[1], node.inputs[0]
     if weight is None or weight.const is None or weight.const.is_mkldnn or x is None:
         return 0
@@ -168,6 +184,23 @@ def _pack_linear(graph: Graph, node: Node, packed: dict[tuple[int, _PackParams],
         rows = 1
         for d in shape[:-1]:
             rows *= int(d)  # type: ignore[arg-type]
+    if lib is not None:
+        direct_rows = rows if rows is not None else DIRECT_LINEAR_ROWS
+        key = (id(weight), _PackParams((), (), (), -1, (direct_rows,)))
+        value = packed.get(key)
+        if value is None:
+            try:
+                tensor = lib.pack_linear(w, direct_rows)
+            except DnnlError:
+                tensor = None
+            if tensor is not None:
+                value = Value(f"{weight.name}.dnnl", weight.spec, const=tensor)
+                graph.add_initializer(value)
+                packed[key] = value
+        if value is not None:
+            graph.set_input(node, 1, value)
+            node.attrs["onednn_direct_linear"] = direct_rows
+            return 1
     key = (id(weight), _PackParams((), (), (), 0, None if rows is None else (rows,)))
     value = packed.get(key)
     if value is None:

@@ -26,7 +26,12 @@ import torch
 from segflow.errors import InvalidSetting
 from segflow.ir.graph import Graph, Node
 from segflow.ir.types import Device, DeviceKind, DType
-from segflow.ops.fused import FUSED_DOMAIN, onednn_graph_available
+from segflow.ops.fused import (
+    FUSED_DOMAIN,
+    linear_calls_libdnnl,
+    linear_uses_onednn,
+    onednn_graph_available,
+)
 from segflow.ops.onednn_direct import Library
 from segflow.ops.registry import OpRegistry
 from segflow.passes.dense_chain import chain_dense
@@ -289,10 +294,13 @@ def _layout(graph: Graph, options: OptimizeOptions, backend: CompileMode,
     if not packed.modified:
         return "layout: nothing to do (no oneDNN-eligible convolutions or linears)"
     convs = sum(1 for n in graph.nodes if n.attrs.get("channels_last"))
-    linears = sum(1 for n in graph.nodes if n.op_type == "FusedGemm" and n.inputs[1] is not None
-                  and n.inputs[1].const is not None and n.inputs[1].const.is_mkldnn)
+    linears = sum(1 for n in graph.nodes if n.op_type == "FusedGemm" and linear_uses_onednn(n))
+    direct_linears = sum(1 for n in graph.nodes if n.op_type == "FusedGemm"
+                         and linear_calls_libdnnl(n))
     parts = [f"{convs} convolutions (channels_last)"] if convs else []
-    parts += [f"{linears} linears"] if linears else []
+    if linears:
+        parts.append(f"{linears} linears" + (f" ({direct_linears} for libdnnl's inner product)"
+                                             if direct_linears else ""))
     text = f"layout: prepacked for oneDNN: {', '.join(parts)}"
     if convs and options.onednn_direct:
         _, why = Library.probe()
