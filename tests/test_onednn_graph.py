@@ -15,6 +15,7 @@ import segflow
 from segflow import models
 from segflow.ir.types import Device
 from segflow.ops.fused import onednn_graph_available
+from segflow.ops.onednn_direct import Library
 from segflow.passes.pipeline import CompileMode, choose_backend
 from segflow.runtime.compile import CompileReport, generate
 from segflow.runtime.onednn_graph import MAX_SIGNATURES, OneDnnGraphSegment
@@ -79,10 +80,19 @@ def test_a_failing_fusion_falls_back_to_codegen(monkeypatch):
     assert "RuntimeError" in sess.compile_report.describe()
 
 
-def test_auto_picks_onednn_for_depthwise_convolutions_only():
-    mobile = segflow.InferenceSession(models.build("mobilenet_v2", **SMALL["mobilenet_v2"]))
+def test_auto_picks_onednn_for_depthwise_convolutions_only_without_libdnnl(monkeypatch):
+    model = models.build("mobilenet_v2", **SMALL["mobilenet_v2"])
+    direct = Library.load() is not None
+    mobile = segflow.InferenceSession(model)
+    if direct:   # convolutions straight into libdnnl: codegen, one copy of the weights
+        assert mobile.compile_report.backend == "codegen"
+        assert "compile: codegen (auto: 52 convolutions, 17 depthwise, called straight " \
+            "into libdnnl" in mobile.explain()
+    monkeypatch.setenv("SEGFLOW_ONEDNN_DIRECT", "0")
+    mobile = segflow.InferenceSession(model)
     assert mobile.compile_report.backend == "onednn"
     assert "compile: onednn (auto: 52 convolutions, 17 depthwise" in mobile.explain()
+    monkeypatch.delenv("SEGFLOW_ONEDNN_DIRECT")
     resnet = segflow.InferenceSession(models.build("resnet18", **SMALL["resnet18"]))
     assert resnet.compile_report.backend == "codegen"
     assert "compile: codegen (auto: no depthwise convolutions" in resnet.explain()

@@ -81,8 +81,10 @@ def test_one_log_line_per_pass_and_compile():
     assert log[3].startswith("layout: prepacked for oneDNN: 20 convolutions (channels_last)")
     assert log[5] == "compile: codegen (requested)"
     graph.validate()
+    # Without libdnnl's direct path, auto gives depthwise graphs to oneDNN Graph.
     auto = import_model(models.build("mobilenet_v2", num_classes=10, image_size=32))
-    log = optimize(auto, OptimizeOptions.resolve(env={}), device=CPU)
+    log = optimize(auto, OptimizeOptions.resolve(env={"SEGFLOW_ONEDNN_DIRECT": "0"}),
+                   device=CPU)
     assert log[3] == "layout: skipped (oneDNN Graph packs its own weights)"
     assert log[5].startswith("compile: onednn (auto: 52 convolutions, 17 depthwise")
 

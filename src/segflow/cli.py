@@ -229,9 +229,10 @@ def _add_model_args(p: argparse.ArgumentParser, with_inputs: bool = True) -> Non
                    help="bulk segments (default: $SEGFLOW_BULK_INFERENCE or on)")
     p.add_argument("--compile", choices=["auto", "codegen", "onednn", "inductor", "none"],
                    default=None,
-                   help="segment backend (default: $SEGFLOW_COMPILE or auto: onednn for CPU "
-                        "graphs with depthwise convolutions, codegen otherwise, and a small "
-                        "segment's inductor package when one is cached)")
+                   help="segment backend (default: $SEGFLOW_COMPILE or auto: codegen, with "
+                        "convolutions called straight into libdnnl on CPU (onednn for "
+                        "depthwise graphs where libdnnl is missing), and a small segment's "
+                        "inductor package when one is cached)")
     p.add_argument("--threads", type=_positive_int, default=None, metavar="N",
                    help="torch intra-op threads (default: $SEGFLOW_INTRA_OP_THREADS, "
                         "else $OMP_NUM_THREADS or the core count)")

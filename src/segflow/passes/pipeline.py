@@ -201,7 +201,8 @@ def run_pipeline(graph: Graph, options: OptimizeOptions, *, registry: OpRegistry
     else:
         log.append("fuse: off")
     log.append(_dense_chain(graph, options, device))
-    backend, why = choose_backend(graph, options.compile, device)
+    backend, why = choose_backend(graph, options.compile, device,
+                                  direct=options.onednn_direct)
     log.append(_layout(graph, options, backend, device))
     memory = None
     if options.plan_memory:
@@ -213,22 +214,23 @@ def run_pipeline(graph: Graph, options: OptimizeOptions, *, registry: OpRegistry
     return PipelineResult(tuple(log), memory, backend)
 
 
-def choose_backend(graph: Graph, mode: CompileMode, device: Device | None
-                   ) -> tuple[CompileMode, str]:
+def choose_backend(graph: Graph, mode: CompileMode, device: Device | None, *,
+                   direct: bool = True) -> tuple[CompileMode, str]:
     """The segment backend for ``graph`` and why.
 
-    ``auto`` picks ``onednn`` on CPU when the graph has depthwise convolutions:
-    oneDNN Graph fuses each with the 1x1 convolution before it and keeps every
-    convolution's primitive between runs (``codegen`` pays ~20 us of oneDNN setup
-    per convolution call). MobileNetV2 at batch 1 runs ~35% faster than codegen
-    (benchmarks/cpu_targets.py, interleaved). The price is memory: oneDNN Graph
-    keeps its own packed copy of the weights next to the dense ones the traced
-    graph holds (MobileNetV2 +46 MiB, ResNet-50 +125 MiB). On dense convolution
-    nets the gain is ~0-9% (ResNet-50), not worth doubling the weights by default,
-    and without convolutions oneDNN Graph is slower (BERT, the MLP chain), so there
-    ``auto`` keeps ``codegen``: always available, builds in milliseconds, one copy
-    of the weights. ``compile="onednn"`` opts in for any graph. A small segment
-    still runs an inductor package found in the disk cache
+    ``auto`` keeps ``codegen``: always available, builds in milliseconds, one copy of
+    the weights, and on CPU its convolutions call libdnnl directly
+    (``ops/onednn_direct.py``), a primitive built once per input layout.
+    Only where that path is off (``direct=False``, ``SEGFLOW_ONEDNN_DIRECT=0``) or
+    libdnnl is missing does a CPU graph with depthwise convolutions get ``onednn``:
+    oneDNN Graph then keeps the convolution primitives between runs that torch's
+    oneDNN op rebuilds on every call, at the price of its own packed copy of the
+    weights (MobileNetV2 +46 MiB). Measured with benchmarks/cpu_targets.py,
+    MobileNetV2 at batch 1 ran 1.07x onnxruntime with codegen against 1.22x with
+    oneDNN Graph on a Zen 3 VM (AVX2, 20 rounds), and 1.03 against 1.02 on an
+    AVX-512 one, after 4 ms of compile instead of ~290. Without convolutions oneDNN
+    Graph is slower (BERT, the MLP chain). ``compile="onednn"`` opts in for any
+    graph. A small segment still runs an inductor package found in the disk cache
     (:func:`segflow.runtime.compile.uses_cached_package`): nothing is compiled for it.
     """
     on_cpu = device is not None and device.kind is DeviceKind.CPU
@@ -239,9 +241,14 @@ def choose_backend(graph: Graph, mode: CompileMode, device: Device | None
         return mode, "requested"
     convs = [node for node in graph.nodes if _is_conv2d(node)]
     depthwise = sum(1 for node in convs if _is_depthwise(node))
-    if depthwise and on_cpu and onednn_graph_available():
-        return CompileMode.ONEDNN, (f"auto: {len(convs)} convolutions, {depthwise} depthwise, "
-                                    "which oneDNN Graph fuses with the convolution before them")
+    if depthwise and on_cpu:
+        if direct and Library.load() is not None:
+            return CompileMode.CODEGEN, (f"auto: {len(convs)} convolutions, {depthwise} "
+                                         "depthwise, called straight into libdnnl")
+        if onednn_graph_available():
+            return CompileMode.ONEDNN, (f"auto: {len(convs)} convolutions, {depthwise} "
+                                        "depthwise, which oneDNN Graph fuses with the "
+                                        "convolution before them (libdnnl is not used)")
     if convs:
         return CompileMode.CODEGEN, ("auto: no depthwise convolutions; codegen keeps one copy "
                                      "of the weights (compile='onednn' trades memory for speed)")
