@@ -24,6 +24,13 @@ then: a 1x1 convolution over 32 MiB activations, 300 runs, faulted fresh pages
 in 1-3 runs instead of every run, and its process held 546 MiB against 386 MiB
 (``tests/test_host_memory.py`` has the probe).
 
+Loading a model frees a lot at once: the imported weights that the layout pass
+replaced by their packed copies, the intermediate tensors of folded constants.
+Under ``retain`` nothing would give those pages back, so a session ends its load
+with :func:`release_free_heap` (glibc's ``malloc_trim(0)``), whatever the policy.
+Measured (RSS over the process before the session, ad hoc): BERT-base 786 ->
+411 MiB (30 ms), ResNet-50 223 -> 104 MiB (10 ms), MobileNetV2 62 -> 48 MiB.
+
 ``system`` leaves malloc as it is. The setting is process-wide (malloc has one
 configuration per process) and one-way: a later ``system`` session does not
 undo an earlier ``retain``. On a C library other than glibc, ``retain`` reports
@@ -94,3 +101,27 @@ def apply_host_memory(mode: HostMemory, device: Device) -> HostMemory:
     ok = mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
     ok = mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1 and ok
     return HostMemory.RETAIN if ok else HostMemory.SYSTEM
+
+
+def release_free_heap() -> int:
+    """Give the heap's free pages back to the OS (glibc ``malloc_trim(0)``); returns
+    how many bytes the process's resident set shrank by (0 where there is no glibc)."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return 0
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return 0
+    trim.argtypes = (ctypes.c_size_t,)
+    trim.restype = ctypes.c_int
+    before = _resident_bytes()
+    trim(0)
+    return max(0, before - _resident_bytes())
+
+
+def _resident_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
