@@ -26,7 +26,13 @@ from segflow import models
 from segflow.frontend.onnx_import import import_model
 from segflow.ir.types import Device, DeviceKind
 from segflow.ops import fused, onednn_direct
-from segflow.ops.onednn_direct import DirectConv, Library, geometry, onednn_eltwise
+from segflow.ops.onednn_direct import (
+    DirectConv,
+    DirectKernel,
+    Library,
+    geometry,
+    onednn_eltwise,
+)
 from segflow.passes.layout import _pack_conv, _PackParams
 from segflow.passes.pipeline import OptimizeOptions, optimize
 
@@ -549,3 +555,55 @@ def test_generated_code_calls_the_kernels_own_direct_convolution():
     ops = [op for _, op in sess._executor.direct_ops]
     # Every primitive was built by the op the kernel holds: none by a second copy.
     assert sum(op.direct_layouts for op in ops) == len(ops) == 22
+
+
+@pytest.mark.parametrize("engine", ["inline", "threaded"])
+def test_the_interpreter_and_profiled_runs_add_residuals_in_place_like_codegen(engine: str):
+    """ResNet-18's 8 residual convolutions overwrite their dying residual (oneDNN's sum
+    post-op) under compile="none" and in profiled runs too, not only in generated code."""
+    from segflow.ops.onednn_direct import ResidualInPlaceKernel
+
+    model = models.build("resnet18", image_size=48)
+    feeds = models.example_inputs("resnet18", batch_size=2, image_size=48)
+    ref = ort.InferenceSession(model.SerializeToString(),
+                               providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    sess = segflow.InferenceSession(model, compile="none", engine=engine)
+    steps = [step for task in sess._executor.tasks for step in task.steps]
+    in_place = [s for s in steps if isinstance(s.kernel, ResidualInPlaceKernel)]
+    assert len(in_place) == 8
+    assert all(len(s.node.inputs) == 4 and s.node.inputs[3] is not None for s in in_place)
+    for _ in range(2):
+        np.testing.assert_allclose(sess.run(None, feeds)[0], ref, atol=1e-4, rtol=1e-3)
+    with segflow.profile():
+        np.testing.assert_allclose(sess.run(None, feeds)[0], ref, atol=1e-4, rtol=1e-3)
+
+
+def test_a_residual_that_is_read_later_is_not_overwritten():
+    # y = relu(conv(x) + r) where r is also a graph output: the plan pins r, so the
+    # convolution adds it with a binary post-op and r comes back intact.
+    from onnx import TensorProto, helper, numpy_helper
+
+    from segflow.ops.onednn_direct import ResidualInPlaceKernel
+
+    w = numpy_helper.from_array((np.random.default_rng(1).standard_normal((8, 8, 3, 3)) * 0.1)
+                                .astype(np.float32), "w")
+    nodes = [helper.make_node("Relu", ["x"], ["r"]),
+             helper.make_node("Conv", ["r", "w"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("Add", ["c", "r"], ["s"]),
+             helper.make_node("Relu", ["s"], ["y"])]
+    info = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, 8, 6, 6])
+            for n in ("x", "y", "r")]
+    graph = helper.make_graph(nodes, "g", [info[0]], [info[1], info[2]], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    feeds = {"x": np.random.default_rng(2).standard_normal((1, 8, 6, 6)).astype(np.float32)}
+    ref = ort.InferenceSession(model.SerializeToString(),
+                               providers=["CPUExecutionProvider"]).run(None, feeds)
+    sess = segflow.InferenceSession(model, compile="none")
+    steps = [step for task in sess._executor.tasks for step in task.steps]
+    (conv,) = [s for s in steps if s.node.op_type == "FusedConv"]
+    assert len(conv.node.inputs) == 4 and conv.node.inputs[3] is not None  # residual fused
+    assert isinstance(conv.kernel, DirectKernel)   # over libdnnl, but not in place
+    assert not any(isinstance(s.kernel, ResidualInPlaceKernel) for s in steps)
+    for got, want in zip(sess.run(None, feeds), ref):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-3)

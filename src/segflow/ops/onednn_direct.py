@@ -852,6 +852,22 @@ class DirectKernel:
         return [self.op(*inputs)]  # type: ignore[operator]
 
 
+class ResidualInPlaceKernel(DirectKernel):
+    """A residual convolution's kernel where the memory plan lets its output overwrite
+    the residual (input 3, which dies here): ``[op.inplace_call(x, w, b, z)]``, oneDNN's
+    in-place sum post-op, as generated code calls it. The interpreter and profiled
+    runs then run the kernel the default backend runs. (ResNet-50 at batch 8, layer1's
+    last 1x1 convolution alone: 6.5 ms in place against 9.7 with a binary-add post-op on
+    an AVX-512 VM; a whole compile="none" run on an AVX2 one: 404 against 415 ms.)"""
+
+    __slots__ = ()
+
+    def __call__(self, inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        x, w, b, z = inputs
+        assert x is not None and w is not None and z is not None
+        return [self.op.inplace_call(x, w, b, z)]  # type: ignore[attr-defined]
+
+
 def describe_direct(ops: Sequence[tuple[str, DirectOp]], limit: int = 8) -> list[str]:
     """``explain()`` lines for a session's direct ops (``(node label, op)``): how many,
     the input layouts built through libdnnl, and each fallback with its reason."""

@@ -16,6 +16,7 @@ many threads at once.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -26,10 +27,10 @@ import torch
 from segflow.engine.base import Engine, ExecType, Var
 from segflow.engine.inline import InlineEngine
 from segflow.engine.streams import StreamBackend
-from segflow.ir.graph import Value
+from segflow.ir.graph import Node, Value
 from segflow.ir.types import Device, DeviceKind
 from segflow.ops.dense_chain import DenseChainKernel
-from segflow.ops.onednn_direct import DirectKernel
+from segflow.ops.onednn_direct import DirectConv, DirectKernel, ResidualInPlaceKernel
 from segflow.ops.registry import OpRegistry
 from segflow.passes.segment import Segment
 from segflow.profiler.cuda import device_marker
@@ -115,6 +116,8 @@ class Executor:
             waits = seg.exec_type is ExecType.LOCAL and bool(deps)
             self.tasks.append(_BoundTask(seg, steps, tuple(sorted(deps)), waits))
         self._assign_releases(graph.outputs)
+        if compiler is not None and compiler.memory is not None:
+            _residual_in_place(self.tasks, compiler.memory.inplace)
         # Kernels over libdnnl (ops/onednn_direct.py), for explain(): what fell back and why.
         self.direct_ops = [(step.node.label, step.kernel.op) for task in self.tasks
                            for step in task.steps if isinstance(step.kernel, DirectKernel)]
@@ -342,6 +345,20 @@ def _profiled_task(task: _BoundTask, env: list[Tensor | None], sink: EventSink,
                       args={"segment": seg.index, "nodes": len(seg.nodes),
                             "reason": seg.reason})
     return run
+
+
+def _residual_in_place(tasks: Sequence[_BoundTask], inplace: Mapping[Node, int]) -> None:
+    """Give each direct residual convolution that the memory plan lets overwrite its
+    residual (input 3) the in-place kernel, where that residual dies at this step (no
+    other task still reads it): the same rule generated code follows."""
+    for task in tasks:
+        for index, step in enumerate(task.steps):
+            kernel = step.kernel
+            if type(kernel) is not DirectKernel or not isinstance(kernel.op, DirectConv) \
+                    or inplace.get(step.node) != 3 or len(step.inputs) != 4 \
+                    or step.inputs[3] not in step.release:
+                continue
+            task.steps[index] = dataclasses.replace(step, kernel=ResidualInPlaceKernel(kernel.op))
 
 
 def _runs_in_graph_order(plan: Plan, engine: Engine) -> bool:
