@@ -150,3 +150,30 @@ def test_a_small_linear_stays_dense_for_mkl(monkeypatch):
     model, _ = _linear_model(64, 64, "Relu")
     (node,) = segflow.InferenceSession(model).graph.nodes
     assert not fused.linear_uses_onednn(node)
+
+
+def test_concurrent_runs_of_one_session_match_onnxruntime(monkeypatch):
+    import threading
+
+    monkeypatch.setattr(fused, "_cpu_has_avx512", lambda: False)
+    model, _ = _linear_model(768, 1024, "Relu")
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    sess = segflow.InferenceSession(model, engine="threaded")
+    assert fused.linear_calls_libdnnl(sess.graph.nodes[0])
+    errors: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        try:
+            for batch in (1, 2, 3) * 3:
+                x = rng.standard_normal((batch, 16, 768)).astype(np.float32)
+                np.testing.assert_allclose(sess.run(None, {"x": x})[0],
+                                           ref.run(None, {"x": x})[0], atol=ATOL, rtol=RTOL)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
