@@ -177,3 +177,15 @@ def test_concurrent_runs_of_one_session_match_onnxruntime(monkeypatch):
     for t in threads:
         t.join()
     assert not errors, errors[0]
+
+
+def test_a_segment_with_a_direct_linear_never_looks_for_an_inductor_package(monkeypatch):
+    from segflow.runtime.compile import uses_cached_package
+
+    monkeypatch.setattr(fused, "_cpu_has_avx512", lambda: False)
+    model, _ = _linear_model(768, 768, "Relu")
+    sess = segflow.InferenceSession(model)   # auto: 2.3 MiB of weights, under the size cap
+    steps = [step for task in sess._executor.tasks for step in task.steps]
+    assert fused.linear_calls_libdnnl(steps[0].node)
+    assert not uses_cached_package(steps)
+    assert sess.compile_report.backend == "codegen"

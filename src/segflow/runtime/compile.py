@@ -49,7 +49,13 @@ from segflow.errors import ExecutionError
 from segflow.ir.graph import Node
 from segflow.ir.types import DType
 from segflow.ops.dense_chain import inline_chain, traceable_chain
-from segflow.ops.fused import FUSED_DOMAIN, Inline, inline_fused, traceable_fused
+from segflow.ops.fused import (
+    FUSED_DOMAIN,
+    Inline,
+    inline_fused,
+    linear_calls_libdnnl,
+    traceable_fused,
+)
 from segflow.ops.registry import Kernel
 from segflow.passes.pipeline import CompileMode
 from segflow.passes.plan_memory import MemoryPlan
@@ -162,6 +168,8 @@ def uses_cached_package(steps: Sequence[Step]) -> bool:
     total = 0
     seen: set[int] = set()
     for step in steps:
+        if linear_calls_libdnnl(step.node):   # its weight is libdnnl's packing, not dense
+            return False
         for value in step.node.inputs:
             const = None if value is None else value.const
             if const is None or id(const) in seen:
