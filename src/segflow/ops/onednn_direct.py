@@ -301,6 +301,12 @@ class Library:
                         _FORWARD_INFERENCE, _CONVOLUTION_DIRECT, src, weights, bias, dst,
                         _Dims(*strides), _Dims(*[d - 1 for d in dilations]),
                         _Dims(*pads[:spatial]), _Dims(*pads[:spatial]), attr)
+        return self._weighted(pd, create)
+
+    def _weighted(self, pd: _P, create: bool) -> tuple[_P | None, _P, str]:
+        """(primitive or None, a copy of its weights descriptor, implementation name) of a
+        primitive descriptor, which it destroys."""
+        dll = self._dll
         try:
             impl = ctypes.c_char_p()
             dll.dnnl_primitive_desc_query(pd, _QUERY_IMPL_INFO, 0, ctypes.byref(impl))
@@ -323,17 +329,7 @@ class Library:
         dll = self._dll
         pd = self._make(dll.dnnl_inner_product_forward_primitive_desc_create, self.engine,
                         _FORWARD_INFERENCE, src, weights, bias, dst, attr)
-        try:
-            impl = ctypes.c_char_p()
-            dll.dnnl_primitive_desc_query(pd, _QUERY_IMPL_INFO, 0, ctypes.byref(impl))
-            weights_md = _P()
-            self.check(dll.dnnl_memory_desc_clone(ctypes.byref(weights_md),
-                                                  _P(dll.dnnl_primitive_desc_query_md(
-                                                      pd, _QUERY_WEIGHTS_MD, 0))), "clone md")
-            prim = self._make(dll.dnnl_primitive_create, pd) if create else None
-        finally:
-            dll.dnnl_primitive_desc_destroy(pd)
-        return prim, weights_md, (impl.value or b"?").decode()
+        return self._weighted(pd, create)
 
     def linear_desc(self, out_features: int, in_features: int, rows: int) -> tuple[_P, str]:
         """The weights descriptor this library's inner product wants for ``rows`` rows
