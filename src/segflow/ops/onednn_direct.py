@@ -474,6 +474,33 @@ class DirectOp:
         self.calls[key] = call
         return call
 
+    def _weight(self, w: Tensor, weights_md: _P) -> int | None:
+        """The address of ``w``'s values in the format ``weights_md`` (None: over the
+        op's cap on own copies). Ops with weights define it."""
+        raise NotImplementedError
+
+    def _weight_args(self, prim: _P, impl: str, w: Tensor, weights_md: _P, b: Tensor | None,
+                     bias_md: _P | None) -> tuple[list[tuple[int, _P]] | None, str]:
+        """The weights (and bias) arguments of a built primitive; or None and why not,
+        the primitive then destroyed (a reference kernel, or no copy of the weight left)."""
+        lib = self.lib
+        if impl.startswith("ref"):
+            lib.destroy([("primitive", prim)])
+            return None, f"only a reference implementation ({impl})"
+        weight_ptr = self._weight(w, weights_md)
+        if weight_ptr is None:
+            lib.destroy([("primitive", prim)])
+            return None, (f"a weight format beyond {getattr(self, 'max_copies', 0)} own "
+                          f"copies ({impl})")
+        weights = lib.memory(weights_md, weight_ptr)
+        self._owned.append(("memory", weights))
+        extra = [(_ARG_WEIGHTS, weights)]
+        if b is not None and bias_md is not None:
+            bias = lib.memory(bias_md, b.data_ptr())
+            self._owned.append(("memory", bias))
+            extra.append((_ARG_BIAS, bias))
+        return extra, ""
+
     def _finish(self, prim: _P, src_md: _P, dst_md: _P, extra: Sequence[tuple[int, _P]],
                 **fields: Any) -> _Call:
         """Own ``prim`` and memories for src/dst (set per call) and ``extra`` args."""
@@ -592,20 +619,9 @@ class DirectConv(DirectOp):
         owned = self._owned
         owned.extend(("memory_desc", md) for md in (src_md, dst_md, bias_md, src1, weights_md)
                      if md is not None)
-        if impl.startswith("ref"):
-            lib.destroy([("primitive", prim)])
-            return None, f"only a reference implementation ({impl})"
-        weight_ptr = self._weight(w, weights_md)
-        if weight_ptr is None:
-            lib.destroy([("primitive", prim)])
-            return None, f"a weight format beyond {self.max_copies} own copies ({impl})"
-        weights = lib.memory(weights_md, weight_ptr)
-        owned.append(("memory", weights))
-        extra = [(_ARG_WEIGHTS, weights)]
-        if b is not None and bias_md is not None:
-            bias = lib.memory(bias_md, b.data_ptr())
-            owned.append(("memory", bias))
-            extra.append((_ARG_BIAS, bias))
+        extra, why = self._weight_args(prim, impl, w, weights_md, b, bias_md)
+        if extra is None:
+            return None, why
         residual = None
         if src1 is not None:
             residual = lib.memory(src1)
@@ -800,20 +816,9 @@ class DirectLinear(DirectOp):
         prim = made
         self._owned.extend(("memory_desc", md) for md in (src_md, dst_md, bias_md, weights_md)
                            if md is not None)
-        if impl.startswith("ref"):
-            lib.destroy([("primitive", prim)])
-            return None, f"only a reference implementation ({impl})"
-        weight_ptr = self._weight(w, weights_md)
-        if weight_ptr is None:
-            lib.destroy([("primitive", prim)])
-            return None, f"a weight format beyond {self.max_copies} own copies ({impl})"
-        weights = lib.memory(weights_md, weight_ptr)
-        self._owned.append(("memory", weights))
-        extra = [(_ARG_WEIGHTS, weights)]
-        if b is not None and bias_md is not None:
-            bias = lib.memory(bias_md, b.data_ptr())
-            self._owned.append(("memory", bias))
-            extra.append((_ARG_BIAS, bias))
+        extra, why = self._weight_args(prim, impl, w, weights_md, b, bias_md)
+        if extra is None:
+            return None, why
         return self._finish(prim, src_md, dst_md, extra, residual=None, in_format=None,
                             out_shape=(*x.shape[:-1], n), out_format=torch.contiguous_format,
                             source=w, bias=b, impl=impl), ""
