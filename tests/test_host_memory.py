@@ -150,9 +150,9 @@ def test_loading_gives_the_weights_it_replaced_back_to_the_os() -> None:
                          check=True, timeout=300)
     probe = json.loads(out.stdout.strip().splitlines()[-1])
     # The dense weights (32 MiB) were freed and returned: the session holds the packed
-    # ones, plus the libraries and JIT code a first load maps (~25 MiB here), where
-    # keeping both copies would add another 32.
+    # ones. (What the load grew the process by also counts the modules and libraries a
+    # first session imports and maps, 25-55 MiB depending on the environment, so it is
+    # not asserted.)
     assert probe["released"] > 0.8 * probe["weights"], probe
-    assert probe["grown"] < 2 * probe["weights"], probe
     assert probe["explain"].startswith("load: returned ") and "MiB freed while loading" in \
         probe["explain"]
