@@ -437,19 +437,21 @@ def _linear_callable(node: Node, device: torch.device) -> Callable[..., Tensor]:
     """``fn(x, w, b) -> act(x @ w.T + b)``, choosing MKL addmm or oneDNN by size."""
     has_bias, act, params = _linear_parts(node)
     post = act.onednn(params)
-    if linear_uses_onednn(node):
-        packed = torch.ops.mkldnn._linear_pointwise.default
-        fused = linear_post_op(act, params)
-        p_attr, p_scalars, p_alg = fused if fused is not None else ("none", [], "")
-        after = act.inplace or act.apply
+    # oneDNN's matmul with the activation fused where that pays (linear_post_op), else
+    # the plain matmul followed by the activation in place.
+    onednn = device.type == "cpu" and onednn_available()
+    pointwise = torch.ops.mkldnn._linear_pointwise.default if onednn else None
+    fused = linear_post_op(act, params)
+    attr, scalars, algorithm = fused if fused is not None else ("none", [], "")
+    after = None if fused is not None else (act.inplace or act.apply)
 
-        def prepacked(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
-            y = packed(x, w, b, p_attr, p_scalars, p_alg)
-            return y if fused is not None else after(y, params)
-        return prepacked
-    use_onednn = device.type == "cpu" and onednn_available() and post is not None
-    linear_pw = torch.ops.mkldnn._linear_pointwise.default if use_onednn else None
-    attr, scalars, algorithm = post if post is not None else ("none", [], "")
+    def large(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+        y = pointwise(x, w, b, attr, scalars, algorithm)  # type: ignore[misc]
+        return y if after is None else after(y, params)
+
+    if linear_uses_onednn(node):   # a prepacked weight: only oneDNN reads it
+        return large
+    use_onednn = onednn and post is not None
     finish = act.inplace
     addmm = _ADDMM_RELU if act.name == "Relu" else torch.addmm
     static = _static_macs(node)
@@ -467,18 +469,8 @@ def _linear_callable(node: Node, device: torch.device) -> Callable[..., Tensor]:
             return finish(y, params)
         return act.apply(y, params)
 
-    if linear_pw is None or (static is not None and static < LINEAR_ONEDNN_MIN_MACS):
+    if not use_onednn or (static is not None and static < LINEAR_ONEDNN_MIN_MACS):
         return small
-
-    if linear_post_op(act, params) is None:
-        after = act.inplace or act.apply
-
-        def large(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
-            return after(linear_pw(x, w, b, "none", [], ""), params)
-    else:
-        def large(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
-            return linear_pw(x, w, b, attr, scalars, algorithm)
-
     if static is not None:
         return large
 

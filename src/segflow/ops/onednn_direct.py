@@ -421,6 +421,7 @@ class DirectOp:
     says why), a lock and a stream per op, and the oneDNN objects it owns."""
 
     kind = "primitive"
+    max_copies = 0        # own repacked copies of a weight an op may keep (ops with weights)
 
     def __init__(self, lib: Library, fallback: Callable[..., Tensor], max_shapes: int,
                  destination: Destination | None) -> None:
@@ -490,8 +491,7 @@ class DirectOp:
         weight_ptr = self._weight(w, weights_md)
         if weight_ptr is None:
             lib.destroy([("primitive", prim)])
-            return None, (f"a weight format beyond {getattr(self, 'max_copies', 0)} own "
-                          f"copies ({impl})")
+            return None, f"a weight format beyond {self.max_copies} own copies ({impl})"
         weights = lib.memory(weights_md, weight_ptr)
         self._owned.append(("memory", weights))
         extra = [(_ARG_WEIGHTS, weights)]
@@ -749,7 +749,7 @@ class DirectLinear(DirectOp):
         self.act = act
         self.max_copies = max_copies
         self.copies: list[tuple[_P, Tensor]] = []
-        self.packed_md, impl = lib.linear_desc(out_features, in_features, packed_rows)
+        self.packed_md, _ = lib.linear_desc(out_features, in_features, packed_rows)
         self._owned.append(("memory_desc", self.packed_md))
         self._dense: Tensor | None = None
 
