@@ -21,12 +21,15 @@ from segflow.ir.graph import Node, Value
 from segflow.ir.types import Device
 from segflow.ops.registry import default_registry
 from segflow.passes.segment import Phase, Segment
+from segflow.runtime.binding import UploadInputs
 from segflow.runtime.cudagraph import (
     CaptureKey,
     GraphCache,
     capture_decision,
+    host_data_inputs,
     host_only_constants,
     host_read_inputs,
+    host_values,
 )
 from segflow.runtime.plan import make_plan
 from segflow.settings import BulkSettings
@@ -104,6 +107,50 @@ def test_host_only_constants_excludes_constants_also_used_as_data():
     # Range adds `start` and `delta` to its arange: those stay on the device; `limit` is
     # only read on the host.
     assert names == {"shape", "limit"}
+
+
+def test_shape_arithmetic_stays_on_the_host_and_its_data_reader_uploads():
+    # nonzero_mid: Div(sum of rows, Add(Cast(Shape(nonzero)), 1)). On CUDA the count is
+    # host memory; Cast and Add run there with their constant, and Div uploads it.
+    plan = _plan(models.build("nonzero_mid"))
+    nodes = plan.graph.nodes
+    host = host_values(nodes)
+    on_host = {n.name for n in nodes if any(id(v) in host for v in n.outputs)}
+    assert on_host == {"count", "count_float", "count_plus_one"}
+    uploads = {n.name: host_data_inputs(n, host) for n in nodes if host_data_inputs(n, host)}
+    assert uploads == {"table_mean": (1,)}
+    consts = {v.name for v in plan.graph.initializers.values()
+              if id(v) in host_only_constants(nodes)}
+    assert "float.1" in consts and "float.0" not in consts
+
+
+def test_host_values_stop_at_device_data_and_growing_ops():
+    x = helper.make_tensor_value_info("x", FLOAT, ["n", 3])
+    y = helper.make_tensor_value_info("y", FLOAT, None)
+    nodes = [helper.make_node("Shape", ["x"], ["s"], name="shape"),
+             helper.make_node("Cast", ["s"], ["sf"], name="cast", to=FLOAT),
+             helper.make_node("Mul", ["sf", "x"], ["m"], name="with_data"),   # device data
+             helper.make_node("ConstantOfShape", ["s"], ["z"], name="fill"),  # grows: device
+             helper.make_node("Add", ["m", "z"], ["y"], name="out")]
+    plan = _plan(_model(nodes, [x], [y]))
+    host = host_values(plan.graph.nodes)
+    names = {v.name for n in plan.graph.nodes for v in n.outputs if id(v) in host}
+    assert names == {"s", "sf"}
+    by_name = {n.name: n for n in plan.graph.nodes}
+    assert host_data_inputs(by_name["with_data"], host) == (0,)
+    assert host_data_inputs(by_name["fill"], host) == ()  # its shape is read on the host
+
+
+def test_upload_inputs_moves_only_the_named_host_inputs():
+    seen = []
+
+    def kernel(inputs):
+        seen.append([t.device.type for t in inputs])
+        return [inputs[0]]
+
+    upload = UploadInputs(kernel, (1,), torch.device("meta"))
+    upload([torch.ones(2), torch.ones(1)])
+    assert seen == [["cpu", "meta"]]
 
 
 def test_executor_binds_host_only_constants_in_host_memory():

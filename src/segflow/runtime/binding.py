@@ -31,6 +31,30 @@ class Step:
     release: tuple[int, ...] = ()
 
 
+class UploadInputs:
+    """A kernel that first moves the inputs it names to its device.
+
+    Bound where a node on a device reads a host value as data (see
+    :func:`segflow.runtime.cudagraph.host_data_inputs`): a shape turned into a
+    count, say. The copy is asynchronous and the values are a few integers.
+    """
+
+    __slots__ = ("kernel", "indices", "device")
+
+    def __init__(self, kernel: Kernel, indices: tuple[int, ...], device: torch.device) -> None:
+        self.kernel = kernel
+        self.indices = indices
+        self.device = device
+
+    def __call__(self, inputs: Sequence[Tensor | None]) -> Sequence[Tensor]:
+        moved = list(inputs)
+        for i in self.indices:
+            tensor = moved[i]
+            if tensor is not None and tensor.device != self.device:
+                moved[i] = tensor.to(self.device, non_blocking=True)
+        return self.kernel(moved)
+
+
 def run_steps(steps: Sequence[Step], env: list[Tensor | None]) -> None:
     """Run ``steps`` in order over ``env``; kernel errors name the node."""
     for step in steps:

@@ -61,7 +61,7 @@ from segflow.passes.pipeline import CompileMode
 from segflow.passes.plan_memory import MemoryPlan
 from segflow.passes.segment import Segment
 from segflow.runtime.aot_inductor import AotInductorSegment, has_packages
-from segflow.runtime.binding import Step
+from segflow.runtime.binding import Step, UploadInputs
 from segflow.runtime.onednn_graph import OneDnnGraphSegment
 
 Tensor = torch.Tensor
@@ -339,9 +339,11 @@ def generate(steps: Sequence[Step], template: Sequence[Tensor | None], live_out:
         if slot_inplace is not None and step.inputs[slot_inplace] not in step.release:
             slot_inplace = None  # another task may still read it: not ours to overwrite
         body.append(f"_i = {index}")
+        # A kernel that uploads host inputs first is called as it is.
         inline = (_inline(node, None if traceable else slot_inplace, device, consts, traceable,
                           step.kernel)
-                  if len(step.outputs) == 1 else None)
+                  if len(step.outputs) == 1 and not isinstance(step.kernel, UploadInputs)
+                  else None)
         if inline is not None:
             names = {key: em.bind(obj, "b") for key, obj in inline.bound.items()
                      if "{" + key + "}" in inline.expr}

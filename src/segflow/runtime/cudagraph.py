@@ -120,18 +120,73 @@ def host_read_inputs(node: Node) -> tuple[int, ...]:
     return rule(node) if rule is not None else ()
 
 
+HOST_ARITHMETIC = frozenset({
+    "Cast", "Gather", "Unsqueeze", "Squeeze", "Concat", "Slice", "Reshape", "Identity",
+    "Add", "Sub", "Mul", "Div", "Mod", "Neg", "Abs", "Max", "Min", "Floor", "Ceil",
+    "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Not", "And", "Or",
+    "Where", "ReduceProd", "ReduceSum", "ReduceMax", "ReduceMin",
+})
+"""Ops that keep computing on the host over host values (shape arithmetic): none of
+them grows its input beyond the size of its inputs and constants."""
+
+
+def host_values(nodes: Iterable[Node]) -> set[int]:
+    """ids of the computed values that live in host memory whatever the device.
+
+    ``Shape`` and ``Size`` give their result in host memory (a shape is known on
+    the host; reading it back from the device would cost a synchronization), and
+    shape arithmetic over such values and constants (:data:`HOST_ARITHMETIC`)
+    stays there. ``nodes`` in topological order.
+    """
+    host: set[int] = set()
+    for node in nodes:
+        if node.domain not in ("", "ai.onnx") or node.subgraphs:
+            continue
+        if node.op_type in SHAPE_OPS:
+            host.update(id(v) for v in node.outputs if v is not None)
+        elif node.op_type in HOST_ARITHMETIC:
+            reads = [v for v in node_reads(node) if v is not None]
+            if any(id(v) in host for v in reads) and all(
+                    v.is_const or id(v) in host for v in reads):
+                host.update(id(v) for v in node.outputs if v is not None)
+    return host
+
+
+def _runs_on_host(node: Node, host: set[int]) -> bool:
+    return any(v is not None and id(v) in host for v in node.outputs)
+
+
+def host_data_inputs(node: Node, host: set[int]) -> tuple[int, ...]:
+    """Inputs of ``node`` that hold host values (:func:`host_values`) but that its
+    kernel reads as device data: on a device, the executor uploads them first
+    (``Div(sum, Cast(Shape(x)))`` on CUDA)."""
+    if _runs_on_host(node, host) or node.subgraphs or node.op_type in SHAPE_OPS:
+        return ()
+    on_host = set(host_read_inputs(node)) - _HOST_AND_DATA.get(node.op_type, frozenset())
+    return tuple(i for i, v in enumerate(node.inputs)
+                 if v is not None and id(v) in host and i not in on_host)
+
+
 def host_only_constants(nodes: Iterable[Node]) -> set[int]:
     """ids of constants that every reader only reads on the host.
 
     The executor keeps these on the CPU even on a CUDA device: reading a shape
     from device memory is a hidden host synchronization per run (and illegal
-    inside a capture).
+    inside a capture), and shape arithmetic on the host (:func:`host_values`)
+    must find its constants there.
     """
+    nodes = list(nodes)
+    computed_on_host = host_values(nodes)
     host: set[int] = set()
     device: set[int] = set()
     for node in nodes:
-        on_host = set(host_read_inputs(node)) - _HOST_AND_DATA.get(node.op_type, frozenset())
-        for index, value in enumerate(node_reads(node)):
+        reads = node_reads(node)
+        if _runs_on_host(node, computed_on_host):
+            on_host = set(range(len(reads)))
+        else:
+            on_host = set(host_read_inputs(node)) - _HOST_AND_DATA.get(node.op_type,
+                                                                      frozenset())
+        for index, value in enumerate(reads):
             if value is None or not value.is_const:
                 continue
             (host if index in on_host else device).add(id(value))

@@ -41,12 +41,13 @@ from segflow.runtime.binding import (
     ConstantCache,
     SlotMap,
     Step,
+    UploadInputs,
     node_reads,
     run_steps,
 )
 from segflow.runtime.compile import SegmentCompiler, SegmentFn
 from segflow.runtime.completion import HostCompletion, SyncMode, make_completion
-from segflow.runtime.cudagraph import host_only_constants
+from segflow.runtime.cudagraph import host_data_inputs, host_only_constants, host_values
 from segflow.runtime.plan import Plan
 from segflow.runtime.stats import RunStats
 
@@ -94,6 +95,7 @@ class Executor:
         const_slots: list[tuple[int, Tensor]] = []
         # Shapes, axes and other constants read only on the host stay in host memory.
         host_consts = host_only_constants(graph.nodes)
+        host_vals = host_values(graph.nodes)  # shapes and shape arithmetic: host memory
         for seg in plan.segments:
             ctx = context(seg.device)
             steps = []
@@ -109,6 +111,9 @@ class Executor:
                     elif value in producer_task and producer_task[value] != len(self.tasks):
                         deps.add(producer_task[value])
                 kernel = plan.opdefs[node].bind(node, ctx)
+                uploads = host_data_inputs(node, host_vals) if ctx.device.type != "cpu" else ()
+                if uploads:
+                    kernel = UploadInputs(kernel, uploads, ctx.device)
                 steps.append(Step(node, kernel, tuple(self.slots[v] for v in reads),
                                   tuple(self.slots[v] for v in node.outputs)))
                 for value in node.outputs:
