@@ -38,11 +38,10 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -53,6 +52,8 @@ import torch
 import segflow
 from segflow import models
 from segflow.engine.streams import FakeBackend
+from segflow.profiler import cuda as cuda_profile
+from segflow.profiler.cuda import DeviceActivity
 
 Feeds = dict[str, np.ndarray]
 RunFn = Callable[[], list[np.ndarray]]
@@ -131,74 +132,13 @@ class Config:
 
 # -- device metrics from a profiler trace ------------------------------------------------
 
-SYNC_APIS = frozenset({
-    "cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaMemcpy",
-    "cudaMemcpy2D", "cuCtxSynchronize", "cuStreamSynchronize", "cuEventSynchronize",
-    "cuMemcpyDtoH_v2", "cuMemcpyHtoD_v2", "cuMemcpy",
-})
-LAUNCH_APIS = frozenset({
-    "cudaLaunchKernel", "cudaLaunchKernelExC", "cudaLaunchCooperativeKernel", "cuLaunchKernel",
-    "cuLaunchKernelEx", "cudaGraphLaunch", "cuGraphLaunch",
-})
-GRAPH_LAUNCH_APIS = frozenset({"cudaGraphLaunch", "cuGraphLaunch"})
-DEVICE_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
-
-
-@dataclass(frozen=True, slots=True)
-class DeviceMetrics:
-    """Per-run averages over a profiled window."""
-
-    host_syncs: float
-    launches: float
-    graph_launches: float
-    kernels: float
-    busy_us: float
-
-
-def summarize_trace(events: Iterable[Mapping[str, Any]], runs: int) -> DeviceMetrics:
-    """Count syncs, launches and kernels, and the union of device-busy intervals, per run."""
-    syncs = launches = graph_launches = kernels = 0
-    intervals: list[tuple[float, float]] = []
-    for event in events:
-        if event.get("ph") != "X":
-            continue
-        category = str(event.get("cat", "")).lower()
-        name = str(event.get("name", ""))
-        if category in ("cuda_runtime", "cuda_driver", "runtime", "driver"):
-            syncs += name in SYNC_APIS
-            launches += name in LAUNCH_APIS
-            graph_launches += name in GRAPH_LAUNCH_APIS
-        elif category in DEVICE_CATEGORIES:
-            kernels += category == "kernel"
-            start = float(event.get("ts", 0.0))
-            intervals.append((start, start + float(event.get("dur", 0.0))))
-    busy = 0.0
-    end = float("-inf")
-    for start, stop in sorted(intervals):
-        if start > end:
-            busy += stop - start
-            end = stop
-        elif stop > end:
-            busy += stop - end
-            end = stop
-    n = max(runs, 1)
-    return DeviceMetrics(syncs / n, launches / n, graph_launches / n, kernels / n, busy / n)
+DeviceMetrics = DeviceActivity
+summarize_trace = cuda_profile.summarize_trace
 
 
 def profile_device(fn: RunFn, runs: int) -> DeviceMetrics:
-    """Run ``fn`` ``runs`` times under torch.profiler (CPU + CUDA activity)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(runs):
-            fn()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    return summarize_trace(events, runs)
+    """Run ``fn`` ``runs`` times under torch.profiler (less the profiler's own calls)."""
+    return cuda_profile.device_activity(fn, runs)
 
 
 # -- helpers ---------------------------------------------------------------------------------

@@ -7,6 +7,8 @@ without a GPU; real captures are in tests/cuda/.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -104,9 +106,9 @@ def test_host_only_constants_excludes_constants_also_used_as_data():
     plan = _plan(_model(nodes, [x], [y, z, r], inits))
     names = {v.name for v in plan.graph.initializers.values()
              if id(v) in host_only_constants(plan.graph.nodes)}
-    # Range adds `start` and `delta` to its arange: those stay on the device; `limit` is
-    # only read on the host.
-    assert names == {"shape", "limit"}
+    # Range reads all three bounds on the host (its arange is made on the device);
+    # `both` is also Reshape data through Cast, so it goes to the device.
+    assert names == {"shape", "limit", "start", "delta"}
 
 
 def test_shape_arithmetic_stays_on_the_host_and_its_data_reader_uploads():
@@ -321,6 +323,46 @@ def test_failed_capture_falls_back_and_says_why(mlp):
     assert fake.count("capture") == 1 and fake.count("replay") == 0
     assert "not captured: capture failed: RuntimeError: operation not permitted" \
         in sess.explain()
+
+
+def test_failed_capture_names_the_node_and_falls_back_to_the_compiled_segment(mlp):
+    class BreaksInCapture(FakeBackend):
+        capturing = False
+
+        def capture(self, body, stream):
+            self.capturing = True
+            try:
+                try:
+                    body()
+                finally:
+                    self.capturing = False
+            except Exception:  # what ending a broken CUDA capture raises
+                raise RuntimeError("operation failed due to a previous error during "
+                                   "capture") from None
+            raise AssertionError("the body should have failed")
+
+    fake = BreaksInCapture()
+    sess = _graph_session(mlp, fake)
+    reference = segflow.InferenceSession(mlp, engine="inline")
+    graph = sess._executor.completion.graphs[0]
+    step = graph.steps[0]
+    calls = []
+
+    def host_read(inputs):  # legal when run, illegal while capturing
+        calls.append(fake.capturing)
+        if fake.capturing:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return step.kernel(inputs)
+
+    graph.steps[0] = dataclasses.replace(step, kernel=host_read)
+    for _ in range(4):
+        out = sess.run(None, _feeds(2))
+        np.testing.assert_array_equal(out[0], reference.run(None, _feeds(2))[0])
+    explained = sess.explain()
+    assert f"not captured: capture failed: While executing {step.node.label}: RuntimeError: " \
+        "operation not permitted when stream is capturing" in explained
+    # Warm-up, failed capture, then runs 3 and 4: the generated function, not the steps.
+    assert calls == [True] and sess._executor.compiled[0] is not None
 
 
 def test_host_resident_input_is_not_captured(mlp):

@@ -73,6 +73,16 @@ def test_summarize_trace_counts_per_run_and_merges_overlaps(gpu_check):
     assert metrics.busy_us == (15 + 4) / 2  # union 10..25 plus the copy
 
 
+def test_summarize_trace_subtracts_an_empty_windows_calls(gpu_check):
+    # Stopping torch.profiler synchronizes the device once per window: not the runs'.
+    events = [{"ph": "X", "cat": "cuda_runtime", "name": "cudaDeviceSynchronize", "ts": t,
+               "dur": 1} for t in range(5)]
+    empty = gpu_check.summarize_trace(events[:1], runs=1)
+    assert empty.host_syncs == 1
+    metrics = gpu_check.summarize_trace(events, runs=4, baseline=empty)
+    assert metrics.host_syncs == 1.0
+
+
 def test_targets_need_rows_and_cuda(gpu_check):
     rows = [
         {"workload": "resnet50_b1", "mode": "bulk/event+graphs", "p50_ms": 1.0, "syncs": 1,

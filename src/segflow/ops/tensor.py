@@ -252,10 +252,14 @@ def _range(node: Node, ctx: BindContext) -> Kernel:
     def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
         start, limit, delta = inputs
         assert start is not None and limit is not None and delta is not None
-        n = max(0, math.ceil((limit.item() - start.item()) / delta.item()))
-        # Bounds are read on the host; the result lives on the session's device.
-        steps = torch.arange(n, dtype=start.dtype, device=ctx.device)
-        return [start.to(ctx.device) + steps * delta.to(ctx.device)]
+        # All three are read on the host (host memory on every device: no device read
+        # inside a CUDA-graph capture); the result lives on the session's device.
+        first, step = start.item(), delta.item()
+        n = max(0, math.ceil((limit.item() - first) / step))
+        out = torch.arange(n, dtype=start.dtype, device=ctx.device)
+        if step != 1:
+            out = out.mul_(step)
+        return [out.add_(first) if first != 0 else out]
     return kernel
 
 

@@ -5,11 +5,20 @@ unless a profiler is active and a task's device is CUDA: node and segment
 names go to NVTX ranges (visible in Nsight Systems), and each node's device
 time is measured between two CUDA events recorded on the device's current
 stream, so asynchronous kernels are timed where they run, not at launch.
+
+:func:`device_activity` counts what CUPTI saw over a window of runs (host
+waits, launches, kernels, device busy time) for the GPU check and the CUDA
+tests.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import tempfile
 import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -93,3 +102,93 @@ def initialized_cuda_devices() -> list[str]:
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return []
     return [str(Device(DeviceKind.CUDA, i)) for i in range(torch.cuda.device_count())]
+
+
+# -- what CUPTI saw over a window of runs ---------------------------------------------------
+
+SYNC_APIS = frozenset({
+    "cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+    "cudaMemcpy2D", "cuCtxSynchronize", "cuStreamSynchronize", "cuEventSynchronize",
+    "cuMemcpyDtoH_v2", "cuMemcpyHtoD_v2", "cuMemcpy",
+})
+"""Runtime and driver calls that block the host until the device catches up."""
+LAUNCH_APIS = frozenset({
+    "cudaLaunchKernel", "cudaLaunchKernelExC", "cudaLaunchCooperativeKernel", "cuLaunchKernel",
+    "cuLaunchKernelEx", "cudaGraphLaunch", "cuGraphLaunch",
+})
+GRAPH_LAUNCH_APIS = frozenset({"cudaGraphLaunch", "cuGraphLaunch"})
+DEVICE_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceActivity:
+    """Per-run averages over a profiled window: host waits and launches (API calls),
+    device kernels, and device busy time (union of kernel and copy intervals)."""
+
+    host_syncs: float
+    launches: float
+    graph_launches: float
+    kernels: float
+    busy_us: float
+
+
+def summarize_trace(events: Iterable[Mapping[str, Any]], runs: int,
+                    baseline: DeviceActivity | None = None) -> DeviceActivity:
+    """Count a Chrome trace's syncs, launches and kernels and merge its device intervals,
+    per run; ``baseline`` (a window without runs) is subtracted from the totals first."""
+    syncs = launches = graph_launches = kernels = 0
+    intervals: list[tuple[float, float]] = []
+    for event in events:
+        if event.get("ph") != "X":
+            continue
+        category = str(event.get("cat", "")).lower()
+        name = str(event.get("name", ""))
+        if category in ("cuda_runtime", "cuda_driver", "runtime", "driver"):
+            syncs += name in SYNC_APIS
+            launches += name in LAUNCH_APIS
+            graph_launches += name in GRAPH_LAUNCH_APIS
+        elif category in DEVICE_CATEGORIES:
+            kernels += category == "kernel"
+            start = float(event.get("ts", 0.0))
+            intervals.append((start, start + float(event.get("dur", 0.0))))
+    busy = 0.0
+    end = float("-inf")
+    for start, stop in sorted(intervals):
+        if start > end:
+            busy += stop - start
+            end = stop
+        elif stop > end:
+            busy += stop - end
+            end = stop
+    base = baseline or DeviceActivity(0, 0, 0, 0, 0)
+    n = max(runs, 1)
+    return DeviceActivity((syncs - base.host_syncs) / n, (launches - base.launches) / n,
+                          (graph_launches - base.graph_launches) / n,
+                          (kernels - base.kernels) / n, (busy - base.busy_us) / n)
+
+
+def _trace_events(fn: Callable[[], object], runs: int) -> list[Mapping[str, Any]]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(runs):
+            fn()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+    return trace["traceEvents"] if isinstance(trace, dict) else trace
+
+
+def device_activity(fn: Callable[[], object], runs: int) -> DeviceActivity:
+    """Run ``fn`` ``runs`` times under ``torch.profiler`` (CPU and CUDA activity).
+
+    What the profiler itself does (stopping it synchronizes the device once) is
+    measured over an empty window and subtracted, so a bulk inference reads as
+    exactly its own host waits.
+    """
+    torch.cuda.synchronize()
+    empty = summarize_trace(_trace_events(lambda: None, 0), 1)
+    return summarize_trace(_trace_events(fn, runs), runs, baseline=DeviceActivity(
+        empty.host_syncs, empty.launches, empty.graph_launches, empty.kernels, 0.0))

@@ -198,6 +198,8 @@ class StreamCompletion:
         self.output_tasks = tuple(output_tasks)
         self.exec_types = [task.segment.exec_type for task in tasks]
         self.plans = _plan_tasks(plan, tasks, input_slots, sync_mode, backend)
+        # Feeds and outputs copied on the compute stream instead of the copy stream.
+        self.io_on_compute = False
         self.syncs_per_run = sum(p.counted_syncs for p in self.plans)
         producer = {slot: i for i, task in enumerate(tasks)
                     for step in task.steps for slot in step.outputs}
@@ -358,8 +360,8 @@ class _StreamRun:
         if not owner.stage:
             return feeds
         backend, device = owner.backend, owner.default_device
-        copy_stream = owner.pool.copy(device)
         compute = owner.pool.compute(device)
+        copy_stream = compute if owner.io_on_compute else owner.pool.copy(device)
         staged = []
         for tensor in feeds:
             if backend.needs_upload(tensor, device):
@@ -397,7 +399,7 @@ class _StreamRun:
 
         def body() -> None:
             if graph is not None:
-                graph.run(env, owner, self._count)
+                graph.run(env, owner, self._count, fn)
             else:
                 fn()
 
@@ -481,7 +483,8 @@ class _StreamRun:
             outputs = list(outputs)
             pending = events + [e for e in self.feed_events if e is not None]
             for device in dict.fromkeys(d for _, d in on_device):
-                stream = owner.pool.copy(device)
+                stream = owner.pool.compute(device) if owner.io_on_compute else \
+                    owner.pool.copy(device)
                 for event in pending:
                     backend.wait_event(stream, event)
                 for i, d in on_device:

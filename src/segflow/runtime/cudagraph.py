@@ -36,6 +36,7 @@ import torch
 
 from segflow.engine.base import ExecType
 from segflow.engine.streams import GraphHandle, StreamBackend, StreamHandle
+from segflow.errors import ExecutionError
 from segflow.ir.graph import Node
 from segflow.passes.segment import Segment
 from segflow.runtime.binding import Step, node_reads, run_steps
@@ -101,10 +102,6 @@ HOST_READ_INPUTS: Mapping[str, HostRead] = {
 }
 """op type (default domain) -> the input indices whose values its kernel reads on the host."""
 
-# Host-read inputs the kernel also uses as device data (Range adds ``start``
-# to its arange): their constants must stay on the op's device.
-_HOST_AND_DATA: Mapping[str, frozenset[int]] = {"Range": frozenset({0, 2})}
-
 RANDOM_OPS = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike",
                         "RandomUniformLike", "Multinomial", "Bernoulli"})
 """Ops whose output is not a function of their inputs: never captured."""
@@ -162,7 +159,7 @@ def host_data_inputs(node: Node, host: set[int]) -> tuple[int, ...]:
     (``Div(sum, Cast(Shape(x)))`` on CUDA)."""
     if _runs_on_host(node, host) or node.subgraphs or node.op_type in SHAPE_OPS:
         return ()
-    on_host = set(host_read_inputs(node)) - _HOST_AND_DATA.get(node.op_type, frozenset())
+    on_host = set(host_read_inputs(node))
     return tuple(i for i, v in enumerate(node.inputs)
                  if v is not None and id(v) in host and i not in on_host)
 
@@ -184,8 +181,7 @@ def host_only_constants(nodes: Iterable[Node]) -> set[int]:
         if _runs_on_host(node, computed_on_host):
             on_host = set(range(len(reads)))
         else:
-            on_host = set(host_read_inputs(node)) - _HOST_AND_DATA.get(node.op_type,
-                                                                      frozenset())
+            on_host = set(host_read_inputs(node))
         for index, value in enumerate(reads):
             if value is None or not value.is_const:
                 continue
@@ -379,10 +375,18 @@ class SegmentGraph:
         return text
 
     def run(self, env: list[Tensor | None], host: CaptureHost,
-            on_host_wait: Callable[[], None]) -> None:
-        """Run the segment over ``env``: eager, capture-then-replay, or replay."""
+            on_host_wait: Callable[[], None],
+            eager: Callable[[], None] | None = None) -> None:
+        """Run the segment over ``env``: eager, capture-then-replay, or replay.
+
+        ``eager``: the segment's uncaptured form over ``env`` (its generated function);
+        by default its steps one by one.
+        """
+        if eager is None:
+            def eager() -> None:
+                run_steps(self.steps, env)
         if self.failure is not None:
-            run_steps(self.steps, env)
+            eager()
             return
         inputs = [env[s] for s in self.input_slots]
         key = CaptureKey.of(inputs)
@@ -393,18 +397,18 @@ class SegmentGraph:
                 self.cache.put(key, entry)
             if isinstance(entry, _Uncapturable):
                 self.last_reason = f"{key.describe()}: {entry.reason}"
-                run_steps(self.steps, env)
+                eager()
                 return
             if isinstance(entry, _Warming):
                 if entry.runs < self.warmup:
                     entry.runs += 1
-                    run_steps(self.steps, env)
+                    eager()
                     return
                 try:
                     captured = self._capture(inputs, env, host, on_host_wait)
                 except Exception as exc:  # noqa: BLE001 - any capture error means "don't"
-                    self.failure = f"capture failed: {type(exc).__name__}: {_first_line(exc)}"
-                    run_steps(self.steps, env)
+                    self.failure = f"capture failed: {_root_cause(exc)}"
+                    eager()
                     return
                 self.cache.put(key, captured)
                 entry = captured
@@ -455,6 +459,23 @@ class SegmentGraph:
             env[slot] = out.clone() if out is not None else None
         for slot in self.released_inputs:
             env[slot] = None
+
+
+def _root_cause(exc: BaseException) -> str:
+    """The error that broke a capture, named by its node where a kernel raised it.
+
+    A kernel's illegal call (a host read, a pageable copy) raises inside the
+    capture; ending the capture then raises again ("operation failed due to a
+    previous error during capture") with the first error as its context.
+    """
+    chain = [exc]
+    while chain[-1].__context__ is not None and len(chain) < 8:
+        chain.append(chain[-1].__context__)
+    named = next((e for e in chain if isinstance(e, ExecutionError)), None)
+    first = named or chain[-1]
+    text = f"{type(first).__name__}: {_first_line(first)}" if named is None else \
+        _first_line(first)
+    return text[:300]
 
 
 def _first_line(exc: BaseException) -> str:
