@@ -69,7 +69,7 @@ class Mode:
     bulk: bool
     sync_mode: str
     cuda_graphs: bool
-    engine: str | None = None  # None: the session default (SEGFLOW_ENGINE, else threaded)
+    engine: str | None = None  # None: the session default (SEGFLOW_ENGINE, else auto)
 
 
 MODES = (
@@ -77,7 +77,7 @@ MODES = (
     Mode("bulk/stream", True, "stream", False),
     Mode("bulk/event", True, "event", False),
     Mode("bulk/event+graphs", True, "event", True),
-    Mode("bulk/event+graphs/inline", True, "event", True, "inline"),
+    Mode("bulk/event+graphs/threaded", True, "event", True, "threaded"),
 )
 PEERS = ("ort", "ort+graph", "torch", "torch+graph")
 
@@ -604,7 +604,7 @@ def environment(cfg: Config) -> dict[str, Any]:
         "python": platform.python_version(), "torch": torch.__version__,
         "torch_cuda": torch.version.cuda, "numpy": np.__version__, "onnx": onnx.__version__,
         "device": cfg.device, "dry_run": cfg.dry_run, "fake_streams": cfg.fake_streams,
-        "engine": os.environ.get("SEGFLOW_ENGINE", "threaded (default)"),
+        "engine": os.environ.get("SEGFLOW_ENGINE", "auto (default: inline on one device)"),
         "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
         "matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
     }

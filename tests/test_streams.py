@@ -46,8 +46,13 @@ def mlp_reference(mlp, mlp_feeds):
                                     optimize={"dense_chain": False}).run(None, mlp_feeds)
 
 
-def _session(model, fake, **kwargs):
-    return segflow.InferenceSession(model, stream_backend=fake, **kwargs)
+def _session(model, fake, copy_stream=False, **kwargs):
+    """``copy_stream``: copy feeds and outputs on the copy stream, as plans with several
+    devices do, instead of on the one compute stream of these single-device plans."""
+    sess = segflow.InferenceSession(model, stream_backend=fake, **kwargs)
+    if copy_stream:
+        sess._executor.completion.io_on_compute = False
+    return sess
 
 
 def _steady(sess, fake, feeds, runs=2):
@@ -89,9 +94,10 @@ def test_session_streams_are_created_once_not_per_run(mlp, mlp_feeds):
     sess = _session(mlp, fake, engine="inline")
     for _ in range(3):
         sess.run(None, mlp_feeds)
-    assert fake.count("create_stream") == 2  # one compute, one copy stream
+    # One compute stream: one device, so its copies need no copy stream.
+    assert fake.count("create_stream") == 1
     other = FakeBackend()
-    _session(mlp, other, engine="inline").run(None, mlp_feeds)
+    _session(mlp, other, engine="inline", copy_stream=True).run(None, mlp_feeds)
     assert other.count("create_stream") == 2  # pools belong to sessions, not the module
 
 
@@ -135,6 +141,25 @@ def test_sync_mode_is_parsed_and_recorded(mlp, mlp_feeds):
 def test_bulk_event_mode_one_host_wait(mlp, mlp_feeds, mlp_reference, engine):
     fake = FakeBackend()
     sess = _session(mlp, fake, engine=engine, bulk=True, sync_mode="event")
+    assert sess._executor.completion.io_on_compute
+    outputs, stats = _steady(sess, fake, mlp_feeds)
+    np.testing.assert_array_equal(outputs[0], mlp_reference[0])
+    assert (stats.segments, stats.pushes, stats.syncs) == (1, 1, 1)
+    assert fake.host_waits == stats.syncs == 1
+    assert fake.ops() == [
+        "to_device",                                     # the feed, on the compute stream
+        "use_stream", "record_event",                    # the segment, then its event
+        "to_host", "record_event", "synchronize_event",  # the output; the one host wait
+    ]
+    assert "copies: feeds and outputs through pinned memory on the compute stream" \
+        in sess.explain()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_bulk_event_mode_on_the_copy_stream_one_host_wait(mlp, mlp_feeds, mlp_reference,
+                                                          engine):
+    fake = FakeBackend()
+    sess = _session(mlp, fake, copy_stream=True, engine=engine, bulk=True, sync_mode="event")
     outputs, stats = _steady(sess, fake, mlp_feeds)
     np.testing.assert_array_equal(outputs[0], mlp_reference[0])
     assert (stats.segments, stats.pushes, stats.syncs) == (1, 1, 1)
@@ -158,10 +183,10 @@ def test_bulk_off_event_mode_still_one_host_wait(mlp, mlp_feeds, mlp_reference, 
     assert nodes >= LAYERS
     assert stats.pushes == stats.segments == nodes
     assert stats.syncs == fake.host_waits == 1
-    # One event per task plus the upload's and the download's; tasks share the compute
-    # stream, so only the first waits (for the upload).
-    assert fake.count("record_event") == nodes + 2
-    assert fake.count("wait_event") == 1 + 2
+    # One event per task plus the download's; the feed and the output are copied on the
+    # compute stream every task runs on, so nothing waits on the device.
+    assert fake.count("record_event") == nodes + 1
+    assert fake.count("wait_event") == 0
     assert fake.count("use_stream") == nodes
 
 
@@ -177,7 +202,7 @@ def test_bulk_off_stream_mode_syncs_every_task(mlp, mlp_feeds, mlp_reference, en
     assert stats.syncs == nodes + 1
     assert fake.count("synchronize_stream") == nodes
     assert fake.host_waits == stats.syncs
-    assert fake.count("record_event") == 2  # upload and download only
+    assert fake.count("record_event") == 1  # the download's (the upload needs none)
 
 
 def test_bulk_stream_mode_one_task_sync_plus_output(mlp, mlp_feeds):
@@ -223,15 +248,25 @@ def test_run_tensors_waits_once_without_download(mlp, mlp_feeds):
     assert out.shape == (2, 8)
 
 
-def test_tasks_run_on_the_compute_stream_and_copies_on_the_copy_stream(mlp, mlp_feeds):
+@pytest.mark.parametrize("copy_stream", [False, True])
+def test_tasks_run_on_the_compute_stream_and_copies_where_they_can_overlap(
+        mlp, mlp_feeds, copy_stream):
     fake = FakeBackend()
-    sess = _session(mlp, fake, engine="inline", bulk=False)
+    sess = _session(mlp, fake, copy_stream=copy_stream, engine="inline", bulk=False)
     sess.run(None, mlp_feeds)
     streams = {call.args[0]: call.args[2] for call in fake.calls if call.op == "create_stream"}
     used = {streams[call.args[0]] for call in fake.calls if call.op == "use_stream"}
     assert used == {"compute"}
     moved = {streams[call.args[0]] for call in fake.calls if call.op in ("to_device", "to_host")}
-    assert moved == {"copy"}
+    assert moved == ({"copy"} if copy_stream else {"compute"})
+
+
+def test_copies_use_the_copy_stream_when_a_plan_spans_devices(mlp):
+    fake = FakeBackend(managed=lambda device: device.index == 0)
+    sess = _session(mlp, fake, engine="threaded", placement={"layers.2.*": "cpu:1"})
+    assert not sess._executor.completion.io_on_compute
+    assert "copies: feeds and outputs through pinned memory on the copy stream" \
+        in sess.explain()
 
 
 @pytest.mark.parametrize("mode,syncs", [("event", 2), ("stream", 5)])
@@ -281,4 +316,4 @@ def test_concurrent_runs_share_the_pool(mlp, mlp_feeds, mlp_reference):
     for t in threads:
         t.join()
     assert not errors
-    assert fake.count("create_stream") == 2
+    assert fake.count("create_stream") == 1

@@ -108,6 +108,45 @@ class StreamBackend(Protocol):
         ...
 
 
+_GET_STREAM = getattr(torch._C, "_cuda_getCurrentStream", None)
+_SET_STREAM = getattr(torch._C, "_cuda_setStream", None)
+_GET_DEVICE = getattr(torch._C, "_cuda_getDevice", None)
+
+
+class _CurrentStream:
+    """``with torch.cuda.stream(s)`` for a stream of the current device, without the
+    Python layers around it (device-index normalisation, ``Stream`` objects for the
+    previous stream): those cost tens of microseconds a switch, and a run switches
+    three times. Other devices, or a torch without these bindings, take the public
+    context manager."""
+
+    __slots__ = ("_stream", "_previous", "_public")
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self._previous: tuple[int, int, int] | None = None
+        self._public: Any = None
+
+    def __enter__(self) -> None:
+        s = self._stream
+        if _GET_STREAM is None or _SET_STREAM is None or _GET_DEVICE is None \
+                or _GET_DEVICE() != s.device_index:
+            self._public = torch.cuda.stream(s)
+            self._public.__enter__()
+            return
+        self._previous = _GET_STREAM(s.device_index)
+        _SET_STREAM(stream_id=s.stream_id, device_index=s.device_index,
+                    device_type=s.device_type)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._public is not None:
+            self._public.__exit__(*exc)
+            return
+        assert self._previous is not None and _SET_STREAM is not None
+        stream_id, index, kind = self._previous
+        _SET_STREAM(stream_id=stream_id, device_index=index, device_type=kind)
+
+
 class TorchCudaBackend:
     """The real backend: ``torch.cuda`` streams, events and graphs."""
 
@@ -138,7 +177,7 @@ class TorchCudaBackend:
         event.synchronize()
 
     def use_stream(self, stream: StreamHandle) -> contextlib.AbstractContextManager[None]:
-        return torch.cuda.stream(stream)  # type: ignore[return-value]
+        return _CurrentStream(stream)
 
     def on_device(self, tensor: Tensor) -> bool:
         return tensor.is_cuda
@@ -157,14 +196,14 @@ class TorchCudaBackend:
             # allocator keeps this block until the copy that reads it has finished.
             source = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
             source.copy_(tensor)
-        with torch.cuda.stream(stream):
+        with _CurrentStream(stream):
             return source.to(device.torch, non_blocking=True)
 
     def to_host(self, tensor: Tensor, stream: StreamHandle) -> Tensor:
         if not tensor.is_cuda:  # e.g. a Shape output: already host memory
             return tensor
         out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        with torch.cuda.stream(stream):
+        with _CurrentStream(stream):
             out.copy_(tensor, non_blocking=True)
         tensor.record_stream(stream)
         return out

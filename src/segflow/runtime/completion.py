@@ -18,7 +18,9 @@ Chosen once, at bind time, from the plan's devices and the sync mode:
 
   Inputs go to the device through pinned memory on the copy stream (each task
   waits only for the inputs it reads), and :meth:`RunCompletion.finish`
-  copies outputs back through pinned memory and waits once.
+  copies outputs back through pinned memory and waits once. Where one compute
+  stream runs every task (one device, no cross-device copies), nothing could
+  overlap with those copies: they go on the compute stream, without events.
 
 ``RunStats.syncs`` stays exact: the executor counts the output wait and the
 LOCAL tasks' waits; :attr:`RunCompletion.extra_syncs` adds the rest (stream
@@ -198,8 +200,14 @@ class StreamCompletion:
         self.output_tasks = tuple(output_tasks)
         self.exec_types = [task.segment.exec_type for task in tasks]
         self.plans = _plan_tasks(plan, tasks, input_slots, sync_mode, backend)
-        # Feeds and outputs copied on the compute stream instead of the copy stream.
-        self.io_on_compute = False
+        # One device, one compute stream and no cross-device copies: every task runs in
+        # order on that stream, so a copy stream has nothing to overlap with (the first
+        # task needs the feeds, the outputs come after the last). Feeds and outputs are
+        # then copied on the compute stream itself, with no events between them.
+        streams = {(p.stream_device, p.copy_stream) for p in self.plans
+                   if p.stream_device is not None}
+        self.io_on_compute = self.stage and self.pool.compute_streams == 1 \
+            and streams <= {(default, False)}
         self.syncs_per_run = sum(p.counted_syncs for p in self.plans)
         producer = {slot: i for i, task in enumerate(tasks)
                     for step in task.steps for slot in step.outputs}
@@ -252,6 +260,9 @@ class StreamCompletion:
         lines = [f"sync mode: {self.sync_mode.value} on {', '.join(devices) or '-'} "
                  f"({self.backend.name} streams: {ending}; "
                  f"{self.syncs_per_run} host waits per run at task ends)"]
+        lines.append("copies: feeds and outputs through pinned memory on the " + (
+            "compute stream (one stream runs every task: nothing to overlap)"
+            if self.io_on_compute else "copy stream"))
         if self.cuda_graphs:
             eligible = sum(1 for d in self.decisions if d.eligible)
             lines.append(f"cuda graphs: {eligible} of {len(self.decisions)} segments "
@@ -361,10 +372,15 @@ class _StreamRun:
             return feeds
         backend, device = owner.backend, owner.default_device
         compute = owner.pool.compute(device)
-        copy_stream = compute if owner.io_on_compute else owner.pool.copy(device)
         staged = []
         for tensor in feeds:
+            if backend.needs_upload(tensor, device) and owner.io_on_compute:
+                # On the stream of every task that reads it: ordered without an event.
+                staged.append(backend.to_device(tensor, device, compute))
+                self.feed_events.append(None)
+                continue
             if backend.needs_upload(tensor, device):
+                copy_stream = owner.pool.copy(device)
                 moved = backend.to_device(tensor, device, copy_stream)
                 event = backend.record_event(copy_stream)
             else:
@@ -481,7 +497,9 @@ class _StreamRun:
                      if d is not None and host_outputs and outputs[i] is not None]
         if on_device:
             outputs = list(outputs)
-            pending = events + [e for e in self.feed_events if e is not None]
+            # On the compute stream, the tasks' work is already ahead of the copies.
+            pending = [] if owner.io_on_compute else events
+            pending += [e for e in self.feed_events if e is not None]
             for device in dict.fromkeys(d for _, d in on_device):
                 stream = owner.pool.compute(device) if owner.io_on_compute else \
                     owner.pool.copy(device)
