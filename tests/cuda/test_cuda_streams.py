@@ -72,7 +72,7 @@ def test_event_mode_one_sync_and_correct(mlp, mlp_feeds, mlp_reference, engine):
         out = sess.run(None, mlp_feeds)
         np.testing.assert_allclose(out[0], mlp_reference[0], rtol=1e-5, atol=1e-5)
         assert sess.last_run_stats.syncs == 1
-    assert sess._executor.completion.pool.created == 2  # compute + copy, created once
+    assert sess._executor.completion.pool.created == 1  # one device: compute stream only
 
 
 def test_event_mode_counter_matches_cupti(mlp, mlp_feeds):
