@@ -67,6 +67,55 @@ def _steady(sess, fake, feeds, runs=2):
 # -- the pool -----------------------------------------------------------------------------
 
 
+class _Stream:
+    def __init__(self, stream_id: int, device_index: int) -> None:
+        self.stream_id, self.device_index, self.device_type = stream_id, device_index, 1
+
+
+def test_current_stream_switch_restores_the_previous_stream(monkeypatch):
+    from segflow.engine import streams
+
+    calls = []
+    current = {0: (7, 0, 1)}
+    monkeypatch.setattr(streams, "_GET_DEVICE", lambda: 0)
+    monkeypatch.setattr(streams, "_GET_STREAM", lambda index: current[index])
+
+    def set_stream(stream_id, device_index, device_type):
+        calls.append(stream_id)
+        current[device_index] = (stream_id, device_index, device_type)
+
+    monkeypatch.setattr(streams, "_SET_STREAM", set_stream)
+    with streams._CurrentStream(_Stream(42, 0)):
+        assert current[0] == (42, 0, 1)
+    assert calls == [42, 7] and current[0] == (7, 0, 1)
+    with pytest.raises(RuntimeError), streams._CurrentStream(_Stream(43, 0)):
+        raise RuntimeError("a kernel failed")
+    assert current[0] == (7, 0, 1)  # restored on errors too
+
+
+def test_current_stream_switch_on_another_device_takes_torchs_context(monkeypatch):
+    from segflow.engine import streams
+
+    used = []
+
+    class Public:
+        def __init__(self, stream):
+            used.append(("init", stream.stream_id))
+
+        def __enter__(self):
+            used.append("enter")
+
+        def __exit__(self, *exc):
+            used.append("exit")
+
+    monkeypatch.setattr(streams, "_GET_DEVICE", lambda: 0)
+    monkeypatch.setattr(streams, "_SET_STREAM", lambda **kw: pytest.fail("fast path taken"))
+    monkeypatch.setattr(streams.torch.cuda, "stream", Public)
+    with streams._CurrentStream(_Stream(5, 1)):  # a stream of cuda:1 while cuda:0 is current
+        pass
+    assert used == [("init", 5), "enter", "exit"]
+
+
 def test_pool_creates_each_stream_once():
     fake = FakeBackend()
     pool = StreamPool(fake)
