@@ -35,8 +35,18 @@ def load_model_arg(model: str | None):  # type: ignore[no-untyped-def]
     return spec, spec
 
 
-def parse_inputs(specs: Sequence[str], sess, seed: int = 0) -> dict[str, np.ndarray]:  # type: ignore[no-untyped-def]
-    """``NAME=FILE.npy`` or ``NAME=rand:1x3x224x224``; unnamed inputs get random data."""
+def parse_inputs(specs: Sequence[str], sess, seed: int = 0,  # type: ignore[no-untyped-def]
+                 label: str | None = None) -> dict[str, np.ndarray]:
+    """``NAME=FILE.npy`` or ``NAME=rand:1x3x224x224``; unnamed inputs get random data.
+
+    A built-in model (``label`` ``builtin:NAME``) given no ``--input`` runs on its own
+    example inputs (``segflow.models.example_inputs``: BERT at sequence 128), not on
+    random data with every symbolic dimension 1.
+    """
+    if not specs and label is not None and label.startswith("builtin:"):
+        from segflow import models
+
+        return models.example_inputs(label.removeprefix("builtin:"), batch_size=1, seed=seed)
     rng = np.random.default_rng(seed)
     feeds: dict[str, np.ndarray] = {}
     inputs = {arg.name: arg for arg in sess.get_inputs()}
@@ -105,7 +115,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             print(f"{name:14s} {models.info(name).summary}")
         return 0
     sess, label = _session(args)
-    feeds = parse_inputs(args.input, sess, args.seed)
+    feeds = parse_inputs(args.input, sess, args.seed, label)
     names = [o.name for o in sess.get_outputs()]
     outputs = sess.run(None, feeds)
     for _ in range(args.repeat - 1):
@@ -139,7 +149,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     import onnx
 
     sess, label = _session(args)
-    feeds = parse_inputs(args.input, sess, args.seed)
+    feeds = parse_inputs(args.input, sess, args.seed, label)
     model, _ = load_model_arg(args.model)
     payload = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
     ref = ort.InferenceSession(payload, providers=["CPUExecutionProvider"])
@@ -243,8 +253,11 @@ def _add_model_args(p: argparse.ArgumentParser, with_inputs: bool = True) -> Non
     if with_inputs:
         p.add_argument("--input", action="append", default=[], metavar="NAME=SRC",
                        help="NAME=FILE.npy or NAME=rand:1x3x224x224 (repeatable); "
-                            "inputs not given get random data")
-        p.add_argument("--seed", type=int, default=0, help="seed for random inputs")
+                            "inputs not given get random data (symbolic dimensions 1), "
+                            "and a built-in model given none runs on its example inputs "
+                            "(BERT at sequence 128)")
+        p.add_argument("--seed", type=int, default=0,
+                       help="seed for random or example inputs")
 
 
 Command = Callable[[argparse.Namespace], int]

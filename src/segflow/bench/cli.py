@@ -96,7 +96,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     from segflow.cli import _session, parse_inputs
 
     sess, label = _session(args)
-    feeds = parse_inputs(args.input, sess, args.seed)
+    feeds = parse_inputs(args.input, sess, args.seed, label)
     for _ in range(args.warmup):
         sess.run(None, feeds)
     with segflow.profile() as prof:
@@ -104,6 +104,8 @@ def _cmd_profile(args: argparse.Namespace) -> int:
             sess.run(None, feeds)
     stats = sess.last_run_stats
     print(f"model: {label}  ({args.runs} profiled run(s) after {args.warmup} warmup)")
+    print("inputs: " + ", ".join(f"{name} {array.dtype}{list(array.shape)}"
+                                 for name, array in feeds.items()))
     if stats is not None:
         print(f"counters per run: segments={stats.segments} pushes={stats.pushes} "
               f"syncs={stats.syncs} kernels={stats.kernels} copies={stats.copies} "
