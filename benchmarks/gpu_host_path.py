@@ -32,7 +32,6 @@ import os
 import pstats
 import statistics
 import sys
-import time
 from collections.abc import Callable
 
 import torch
@@ -45,13 +44,7 @@ from segflow import models  # noqa: E402
 
 
 def p50_ms(fn: Callable[[], object], runs: int = 200, warmup: int = 20) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
+    times = gpu_check.timed(fn, warmup, runs)  # type: ignore[arg-type]
     return round(statistics.median(times) * 1e3, 4)
 
 
