@@ -374,12 +374,13 @@ class _StreamRun:
         compute = owner.pool.compute(device)
         staged = []
         for tensor in feeds:
-            if backend.needs_upload(tensor, device) and owner.io_on_compute:
+            upload = backend.needs_upload(tensor, device)
+            if upload and owner.io_on_compute:
                 # On the stream of every task that reads it: ordered without an event.
                 staged.append(backend.to_device(tensor, device, compute))
                 self.feed_events.append(None)
                 continue
-            if backend.needs_upload(tensor, device):
+            if upload:
                 copy_stream = owner.pool.copy(device)
                 moved = backend.to_device(tensor, device, copy_stream)
                 event = backend.record_event(copy_stream)

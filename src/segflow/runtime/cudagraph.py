@@ -164,16 +164,19 @@ def host_data_inputs(node: Node, host: set[int]) -> tuple[int, ...]:
                  if v is not None and id(v) in host and i not in on_host)
 
 
-def host_only_constants(nodes: Iterable[Node]) -> set[int]:
+def host_only_constants(nodes: Iterable[Node], computed_on_host: set[int] | None = None
+                        ) -> set[int]:
     """ids of constants that every reader only reads on the host.
 
     The executor keeps these on the CPU even on a CUDA device: reading a shape
     from device memory is a hidden host synchronization per run (and illegal
     inside a capture), and shape arithmetic on the host (:func:`host_values`)
-    must find its constants there.
+    must find its constants there. ``computed_on_host``: :func:`host_values` of
+    ``nodes`` if the caller has it.
     """
     nodes = list(nodes)
-    computed_on_host = host_values(nodes)
+    if computed_on_host is None:
+        computed_on_host = host_values(nodes)
     host: set[int] = set()
     device: set[int] = set()
     for node in nodes:

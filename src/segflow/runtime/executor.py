@@ -94,8 +94,8 @@ class Executor:
         self.tasks: list[_BoundTask] = []
         const_slots: list[tuple[int, Tensor]] = []
         # Shapes, axes and other constants read only on the host stay in host memory.
-        host_consts = host_only_constants(graph.nodes)
         host_vals = host_values(graph.nodes)  # shapes and shape arithmetic: host memory
+        host_consts = host_only_constants(graph.nodes, host_vals)
         for seg in plan.segments:
             ctx = context(seg.device)
             steps = []
