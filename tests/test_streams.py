@@ -366,3 +366,50 @@ def test_concurrent_runs_share_the_pool(mlp, mlp_feeds, mlp_reference):
         t.join()
     assert not errors
     assert fake.count("create_stream") == 1
+
+
+# -- run_async: the output wait, deferred -------------------------------------------------
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_run_async_defers_the_one_host_wait_to_result(mlp, mlp_feeds, mlp_reference, engine):
+    fake = FakeBackend()
+    sess = _session(mlp, fake, engine=engine, sync_mode="event")
+    sess.run(None, mlp_feeds)
+    fake.clear()
+    pending = sess.run_async(None, mlp_feeds)
+    assert fake.host_waits == 0 and fake.count("to_host") == 1  # copied, not yet waited for
+    assert pending.stats.syncs == 1 == sess.last_run_stats.syncs
+    out = pending.result()
+    assert fake.host_waits == 1 and fake.ops()[-1] == "synchronize_event"
+    np.testing.assert_array_equal(out[0], mlp_reference[0])
+    assert pending.result() is out and fake.host_waits == 1  # waited once
+
+
+def test_run_async_keeps_two_runs_in_flight_apart(mlp, mlp_feeds):
+    fake = FakeBackend()
+    sess = _session(mlp, fake, engine="inline", cuda_graphs=True)
+    other = {"x": mlp_feeds["x"] * 2}
+    want = [sess.run(None, mlp_feeds)[0], sess.run(None, other)[0]]
+    for _ in range(3):  # through warm-up, capture and replays
+        waited = fake.count("synchronize_event")
+        first = sess.run_async(None, mlp_feeds)
+        second = sess.run_async(None, other)
+        assert fake.count("synchronize_event") == waited  # both in flight, neither waited
+        np.testing.assert_array_equal(second.result()[0], want[1])
+        np.testing.assert_array_equal(first.result()[0], want[0])
+
+
+def test_run_async_on_the_host_and_when_profiled_is_complete_on_return(mlp, mlp_feeds,
+                                                                      mlp_reference):
+    plain = segflow.InferenceSession(mlp, engine="inline", optimize={"dense_chain": False})
+    np.testing.assert_array_equal(plain.run_async(None, mlp_feeds).result()[0],
+                                  mlp_reference[0])
+    fake = FakeBackend()
+    sess = _session(mlp, fake, engine="inline")
+    with segflow.profile():
+        pending = sess.run_async(None, mlp_feeds)
+        waits = fake.host_waits
+    assert waits == 1  # a profiled run closes its spans, its wait included, inside the run
+    np.testing.assert_array_equal(pending.result()[0], mlp_reference[0])
+    assert fake.host_waits == 1

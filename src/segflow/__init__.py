@@ -16,7 +16,7 @@ from segflow.errors import (
     UnsupportedOp,
 )
 from segflow.profiler import profile
-from segflow.runtime.session import InferenceSession, NodeArg
+from segflow.runtime.session import InferenceSession, NodeArg, PendingRun
 from segflow.runtime.stats import RunStats
 from segflow.runtime.training import CrossEntropyLoss, GradReq, StepResult, TrainingSession
 
@@ -31,6 +31,7 @@ __all__ = [
     "InvalidModel",
     "InvalidSetting",
     "NodeArg",
+    "PendingRun",
     "RunStats",
     "SegflowError",
     "StepResult",

@@ -136,3 +136,22 @@ def test_failed_capture_falls_back_with_reason():
     assert "not captured: capture failed" in sess.explain()
     # The device still works after the failed capture.
     assert torch.ones(3, device=DEVICE).sum().item() == 3
+
+
+def test_run_async_two_in_flight_match_run_and_wait_once_each(resnet18):
+    sess = segflow.InferenceSession(resnet18, DEVICE, engine="inline", cuda_graphs=True)
+    plain = segflow.InferenceSession(resnet18, DEVICE, engine="inline")
+    feeds = [_feeds(1), {"input": _feeds(1)["input"] * -0.5}]
+    want = [plain.run(None, f)[0] for f in feeds]
+    for _ in range(3):
+        sess.run(None, feeds[0])  # warm-up, capture, replay
+
+    def two_in_flight() -> list[np.ndarray]:
+        first, second = sess.run_async(None, feeds[0]), sess.run_async(None, feeds[1])
+        return [second.result()[0], first.result()[0]]
+
+    got = two_in_flight()
+    np.testing.assert_allclose(got[0], want[1], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(got[1], want[0], rtol=1e-4, atol=1e-5)
+    counts = count_api_calls(two_in_flight, runs=3)
+    assert counts.syncs == 6 and counts.graph_launches == 6  # one wait per run, none more

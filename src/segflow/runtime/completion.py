@@ -120,7 +120,14 @@ class RunCompletion(Protocol):
     def wrap(self, index: int, fn: TaskFn, profiled: bool = False) -> TaskFn:
         ...
 
-    def finish(self, outputs: list[Tensor | None], host_outputs: bool) -> list[Tensor | None]:
+    def finish(self, outputs: list[Tensor | None], host_outputs: bool,
+               defer: bool = False) -> list[Tensor | None]:
+        """The outputs, once the host has waited for them; with ``defer`` the wait is
+        left to :meth:`wait` (counted all the same)."""
+        ...
+
+    def wait(self) -> None:
+        """The output wait a deferred :meth:`finish` left (nothing otherwise)."""
         ...
 
     @property
@@ -150,8 +157,12 @@ class _HostRun:
     def wrap(self, index: int, fn: TaskFn, profiled: bool = False) -> TaskFn:
         return fn
 
-    def finish(self, outputs: list[Tensor | None], host_outputs: bool) -> list[Tensor | None]:
+    def finish(self, outputs: list[Tensor | None], host_outputs: bool,
+               defer: bool = False) -> list[Tensor | None]:
         return outputs
+
+    def wait(self) -> None:
+        pass
 
     @property
     def extra_syncs(self) -> int:
@@ -347,7 +358,7 @@ def _slots_read_after(tasks: Sequence[BoundTask], output_slots: Sequence[int]
 class _StreamRun:
     """One run's events and counters under a :class:`StreamCompletion`."""
 
-    __slots__ = ("owner", "env", "events", "feed_events", "_extra", "_lock")
+    __slots__ = ("owner", "env", "events", "feed_events", "_extra", "_lock", "_deferred")
 
     def __init__(self, owner: StreamCompletion, env: list[Tensor | None]) -> None:
         self.owner = owner
@@ -356,6 +367,7 @@ class _StreamRun:
         self.feed_events: list[EventHandle | None] = []
         self._extra = owner.syncs_per_run
         self._lock = threading.Lock()
+        self._deferred: list[EventHandle] = []
 
     @property
     def extra_syncs(self) -> int:
@@ -461,16 +473,20 @@ class _StreamRun:
         self._join([self.events[d] for d in deps], stream)
 
     def _join(self, events: Sequence[EventHandle | None], stream: StreamHandle) -> None:
+        event = self._joined(events, stream)
+        if event is not None:
+            self.owner.backend.synchronize_event(event)
+
+    def _joined(self, events: Sequence[EventHandle | None], stream: StreamHandle
+                ) -> EventHandle | None:
+        """One event for several: ``stream`` waits for them all, then records it."""
         backend = self.owner.backend
         pending = [e for e in events if e is not None]
-        if not pending:
-            return
-        if len(pending) == 1:
-            backend.synchronize_event(pending[0])
-            return
+        if len(pending) <= 1:
+            return pending[0] if pending else None
         for event in pending:
             backend.wait_event(stream, event)
-        backend.synchronize_event(backend.record_event(stream))
+        return backend.record_event(stream)
 
     def _end(self, index: int, plan: TaskPlan, stream: StreamHandle) -> None:
         backend = self.owner.backend
@@ -488,11 +504,14 @@ class _StreamRun:
             self.events[index] = backend.record_event(stream)
 
     # -- outputs -----------------------------------------------------------------------------
-    def finish(self, outputs: list[Tensor | None], host_outputs: bool) -> list[Tensor | None]:
-        """Wait once for the outputs (copying them to pinned host memory when asked)."""
+    def finish(self, outputs: list[Tensor | None], host_outputs: bool,
+               defer: bool = False) -> list[Tensor | None]:
+        """Wait once for the outputs (copying them to pinned host memory when asked);
+        with ``defer``, leave that wait to :meth:`wait`."""
         owner = self.owner
         backend = owner.backend
         events = [self.events[t] for t in owner.output_tasks if self.events[t] is not None]
+        final: list[EventHandle] = []  # what the host waits for
         waits = 0
         on_device = [(i, d) for i, d in enumerate(owner.output_devices)
                      if d is not None and host_outputs and outputs[i] is not None]
@@ -509,16 +528,25 @@ class _StreamRun:
                 for i, d in on_device:
                     if d == device:
                         outputs[i] = backend.to_host(outputs[i], stream)  # type: ignore[arg-type]
-                backend.synchronize_event(backend.record_event(stream))
+                final.append(backend.record_event(stream))
                 waits += 1
         elif events:
-            self._join(events, owner.pool.compute(_first_device(owner)))
+            joined = self._joined(events, owner.pool.compute(_first_device(owner)))
+            final.append(joined)
             waits = 1
         # The executor counted one output wait if any task produces an output.
         counted = 1 if owner.output_tasks else 0
         if waits > counted:
             self._count(waits - counted)
+        self._deferred = final
+        if not defer:
+            self.wait()
         return outputs
+
+    def wait(self) -> None:
+        events, self._deferred = self._deferred, []
+        for event in events:
+            self.owner.backend.synchronize_event(event)
 
 
 def _first_device(owner: StreamCompletion) -> Device:

@@ -210,18 +210,34 @@ class Executor:
         parameter updates) and returns how many; they count as pushes. ``dims``: the
         symbolic dims the feeds bind (sizes the run's arena; None: no arena).
         """
+        outputs, stats, _ = self.start(feeds, sink, host_outputs=host_outputs,
+                                       after_tasks=after_tasks, dims=dims, defer_wait=False)
+        return outputs, stats
+
+    def start(self, feeds: Sequence[Tensor], sink: EventSink | None = None, *,
+              host_outputs: bool = False, after_tasks: AfterTasks | None = None,
+              dims: Mapping[str, int] | None = None, defer_wait: bool = True
+              ) -> tuple[list[Tensor], RunStats, Callable[[], None]]:
+        """:meth:`run`, returning before the host waits for the device (``defer_wait``).
+
+        The third value performs that wait (the run's one output wait, already counted
+        in its stats); the outputs are not ready before it returns. Where nothing is
+        left to wait for (host devices, profiled runs) it does nothing.
+        """
         if self.arena is None or dims is None:
-            return self._run(feeds, sink, host_outputs, after_tasks)
+            return self._run(feeds, sink, host_outputs, after_tasks, defer_wait)
         arena = self.arena.acquire(dims)
         try:
-            return self._run(feeds, sink, host_outputs, after_tasks)
+            return self._run(feeds, sink, host_outputs, after_tasks, defer_wait)
         finally:
             self.arena.release(arena)
 
     def _run(self, feeds: Sequence[Tensor], sink: EventSink | None, host_outputs: bool,
-             after_tasks: AfterTasks | None) -> tuple[list[Tensor], RunStats]:
+             after_tasks: AfterTasks | None, defer_wait: bool
+             ) -> tuple[list[Tensor], RunStats, Callable[[], None]]:
         if self._direct is not None and sink is None and after_tasks is None:
-            return self._run_direct(feeds)
+            outputs, stats = self._run_direct(feeds)
+            return outputs, stats, _done
         start = time.perf_counter()
         env = list(self.template)
         completion = self.completion.start(env)
@@ -255,13 +271,16 @@ class Executor:
             if sink is not None:
                 sink.span("sync", "wait for outputs", t0, time.perf_counter_ns(),
                           device=str(self.plan.default_device))
-        outputs = completion.finish([env[s] for s in self.output_slots], host_outputs)
+        # A profiled run waits here: its spans must close inside the run.
+        defer = defer_wait and sink is None
+        results = completion.finish([env[s] for s in self.output_slots], host_outputs, defer)
         syncs = self.host_syncs + completion.extra_syncs
         if sink is not None:
             sink.span("run", "run", run_t0, time.perf_counter_ns(),
                       device=str(self.plan.default_device),
                       args={"segments": len(self.tasks), "syncs": syncs})
-        return outputs, self._stats(extra_pushes, syncs, start)  # type: ignore[return-value]
+        stats = self._stats(extra_pushes, syncs, start)
+        return results, stats, completion.wait if defer else _done  # type: ignore[return-value]
 
     def _run_direct(self, feeds: Sequence[Tensor]) -> tuple[list[Tensor], RunStats]:
         """:meth:`run` for the inline engine on the host: the same tasks in the same order
@@ -350,6 +369,10 @@ def _profiled_task(task: _BoundTask, env: list[Tensor | None], sink: EventSink,
                       args={"segment": seg.index, "nodes": len(seg.nodes),
                             "reason": seg.reason})
     return run
+
+
+def _done() -> None:
+    """The wait of a run that has nothing left to wait for."""
 
 
 def _residual_in_place(tasks: Sequence[_BoundTask], inplace: Mapping[Node, int]) -> None:

@@ -62,6 +62,33 @@ class NodeArg:
     dtype: DType | None
 
 
+class PendingRun:
+    """A run started by :meth:`InferenceSession.run_async`: ``result()`` waits for it."""
+
+    __slots__ = ("_session", "_wanted", "_feeds", "_outputs", "_wait", "_arrays", "stats")
+
+    def __init__(self, session: InferenceSession, wanted: Sequence[int],
+                 feeds: Sequence[Tensor], outputs: Sequence[Tensor],
+                 wait: Callable[[], None], stats: RunStats) -> None:
+        self._session = session
+        self._wanted = wanted
+        self._feeds = feeds      # kept alive (and compared for aliasing) until the result
+        self._outputs = outputs
+        self._wait = wait
+        self._arrays: list[np.ndarray] | None = None
+        self.stats = stats
+        """The run's counters (its one output wait included)."""
+
+    def result(self) -> list[np.ndarray]:
+        """Wait for the run (once) and return its outputs as :meth:`InferenceSession.run`
+        does; later calls return the same arrays."""
+        if self._arrays is None:
+            self._wait()
+            self._arrays = self._session._arrays(self._wanted, self._feeds, self._outputs)
+            self._outputs = ()
+        return self._arrays
+
+
 class InferenceSession:
     """Load, plan and bind a model once; run it many times.
 
@@ -217,8 +244,35 @@ class InferenceSession:
             outputs, stats = self._executor.run(tensors, active_sink(), host_outputs=True,
                                                 dims=dims)
         self._local.stats = self._sized(stats, dims)
-        # Outputs that share storage with a weight, a feed or an earlier output are copied,
-        # so the caller can never mutate segflow's state or their own inputs through them.
+        return self._arrays(wanted, tensors, outputs)
+
+    def run_async(self, output_names: Sequence[str] | None,
+                  feeds: Mapping[str, Any]) -> PendingRun:
+        """Start a run and return before the host waits for the device.
+
+        ``result()`` on the returned :class:`PendingRun` waits (the run's one host
+        synchronization, counted in ``last_run_stats`` already) and gives what
+        :meth:`run` would have. On CUDA the host can stage and launch the next
+        inference while this one runs, so back-to-back batch-1 inferences keep the
+        device busy. Where nothing runs asynchronously (host devices, profiled runs)
+        the run is complete when this returns.
+        """
+        tensors, dims = self._validate(feeds)
+        wanted = self._output_indices(output_names)
+        with self._numpy_run_mode():
+            outputs, stats, wait = self._executor.start(tensors, active_sink(),
+                                                        host_outputs=True, dims=dims)
+        self._local.stats = self._sized(stats, dims)
+        return PendingRun(self, wanted, tensors, outputs, wait, self._local.stats)
+
+    def _arrays(self, wanted: Sequence[int], tensors: Sequence[Tensor],
+                outputs: Sequence[Tensor]) -> list[np.ndarray]:
+        """The wanted outputs as numpy arrays.
+
+        Outputs that share storage with a weight, a feed or an earlier output are
+        copied, so the caller can never mutate segflow's state or their own inputs
+        through them.
+        """
         weights = self._const_storages
         seen = {_storage(t) for t in tensors}
         arrays = []
