@@ -238,13 +238,7 @@ class InferenceSession:
         On the host (inline engine) the kernels run under ``torch.inference_mode``:
         nothing of the run can reach autograd, so torch skips that dispatch layer.
         """
-        tensors, dims = self._validate(feeds)
-        wanted = self._output_indices(output_names)
-        with self._numpy_run_mode():
-            outputs, stats = self._executor.run(tensors, active_sink(), host_outputs=True,
-                                                dims=dims)
-        self._local.stats = self._sized(stats, dims)
-        return self._arrays(wanted, tensors, outputs)
+        return self.run_async(output_names, feeds).result()
 
     def run_async(self, output_names: Sequence[str] | None,
                   feeds: Mapping[str, Any]) -> PendingRun:
