@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
 import segflow
+from concurrency import run_in_threads
 from segflow import models
 from segflow.ops.onednn_direct import Library
 from segflow.runtime.arena import ArenaLayout, ArenaPool
@@ -159,11 +160,7 @@ def test_concurrent_runs_each_take_their_own_block(resnet):
             if not np.allclose(out, ref, atol=ATOL, rtol=RTOL):
                 errors.append(f"seed {seed}: max error {np.abs(out - ref).max()}")
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_in_threads(work, 3)
     assert errors == []
     layout = _pool(sess).layout({"batch": 1})
     assert layout.nbytes <= _pool(sess).held_bytes() <= 3 * layout.nbytes

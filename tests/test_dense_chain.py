@@ -4,7 +4,6 @@ against onnxruntime and torch, the torch path, and what explain() says."""
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +15,7 @@ from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
 import segflow
+from concurrency import run_in_threads
 from segflow import models
 from segflow.frontend.onnx_import import import_model
 from segflow.ir.types import Device
@@ -329,22 +329,13 @@ def test_threads_share_one_chain():
     sess = segflow.InferenceSession(model)
     feeds = [{"x": _rand(1 + i % 4, 32)} for i in range(6)]
     reference = [_ort(model, f)[0] for f in feeds]
-    errors: list[BaseException] = []
 
     def worker(i: int) -> None:
-        try:
-            for _ in range(30):
-                np.testing.assert_allclose(sess.run(None, feeds[i])[0], reference[i],
-                                           atol=ATOL, rtol=RTOL)
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
+        for _ in range(30):
+            np.testing.assert_allclose(sess.run(None, feeds[i])[0], reference[i],
+                                       atol=ATOL, rtol=RTOL)
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(feeds))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors[0]
+    run_in_threads(worker, len(feeds))
 
 
 # -- the library -----------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from onnx import TensorProto, helper, numpy_helper
 
 import segflow
+from concurrency import run_in_threads
 from segflow.ops import fused
 from segflow.ops.onednn_direct import DirectLinear, Library, onednn_eltwise
 
@@ -153,30 +154,20 @@ def test_a_small_linear_stays_dense_for_mkl(monkeypatch):
 
 
 def test_concurrent_runs_of_one_session_match_onnxruntime(monkeypatch):
-    import threading
 
     monkeypatch.setattr(fused, "_cpu_has_avx512", lambda: False)
     model, _ = _linear_model(768, 1024, "Relu")
     ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     sess = segflow.InferenceSession(model, engine="threaded")
     assert fused.linear_calls_libdnnl(sess.graph.nodes[0])
-    errors: list[BaseException] = []
 
     def worker(seed: int) -> None:
         rng = np.random.default_rng(seed)
-        try:
-            for batch in (1, 2, 3) * 3:
-                x = rng.standard_normal((batch, 16, 768)).astype(np.float32)
-                np.testing.assert_allclose(sess.run(None, {"x": x})[0],
-                                           ref.run(None, {"x": x})[0], atol=ATOL, rtol=RTOL)
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors.append(exc)
-    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors[0]
+        for batch in (1, 2, 3) * 3:
+            x = rng.standard_normal((batch, 16, 768)).astype(np.float32)
+            np.testing.assert_allclose(sess.run(None, {"x": x})[0],
+                                       ref.run(None, {"x": x})[0], atol=ATOL, rtol=RTOL)
+    run_in_threads(worker, 3)
 
 
 def test_a_segment_with_a_direct_linear_never_looks_for_an_inductor_package(monkeypatch):

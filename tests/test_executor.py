@@ -6,12 +6,12 @@ import json
 import os
 import subprocess
 import sys
-import threading
 
 import numpy as np
 import pytest
 
 import segflow
+from concurrency import run_in_threads
 from segflow import models
 
 ENGINES = ["inline", "threaded"]
@@ -210,23 +210,14 @@ def test_one_session_many_threads():
     rng = np.random.default_rng(0)
     feeds = [{"x": rng.standard_normal((1 + i % 3, 64)).astype(np.float32)} for i in range(8)]
     reference = [sess.run(None, f)[0] for f in feeds]
-    errors: list[BaseException] = []
 
     def worker(i: int) -> None:
-        try:
-            for _ in range(50):
-                out = sess.run(None, feeds[i])[0]
-                np.testing.assert_array_equal(out, reference[i])
-                assert sess.last_run_stats.pushes == 1
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
+        for _ in range(50):
+            out = sess.run(None, feeds[i])[0]
+            np.testing.assert_array_equal(out, reference[i])
+            assert sess.last_run_stats.pushes == 1
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors[0]
+    run_in_threads(worker, 8)
 
 
 def test_kernel_error_names_the_node_and_session_stays_usable():

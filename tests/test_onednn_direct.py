@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import segflow
+from concurrency import run_in_threads
 from segflow import models
 from segflow.frontend.onnx_import import import_model
 from segflow.ir.types import Device, DeviceKind
@@ -66,15 +66,6 @@ def _direct(w: torch.Tensor, x_shape: list[int], *, stride: int = 1, pad: int = 
     assert LIB is not None
     conv = DirectConv(LIB, geo, eltwise, after, fallback, max_shapes, max_copies)
     return conv, packed, fallback
-
-
-def _in_threads(work: Callable[[int], None], count: int) -> None:
-    """Run ``work(0) ... work(count - 1)`` on that many threads at once; wait for all."""
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(count)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
 
 
 ACTS: dict[str, tuple[tuple[str, list[float], str] | None, Callable[..., torch.Tensor]]] = {
@@ -243,7 +234,7 @@ def test_concurrent_calls_on_one_convolution():
             if not torch.allclose(y, refs[i], atol=ATOL, rtol=RTOL):
                 errors.append(f"thread {i}")
 
-    _in_threads(work, 4)
+    run_in_threads(work, 4)
     assert errors == []
 
 
@@ -402,7 +393,7 @@ def test_concurrent_runs_of_one_session_match_onnxruntime(engine: str):
             if not np.allclose(out, ref, atol=1e-4, rtol=1e-3):
                 errors.append(f"seed {seed}: max error {np.abs(out - ref).max()}")
 
-    _in_threads(work, 3)
+    run_in_threads(work, 3)
     assert errors == []
 
 

@@ -7,12 +7,11 @@ test: ``RunStats.syncs`` counts host waits exactly in both sync modes.
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 
 import segflow
+from concurrency import run_in_threads
 from segflow import models
 from segflow.engine.streams import FakeBackend, StreamPool, StreamRole
 from segflow.ir.types import Device
@@ -348,23 +347,14 @@ def test_explain_names_mode_and_streams(mlp):
 def test_concurrent_runs_share_the_pool(mlp, mlp_feeds, mlp_reference):
     fake = FakeBackend()
     sess = _session(mlp, fake, engine="threaded", bulk=False)
-    errors: list[BaseException] = []
 
-    def worker() -> None:
-        try:
-            for _ in range(5):
-                out = sess.run(None, mlp_feeds)
-                np.testing.assert_array_equal(out[0], mlp_reference[0])
-                assert sess.last_run_stats.syncs == 1
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
+    def worker(i: int) -> None:
+        for _ in range(5):
+            out = sess.run(None, mlp_feeds)
+            np.testing.assert_array_equal(out[0], mlp_reference[0])
+            assert sess.last_run_stats.syncs == 1
 
-    threads = [threading.Thread(target=worker) for _ in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    run_in_threads(worker, 3)
     assert fake.count("create_stream") == 1
 
 
