@@ -11,14 +11,15 @@ and compares with onnxruntime (its CUDA provider when it has one, else CPU).
 
 Stage 2 benchmarks ResNet-50 at batch 1 and 32, BERT-base at batch 1 and the
 tiny-layer MLP chain in the modes nobulk/stream, bulk/stream, bulk/event and
-bulk/event+graphs, against onnxruntime CUDA (with and without its
-``enable_cuda_graph``), PyTorch eager and PyTorch with the whole model captured
-as one CUDA graph (``torch+graph``: a floor over the same kernels). Every row
-is measured the same way: numpy inputs in, numpy outputs out, one inference at
-a time. Per row: latency
-p50/p90, segflow's sync counter, and from one ``torch.profiler`` pass (CUDA
-only): host synchronizations and launches seen by CUPTI, device kernels, and
-device busy fraction = kernel+copy time per run (union over streams) / p50.
+bulk/event+graphs (also with the threaded engine, with device-resident I/O,
+and pipelined: two runs in flight through ``run_async``), against onnxruntime
+CUDA (with and without its ``enable_cuda_graph``), PyTorch eager and PyTorch
+with the whole model captured as one CUDA graph (``torch+graph``: a floor over
+the same kernels). Every other row is measured the same way: numpy inputs in,
+numpy outputs out, one inference at a time. Per row: latency p50/p90,
+segflow's sync counter, and from one ``torch.profiler`` pass (CUDA only): host
+synchronizations and launches seen by CUPTI, device kernels, and device busy
+fraction = kernel+copy time per run (union over streams) / p50.
 
 One table goes to stdout; the full record to ``$OUT/gpu_check.json`` (or
 ``--json``). Exit status 1 when a correctness check fails; with
@@ -52,8 +53,7 @@ import torch
 import segflow
 from segflow import models
 from segflow.engine.streams import FakeBackend
-from segflow.profiler import cuda as cuda_profile
-from segflow.profiler.cuda import DeviceActivity
+from segflow.profiler.cuda import device_activity
 
 Feeds = dict[str, np.ndarray]
 RunFn = Callable[[], list[np.ndarray]]
@@ -132,17 +132,6 @@ class Config:
     json_path: str | None
     strict_targets: bool
     tolerance: float
-
-
-# -- device metrics from a profiler trace ------------------------------------------------
-
-DeviceMetrics = DeviceActivity
-summarize_trace = cuda_profile.summarize_trace
-
-
-def profile_device(fn: RunFn, runs: int) -> DeviceMetrics:
-    """Run ``fn`` ``runs`` times under torch.profiler (less the profiler's own calls)."""
-    return cuda_profile.device_activity(fn, runs)
 
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -415,7 +404,7 @@ def measure(label: str, fn: RunFn, work: Workload, cfg: Config,
     row["iters"] = len(times)
     if cfg.device.startswith("cuda") and cfg.profile_runs > 0:
         try:
-            metrics = profile_device(fn, cfg.profile_runs)
+            metrics = device_activity(fn, cfg.profile_runs)
             row.update(asdict(metrics))
             busy = metrics.busy_us / (row["p50_ms"] * 1e3)
             row["busy"] = min(busy, 1.0) if metrics.kernels > 0 else None

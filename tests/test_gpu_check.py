@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from segflow.profiler.cuda import summarize_trace
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
 
@@ -53,7 +55,7 @@ def test_dry_run_through_the_shell_script(tmp_path):
     assert record["environment"]["fake_streams"] is True
 
 
-def test_summarize_trace_counts_per_run_and_merges_overlaps(gpu_check):
+def test_summarize_trace_counts_per_run_and_merges_overlaps():
     events = [
         {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 0, "dur": 2},
         {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 3, "dur": 2},
@@ -65,7 +67,7 @@ def test_summarize_trace_counts_per_run_and_merges_overlaps(gpu_check):
         {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 50},
         {"ph": "i", "cat": "kernel", "name": "marker", "ts": 0},
     ]
-    metrics = gpu_check.summarize_trace(events, runs=2)
+    metrics = summarize_trace(events, runs=2)
     assert metrics.launches == 1.0          # 2 launches over 2 runs
     assert metrics.graph_launches == 0.5
     assert metrics.host_syncs == 1.0
@@ -73,13 +75,13 @@ def test_summarize_trace_counts_per_run_and_merges_overlaps(gpu_check):
     assert metrics.busy_us == (15 + 4) / 2  # union 10..25 plus the copy
 
 
-def test_summarize_trace_subtracts_an_empty_windows_calls(gpu_check):
+def test_summarize_trace_subtracts_an_empty_windows_calls():
     # Stopping torch.profiler synchronizes the device once per window: not the runs'.
     events = [{"ph": "X", "cat": "cuda_runtime", "name": "cudaDeviceSynchronize", "ts": t,
                "dur": 1} for t in range(5)]
-    empty = gpu_check.summarize_trace(events[:1], runs=1)
+    empty = summarize_trace(events[:1], runs=1)
     assert empty.host_syncs == 1
-    metrics = gpu_check.summarize_trace(events, runs=4, baseline=empty)
+    metrics = summarize_trace(events, runs=4, baseline=empty)
     assert metrics.host_syncs == 1.0
 
 
