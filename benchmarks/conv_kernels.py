@@ -87,7 +87,7 @@ def _verbose_convs(stdout: str, runs: int) -> tuple[list[str], list[float], list
     ms_of = [float(ln.rsplit(",", 1)[1]) for ln in lines]
     shapes, ms = [], []
     for i in range(per_run):
-        match = re.search(r",(mb\d+_\S+?),", lines[i])
+        match = re.search(r",((?:g\d+)?mb\d+_\S+?),", lines[i])   # g<groups> when grouped
         shapes.append(re.sub(r"_iw.*|mb\d+_", "", match.group(1)) if match else "?")
         ms.append(statistics.median(ms_of[i + k * per_run] for k in range(runs)))
     sums = [sum(ms_of[k * per_run:(k + 1) * per_run]) for k in range(runs)]

@@ -309,7 +309,7 @@ def test_layout_keeps_the_torch_packing_libdnnl_reads_in_place(shape, input_size
     assert LIB is not None
     wanted = LIB.preferred_weight(dense, geometry(shape, (1, 1), (k // 2,) * 2, (1, 1), group),
                                   input_size)
-    packed, packed_for, verified = _pack_conv(dense, params, LIB)
+    packed, packed_for, verified, libdnnl_bytes = _pack_conv(dense, params, LIB)
 
     def torch_pack(size):
         return torch.ops.mkldnn._reorder_convolution_weight(
@@ -317,12 +317,16 @@ def test_layout_keeps_the_torch_packing_libdnnl_reads_in_place(shape, input_size
 
     candidates = [input_size, (2, *input_size[1:]), None]
     matching = [c for c in candidates if onednn_direct.same_bytes(torch_pack(c), wanted)]
+    assert verified == input_size
     if matching:
         assert onednn_direct.same_bytes(packed, wanted) and packed_for == matching[0]
-        assert verified == input_size
+        assert not libdnnl_bytes
+        torch.testing.assert_close(packed.to_dense(), dense)
     else:
-        assert packed_for == input_size and verified is None
-    torch.testing.assert_close(packed.to_dense(), dense)
+        # No torch packing is libdnnl's format: the weight stays in libdnnl's own.
+        assert libdnnl_bytes and packed_for == input_size and torch.equal(packed, wanted)
+        geo = geometry(shape, (1, 1), (k // 2,) * 2, (1, 1), group)
+        torch.testing.assert_close(LIB.unpack_weight(packed, geo, input_size), dense)
 
 
 def test_a_weight_the_layout_pass_verified_is_read_without_comparing_bytes(
@@ -333,9 +337,9 @@ def test_a_weight_the_layout_pass_verified_is_read_without_comparing_bytes(
     for channels, side in ((64, 56), (128, 28), (256, 14), (512, 7)):
         dense = torch.randn(channels, channels, 3, 3) * 0.1
         size = (1, channels, side, side)
-        packed, packed_for, verified = _pack_conv(
+        packed, packed_for, verified, libdnnl_bytes = _pack_conv(
             dense, _PackParams((1, 1), (1, 1), (1, 1), 1, size), LIB)
-        if verified is not None:
+        if verified is not None and not libdnnl_bytes:
             break
     else:
         pytest.skip("no torch packing of these weights is libdnnl's format on this CPU")
@@ -350,6 +354,96 @@ def test_a_weight_the_layout_pass_verified_is_read_without_comparing_bytes(
     torch.testing.assert_close(conv(x, packed), F.conv2d(x, dense, None, 1, 1),
                                atol=ATOL, rtol=RTOL)
     assert conv.direct_layouts == 1 and conv.copies == []
+
+
+def _libdnnl_packed(w: torch.Tensor, size: list[int], pad: int) -> tuple[Any, torch.Tensor]:
+    assert LIB is not None
+    geo = geometry(list(w.shape), (1, 1), (pad, pad), (1, 1), 1)
+    return geo, LIB.preferred_weight(w, geo, size)
+
+
+def test_a_weight_in_libdnnl_packing_is_read_in_place(monkeypatch: pytest.MonkeyPatch):
+    torch.manual_seed(10)
+    w = torch.randn(16, 8, 3, 3) * 0.1
+    size = [1, 8, 10, 10]
+    geo, packed = _libdnnl_packed(w, size, 1)
+    assert packed.dtype == torch.uint8
+
+    def no_copy(*args: Any) -> torch.Tensor:
+        raise AssertionError("made an own copy of a weight already in libdnnl's packing")
+    monkeypatch.setattr(onednn_direct, "_reorder_weight", no_copy)
+    assert LIB is not None
+    fallback = Fallback()
+    conv = DirectConv(LIB, geo, None, None, fallback, 32, 2, size, libdnnl_packed=True)
+    x = torch.randn(*size).contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(conv(x, packed), F.conv2d(x, w, None, 1, 1),
+                               atol=ATOL, rtol=RTOL)
+    assert conv.direct_layouts == 1 and conv.copies == [] and fallback.calls == 0
+
+
+def test_a_libdnnl_packed_weight_in_another_format_is_copied_from_its_values(
+        monkeypatch: pytest.MonkeyPatch):
+    # Pretend another input size wants another format: the copy is made from the
+    # values the packed bytes hold, not from the bytes as they are.
+    torch.manual_seed(11)
+    w = torch.randn(16, 8, 3, 3) * 0.1
+    size = [1, 8, 10, 10]
+    geo, packed = _libdnnl_packed(w, size, 1)
+    assert LIB is not None
+    monkeypatch.setattr(LIB, "equal", lambda a, b: False)
+    conv = DirectConv(LIB, geo, None, None, Fallback(), 32, 2, size, libdnnl_packed=True)
+    x = torch.randn(2, 8, 10, 10).contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(conv(x, packed), F.conv2d(x, w, None, 1, 1),
+                               atol=ATOL, rtol=RTOL)
+    assert len(conv.copies) == 1
+
+
+def test_a_libdnnl_packed_weight_needs_its_input_size():
+    assert LIB is not None
+    geo = geometry([4, 4, 1, 1], (1, 1), (0, 0), (1, 1), 1)
+    with pytest.raises(ValueError, match="input size"):
+        DirectConv(LIB, geo, None, None, Fallback(), 32, 2, None, libdnnl_packed=True)
+
+
+def test_torch_packing_is_made_once_from_libdnnl_bytes_for_a_fallback():
+    torch.manual_seed(12)
+    w = torch.randn(16, 8, 3, 3) * 0.1
+    size = [1, 8, 10, 10]
+    geo, packed = _libdnnl_packed(w, size, 1)
+    spec = fused._ConvSpec(2, [1, 1], [1, 1], [], [1, 1], 1, False, False)
+    make = fused.TorchPacking(spec, geo, size)
+    theirs = make(packed)
+    assert theirs.is_mkldnn and make(packed) is theirs
+    torch.testing.assert_close(theirs.to_dense(), w)
+    x = torch.randn(*size).contiguous(memory_format=torch.channels_last)
+    fallback = fused._onednn_conv_callable(spec, fused.ACTIVATIONS[""], [], False,
+                                           fused.WeightForInput(spec, size, make))
+    torch.testing.assert_close(fallback(x, packed, None), F.conv2d(x, w, None, 1, 1),
+                               atol=ATOL, rtol=RTOL)
+
+
+def test_models_match_onnxruntime_with_every_weight_in_libdnnl_packing(
+        monkeypatch: pytest.MonkeyPatch):
+    # Pretend no torch packing is libdnnl's format: every convolution keeps libdnnl's
+    # own packing, reads it in place and holds no copy of its weight.
+    from segflow.passes import layout
+    monkeypatch.setattr(layout, "same_bytes", lambda packed, mine: False)
+    options = {"image_size": 48}
+    model = models.build("resnet18", **options)
+    feeds = models.example_inputs("resnet18", batch_size=1, **options)
+    sess = segflow.InferenceSession(model.SerializeToString(), compile="codegen")
+    ref = ort.InferenceSession(model.SerializeToString(),
+                               providers=["CPUExecutionProvider"]).run(None, feeds)
+    for _ in range(2):
+        np.testing.assert_allclose(sess.run(None, feeds)[0], ref[0], atol=1e-4, rtol=1e-3)
+    convs = [op for _, op in sess._executor.direct_ops if isinstance(op, DirectConv)]
+    assert len(convs) == 20 and all(c.libdnnl_packed for c in convs)
+    assert all(c.copies == [] and c.direct_layouts == 1 for c in convs)
+    # Another batch size: a new primitive per convolution, still correct.
+    feeds = models.example_inputs("resnet18", batch_size=3, **options)
+    ref = ort.InferenceSession(model.SerializeToString(),
+                               providers=["CPUExecutionProvider"]).run(None, feeds)
+    np.testing.assert_allclose(sess.run(None, feeds)[0], ref[0], atol=1e-4, rtol=1e-3)
 
 
 def test_a_float64_input_falls_back_without_hiding_float32_calls_of_that_shape():

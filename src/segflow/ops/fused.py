@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from segflow.ir.graph import Node
 from segflow.ops._common import torch_pad
 from segflow.ops.onednn_direct import (
+    ConvGeometry,
     DirectConv,
     DirectKernel,
     DirectLinear,
@@ -214,7 +215,20 @@ _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 def conv_uses_onednn(node: Node) -> bool:
     """True when the layout pass prepacked this FusedConv's weight for oneDNN."""
     weight = node.inputs[1]
-    return weight is not None and weight.const is not None and weight.const.is_mkldnn
+    return weight is not None and weight.const is not None and (
+        weight.const.is_mkldnn or conv_reads_libdnnl_packing(node))
+
+
+def conv_reads_libdnnl_packing(node: Node) -> bool:
+    """True when the layout pass kept this FusedConv's weight in libdnnl's own packing
+    (``onednn_direct_packed``): its constant is that packing's bytes, read in place by
+    :class:`DirectConv`; torch's packing is made from it only if a fallback needs it."""
+    return bool(node.attrs.get("onednn_direct_packed"))
+
+
+def reads_libdnnl_packing(node: Node) -> bool:
+    """Whether this node's weight constant is libdnnl's packing (bytes, not values)."""
+    return linear_calls_libdnnl(node) or conv_reads_libdnnl_packing(node)
 
 
 def _fused_conv(node: Node, ctx: BindContext) -> Kernel:
@@ -274,7 +288,7 @@ def _onednn_conv_kernel(node: Node, spec: _ConvSpec, act: Activation, params: li
     return DirectKernel(DirectConv(
         lib, geo, eltwise, after, fallback, MAX_SHAPES, MAX_REPACKS,
         [int(d) for d in verified] if verified else None, ctx.destination(node.outputs[0]),
-        ctx.staging(node), fallback_inplace))
+        ctx.staging(node), fallback_inplace, conv_reads_libdnnl_packing(node)))
 
 
 MAX_REPACKS = 2
@@ -306,13 +320,17 @@ class WeightForInput:
     reorders on the fly where it must.
     """
 
-    def __init__(self, spec: _ConvSpec, packed_for: Sequence[int] | None) -> None:
+    def __init__(self, spec: _ConvSpec, packed_for: Sequence[int] | None,
+                 torch_packing: TorchPacking | None = None) -> None:
         self.spec = spec
         self.packed_for = tuple(packed_for) if packed_for else None
         self.cache: dict[tuple[int, ...], Tensor] = {}
         self.copies = 0
+        self.torch_packing = torch_packing
 
     def __call__(self, x: Tensor, w: Tensor) -> Tensor:
+        if self.torch_packing is not None:
+            w = self.torch_packing(w)
         shape = tuple(x.shape)
         if shape == self.packed_for:
             return w
@@ -337,9 +355,44 @@ class WeightForInput:
         return packed
 
 
+class TorchPacking:
+    """torch's packing of a weight the layout pass kept in libdnnl's
+    (:func:`conv_reads_libdnnl_packing`), made from those bytes on first use: only a
+    fallback of the direct convolution (torch's oneDNN op) reads it."""
+
+    def __init__(self, spec: _ConvSpec, geo: ConvGeometry, input_size: Sequence[int]) -> None:
+        self.spec = spec
+        self.geo = geo
+        self.input_size = [int(d) for d in input_size]
+        self.made: tuple[Tensor, Tensor] | None = None     # (libdnnl bytes, torch packing)
+
+    def __call__(self, w: Tensor) -> Tensor:
+        if w.is_mkldnn:
+            return w
+        made = self.made
+        if made is None or made[0] is not w:
+            lib = Library.load()
+            if lib is None:
+                raise RuntimeError("a weight in libdnnl's packing, and libdnnl is not loaded")
+            dense = lib.unpack_weight(w, self.geo, self.input_size)
+            spec = self.spec
+            made = (w, torch.ops.mkldnn._reorder_convolution_weight(
+                dense, spec.pads, spec.strides, spec.dilations, spec.group, self.input_size))
+            self.made = made
+        return made[1]
+
+
 def _weight_for(node: Node, spec: _ConvSpec) -> WeightForInput:
     packed_for = node.attrs.get("onednn_input_size")
-    return WeightForInput(spec, [int(d) for d in packed_for] if packed_for else None)
+    torch_packing = None
+    weight = node.inputs[1]
+    if conv_reads_libdnnl_packing(node) and packed_for and weight is not None \
+            and weight.spec.shape is not None:
+        geo = geometry([int(d) for d in weight.spec.shape], spec.strides,  # type: ignore[arg-type]
+                       spec.pads, spec.dilations, spec.group)
+        torch_packing = TorchPacking(spec, geo, [int(d) for d in packed_for])
+    return WeightForInput(spec, [int(d) for d in packed_for] if packed_for else None,
+                          torch_packing)
 
 
 def _onednn_conv_callable(spec: _ConvSpec, act: Activation, params: list[float],

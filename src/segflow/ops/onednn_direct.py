@@ -12,9 +12,11 @@ The weight is read in place. The layout pass packs it with torch's oneDNN and
 checks, byte for byte against this library's reorder, that the packing is the
 format this library's convolution wants (trying torch's packing for another
 size where the first differs); such a weight is then matched by descriptor at
-run time. Otherwise the bytes are compared once per input layout, and a weight
-whose format differs gets the convolution's own packed copy, for at most
-``max_copies`` formats (ResNet-50: only the 37 KB stem).
+run time. Where no torch packing is, the layout pass keeps this library's own
+packing instead (``DirectConv(libdnnl_packed=True)``), matched the same way.
+A primitive that wants yet another format (another input size, a post-op that
+changes the choice) gets the convolution's own packed copy, for at most
+``max_copies`` formats.
 
 The library is the ``onednn-cpu-gomp`` wheel (oneDNN 3.x built on GNU OpenMP);
 it must share torch's OpenMP runtime, or the two thread pools would fight for
@@ -387,6 +389,23 @@ class Library:
             self.destroy([("memory_desc", d) for d in (src, dst, any_weights)])
         return weights_md
 
+    def unpack_weight(self, packed: Tensor, spec: ConvGeometry, input_size: Sequence[int]
+                      ) -> Tensor:
+        """The dense float32 weight of ``packed``, the bytes :meth:`preferred_weight`
+        wrote for ``input_size``."""
+        weights_md = self.preferred_desc(spec, input_size)
+        dense = torch.empty(list(spec.weight_dims))
+        dense_md = self.memory_desc(dense)
+        stream = self.stream()
+        try:
+            if self.size(weights_md) != packed.numel() * packed.element_size():
+                raise DnnlError("the packed weight's size is not its format's")
+            self.reorder(weights_md, packed.data_ptr(), dense_md, dense.data_ptr(), stream)
+        finally:
+            self.destroy([("stream", stream), ("memory_desc", dense_md),
+                          ("memory_desc", weights_md)])
+        return dense
+
     def preferred_weight(self, dense: Tensor, spec: ConvGeometry, input_size: Sequence[int]
                          ) -> Tensor:
         """``dense`` packed the way :meth:`preferred_desc` says (bytes). The layout pass
@@ -530,6 +549,11 @@ class DirectConv(DirectOp):
     ``destination()`` returns the storage the run planned for the output, if any
     (a channels-last tensor of the output's size), and ``staging()`` the storage
     for a plain (NCHW) input's channels-last copy (``runtime/arena.py``).
+
+    With ``libdnnl_packed``, ``w`` is instead this library's own packing for a
+    channels-last input of size ``verified_for`` (bytes; the layout pass keeps
+    that where torch's packing is not this library's format), and ``fallback``
+    must take it as it is.
     """
 
     kind = "convolution"
@@ -540,8 +564,12 @@ class DirectConv(DirectOp):
                  verified_for: Sequence[int] | None = None,
                  destination: Destination | None = None,
                  staging: Destination | None = None,
-                 fallback_inplace: Callable[..., Tensor] | None = None) -> None:
+                 fallback_inplace: Callable[..., Tensor] | None = None,
+                 libdnnl_packed: bool = False) -> None:
         super().__init__(lib, fallback, max_shapes, destination)
+        if libdnnl_packed and not verified_for:
+            raise ValueError("a weight in libdnnl's packing needs the input size it is for")
+        self.libdnnl_packed = libdnnl_packed
         self.staging = staging
         self.fallback_inplace = fallback_inplace or fallback
         # The layout pass checked that ``w``'s bytes are this library's format for a
@@ -592,7 +620,8 @@ class DirectConv(DirectOp):
     def _make_call(self, x: Tensor, w: Tensor, b: Tensor | None, z: Tensor | None,
                    inplace: bool) -> tuple[_Call | None, str]:
         lib, spec = self.lib, self.spec
-        if x.dtype != torch.float32 or not w.is_mkldnn or x.dim() not in (4, 5):
+        packed = w.dtype == torch.uint8 if self.libdnnl_packed else w.is_mkldnn
+        if x.dtype != torch.float32 or not packed or x.dim() not in (4, 5):
             return None, "not a packed float32 2-D/3-D convolution"
         # oneDNN has only reference kernels for plain NCHW input with channels-last output.
         want = _channels_last(x.dim())
@@ -642,10 +671,15 @@ class DirectConv(DirectOp):
                 self._verified_md = lib.preferred_desc(self.spec, self.verified_for)
                 self._owned.append(("memory_desc", self._verified_md))
             if lib.equal(self._verified_md, weights_md):
+                return int(w.data_ptr() if self.libdnnl_packed else torch.ops.mkldnn.data_ptr(w))
+        if self.libdnnl_packed:
+            assert self.verified_for is not None
+            dense = lib.unpack_weight(w, self.spec, self.verified_for)
+            mine = _reorder_weight(lib, dense, weights_md, self.spec.weight_dims)
+        else:
+            mine = _reorder_weight(lib, w, weights_md, self.spec.weight_dims)
+            if same_bytes(w, mine):
                 return int(torch.ops.mkldnn.data_ptr(w))
-        mine = _reorder_weight(lib, w, weights_md, self.spec.weight_dims)
-        if same_bytes(w, mine):
-            return int(torch.ops.mkldnn.data_ptr(w))
         if len(self.copies) >= self.max_copies:
             return None
         self.copies.append((weights_md, mine))

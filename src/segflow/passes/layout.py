@@ -11,7 +11,10 @@ are given. When oneDNN's own library is installed (``onednn-cpu-gomp``), each
 packed convolution is marked ``onednn_direct``: its kernel calls libdnnl with a
 primitive built once per input shape, reading the same packed weight
 (``ops/onednn_direct.py``); so is a max or global pooling that reads such a
-convolution's output. Measured on ResNet-50 / MobileNetV2 at batch 1 (see
+convolution's output. Where torch's packing is not the format libdnnl wants
+(torch bundles a newer oneDNN), the weight constant is libdnnl's packing
+instead (bytes, marked ``onednn_direct_packed``), so the model still holds
+one copy. Measured on ResNet-50 / MobileNetV2 at batch 1 (see
 benchmarks/cpu_targets.py): torch's NCHW ``conv2d`` is several times slower,
 and its 3-channel stem conv alone costs more than oneDNN's whole network.
 """
@@ -19,6 +22,7 @@ and its 3-channel stem conv alone costs more than oneDNN's whole network.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -49,7 +53,7 @@ def layout(graph: Graph, device: Device, *, direct: bool = True) -> PassResult:
     if device.kind is not DeviceKind.CPU or not onednn_available():
         return PassResult(graph, False)
     packed: dict[tuple[int, _PackParams], Value] = {}
-    packed_size: dict[int, tuple[tuple[int, ...] | None, tuple[int, ...] | None]] = {}
+    packed_as: dict[int, PackedConv] = {}
     changed = 0
     lib: Library | None = None
     for node in graph.nodes:
@@ -77,18 +81,22 @@ def layout(graph: Graph, device: Device, *, direct: bool = True) -> PassResult:
         key = (id(weight), params)
         value = packed.get(key)
         if value is None:
-            tensor, packed_for, verified = _pack_conv(weight.const, params, lib)
-            value = Value(f"{weight.name}.onednn", weight.spec, const=tensor)
+            done = _pack_conv(weight.const, params, lib)
+            value = Value(f"{weight.name}.onednn", weight.spec, const=done.tensor)
             graph.add_initializer(value)
             packed[key] = value
-            packed_size[id(value)] = (packed_for, verified)
+            packed_as[id(value)] = done
         graph.set_input(node, 1, value)
         node.attrs["channels_last"] = 1
-        packed_for, verified = packed_size[id(value)]
+        done = packed_as[id(value)]
+        packed_for, verified = done.packed_for, done.verified_for
         if lib is not None:
             node.attrs["onednn_direct"] = 1   # called through libdnnl (ops/onednn_direct.py)
             if verified is not None:
                 node.attrs["onednn_direct_verified_for"] = list(verified)
+            if done.libdnnl_bytes:
+                # The weight constant is libdnnl's packing: only DirectConv reads it.
+                node.attrs["onednn_direct_packed"] = 1
         if packed_for is not None:
             # The kernel repacks for other input shapes (ops/fused.py WeightForInput).
             node.attrs["onednn_input_size"] = list(packed_for)
@@ -127,16 +135,28 @@ def _direct_pool(node: Node, lib: Library | None) -> bool:
             and bool(producer.attrs.get("onednn_direct")))
 
 
-def _pack_conv(dense: torch.Tensor, params: _PackParams, lib: Library | None
-               ) -> tuple[torch.Tensor, tuple[int, ...] | None, tuple[int, ...] | None]:
-    """torch's packed weight, the input size it was packed for, and the input size
-    for which its bytes were found to be libdnnl's format (None: not checked or not).
+class PackedConv(NamedTuple):
+    """A convolution weight as the layout pass packed it."""
+
+    tensor: torch.Tensor                  # torch's packing (mkldnn), or libdnnl's (bytes)
+    packed_for: tuple[int, ...] | None    # the input size it was packed for
+    verified_for: tuple[int, ...] | None  # input size whose libdnnl format it is, checked
+    libdnnl_bytes: bool                   # ``tensor`` is libdnnl's packing, not torch's
+
+
+def _pack_conv(dense: torch.Tensor, params: _PackParams, lib: Library | None) -> PackedConv:
+    """The packed weight, the input size it was packed for, and the input size for
+    which its bytes were found to be libdnnl's format (None: not checked or not).
 
     torch's oneDNN packs for ``params.input_size``. When the convolution will
-    call libdnnl, whose format choice can differ (ResNet-50 at batch 1: the six
-    1x1 256->1024 convolutions), torch's packing for a batch of 2 or for no
-    particular size is tried too, and the one whose bytes are libdnnl's is
-    kept, so the kernel reads it in place instead of holding its own copy.
+    call libdnnl, whose format choice can differ (torch bundles a newer oneDNN:
+    ResNet-50 at batch 1, the stem and four more), torch's packing for a batch of
+    2 or for no particular size is tried too, and the one whose bytes are
+    libdnnl's is kept, so the kernel reads it in place. When none is, the weight
+    is kept in libdnnl's packing instead (``libdnnl_bytes``): the kernel reads
+    that in place, and torch's packing is made from it only if a fallback ever
+    needs it. Keeping torch's would have the kernel hold a second, own copy (9.1
+    of ResNet-50's 98 MiB of weights on a Zen 3 CPU).
     """
     def pack(size: tuple[int, ...] | None) -> torch.Tensor:
         return torch.ops.mkldnn._reorder_convolution_weight(
@@ -146,20 +166,20 @@ def _pack_conv(dense: torch.Tensor, params: _PackParams, lib: Library | None
     size = params.input_size
     tensor = pack(size)
     if lib is None or size is None:
-        return tensor, size, None
+        return PackedConv(tensor, size, None, False)
     geo = geometry(list(dense.shape), params.strides, params.pads, params.dilations,
                    params.groups)
     try:
         wanted = lib.preferred_weight(dense, geo, size)
     except DnnlError:
-        return tensor, size, None
+        return PackedConv(tensor, size, None, False)
     if same_bytes(tensor, wanted):
-        return tensor, size, size
+        return PackedConv(tensor, size, size, False)
     for other in ((2, *size[1:]), None):
         candidate = pack(other)
         if same_bytes(candidate, wanted):
-            return candidate, other, size
-    return tensor, size, None
+            return PackedConv(candidate, other, size, False)
+    return PackedConv(wanted, size, size, True)
 
 
 def _pack_linear(graph: Graph, node: Node, packed: dict[tuple[int, _PackParams], Value],

@@ -53,7 +53,7 @@ from segflow.ops.fused import (
     FUSED_DOMAIN,
     Inline,
     inline_fused,
-    linear_calls_libdnnl,
+    reads_libdnnl_packing,
     traceable_fused,
 )
 from segflow.ops.registry import Kernel
@@ -168,7 +168,7 @@ def uses_cached_package(steps: Sequence[Step]) -> bool:
     total = 0
     seen: set[int] = set()
     for step in steps:
-        if linear_calls_libdnnl(step.node):   # its weight is libdnnl's packing, not dense
+        if reads_libdnnl_packing(step.node):   # its weight is libdnnl's packing, not values
             return False
         for value in step.node.inputs:
             const = None if value is None else value.const
