@@ -21,7 +21,8 @@ Peers: onnxruntime with default session options (CPU provider), torch eager
 with its defaults unless ``--variants`` says otherwise (``key=value`` pairs
 joined by ``,``: ``compile``, ``engine``, ``threads``, pass switches
 ``fold_constants``/``fuse``/``dense_chain``/``layout``/``plan_memory`` = on|off,
-``direct`` = on|off for convolutions through libdnnl or torch's oneDNN op, and
+``direct`` = on|off for convolutions through libdnnl or torch's oneDNN op,
+``blocked`` = on|off for a depthwise region on nChw8c activations or NHWC, and
 ``arena`` = on|off for their outputs in a planned block per run or from malloc).
 The default (``compile=auto``) runs a small segment's inductor package when the
 package cache (``SEGFLOW_CACHE_DIR``) already holds one, as after a
@@ -86,6 +87,8 @@ def _segflow_kwargs(variant: str) -> tuple[dict[str, Any], dict[str, str]]:
             kwargs[key] = value
         elif key == "direct":  # convolutions through libdnnl (on) or torch's op (off)
             env["SEGFLOW_ONEDNN_DIRECT"] = "0" if value in ("off", "0", "false") else "1"
+        elif key == "blocked":  # a depthwise region on nChw8c activations (on) or NHWC
+            env["SEGFLOW_ONEDNN_BLOCKED"] = "0" if value in ("off", "0", "false") else "1"
         elif key == "arena":  # direct kernels write into a planned block (on) or malloc
             env["SEGFLOW_ARENA"] = "0" if value in ("off", "0", "false") else "1"
         else:

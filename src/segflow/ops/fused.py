@@ -288,7 +288,8 @@ def _onednn_conv_kernel(node: Node, spec: _ConvSpec, act: Activation, params: li
     return DirectKernel(DirectConv(
         lib, geo, eltwise, after, fallback, MAX_SHAPES, MAX_REPACKS,
         [int(d) for d in verified] if verified else None, ctx.destination(node.outputs[0]),
-        ctx.staging(node), fallback_inplace, conv_reads_libdnnl_packing(node)))
+        ctx.staging(node), fallback_inplace, conv_reads_libdnnl_packing(node),
+        bool(node.attrs.get("onednn_blocked")), bool(node.attrs.get("onednn_blocked_input"))))
 
 
 MAX_REPACKS = 2
@@ -360,10 +361,13 @@ class TorchPacking:
     (:func:`conv_reads_libdnnl_packing`), made from those bytes on first use: only a
     fallback of the direct convolution (torch's oneDNN op) reads it."""
 
-    def __init__(self, spec: _ConvSpec, geo: ConvGeometry, input_size: Sequence[int]) -> None:
+    def __init__(self, spec: _ConvSpec, geo: ConvGeometry, input_size: Sequence[int],
+                 blocked: bool = False, plain_input: bool = False) -> None:
         self.spec = spec
         self.geo = geo
         self.input_size = [int(d) for d in input_size]
+        self.blocked = blocked          # packed for nChw8c activations
+        self.plain_input = plain_input  # ... from a plain NCHW input
         self.made: tuple[Tensor, Tensor] | None = None     # (libdnnl bytes, torch packing)
 
     def __call__(self, w: Tensor) -> Tensor:
@@ -374,7 +378,10 @@ class TorchPacking:
             lib = Library.load()
             if lib is None:
                 raise RuntimeError("a weight in libdnnl's packing, and libdnnl is not loaded")
-            dense = lib.unpack_weight(w, self.geo, self.input_size)
+            dense = lib.unpack_weight(w, self.geo, self.input_size, self.blocked,
+                                      self.plain_input)
+            # [G, O/G, I/G, kh, kw] for a grouped convolution: torch wants [O, I/G, kh, kw].
+            dense = dense.reshape(-1, *dense.shape[-1 - self.spec.spatial:])
             spec = self.spec
             made = (w, torch.ops.mkldnn._reorder_convolution_weight(
                 dense, spec.pads, spec.strides, spec.dilations, spec.group, self.input_size))
@@ -390,7 +397,9 @@ def _weight_for(node: Node, spec: _ConvSpec) -> WeightForInput:
             and weight.spec.shape is not None:
         geo = geometry([int(d) for d in weight.spec.shape], spec.strides,  # type: ignore[arg-type]
                        spec.pads, spec.dilations, spec.group)
-        torch_packing = TorchPacking(spec, geo, [int(d) for d in packed_for])
+        blocked = bool(node.attrs.get("onednn_blocked"))
+        torch_packing = TorchPacking(spec, geo, [int(d) for d in packed_for], blocked,
+                                     blocked and not node.attrs.get("onednn_blocked_input"))
     return WeightForInput(spec, [int(d) for d in packed_for] if packed_for else None,
                           torch_packing)
 

@@ -179,7 +179,8 @@ def _direct_pool(node: Node, ctx: BindContext, algorithm: int,
         return kernel
     return DirectKernel(DirectPool(lib, algorithm, window, ceil_mode,
                                    lambda x: kernel((x,))[0], MAX_LAYOUTS,
-                                   ctx.destination(node.outputs[0])))
+                                   ctx.destination(node.outputs[0]),
+                                   bool(node.attrs.get("onednn_blocked_input"))))
 
 
 def _unpad_indices(idx: Tensor, shape: Sequence[int], begin: list[int], end: list[int],

@@ -58,6 +58,8 @@ _STREAM_IN_ORDER = 1
 _F32 = 3
 _FORMAT_ANY = 1
 _TAG_A = 2                            # plain 1-D (bias)
+_TAG_NCHW8C = 102                     # dnnl_aBcd8b: channels in blocks of 8 (nChw8c)
+BLOCK = 8                             # channels per block of the blocked layout
 _FORWARD_INFERENCE = 96
 _CONVOLUTION_DIRECT = 1
 # Pooling algorithms (dnnl_alg_kind_t).
@@ -234,6 +236,52 @@ class Library:
         return self._make(self._dll.dnnl_memory_desc_create_with_strides, t.dim(),
                           _Dims(*t.shape), _F32, _Dims(*strides))
 
+    def blocked_desc(self, sizes: Sequence[int]) -> _P:
+        """A float32 ``nChw8c`` descriptor of a 4-D ``sizes`` (see :class:`Blocked`)."""
+        return self._make(self._dll.dnnl_memory_desc_create_with_tag, 4, _Dims(*sizes), _F32,
+                          _TAG_NCHW8C)
+
+    def to_layout(self, t: Tensor, blocked: bool) -> Tensor:
+        """``t`` (4-D, channels-last or plain) reordered into ``nChw8c`` (``blocked``), or
+        blocked ``t`` reordered into a channels-last tensor; sizes are ``t``'s either way."""
+        sizes = list(t.shape)
+        out = torch.empty(sizes, memory_format=torch.channels_last)
+        blk = self.blocked_desc(sizes)
+        plain = self.memory_desc(t if blocked else out)
+        stream = self.stream()
+        try:
+            if blocked:
+                self.reorder(plain, t.data_ptr(), blk, out.data_ptr(), stream)
+            else:
+                self.reorder(blk, t.data_ptr(), plain, out.data_ptr(), stream)
+        finally:
+            self.destroy([("stream", stream), ("memory_desc", blk), ("memory_desc", plain)])
+        return out
+
+    def blocked_kernel(self, spec: ConvGeometry, input_size: Sequence[int],
+                       plain_input: bool) -> str | None:
+        """The kernel this library's convolution runs on ``nChw8c`` activations for this
+        geometry and input size, or None where it has only a reference one;
+        ``plain_input``: the source stays plain NCHW (a graph input), only the
+        destination is blocked."""
+        if len(input_size) != 4:
+            return None
+        owned: list[tuple[str, _P]] = []
+        try:
+            src = (self.memory_desc(torch.empty(list(input_size))) if plain_input
+                   else self.blocked_desc(input_size))
+            dst = self.blocked_desc(spec.output_size(input_size))
+            any_weights = self.any_desc(spec.weight_dims)
+            owned += [("memory_desc", d) for d in (src, dst, any_weights)]
+            _, md, impl = self.convolution(src, any_weights, None, dst, spec.strides,
+                                           spec.dilations, spec.pads, None, create=False)
+            owned.append(("memory_desc", md))
+        except DnnlError:
+            return None
+        finally:
+            self.destroy(owned)
+        return None if impl.startswith("ref") else impl
+
     def vector_desc(self, n: int) -> _P:
         return self._make(self._dll.dnnl_memory_desc_create_with_tag, 1, _Dims(n), _F32, _TAG_A)
 
@@ -273,8 +321,10 @@ class Library:
             dll.dnnl_primitive_desc_destroy(pd)
 
     def post_ops(self, residual: Tensor | None, inplace: bool,
-                 eltwise: tuple[int, float, float] | None) -> tuple[_P, _P | None]:
-        """Attributes ``[sum | binary add] -> eltwise``; the residual's descriptor, if binary."""
+                 eltwise: tuple[int, float, float] | None, blocked: bool = False
+                 ) -> tuple[_P, _P | None]:
+        """Attributes ``[sum | binary add] -> eltwise``; the residual's descriptor, if binary
+        (``nChw8c`` when ``blocked``)."""
         dll = self._dll
         attr = self._make(dll.dnnl_primitive_attr_create)
         ops = self._make(dll.dnnl_post_ops_create)
@@ -282,7 +332,7 @@ class Library:
         if residual is not None and inplace:
             self.check(dll.dnnl_post_ops_append_sum(ops, 1.0, 0, 0), "append sum")
         elif residual is not None:
-            src1 = self.memory_desc(residual)
+            src1 = self.blocked_desc(residual.shape) if blocked else self.memory_desc(residual)
             self.check(dll.dnnl_post_ops_append_binary(ops, _BINARY_ADD, src1), "append add")
         if eltwise is not None:
             self.check(dll.dnnl_post_ops_append_eltwise(ops, *eltwise), "append eltwise")
@@ -375,12 +425,20 @@ class Library:
             dll.dnnl_primitive_desc_destroy(pd)
         return prim, (impl.value or b"?").decode()
 
-    def preferred_desc(self, spec: ConvGeometry, input_size: Sequence[int]) -> _P:
+    def preferred_desc(self, spec: ConvGeometry, input_size: Sequence[int],
+                       blocked: bool = False, plain_input: bool = False) -> _P:
         """The weights descriptor of this library's convolution over a channels-last
-        input of ``input_size`` (no post-ops); the caller destroys it."""
+        (``blocked``: ``nChw8c``; with ``plain_input`` from plain NCHW) input of
+        ``input_size`` (no post-ops); the caller destroys it."""
         layout = _channels_last(len(input_size))
-        src = self.memory_desc(torch.empty(list(input_size), memory_format=layout))
-        dst = self.memory_desc(torch.empty(spec.output_size(input_size), memory_format=layout))
+        if blocked:
+            src = (self.memory_desc(torch.empty(list(input_size))) if plain_input
+                   else self.blocked_desc(input_size))
+            dst = self.blocked_desc(spec.output_size(input_size))
+        else:
+            src = self.memory_desc(torch.empty(list(input_size), memory_format=layout))
+            dst = self.memory_desc(torch.empty(spec.output_size(input_size),
+                                               memory_format=layout))
         any_weights = self.any_desc(spec.weight_dims)
         try:
             _, weights_md, _ = self.convolution(src, any_weights, None, dst, spec.strides,
@@ -389,11 +447,11 @@ class Library:
             self.destroy([("memory_desc", d) for d in (src, dst, any_weights)])
         return weights_md
 
-    def unpack_weight(self, packed: Tensor, spec: ConvGeometry, input_size: Sequence[int]
-                      ) -> Tensor:
+    def unpack_weight(self, packed: Tensor, spec: ConvGeometry, input_size: Sequence[int],
+                      blocked: bool = False, plain_input: bool = False) -> Tensor:
         """The dense float32 weight of ``packed``, the bytes :meth:`preferred_weight`
-        wrote for ``input_size``."""
-        weights_md = self.preferred_desc(spec, input_size)
+        wrote for ``input_size`` (and ``blocked``, ``plain_input``)."""
+        weights_md = self.preferred_desc(spec, input_size, blocked, plain_input)
         dense = torch.empty(list(spec.weight_dims))
         dense_md = self.memory_desc(dense)
         stream = self.stream()
@@ -406,11 +464,11 @@ class Library:
                           ("memory_desc", weights_md)])
         return dense
 
-    def preferred_weight(self, dense: Tensor, spec: ConvGeometry, input_size: Sequence[int]
-                         ) -> Tensor:
+    def preferred_weight(self, dense: Tensor, spec: ConvGeometry, input_size: Sequence[int],
+                         blocked: bool = False, plain_input: bool = False) -> Tensor:
         """``dense`` packed the way :meth:`preferred_desc` says (bytes). The layout pass
         compares torch's packing with it."""
-        weights_md = self.preferred_desc(spec, input_size)
+        weights_md = self.preferred_desc(spec, input_size, blocked, plain_input)
         try:
             return _reorder_weight(self, dense, weights_md, spec.weight_dims)
         finally:
@@ -565,11 +623,18 @@ class DirectConv(DirectOp):
                  destination: Destination | None = None,
                  staging: Destination | None = None,
                  fallback_inplace: Callable[..., Tensor] | None = None,
-                 libdnnl_packed: bool = False) -> None:
+                 libdnnl_packed: bool = False, blocked: bool = False,
+                 blocked_input: bool = False) -> None:
         super().__init__(lib, fallback, max_shapes, destination)
         if libdnnl_packed and not verified_for:
             raise ValueError("a weight in libdnnl's packing needs the input size it is for")
+        if blocked_input and not blocked:
+            raise ValueError("a convolution reading nChw8c must write nChw8c")
         self.libdnnl_packed = libdnnl_packed
+        # nChw8c activations (the layout pass's blocked region): the output, and the
+        # input unless it is the region's plain NCHW entry; a residual is blocked too.
+        self.blocked = blocked
+        self.blocked_input = blocked_input
         self.staging = staging
         self.fallback_inplace = fallback_inplace or fallback
         # The layout pass checked that ``w``'s bytes are this library's format for a
@@ -601,6 +666,8 @@ class DirectConv(DirectOp):
         except KeyError:
             call = self._build(key, lambda: self._make_call(x, w, b, z, inplace))
         if call is None or w is not call.source or b is not call.bias:
+            if self.blocked:
+                return self._fallback_blocked(x, w, b, z, inplace)
             if z is None:
                 return self.fallback(x, w, b)
             return (self.fallback_inplace if inplace else self.fallback)(x, w, b, z)
@@ -609,6 +676,21 @@ class DirectConv(DirectOp):
         y = z if z is not None and inplace else self._output(call)
         self._run(call, x, y, z)
         return y if self.after is None else self.after(y)
+
+    def _fallback_blocked(self, x: Tensor, w: Tensor, b: Tensor | None, z: Tensor | None,
+                          inplace: bool) -> Tensor:
+        """The fallback between nChw8c tensors: reorder in, run it, reorder back."""
+        lib = self.lib
+        if self.blocked_input:
+            x = lib.to_layout(x, blocked=False)
+        if z is None:
+            y = self.fallback(x, w, b)
+        else:
+            y = self.fallback(x, w, b, lib.to_layout(z, blocked=False))
+        y = lib.to_layout(y.contiguous(memory_format=torch.channels_last), blocked=True)
+        if z is not None and inplace:
+            return z.copy_(y)
+        return y
 
     def _staged(self, x: Tensor, layout: torch.memory_format) -> Tensor:
         """``x`` in channels-last: into the run's staging storage when it has some."""
@@ -625,16 +707,27 @@ class DirectConv(DirectOp):
             return None, "not a packed float32 2-D/3-D convolution"
         # oneDNN has only reference kernels for plain NCHW input with channels-last output.
         want = _channels_last(x.dim())
-        in_format = None if x.is_contiguous(memory_format=want) else want
-        if in_format is not None:
+        in_format = None
+        if not self.blocked and not x.is_contiguous(memory_format=want):
+            in_format = want
             x = x.contiguous(memory_format=want)
+        if self.blocked and (x.dim() != 4 or (not self.blocked_input and not x.is_contiguous())):
+            return None, "not a 2-D convolution over a plain or nChw8c input"
         out_shape = spec.output_size(x.shape)
         if z is not None and (tuple(z.shape) != out_shape or z.dtype != torch.float32):
             return None, "residual shape differs from the output's"
         example = z if z is not None and inplace else torch.empty(out_shape, memory_format=want)
-        attr, src1 = lib.post_ops(z, inplace, self.eltwise)
-        src_md = lib.memory_desc(x)
-        dst_md = lib.memory_desc(example)
+        attr, src1 = lib.post_ops(z, inplace, self.eltwise, self.blocked)
+        if self.blocked:
+            src_md = lib.blocked_desc(x.shape) if self.blocked_input else lib.memory_desc(x)
+            dst_md = lib.blocked_desc(out_shape)
+            if lib.size(dst_md) != example.numel() * 4:
+                lib.destroy([("memory_desc", md) for md in (src_md, dst_md, src1)
+                             if md is not None] + [("primitive_attr", attr)])
+                return None, f"channels not a multiple of {BLOCK}"
+        else:
+            src_md = lib.memory_desc(x)
+            dst_md = lib.memory_desc(example)
         bias_md = lib.vector_desc(spec.out_channels) if b is not None else None
         any_weights = lib.any_desc(spec.weight_dims)
         try:
@@ -668,13 +761,16 @@ class DirectConv(DirectOp):
                 return int(copy.data_ptr())
         if self.verified_for is not None:
             if self._verified_md is None:
-                self._verified_md = lib.preferred_desc(self.spec, self.verified_for)
+                self._verified_md = lib.preferred_desc(
+                    self.spec, self.verified_for, self.blocked,
+                    self.blocked and not self.blocked_input)
                 self._owned.append(("memory_desc", self._verified_md))
             if lib.equal(self._verified_md, weights_md):
                 return int(w.data_ptr() if self.libdnnl_packed else torch.ops.mkldnn.data_ptr(w))
         if self.libdnnl_packed:
             assert self.verified_for is not None
-            dense = lib.unpack_weight(w, self.spec, self.verified_for)
+            dense = lib.unpack_weight(w, self.spec, self.verified_for, self.blocked,
+                                      self.blocked and not self.blocked_input)
             mine = _reorder_weight(lib, dense, weights_md, self.spec.weight_dims)
         else:
             mine = _reorder_weight(lib, w, weights_md, self.spec.weight_dims)
@@ -704,11 +800,14 @@ class DirectPool(DirectOp):
 
     def __init__(self, lib: Library, algorithm: int, window: Callable[[Tensor], PoolWindow],
                  ceil_mode: bool, fallback: Callable[[Tensor], Tensor], max_shapes: int,
-                 destination: Destination | None = None) -> None:
+                 destination: Destination | None = None, blocked_input: bool = False) -> None:
         super().__init__(lib, fallback, max_shapes, destination)
         self.algorithm = algorithm
         self.window = window
         self.ceil_mode = ceil_mode
+        # The input is nChw8c (the end of the layout pass's blocked region); the output
+        # of a global pooling, [N, C, 1, 1], is then the same bytes in any layout.
+        self.blocked_input = blocked_input
 
     def __call__(self, x: Tensor) -> Tensor:
         key = (x.shape, x.stride(), x.dtype)
@@ -717,6 +816,8 @@ class DirectPool(DirectOp):
         except KeyError:
             call = self._build(key, lambda: self._make_call(x))
         if call is None:
+            if self.blocked_input:
+                return self.fallback(self.lib.to_layout(x, blocked=False))
             return self.fallback(x)
         y = self._output(call)
         self._run(call, x, y)
@@ -725,8 +826,8 @@ class DirectPool(DirectOp):
     def _make_call(self, x: Tensor) -> tuple[_Call | None, str]:
         if self.ceil_mode:
             return None, "ceil_mode"
-        if x.dtype != torch.float32 or x.dim() not in (4, 5) \
-                or not x.is_contiguous(memory_format=_channels_last(x.dim())):
+        if x.dtype != torch.float32 or x.dim() not in (4, 5) or not (
+                self.blocked_input or x.is_contiguous(memory_format=_channels_last(x.dim()))):
             return None, "not a channels-last float32 input"
         window = self.window(x)
         kernel, strides, dilations, begin, end = window
@@ -737,8 +838,13 @@ class DirectPool(DirectOp):
             return None, "an empty output"
         lib = self.lib
         layout = _channels_last(x.dim())
-        src_md = lib.memory_desc(x)
-        dst_md = lib.memory_desc(torch.empty(out_shape, memory_format=layout))
+        if self.blocked_input:
+            if x.dim() != 4 or out_shape[2:] != (1, 1):
+                return None, "an nChw8c input to a pooling that is not global"
+            src_md, dst_md = lib.blocked_desc(x.shape), lib.blocked_desc(out_shape)
+        else:
+            src_md = lib.memory_desc(x)
+            dst_md = lib.memory_desc(torch.empty(out_shape, memory_format=layout))
         self._owned.extend(("memory_desc", md) for md in (src_md, dst_md))
         prim, impl = lib.pooling(src_md, dst_md, self.algorithm, window)
         if impl.startswith("ref"):

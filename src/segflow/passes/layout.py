@@ -14,9 +14,12 @@ primitive built once per input shape, reading the same packed weight
 convolution's output. Where torch's packing is not the format libdnnl wants
 (torch bundles a newer oneDNN), the weight constant is libdnnl's packing
 instead (bytes, marked ``onednn_direct_packed``), so the model still holds
-one copy. Measured on ResNet-50 / MobileNetV2 at batch 1 (see
-benchmarks/cpu_targets.py): torch's NCHW ``conv2d`` is several times slower,
-and its 3-channel stem conv alone costs more than oneDNN's whole network.
+one copy. A graph with depthwise convolutions runs its depthwise/1x1 stack on
+oneDNN's blocked ``nChw8c`` activations (``onednn_blocked``; see
+:func:`_blocked_region`, ``SEGFLOW_ONEDNN_BLOCKED=0`` turns it off). Measured
+on ResNet-50 / MobileNetV2 at batch 1 (see benchmarks/cpu_targets.py): torch's
+NCHW ``conv2d`` is several times slower, and its 3-channel stem conv alone costs
+more than oneDNN's whole network.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from segflow.ops.fused import (
     direct_linear_preferred,
     onednn_available,
 )
-from segflow.ops.onednn_direct import DnnlError, Library, geometry, same_bytes
+from segflow.ops.onednn_direct import BLOCK, DnnlError, Library, geometry, same_bytes
 from segflow.passes.result import PassResult
 
 # The row count a linear with a dynamic batch (or sequence) is packed for: BERT-base at
@@ -45,17 +48,25 @@ from segflow.passes.result import PassResult
 DIRECT_LINEAR_ROWS = 128
 
 
-def layout(graph: Graph, device: Device, *, direct: bool = True) -> PassResult:
+def layout(graph: Graph, device: Device, *, direct: bool = True,
+           blocked: bool = True) -> PassResult:
     """Prepack FusedConv weights for oneDNN on CPU (in place); a no-op elsewhere.
 
-    ``direct``: mark the packed convolutions to call libdnnl when it loads.
+    ``direct``: mark the packed convolutions to call libdnnl when it loads;
+    ``blocked``: and run a depthwise region on nChw8c activations (:func:`_blocked_region`).
     """
     if device.kind is not DeviceKind.CPU or not onednn_available():
         return PassResult(graph, False)
-    packed: dict[tuple[int, _PackParams], Value] = {}
+    packed: dict[tuple[int, _PackParams, int], Value] = {}
     packed_as: dict[int, PackedConv] = {}
     changed = 0
     lib: Library | None = None
+    region: set[int] = set()
+    if direct and blocked and any(n.domain == FUSED_DOMAIN and n.op_type == "FusedConv"
+                      and _packable(n) is not None for n in graph.nodes):
+        lib = Library.load()
+        if lib is not None:
+            region = _blocked_region(graph, lib)
     for node in graph.nodes:
         if node.domain == FUSED_DOMAIN and node.op_type == "FusedGemm":
             if direct and lib is None and direct_linear_preferred():
@@ -65,6 +76,9 @@ def layout(graph: Graph, device: Device, *, direct: bool = True) -> PassResult:
             continue
         if _direct_pool(node, lib):
             node.attrs["onednn_direct"] = 1   # max pooling through libdnnl too
+            source = node.inputs[0]
+            if source is not None and id(source.producer) in region:
+                node.attrs["onednn_blocked_input"] = 1
             changed += 1
             continue
         if node.domain != FUSED_DOMAIN or node.op_type != "FusedConv":
@@ -78,10 +92,13 @@ def layout(graph: Graph, device: Device, *, direct: bool = True) -> PassResult:
             lib = Library.load()
         weight = node.inputs[1]
         assert weight is not None and weight.const is not None
-        key = (id(weight), params)
+        in_region = id(node) in region
+        x = node.inputs[0]
+        plain_input = in_region and x is not None and id(x.producer) not in region
+        key = (id(weight), params, in_region + plain_input)
         value = packed.get(key)
         if value is None:
-            done = _pack_conv(weight.const, params, lib)
+            done = _pack_conv(weight.const, params, lib, in_region, plain_input)
             value = Value(f"{weight.name}.onednn", weight.spec, const=done.tensor)
             graph.add_initializer(value)
             packed[key] = value
@@ -97,6 +114,10 @@ def layout(graph: Graph, device: Device, *, direct: bool = True) -> PassResult:
             if done.libdnnl_bytes:
                 # The weight constant is libdnnl's packing: only DirectConv reads it.
                 node.attrs["onednn_direct_packed"] = 1
+            if in_region:
+                node.attrs["onednn_blocked"] = 1
+                if not plain_input:
+                    node.attrs["onednn_blocked_input"] = 1
         if packed_for is not None:
             # The kernel repacks for other input shapes (ops/fused.py WeightForInput).
             node.attrs["onednn_input_size"] = list(packed_for)
@@ -144,7 +165,84 @@ class PackedConv(NamedTuple):
     libdnnl_bytes: bool                   # ``tensor`` is libdnnl's packing, not torch's
 
 
-def _pack_conv(dense: torch.Tensor, params: _PackParams, lib: Library | None) -> PackedConv:
+def _blocked_region(graph: Graph, lib: Library) -> set[int]:
+    """The convolutions (``id``s) that run on ``nChw8c`` activations.
+
+    libdnnl runs depthwise convolutions on channels blocked by 8 faster than on
+    NHWC (AVX2, MobileNetV2's at batch 1: its ``jit_dw`` kernel took 0.23-0.25 ms
+    where ``brdgmm_dw`` took 0.36-0.40 on the 144- and 96-channel ones), and the
+    1x1 convolutions around them as fast (``jit_1x1``); MobileNetV2's 52
+    convolutions chained on nChw8c ran 13.5-16.7 ms against 16.9-19.8 on NHWC. Dense
+    3x3 convolutions are faster on NHWC (``brgconv``: ResNet-50's 53 convolutions
+    all blocked ran 124-129 ms against 112-117), and libdnnl, left to choose,
+    picks NHWC for all but a 3-channel stem. It has kernels only where a
+    convolution's input and output share the layout, so the blocked activations
+    form a region: depthwise and 1x1 convolutions (and a first convolution over a
+    plain NCHW graph input) with a kernel for nChw8c, whose inputs and residuals
+    come from the region and whose outputs go only to region convolutions or to
+    global poolings (whose [N, C, 1, 1] output is the same bytes in any layout),
+    kept only if it holds a depthwise convolution. The tensors in between hold
+    nChw8c bytes under their logical shape; nothing outside the region reads one.
+    """
+    candidates: set[int] = set()
+    depthwise: set[int] = set()
+    for node in graph.nodes:
+        if node.domain != FUSED_DOMAIN or node.op_type != "FusedConv":
+            continue
+        params = _packable(node)
+        weight, x = node.inputs[1], node.inputs[0]
+        if params is None or params.input_size is None or len(params.input_size) != 4 \
+                or weight is None or weight.const is None or x is None:
+            continue
+        shape = list(weight.const.shape)
+        geo = geometry(shape, params.strides, params.pads, params.dilations, params.groups)
+        if geo.output_size(params.input_size)[1] % BLOCK:
+            continue
+        plain_input = x.producer is None
+        is_depthwise = params.groups > 1 and shape[1] == 1
+        pointwise = shape[2:] == [1, 1] and params.groups == 1
+        if (plain_input and x.const is not None) or not (
+                is_depthwise or pointwise or plain_input):
+            continue
+        if lib.blocked_kernel(geo, params.input_size, plain_input) is not None:
+            candidates.add(id(node))
+            if is_depthwise:
+                depthwise.add(id(node))
+    region = set(candidates)
+    shrinking = True
+    while shrinking:
+        shrinking = False
+        for node in graph.nodes:
+            if id(node) in region and not _fits_region(graph, node, region):
+                region.discard(id(node))
+                shrinking = True
+    return region if region & depthwise else set()
+
+
+def _fits_region(graph: Graph, node: Node, region: set[int]) -> bool:
+    """Whether a region convolution's input, residual and output all stay inside it."""
+    x = node.inputs[0]
+    if x is None or (x.producer is not None and id(x.producer) not in region):
+        return False
+    z = node.inputs[3] if len(node.inputs) > 3 else None
+    if z is not None and (z.producer is None or id(z.producer) not in region):
+        return False
+    out = node.outputs[0]
+    if out in graph.outputs or not out.uses or len(node.outputs) != 1:
+        return False
+    for user in out.uses:
+        slots = [i for i, v in enumerate(user.inputs) if v is out]
+        if id(user) in region and all(i in (0, 3) for i in slots):
+            continue
+        if user.domain == "" and user.op_type in ("GlobalAveragePool", "GlobalMaxPool") \
+                and len(user.outputs) == 1:
+            continue
+        return False
+    return True
+
+
+def _pack_conv(dense: torch.Tensor, params: _PackParams, lib: Library | None,
+               blocked: bool = False, plain_input: bool = False) -> PackedConv:
     """The packed weight, the input size it was packed for, and the input size for
     which its bytes were found to be libdnnl's format (None: not checked or not).
 
@@ -164,11 +262,15 @@ def _pack_conv(dense: torch.Tensor, params: _PackParams, lib: Library | None) ->
             params.groups, None if size is None else list(size))
 
     size = params.input_size
+    geo = geometry(list(dense.shape), params.strides, params.pads, params.dilations,
+                   params.groups)
+    if blocked and lib is not None and size is not None:
+        # nChw8c activations: libdnnl's packing for them (torch packs for NHWC only).
+        return PackedConv(lib.preferred_weight(dense, geo, size, True, plain_input), size,
+                          size, True)
     tensor = pack(size)
     if lib is None or size is None:
         return PackedConv(tensor, size, None, False)
-    geo = geometry(list(dense.shape), params.strides, params.pads, params.dilations,
-                   params.groups)
     try:
         wanted = lib.preferred_weight(dense, geo, size)
     except DnnlError:
@@ -182,7 +284,7 @@ def _pack_conv(dense: torch.Tensor, params: _PackParams, lib: Library | None) ->
     return PackedConv(wanted, size, size, True)
 
 
-def _pack_linear(graph: Graph, node: Node, packed: dict[tuple[int, _PackParams], Value],
+def _pack_linear(graph: Graph, node: Node, packed: dict[tuple[int, _PackParams, int], Value],
                  lib: Library | None) -> int:
     """Prepack a large FusedGemm weight for oneDNN (small ones stay dense for MKL).
 
@@ -206,7 +308,7 @@ def _pack_linear(graph: Graph, node: Node, packed: dict[tuple[int, _PackParams],
             rows *= int(d)  # type: ignore[arg-type]
     if lib is not None:
         direct_rows = rows if rows is not None else DIRECT_LINEAR_ROWS
-        key = (id(weight), _PackParams((), (), (), -1, (direct_rows,)))
+        key = (id(weight), _PackParams((), (), (), -1, (direct_rows,)), 0)
         value = packed.get(key)
         if value is None:
             try:
@@ -221,7 +323,7 @@ def _pack_linear(graph: Graph, node: Node, packed: dict[tuple[int, _PackParams],
             graph.set_input(node, 1, value)
             node.attrs["onednn_direct_linear"] = direct_rows
             return 1
-    key = (id(weight), _PackParams((), (), (), 0, None if rows is None else (rows,)))
+    key = (id(weight), _PackParams((), (), (), 0, None if rows is None else (rows,)), 0)
     value = packed.get(key)
     if value is None:
         tensor = torch.ops.mkldnn._reorder_linear_weight(w, rows)

@@ -48,6 +48,7 @@ from segflow.settings import (
     ENV_NO_FUSE,
     ENV_NO_LAYOUT,
     ENV_NO_MEMORY_PLAN,
+    ENV_ONEDNN_BLOCKED,
     ENV_ONEDNN_DIRECT,
     ENV_OPTIMIZE,
     _env_bool,
@@ -96,6 +97,8 @@ class OptimizeOptions:
     intra_op_threads: int | None = None
     # Prepacked convolutions call libdnnl directly when it is installed (ops/onednn_direct.py).
     onednn_direct: bool = True
+    # ... on nChw8c activations where that is faster (depthwise regions, passes/layout.py).
+    onednn_blocked: bool = True
     # Their outputs are carved out of one planned block per run (runtime/arena.py).
     arena: bool = True
 
@@ -135,15 +138,17 @@ class OptimizeOptions:
             raise InvalidSetting(f"intra_op_threads={threads}: expected a positive integer")
         direct = _env_bool(env, ENV_ONEDNN_DIRECT, True)
         arena = _env_bool(env, ENV_ARENA, True)
+        blocked = _env_bool(env, ENV_ONEDNN_BLOCKED, True)
         return cls(compile=mode, intra_op_threads=threads, onednn_direct=direct, arena=arena,
-                   **switches)
+                   onednn_blocked=blocked, **switches)
 
     def as_record(self) -> dict[str, object]:
         """The options in force, for RunStats settings and benchmark records."""
         return {"fold_constants": self.fold_constants, "fuse": self.fuse,
                 "dense_chain": self.dense_chain, "layout": self.layout,
                 "plan_memory": self.plan_memory, "compile": self.compile.resolve().value,
-                "onednn_direct": self.onednn_direct, "arena": self.arena}
+                "onednn_direct": self.onednn_direct, "onednn_blocked": self.onednn_blocked,
+                "arena": self.arena}
 
 
 @dataclass(frozen=True, slots=True)
@@ -297,7 +302,8 @@ def _layout(graph: Graph, options: OptimizeOptions, backend: CompileMode,
         return "layout: skipped (custom placement)"
     if device.kind is not DeviceKind.CPU:
         return "layout: skipped (not a CPU device)"
-    packed = layout(graph, device, direct=options.onednn_direct)
+    packed = layout(graph, device, direct=options.onednn_direct,
+                    blocked=options.onednn_blocked)
     if not packed.modified:
         return "layout: nothing to do (no oneDNN-eligible convolutions or linears)"
     convs = sum(1 for n in graph.nodes if n.attrs.get("channels_last"))
@@ -316,4 +322,7 @@ def _layout(graph: Graph, options: OptimizeOptions, backend: CompileMode,
             "onednn_direct"))
         also = f" (and {pools} pooling{'s' if pools > 1 else ''})" if pools else ""
         text += f"; direct calls into {why}{also}" if direct else f"; libdnnl {why}"
+        blocked = sum(1 for n in graph.nodes if n.attrs.get("onednn_blocked"))
+        if blocked:
+            text += f"; {blocked} convolutions on nChw8c activations"
     return text
