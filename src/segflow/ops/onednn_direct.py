@@ -36,7 +36,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -490,6 +490,10 @@ class _Call:
     source: Tensor | None            # the weight constant a convolution was built for
     bias: Tensor | None
     impl: str
+    # The addresses the src, dst and residual memories point at now (0: none yet):
+    # a run's arena block keeps its addresses from run to run, so most calls need
+    # no ctypes call to re-point them. Read and written under the op's lock.
+    handles: list[int] = field(default_factory=lambda: [0, 0, 0])
 
 
 class DirectOp:
@@ -529,11 +533,19 @@ class DirectOp:
 
     def _run(self, call: _Call, x: Tensor, y: Tensor, z: Tensor | None = None) -> None:
         lib = self.lib
+        src, dst = x.data_ptr(), y.data_ptr()
+        res = 0 if call.residual is None else z.data_ptr()  # type: ignore[union-attr]
         with self.lock:
-            lib.set_handle(call.src, x.data_ptr())
-            lib.set_handle(call.dst, y.data_ptr())
-            if call.residual is not None:
-                lib.set_handle(call.residual, z.data_ptr())  # type: ignore[union-attr]
+            handles = call.handles
+            if handles[0] != src:
+                lib.set_handle(call.src, src)
+                handles[0] = src
+            if handles[1] != dst:
+                lib.set_handle(call.dst, dst)
+                handles[1] = dst
+            if res and handles[2] != res:
+                lib.set_handle(call.residual, res)
+                handles[2] = res
             status = lib.execute(call.primitive, self._stream, len(call.args), call.args)
         if status != 0:
             raise DnnlError(f"{self.kind} ({call.impl}): oneDNN status {status}")
