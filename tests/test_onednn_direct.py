@@ -692,3 +692,27 @@ def test_a_residual_that_is_read_later_is_not_overwritten():
     assert not any(isinstance(s.kernel, ResidualInPlaceKernel) for s in steps)
     for got, want in zip(sess.run(None, feeds), ref):
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-3)
+
+
+def test_a_call_repoints_the_memories_only_where_the_address_changed(
+        monkeypatch: pytest.MonkeyPatch):
+    torch.manual_seed(13)
+    w = torch.randn(8, 8, 3, 3) * 0.1
+    conv, packed, _ = _direct(w, [1, 8, 6, 6], pad=1)
+    assert LIB is not None
+    pointed: list[int] = []
+    set_handle = LIB.set_handle
+
+    def counting(memory: Any, address: int) -> int:
+        pointed.append(address)
+        return int(set_handle(memory, address))
+    monkeypatch.setattr(LIB, "set_handle", counting)
+    xs = [torch.randn(1, 8, 6, 6).contiguous(memory_format=torch.channels_last)
+          for _ in range(2)]
+    out = torch.empty(1, 8, 6, 6).contiguous(memory_format=torch.channels_last)
+    conv.destination = lambda: out          # the same planned storage every call
+    for x in (xs[0], xs[0], xs[1], xs[0]):
+        torch.testing.assert_close(conv(x, packed).clone(), F.conv2d(x, w, None, 1, 1),
+                                   atol=ATOL, rtol=RTOL)
+    # src and dst at the first call; src again at each change of input only.
+    assert pointed == [xs[0].data_ptr(), out.data_ptr(), xs[1].data_ptr(), xs[0].data_ptr()]
