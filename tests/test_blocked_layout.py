@@ -21,6 +21,7 @@ import segflow
 from segflow import models
 from segflow.frontend.onnx_import import import_model
 from segflow.ir.types import Device, DeviceKind
+from segflow.ops.fused import blocked_layout_preferred
 from segflow.ops.onednn_direct import DirectConv, DirectPool, DnnlError, Library, geometry
 from segflow.passes.pipeline import OptimizeOptions, optimize
 
@@ -38,6 +39,8 @@ def _plan(name: str, env: dict[str, str], **options: Any) -> tuple[list[str], An
 
 def _blocked_kernel_available() -> bool:
     assert LIB is not None
+    if not blocked_layout_preferred():
+        return False
     geo = geometry([16, 1, 3, 3], (1, 1), (1, 1), (1, 1), 16)
     return LIB.blocked_kernel(geo, (1, 16, 8, 8), False) is not None
 

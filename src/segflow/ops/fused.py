@@ -150,6 +150,14 @@ def direct_linear_preferred() -> bool:
     return not _cpu_has_avx512()
 
 
+def blocked_layout_preferred() -> bool:
+    """Whether the layout pass may run a depthwise region on nChw8c activations
+    (``passes/layout.py``). Measured faster on a Zen 3 CPU (AVX2), where nChw8c is
+    the vector width; on AVX-512 CPUs that region was not measured, so they keep NHWC.
+    """
+    return not _cpu_has_avx512()
+
+
 @functools.cache
 def _cpu_has_avx512() -> bool:
     return torch.backends.cpu.get_cpu_capability().startswith("AVX512")

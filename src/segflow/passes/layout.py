@@ -35,6 +35,7 @@ from segflow.ops.fused import (
     FUSED_DOMAIN,
     LINEAR_PACK_MIN_WEIGHT,
     activation_of,
+    blocked_layout_preferred,
     direct_linear_preferred,
     onednn_available,
 )
@@ -62,8 +63,9 @@ def layout(graph: Graph, device: Device, *, direct: bool = True,
     changed = 0
     lib: Library | None = None
     region: set[int] = set()
-    if direct and blocked and any(n.domain == FUSED_DOMAIN and n.op_type == "FusedConv"
-                      and _packable(n) is not None for n in graph.nodes):
+    convs = [n for n in graph.nodes if n.domain == FUSED_DOMAIN and n.op_type == "FusedConv"]
+    if direct and blocked and blocked_layout_preferred() \
+            and any(_packable(n) is not None for n in convs):
         lib = Library.load()
         if lib is not None:
             region = _blocked_region(graph, lib)
@@ -183,6 +185,7 @@ def _blocked_region(graph: Graph, lib: Library) -> set[int]:
     global poolings (whose [N, C, 1, 1] output is the same bytes in any layout),
     kept only if it holds a depthwise convolution. The tensors in between hold
     nChw8c bytes under their logical shape; nothing outside the region reads one.
+    Only where :func:`blocked_layout_preferred` (no AVX-512: not measured there).
     """
     candidates: set[int] = set()
     depthwise: set[int] = set()
