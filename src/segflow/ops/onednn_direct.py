@@ -237,7 +237,8 @@ class Library:
                           _Dims(*t.shape), _F32, _Dims(*strides))
 
     def blocked_desc(self, sizes: Sequence[int]) -> _P:
-        """A float32 ``nChw8c`` descriptor of a 4-D ``sizes`` (see :class:`Blocked`)."""
+        """A float32 ``nChw8c`` descriptor of a 4-D ``sizes``: channels in blocks of
+        :data:`BLOCK`, the layout of the layout pass's blocked region."""
         return self._make(self._dll.dnnl_memory_desc_create_with_tag, 4, _Dims(*sizes), _F32,
                           _TAG_NCHW8C)
 
@@ -623,7 +624,11 @@ class DirectConv(DirectOp):
     With ``libdnnl_packed``, ``w`` is instead this library's own packing for a
     channels-last input of size ``verified_for`` (bytes; the layout pass keeps
     that where torch's packing is not this library's format), and ``fallback``
-    must take it as it is.
+    must take it as it is. With ``blocked``, the output (and a residual) is
+    ``nChw8c`` bytes under its logical shape, and so is the input with
+    ``blocked_input`` (else it is plain NCHW, the blocked region's entry); the
+    weight is then packed for that layout, and the fallback runs between
+    reorders (``passes/layout.py``, ``_blocked_region``).
     """
 
     kind = "convolution"

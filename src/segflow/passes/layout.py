@@ -257,7 +257,9 @@ def _pack_conv(dense: torch.Tensor, params: _PackParams, lib: Library | None,
     is kept in libdnnl's packing instead (``libdnnl_bytes``): the kernel reads
     that in place, and torch's packing is made from it only if a fallback ever
     needs it. Keeping torch's would have the kernel hold a second, own copy (9.1
-    of ResNet-50's 98 MiB of weights on a Zen 3 CPU).
+    of ResNet-50's 98 MiB of weights on a Zen 3 CPU). A convolution of the
+    blocked region (``blocked``; ``plain_input`` for its NCHW entry) gets
+    libdnnl's packing for that layout directly: torch packs for NHWC only.
     """
     def pack(size: tuple[int, ...] | None) -> torch.Tensor:
         return torch.ops.mkldnn._reorder_convolution_weight(
