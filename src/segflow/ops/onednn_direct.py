@@ -249,14 +249,13 @@ class Library:
         out = torch.empty(sizes, memory_format=torch.channels_last)
         blk = self.blocked_desc(sizes)
         plain = self.memory_desc(t if blocked else out)
-        stream = self.stream()
         try:
             if blocked:
-                self.reorder(plain, t.data_ptr(), blk, out.data_ptr(), stream)
+                self.reorder(plain, t.data_ptr(), blk, out.data_ptr())
             else:
-                self.reorder(blk, t.data_ptr(), plain, out.data_ptr(), stream)
+                self.reorder(blk, t.data_ptr(), plain, out.data_ptr())
         finally:
-            self.destroy([("stream", stream), ("memory_desc", blk), ("memory_desc", plain)])
+            self.destroy([("memory_desc", blk), ("memory_desc", plain)])
         return out
 
     def blocked_kernel(self, spec: ConvGeometry, input_size: Sequence[int],
@@ -269,9 +268,7 @@ class Library:
             return None
         owned: list[tuple[str, _P]] = []
         try:
-            src = (self.memory_desc(torch.empty(list(input_size))) if plain_input
-                   else self.blocked_desc(input_size))
-            dst = self.blocked_desc(spec.output_size(input_size))
+            src, dst = self._activation_descs(spec, input_size, True, plain_input)
             any_weights = self.any_desc(spec.weight_dims)
             owned += [("memory_desc", d) for d in (src, dst, any_weights)]
             _, md, impl = self.convolution(src, any_weights, None, dst, spec.strides,
@@ -282,6 +279,19 @@ class Library:
         finally:
             self.destroy(owned)
         return None if impl.startswith("ref") else impl
+
+    def _activation_descs(self, spec: ConvGeometry, input_size: Sequence[int],
+                          blocked: bool, plain_input: bool) -> tuple[_P, _P]:
+        """A convolution's source and destination descriptors: channels-last, or
+        ``nChw8c`` (``blocked``) with a plain NCHW source (``plain_input``) or not."""
+        out_size = spec.output_size(input_size)
+        if not blocked:
+            layout = _channels_last(len(input_size))
+            return (self.memory_desc(torch.empty(list(input_size), memory_format=layout)),
+                    self.memory_desc(torch.empty(out_size, memory_format=layout)))
+        src = (self.memory_desc(torch.empty(list(input_size))) if plain_input
+               else self.blocked_desc(input_size))
+        return src, self.blocked_desc(out_size)
 
     def vector_desc(self, n: int) -> _P:
         return self._make(self._dll.dnnl_memory_desc_create_with_tag, 1, _Dims(n), _F32, _TAG_A)
@@ -303,14 +313,16 @@ class Library:
     def size(self, desc: _P) -> int:
         return int(self._dll.dnnl_memory_desc_get_size(desc))
 
-    def reorder(self, src_desc: _P, src: int, dst_desc: _P, dst: int, stream: _P) -> None:
-        """Copy ``src`` (laid out as ``src_desc``) to ``dst`` in ``dst_desc``'s format."""
+    def reorder(self, src_desc: _P, src: int, dst_desc: _P, dst: int) -> None:
+        """Copy ``src`` (laid out as ``src_desc``) to ``dst`` in ``dst_desc``'s format
+        (a one-off: the primitive and its stream are made and freed here)."""
         dll = self._dll
         pd = self._make(dll.dnnl_reorder_primitive_desc_create, src_desc, self.engine,
                         dst_desc, self.engine, None)
         prim = self._make(dll.dnnl_primitive_create, pd)
         src_mem = self.memory(src_desc, src)
         dst_mem = self.memory(dst_desc, dst)
+        stream = self.stream()
         args = (_ExecArg * 2)(_ExecArg(_ARG_SRC, src_mem), _ExecArg(_ARG_DST, dst_mem))
         try:
             self.check(self.execute(prim, stream, 2, args), "reorder")
@@ -318,6 +330,7 @@ class Library:
         finally:
             for mem in (src_mem, dst_mem):
                 dll.dnnl_memory_destroy(mem)
+            dll.dnnl_stream_destroy(stream)
             dll.dnnl_primitive_destroy(prim)
             dll.dnnl_primitive_desc_destroy(pd)
 
@@ -431,15 +444,7 @@ class Library:
         """The weights descriptor of this library's convolution over a channels-last
         (``blocked``: ``nChw8c``; with ``plain_input`` from plain NCHW) input of
         ``input_size`` (no post-ops); the caller destroys it."""
-        layout = _channels_last(len(input_size))
-        if blocked:
-            src = (self.memory_desc(torch.empty(list(input_size))) if plain_input
-                   else self.blocked_desc(input_size))
-            dst = self.blocked_desc(spec.output_size(input_size))
-        else:
-            src = self.memory_desc(torch.empty(list(input_size), memory_format=layout))
-            dst = self.memory_desc(torch.empty(spec.output_size(input_size),
-                                               memory_format=layout))
+        src, dst = self._activation_descs(spec, input_size, blocked, plain_input)
         any_weights = self.any_desc(spec.weight_dims)
         try:
             _, weights_md, _ = self.convolution(src, any_weights, None, dst, spec.strides,
@@ -455,14 +460,12 @@ class Library:
         weights_md = self.preferred_desc(spec, input_size, blocked, plain_input)
         dense = torch.empty(list(spec.weight_dims))
         dense_md = self.memory_desc(dense)
-        stream = self.stream()
         try:
             if self.size(weights_md) != packed.numel() * packed.element_size():
                 raise DnnlError("the packed weight's size is not its format's")
-            self.reorder(weights_md, packed.data_ptr(), dense_md, dense.data_ptr(), stream)
+            self.reorder(weights_md, packed.data_ptr(), dense_md, dense.data_ptr())
         finally:
-            self.destroy([("stream", stream), ("memory_desc", dense_md),
-                          ("memory_desc", weights_md)])
+            self.destroy([("memory_desc", dense_md), ("memory_desc", weights_md)])
         return dense
 
     def preferred_weight(self, dense: Tensor, spec: ConvGeometry, input_size: Sequence[int],
@@ -927,11 +930,10 @@ class DirectLinear(DirectOp):
         if self._dense is None:
             dense = torch.empty(self.out_features, self.in_features)
             plain = self.lib.memory_desc(dense)
-            stream = self.lib.stream()
             try:
-                self.lib.reorder(self.packed_md, w.data_ptr(), plain, dense.data_ptr(), stream)
+                self.lib.reorder(self.packed_md, w.data_ptr(), plain, dense.data_ptr())
             finally:
-                self.lib.destroy([("stream", stream), ("memory_desc", plain)])
+                self.lib.destroy([("memory_desc", plain)])
             self._dense = dense
         return self._dense
 
@@ -1109,10 +1111,9 @@ def _reorder_weight(lib: Library, weight: Tensor, weights_md: _P,
     dense = (weight.to_dense() if weight.is_mkldnn else weight).reshape(
         list(dims)).contiguous()
     mine = torch.empty(lib.size(weights_md), dtype=torch.uint8)
-    stream = lib.stream()
     dense_md = lib.memory_desc(dense)
     try:
-        lib.reorder(dense_md, dense.data_ptr(), weights_md, mine.data_ptr(), stream)
+        lib.reorder(dense_md, dense.data_ptr(), weights_md, mine.data_ptr())
     finally:
-        lib.destroy([("stream", stream), ("memory_desc", dense_md)])
+        lib.destroy([("memory_desc", dense_md)])
     return mine
