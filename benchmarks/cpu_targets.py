@@ -166,7 +166,10 @@ def measure(runners: Mapping[str, Runner], rounds: int, per_round: int, warmup: 
     ``settle`` seconds pass (untimed) between onnxruntime's calls and another
     runtime's: its thread pool spins ~40 ms after a run, and whichever runtime
     follows would share the cores with it (segflow's ResNet-50 batch-1 run took
-    88-95 ms instead of 50 right after one).
+    88-95 ms instead of 50 right after one). After the pause the next runtime
+    runs once untimed: a call right after an idle gap can run slow while the
+    cores come back (segflow's MobileNetV2 took 15-17 ms for the first calls
+    after a 0.1 s sleep, 13.6 from the fifth on).
     """
     names = list(runners)
     for name in names:
@@ -178,10 +181,11 @@ def measure(runners: Mapping[str, Runner], rounds: int, per_round: int, warmup: 
     for r in range(rounds):
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
+            run = runners[name]
             if settle and name != previous and "onnxruntime" in (name, previous):
                 time.sleep(settle)
+                run()        # untimed: the first call after an idle gap wakes the cores
             previous = name
-            run = runners[name]
             times = []
             for _ in range(per_round):
                 t0 = clock()

@@ -103,6 +103,8 @@ def test_rounds_pause_around_onnxruntime_only(monkeypatch: pytest.MonkeyPatch) -
     # Rounds [bulk nobulk ORT torch], [nobulk ORT torch bulk], [ORT torch bulk nobulk],
     # after the warm-up ended with torch: two pauses a round, one on each side of ORT.
     assert calls == ["settle"] * 6
+    # Each pause is followed by one untimed run: the timed runs are still one a round.
+    assert all(v.latency is not None and v.latency.runs == 3 for v in result.variants)
     assert to_record([result], settings)["settings"]["settle_s"] == 0.0123
     with pytest.raises(SegflowError, match="--settle"):
         BenchSettings(settle_s=-1).validate()
