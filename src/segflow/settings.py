@@ -39,6 +39,7 @@ ENV_ONEDNN_DIRECT = "SEGFLOW_ONEDNN_DIRECT"        # 0: convolutions through tor
 ENV_ONEDNN_BLOCKED = "SEGFLOW_ONEDNN_BLOCKED"      # 0: no nChw8c region (passes/layout.py)
 ENV_DNNL_LIBRARY = "SEGFLOW_DNNL_LIBRARY"          # libdnnl path (ops/onednn_direct.py)
 ENV_ARENA = "SEGFLOW_ARENA"                        # 0: direct convolutions allocate outputs
+ENV_ONEDNN_REPLAY = "SEGFLOW_ONEDNN_REPLAY"        # 0: no replayed runs (ops/onednn_replay.py)
 ENV_NO_DENSE_CHAIN = "SEGFLOW_NO_DENSE_CHAIN"      # 1: small dense layers stay one node each
 ENV_NATIVE = "SEGFLOW_NATIVE"                      # 0: never build or load native kernels
 

@@ -536,9 +536,14 @@ class DirectOp:
         return torch.empty(call.out_shape, memory_format=call.out_format)
 
     def _run(self, call: _Call, x: Tensor, y: Tensor, z: Tensor | None = None) -> None:
-        lib = self.lib
-        src, dst = x.data_ptr(), y.data_ptr()
         res = 0 if call.residual is None else z.data_ptr()  # type: ignore[union-attr]
+        self.execute_at(call, x.data_ptr(), y.data_ptr(), res)
+
+    def execute_at(self, call: _Call, src: int, dst: int, res: int) -> None:
+        """Execute ``call`` with its source, destination and residual memories at these
+        addresses (``res`` 0: no residual); what a call does once it has its tensors.
+        ``ops/onednn_replay.py`` calls it with addresses it recorded."""
+        lib = self.lib
         with self.lock:
             handles = call.handles
             if handles[0] != src:
@@ -677,10 +682,18 @@ class DirectConv(DirectOp):
         memory plan allows: ``z`` dies here)."""
         return self._conv(x, w, b, z, True)
 
+    def call_for(self, x: Tensor, z: Tensor | None, inplace: bool) -> _Call | None:
+        """The primitive built for this input layout (None: none, or it falls back)."""
+        return self.calls.get(self._key(x, z, inplace))
+
+    @staticmethod
+    def _key(x: Tensor, z: Tensor | None, inplace: bool) -> tuple[object, ...]:
+        return (x.shape, x.stride(), x.dtype) if z is None else (x.shape, x.stride(), x.dtype,
+                                                                    z.stride(), z.shape, inplace)
+
     def _conv(self, x: Tensor, w: Tensor, b: Tensor | None, z: Tensor | None,
               inplace: bool) -> Tensor:
-        key = (x.shape, x.stride(), x.dtype) if z is None else (x.shape, x.stride(), x.dtype,
-                                                                   z.stride(), z.shape, inplace)
+        key = self._key(x, z, inplace)
         try:
             call = self.calls[key]
         except KeyError:
@@ -828,6 +841,10 @@ class DirectPool(DirectOp):
         # The input is nChw8c (the end of the layout pass's blocked region); the output
         # of a global pooling, [N, C, 1, 1], is then the same bytes in any layout.
         self.blocked_input = blocked_input
+
+    def call_for(self, x: Tensor) -> _Call | None:
+        """The primitive built for this input layout (None: none, or it falls back)."""
+        return self.calls.get((x.shape, x.stride(), x.dtype))
 
     def __call__(self, x: Tensor) -> Tensor:
         key = (x.shape, x.stride(), x.dtype)

@@ -50,6 +50,7 @@ from segflow.settings import (
     ENV_NO_MEMORY_PLAN,
     ENV_ONEDNN_BLOCKED,
     ENV_ONEDNN_DIRECT,
+    ENV_ONEDNN_REPLAY,
     ENV_OPTIMIZE,
     _env_bool,
     _env_int,
@@ -101,6 +102,8 @@ class OptimizeOptions:
     onednn_blocked: bool = True
     # Their outputs are carved out of one planned block per run (runtime/arena.py).
     arena: bool = True
+    # Runs of them are replayed from recorded addresses (ops/onednn_replay.py).
+    onednn_replay: bool = True
 
     @classmethod
     def resolve(cls, optimize: bool | Mapping[str, bool] | None = None, *,
@@ -139,8 +142,9 @@ class OptimizeOptions:
         direct = _env_bool(env, ENV_ONEDNN_DIRECT, True)
         arena = _env_bool(env, ENV_ARENA, True)
         blocked = _env_bool(env, ENV_ONEDNN_BLOCKED, True)
+        replay = _env_bool(env, ENV_ONEDNN_REPLAY, True)
         return cls(compile=mode, intra_op_threads=threads, onednn_direct=direct, arena=arena,
-                   onednn_blocked=blocked, **switches)
+                   onednn_blocked=blocked, onednn_replay=replay, **switches)
 
     def as_record(self) -> dict[str, object]:
         """The options in force, for RunStats settings and benchmark records."""
@@ -148,7 +152,7 @@ class OptimizeOptions:
                 "dense_chain": self.dense_chain, "layout": self.layout,
                 "plan_memory": self.plan_memory, "compile": self.compile.resolve().value,
                 "onednn_direct": self.onednn_direct, "onednn_blocked": self.onednn_blocked,
-                "arena": self.arena}
+                "arena": self.arena, "onednn_replay": self.onednn_replay}
 
 
 @dataclass(frozen=True, slots=True)

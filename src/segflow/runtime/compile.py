@@ -56,6 +56,8 @@ from segflow.ops.fused import (
     reads_libdnnl_packing,
     traceable_fused,
 )
+from segflow.ops.onednn_direct import DirectConv, DirectKernel, DirectPool
+from segflow.ops.onednn_replay import DirectReplay, ReplayStep
 from segflow.ops.registry import Kernel
 from segflow.passes.pipeline import CompileMode
 from segflow.passes.plan_memory import MemoryPlan
@@ -105,16 +107,18 @@ class SegmentCompiler:
 
     def __init__(self, mode: CompileMode | str = CompileMode.AUTO,
                  memory: MemoryPlan | None = None, device: torch.device | None = None,
-                 cached_packages: bool = False) -> None:
+                 cached_packages: bool = False, replay: bool = True) -> None:
         """``cached_packages``: ``auto`` chose ``codegen``; a small segment whose
         inductor package is already in the disk cache runs that package instead
-        (:func:`uses_cached_package`). Nothing is compiled for it."""
+        (:func:`uses_cached_package`). Nothing is compiled for it. ``replay``: runs
+        of direct libdnnl kernels become one :class:`DirectReplay` call."""
         self.mode = CompileMode.parse(mode).resolve()
         self.memory = memory
         self.device = device or torch.device("cpu")
         # An empty cache (the usual case) costs one directory listing, nothing per segment.
         self.cached_packages = cached_packages and self.mode is CompileMode.CODEGEN \
             and self.device.type == "cpu" and has_packages()
+        self.replay = replay
         self.report = CompileReport(self.mode.value)
 
     def compile_tasks(self, tasks: Sequence[tuple[Segment, Sequence[Step]]],
@@ -132,7 +136,8 @@ class SegmentCompiler:
                 continue
             live_out = {slot for step in steps for slot in step.outputs
                         if slot in read_elsewhere.get(index, set())}
-            program = generate(steps, template, live_out, self.memory, self.device)
+            program = generate(steps, template, live_out, self.memory, self.device,
+                               replay=self.replay)
             cached_only = self.cached_packages and uses_cached_package(steps)
             if self.mode in (CompileMode.INDUCTOR, CompileMode.ONEDNN) or cached_only:
                 pure = generate(steps, template, live_out, None, self.device, pure=True,
@@ -300,12 +305,14 @@ class _Emitter:
 
 def generate(steps: Sequence[Step], template: Sequence[Tensor | None], live_out: set[int],
              memory: MemoryPlan | None = None, device: torch.device | None = None, *,
-             pure: bool = False, traceable: bool = False) -> Program:
+             pure: bool = False, traceable: bool = False, replay: bool = False) -> Program:
     """Generate the straight-line function for ``steps`` (see the module docstring).
 
     ``live_out``: slots other tasks or the caller read, written back to the slot array.
     ``pure``: also build ``f(*inputs) -> outputs`` without the slot array (for tracing).
     ``traceable``: plain functional torch ops only (no oneDNN ops, no in-place writes).
+    ``replay``: each run of two or more direct libdnnl convolutions / poolings is one
+    :class:`~segflow.ops.onednn_replay.DirectReplay` call (not with ``pure``/``traceable``).
     """
     device = device or torch.device("cpu")
     em = _Emitter()
@@ -330,14 +337,38 @@ def generate(steps: Sequence[Step], template: Sequence[Tensor | None], live_out:
                 cleared.append(slot)
         return f"v{slot}"
 
+    def inplace_input(step: Step) -> int | None:
+        slot_inplace = inplace.get(step.node)
+        if slot_inplace is not None and step.inputs[slot_inplace] not in step.release:
+            return None  # another task may still read it: not ours to overwrite
+        return slot_inplace
+
+    runs = {} if pure or traceable or not replay else _replay_runs(steps)
+    skip_to = 0
     for index, step in enumerate(steps):
+        if index < skip_to:
+            continue
         node = step.node
+        if index in runs:
+            run = steps[index:runs[index]]
+            skip_to = runs[index]
+            body.append(f"_i = {index}")
+            read_after = {slot for later in steps[skip_to:] for slot in later.inputs}
+            fn, reads, returns = _replay_call(run, inplace_input, read_after | live_out)
+            targets = "".join(f"v{slot}, " for slot in returns)
+            body.append(f"({targets}) = {em.bind(fn, 'r')}({', '.join(ref(s) for s in reads)})")
+            for slot in returns:
+                local.add(slot)
+                if slot in live_out:
+                    body.append(f"env[{slot}] = v{slot}")
+            gone = [f"v{slot}" for later in run for slot in later.release if slot in local]
+            if gone:
+                body.append(f"del {', '.join(dict.fromkeys(gone))}")
+            continue
         args = [ref(slot) for slot in step.inputs]
         consts = [template[s] if 0 < s < len(template) and s not in produced else None
                   for s in step.inputs]
-        slot_inplace = inplace.get(node)
-        if slot_inplace is not None and step.inputs[slot_inplace] not in step.release:
-            slot_inplace = None  # another task may still read it: not ours to overwrite
+        slot_inplace = inplace_input(step)
         body.append(f"_i = {index}")
         # A kernel that uploads host inputs first is called as it is.
         inline = (_inline(node, None if traceable else slot_inplace, device, consts, traceable,
@@ -384,6 +415,58 @@ def generate(steps: Sequence[Step], template: Sequence[Tensor | None], live_out:
         return Program(source, _pure_to_env(fn, constants, tuple(loaded), outputs),
                        tuple(loaded), outputs, fn, constants, tuple(cleared))
     return Program(source, fn)
+
+
+def _replay_op(step: Step) -> DirectConv | DirectPool | None:
+    """The direct convolution or pooling a step calls (None: another kind of step)."""
+    kernel = step.kernel
+    if len(step.outputs) != 1 or not isinstance(kernel, DirectKernel):
+        return None
+    return kernel.op if isinstance(kernel.op, DirectConv | DirectPool) else None
+
+
+def _replay_runs(steps: Sequence[Step]) -> dict[int, int]:
+    """``{first: end}`` for each run of two or more consecutive direct-kernel steps."""
+    runs: dict[int, int] = {}
+    start = None
+    for index in range(len(steps) + 1):
+        direct = index < len(steps) and _replay_op(steps[index]) is not None
+        if direct and start is None:
+            start = index
+        elif not direct and start is not None:
+            if index - start >= 2:
+                runs[start] = index
+            start = None
+    return runs
+
+
+def _replay_call(run: Sequence[Step], inplace_input: Callable[[Step], int | None],
+                 read_after: set[int]) -> tuple[DirectReplay, list[int], list[int]]:
+    """The replay for ``run``, the slots it reads from outside (its arguments, in
+    order) and the slots it returns (those read after it)."""
+    inputs: list[int] = []
+    position: dict[int, int] = {}       # slot -> value index in the replay
+    replay_steps = []
+    made = {slot for step in run for slot in step.outputs}
+    for step in run:
+        for slot in step.inputs:
+            if slot and slot not in made and slot not in position:
+                position[slot] = len(inputs)
+                inputs.append(slot)
+    n_inputs = len(inputs)
+    for offset, step in enumerate(run):
+        op = _replay_op(step)
+        assert op is not None
+        node = step.node
+        inplace = isinstance(op, DirectConv) and len(node.inputs) > 3 \
+            and node.inputs[3] is not None and inplace_input(step) == 3
+        args = tuple(position[s] if s else None for s in step.inputs)
+        (slot,) = step.outputs
+        position[slot] = n_inputs + offset
+        replay_steps.append(ReplayStep(op, inplace, args, n_inputs + offset))
+    outputs = [slot for step in run for slot in step.outputs if slot in read_after]
+    replay = DirectReplay(replay_steps, n_inputs, [position[s] for s in outputs])
+    return replay, inputs, outputs
 
 
 def _assemble(em: _Emitter, body: list[str], loaded: list[int], cleared: list[int],

@@ -148,7 +148,8 @@ class InferenceSession:
                                      "host_memory": memory_policy.value,
                                      **(pipeline.memory.as_record() if pipeline.memory else {})}
         compiler = SegmentCompiler(pipeline.compile, pipeline.memory, self.device.torch,
-                                   cached_packages=self.options.compile is CompileMode.AUTO)
+                                   cached_packages=self.options.compile is CompileMode.AUTO,
+                                   replay=self.options.onednn_replay)
         memory = pipeline.memory
         plans = PlansBySize(self.graph, memory) if memory is not None else None
         arena = None

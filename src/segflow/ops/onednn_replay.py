@@ -1,0 +1,211 @@
+"""A run of direct libdnnl kernels replayed from recorded addresses: one Python call.
+
+Generated code calls each direct convolution and pooling (``ops/onednn_direct.py``)
+in turn. Each call looks up its primitive by the input's sizes and strides, finds
+its output in the run's arena, reads the tensors' addresses and executes: 6 us of
+Python on a warm CPU, and 10-20 us right after a kernel has flushed the caches.
+MobileNetV2 at batch 1 makes 53 such calls in ~12 ms: 0.7-0.8 ms of a run went
+to Python between kernels (replaying the executes alone, ad hoc, 2026-12-05).
+
+A :class:`DirectReplay` stands for such a run of consecutive nodes. Its first
+calls run the ops as before; once a run has its arena block (``runtime/arena.py``)
+and every primitive is built, it records, per node, the primitive and the
+addresses its memories point at. A later call checks that the recording still
+holds, and then only executes:
+
+- the run's arena block is the recorded one (the arena hands each run the same
+  block, with the same tensors, from run to run; a concurrent run has another);
+- every input from outside the run is the recorded tensor, or has the recorded
+  sizes, strides and dtype (a new feed), whose address is then written into the
+  recording; weights and biases must be the recorded ones;
+- nodes that cannot be replayed (an input staged into channels-last first, an
+  activation run after the kernel, a fallback to torch, an output outside the
+  arena) run as before, and must return the recorded tensor; a node that does
+  not ends the replay there, and the rest of the run goes the usual way.
+
+Each execute still goes through the op (``DirectOp.execute_at``): its lock, and
+its memories re-pointed only where they point elsewhere (another path, such as a
+profiled run, may have moved them). ``SEGFLOW_ONEDNN_REPLAY=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from segflow.ops.onednn_direct import DirectConv, DirectPool
+
+Tensor = torch.Tensor
+_Slot = tuple[list[int], int]       # (a step's [src, dst, residual] addresses, position)
+_Fed = tuple[int, tuple[object, ...], list[_Slot]]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayStep:
+    """One node of a replayed run: ``op(*args)`` (``op.inplace_call`` with ``inplace``).
+
+    ``args`` index the run's values (the inputs from outside the run first, then each
+    step's output in order; None: an absent optional input), ``output`` its output's.
+    """
+
+    op: DirectConv | DirectPool
+    inplace: bool
+    args: tuple[int | None, ...]
+    output: int
+
+
+class _Recording:
+    """What one run looked like: its values, and per step how to redo it."""
+
+    __slots__ = ("values", "probe", "fixed", "fed", "plan")
+
+    def __init__(self, values: list[Tensor | None], probe: tuple[DirectConv | DirectPool, Tensor],
+                 fixed: list[int], fed: list[_Fed],
+                 plan: list[tuple[int, object, object, list[int]]]) -> None:
+        self.values = values
+        self.probe = probe     # (an op, the output its destination gave): the arena block
+        self.fixed = fixed     # outside inputs that must be the recorded tensors
+        # Outside inputs read as data: (index, (sizes, strides, dtype), where the plan
+        # holds their address: (a step's [src, dst, residual] list, position)).
+        self.fed = fed
+        # Per step: (step index, execute_at or None (run the op), call, addresses).
+        self.plan = plan
+
+
+class DirectReplay:
+    """``replay(*inputs) -> outputs``: a run of direct kernels (module docstring).
+
+    ``inputs`` are the values the run reads from outside (``n_inputs`` of them);
+    ``outputs`` the value indices it returns (those read after the run).
+    """
+
+    def __init__(self, steps: Sequence[ReplayStep], n_inputs: int,
+                 outputs: Sequence[int]) -> None:
+        self.steps = tuple(steps)
+        self.n_inputs = n_inputs
+        self.outputs = tuple(outputs)
+        self._recording: _Recording | None = None
+        self.replays = 0           # calls that replayed (counted for tests and explain)
+
+    def __call__(self, *inputs: Tensor | None) -> tuple[Tensor | None, ...]:
+        recording = self._recording
+        if recording is not None and self._holds(recording, inputs):
+            return self._replay(recording)
+        values: list[Tensor | None] = [*inputs, *([None] * len(self.steps))]
+        self._run_from(0, values)
+        # Recorded again after every run that could not replay: a new size (another arena
+        # block) is then replayed from its second run on.
+        self._recording = self._record(values)
+        return tuple(values[i] for i in self.outputs)
+
+    def _run_from(self, first: int, values: list[Tensor | None]) -> None:
+        for step in self.steps[first:]:
+            values[step.output] = _call(step, values)
+
+    # -- replaying -------------------------------------------------------------------
+    def _holds(self, rec: _Recording, inputs: Sequence[Tensor | None]) -> bool:
+        op, out = rec.probe
+        assert op.destination is not None
+        if op.destination() is not out:
+            return False             # another arena block (a concurrent run) or none
+        values = rec.values
+        for i in rec.fixed:
+            if inputs[i] is not values[i]:
+                return False
+        for i, signature, slots in rec.fed:
+            t = inputs[i]
+            if t is values[i]:
+                continue
+            if t is None or (t.shape, t.stride(), t.dtype) != signature:
+                return False
+            address = t.data_ptr()
+            for addresses, position in slots:   # the recording of this arena block's run
+                addresses[position] = address
+        values[:self.n_inputs] = inputs         # steps that run as before read them too
+        return True
+
+    def _replay(self, rec: _Recording) -> tuple[Tensor | None, ...]:
+        values = rec.values
+        steps = self.steps
+        for index, execute_at, call, (src, dst, res) in rec.plan:
+            if execute_at is not None:
+                execute_at(call, src, dst, res)  # type: ignore[operator]
+                continue
+            step = steps[index]
+            out = _call(step, values)
+            if out is not values[step.output]:
+                # Not the recorded tensor: later addresses may be stale. The rest goes
+                # the usual way, and the recording is dropped (made again next call).
+                values = list(values)
+                values[step.output] = out
+                self._run_from(index + 1, values)
+                self._recording = None
+                return tuple(values[i] for i in self.outputs)
+        self.replays += 1
+        return tuple(values[i] for i in self.outputs)
+
+    # -- recording -------------------------------------------------------------------
+    def _record(self, values: list[Tensor | None]) -> _Recording | None:
+        """The recording of the run that just made ``values``, or None where it cannot
+        be replayed (no arena block, a primitive not built)."""
+        probe = None
+        n = self.n_inputs
+        fixed: set[int] = set()
+        fed: dict[int, list[_Slot]] = {}
+        plan: list[tuple[int, object, object, list[int]]] = []
+        replayed = 0
+        for index, step in enumerate(self.steps):
+            op = step.op
+            args = [None if a is None else values[a] for a in step.args]
+            x, out = args[0], values[step.output]
+            given = op.destination() if op.destination is not None else None
+            if given is not None and probe is None and given is out:
+                probe = (op, given)
+            if isinstance(op, DirectConv):
+                w, b = args[1], args[2] if len(args) > 2 else None
+                z = args[3] if len(args) > 3 else None
+                if step.inplace and step.args[3] is not None and step.args[3] < n:
+                    return None    # its output is a tensor from outside: not recordable
+                for a in step.args[1:3]:
+                    if a is not None and a < n:
+                        fixed.add(a)       # the weight and bias a primitive was built for
+                assert x is not None and w is not None
+                call = op.call_for(x, z, step.inplace)
+                ok = (call is not None and call.source is w and call.bias is b
+                      and call.in_format is None and op.after is None
+                      and out is (z if step.inplace else given))
+            else:
+                z = None
+                assert x is not None
+                call = op.call_for(x)
+                ok = call is not None and out is given
+            if not ok or call is None or out is None:
+                plan.append((index, None, None, [0, 0, 0]))
+                continue
+            addresses = [x.data_ptr(), out.data_ptr(),
+                         0 if call.residual is None or z is None else z.data_ptr()]
+            residual = step.args[3] if len(step.args) > 3 and call.residual is not None \
+                else None
+            for position, a in ((0, step.args[0]), (2, residual)):
+                if a is not None and a < n:      # from outside the run: may be a new tensor
+                    fed.setdefault(a, []).append((addresses, position))
+            plan.append((index, op.execute_at, call, addresses))
+            replayed += 1
+        if probe is None or not replayed:
+            return None
+        signatures: list[_Fed] = []
+        for i, slots_of in fed.items():
+            t = values[i]
+            assert t is not None
+            signatures.append((i, (t.shape, t.stride(), t.dtype), slots_of))
+        return _Recording(list(values), probe, sorted(fixed - set(fed)), signatures, plan)
+
+
+def _call(step: ReplayStep, values: Sequence[Tensor | None]) -> Tensor:
+    """Run ``step``'s op the usual way on the run's ``values``."""
+    args = [None if a is None else values[a] for a in step.args]
+    op = step.op
+    fn: Callable[..., Tensor] = op.inplace_call if step.inplace else op  # type: ignore[union-attr]
+    return fn(*args)

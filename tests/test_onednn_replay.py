@@ -1,0 +1,156 @@
+"""Tests for replayed runs of direct libdnnl kernels (ops/onednn_replay.py).
+
+Whole models run with a new random feed every call and are compared with
+onnxruntime (atol 1e-4, rtol 1e-3, as the other direct-kernel tests): a replay
+that kept an old address would read the previous feed and fail. ``replays``
+(calls that replayed) is counted exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+
+import segflow
+from concurrency import run_in_threads
+from segflow import models
+from segflow.ops.onednn_direct import DnnlError, Library
+from segflow.ops.onednn_replay import DirectReplay
+
+LIB = Library.load()
+pytestmark = pytest.mark.skipif(LIB is None, reason=f"libdnnl {Library.probe()[1]}")
+SMALL = {"image_size": 64}
+ATOL, RTOL = 1e-4, 1e-3
+
+
+def _replays(sess: segflow.InferenceSession) -> list[DirectReplay]:
+    """The session's replays, read from its generated segments' closures."""
+    found = []
+    for fn in sess._executor.compiled:
+        for cell in getattr(fn, "__closure__", None) or ():
+            if isinstance(cell.cell_contents, DirectReplay):
+                found.append(cell.cell_contents)
+    return found
+
+
+def _feeds(name: str, batch: int, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {k: rng.standard_normal(v.shape).astype(np.float32)
+            for k, v in models.example_inputs(name, batch_size=batch, **SMALL).items()}
+
+
+@pytest.mark.parametrize("name", ["mobilenet_v2", "resnet18"])
+def test_replays_from_the_second_run_with_each_new_feed_and_size(name):
+    model = models.build(name, **SMALL)
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    sess = segflow.InferenceSession(model, compile="codegen")
+    (replay,) = _replays(sess)
+    assert len(replay.steps) >= 20     # the convolutions (and poolings) in one call
+    counts = []
+    for seed, batch in enumerate((1, 1, 1, 3, 3, 1, 1)):
+        feeds = _feeds(name, batch, seed)
+        np.testing.assert_allclose(sess.run(None, feeds)[0], ref.run(None, feeds)[0],
+                                   atol=ATOL, rtol=RTOL)
+        counts.append(replay.replays)
+    # Recorded at the first run of each size (another arena block), replayed after.
+    assert counts == [0, 1, 2, 2, 3, 3, 4]
+    if name == "resnet18":
+        # The stem stages the NCHW feed into channels-last first: it runs as before,
+        # inside the replay, and the rest is replayed.
+        rec = replay._recording
+        assert rec is not None and rec.plan[0][1] is None
+        assert all(entry[1] is not None for entry in rec.plan[1:])
+
+
+def test_the_switch_turns_it_off(monkeypatch):
+    model = models.build("mobilenet_v2", **SMALL)
+    monkeypatch.setenv("SEGFLOW_ONEDNN_REPLAY", "0")
+    sess = segflow.InferenceSession(model, compile="codegen")
+    assert _replays(sess) == []
+    assert sess.run(None, _feeds("mobilenet_v2", 1, 0))[0].shape == (1, 1000)
+    monkeypatch.delenv("SEGFLOW_ONEDNN_REPLAY")
+    assert len(_replays(segflow.InferenceSession(model, compile="codegen"))) == 1
+
+
+def test_nothing_is_recorded_without_an_arena(monkeypatch):
+    model = models.build("resnet18", **SMALL)
+    monkeypatch.setenv("SEGFLOW_ARENA", "0")
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    sess = segflow.InferenceSession(model, compile="codegen")
+    (replay,) = _replays(sess)
+    for seed in range(3):
+        feeds = _feeds("resnet18", 1, seed)
+        np.testing.assert_allclose(sess.run(None, feeds)[0], ref.run(None, feeds)[0],
+                                   atol=ATOL, rtol=RTOL)
+    assert replay.replays == 0 and replay._recording is None
+
+
+def test_concurrent_runs_match_onnxruntime():
+    model = models.build("mobilenet_v2", **SMALL)
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    sess = segflow.InferenceSession(model, compile="codegen", engine="threaded")
+
+    def worker(i: int) -> None:
+        for seed in range(6):
+            feeds = _feeds("mobilenet_v2", 1 + (seed + i) % 2, 100 * i + seed)
+            np.testing.assert_allclose(sess.run(None, feeds)[0], ref.run(None, feeds)[0],
+                                       atol=ATOL, rtol=RTOL)
+    run_in_threads(worker, 3)
+
+
+def test_a_step_that_falls_back_runs_as_before_inside_the_replay(monkeypatch):
+    # One convolution's primitive fails to build: it runs torch's op every time, inside
+    # the replay, between replayed ones (its output lands in the run's planned storage).
+    model = models.build("resnet18", **SMALL)
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    assert LIB is not None
+    convolution = LIB.convolution
+    built = [0]
+
+    def refuse_the_fifth(*args: Any, create: bool = True, **kwargs: Any) -> Any:
+        if create:
+            built[0] += 1
+            if built[0] == 5:
+                raise DnnlError("refused for the test")
+        return convolution(*args, create=create, **kwargs)
+    monkeypatch.setattr(LIB, "convolution", refuse_the_fifth)
+    sess = segflow.InferenceSession(model, compile="codegen")
+    (replay,) = _replays(sess)
+    for seed in range(4):
+        feeds = _feeds("resnet18", 1, seed)
+        np.testing.assert_allclose(sess.run(None, feeds)[0], ref.run(None, feeds)[0],
+                                   atol=ATOL, rtol=RTOL)
+    assert any("fell back" in line for line in sess.kernel_report())
+    assert replay.replays == 3
+    rec = replay._recording
+    assert rec is not None
+    assert sum(entry[1] is None for entry in rec.plan) == 2      # the stem and that one
+
+
+def test_a_step_whose_output_moves_ends_the_replay_there(monkeypatch):
+    # A step that runs as before but returns a tensor other than the recorded one: the
+    # steps after it cannot use their recorded addresses, so they run the usual way,
+    # the answer stays right, and the next run records again.
+    model = models.build("resnet18", **SMALL)
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    sess = segflow.InferenceSession(model, compile="codegen")
+    (replay,) = _replays(sess)
+    for seed in range(2):
+        feeds = _feeds("resnet18", 1, seed)
+        sess.run(None, feeds)
+    assert replay.replays == 1
+    stem = replay.steps[0].op
+    real = type(stem).__call__
+
+    def moved(self: Any, *args: Any) -> Any:
+        out = real(self, *args)
+        return out.clone(memory_format=torch.channels_last) if self is stem else out
+    monkeypatch.setattr(type(stem), "__call__", moved)
+    feeds = _feeds("resnet18", 1, 7)
+    np.testing.assert_allclose(sess.run(None, feeds)[0], ref.run(None, feeds)[0],
+                               atol=ATOL, rtol=RTOL)
+    assert replay.replays == 1 and replay._recording is None
