@@ -154,3 +154,27 @@ def test_a_step_whose_output_moves_ends_the_replay_there(monkeypatch):
     np.testing.assert_allclose(sess.run(None, feeds)[0], ref.run(None, feeds)[0],
                                atol=ATOL, rtol=RTOL)
     assert replay.replays == 1 and replay._recording is None
+
+
+def test_a_step_that_makes_a_new_tensor_each_run_cuts_the_recording(monkeypatch):
+    # From the first run on, the third step returns a new tensor (as an activation run
+    # after the kernel, out of place, would): the recording ends before it, the steps
+    # before it are replayed, and it and the rest run as before.
+    model = models.build("resnet18", **SMALL)
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    sess = segflow.InferenceSession(model, compile="codegen")
+    (replay,) = _replays(sess)
+    third = replay.steps[2].op
+    real = type(third).__call__
+
+    def fresh(self: Any, *args: Any) -> Any:
+        out = real(self, *args)
+        return out.clone(memory_format=torch.channels_last) if self is third else out
+    monkeypatch.setattr(type(third), "__call__", fresh)
+    for seed in range(3):
+        feeds = _feeds("resnet18", 1, seed)
+        np.testing.assert_allclose(sess.run(None, feeds)[0], ref.run(None, feeds)[0],
+                                   atol=ATOL, rtol=RTOL)
+    rec = replay._recording
+    assert rec is not None and rec.rest == 2 and len(rec.plan) == 2
+    assert replay.replays == 2

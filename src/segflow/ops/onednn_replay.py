@@ -19,9 +19,11 @@ holds, and then only executes:
   sizes, strides and dtype (a new feed), whose address is then written into the
   recording; weights and biases must be the recorded ones;
 - nodes that cannot be replayed (an input staged into channels-last first, an
-  activation run after the kernel, a fallback to torch, an output outside the
-  arena) run as before, and must return the recorded tensor; a node that does
-  not ends the replay there, and the rest of the run goes the usual way.
+  activation run after the kernel, a fallback to torch) run as before, and must
+  return the recorded tensor; one that does not ends the replay there, the rest
+  of the run goes the usual way and the next run records again. A node whose
+  output was not the run's planned storage when recorded ends the recording:
+  it and the nodes after it always run the usual way.
 
 Each execute still goes through the op (``DirectOp.execute_at``): its lock, and
 its memories re-pointed only where they point elsewhere (another path, such as a
@@ -59,11 +61,11 @@ class ReplayStep:
 class _Recording:
     """What one run looked like: its values, and per step how to redo it."""
 
-    __slots__ = ("values", "probe", "fixed", "fed", "plan")
+    __slots__ = ("values", "probe", "fixed", "fed", "plan", "rest")
 
     def __init__(self, values: list[Tensor | None], probe: tuple[DirectConv | DirectPool, Tensor],
                  fixed: list[int], fed: list[_Fed],
-                 plan: list[tuple[int, object, object, list[int]]]) -> None:
+                 plan: list[tuple[int, object, object, list[int]]], rest: int) -> None:
         self.values = values
         self.probe = probe     # (an op, the output its destination gave): the arena block
         self.fixed = fixed     # outside inputs that must be the recorded tensors
@@ -72,6 +74,9 @@ class _Recording:
         self.fed = fed
         # Per step: (step index, execute_at or None (run the op), call, addresses).
         self.plan = plan
+        # The steps from this one on run the usual way after the plan (the first of them
+        # returned a new tensor, not the run's planned storage).
+        self.rest = rest
 
 
 class DirectReplay:
@@ -143,6 +148,8 @@ class DirectReplay:
                 self._run_from(index + 1, values)
                 self._recording = None
                 return tuple(values[i] for i in self.outputs)
+        if rec.rest < len(steps):
+            self._run_from(rec.rest, values)
         self.replays += 1
         return tuple(values[i] for i in self.outputs)
 
@@ -156,6 +163,7 @@ class DirectReplay:
         fed: dict[int, list[_Slot]] = {}
         plan: list[tuple[int, object, object, list[int]]] = []
         replayed = 0
+        rest = len(self.steps)
         for index, step in enumerate(self.steps):
             op = step.op
             args = [None if a is None else values[a] for a in step.args]
@@ -182,6 +190,9 @@ class DirectReplay:
                 call = op.call_for(x)
                 ok = call is not None and out is given
             if not ok or call is None or out is None:
+                if out is None or out is not (z if step.inplace else given):
+                    rest = index     # a new tensor each run: the rest runs as before
+                    break
                 plan.append((index, None, None, [0, 0, 0]))
                 continue
             addresses = [x.data_ptr(), out.data_ptr(),
@@ -200,7 +211,8 @@ class DirectReplay:
             t = values[i]
             assert t is not None
             signatures.append((i, (t.shape, t.stride(), t.dtype), slots_of))
-        return _Recording(list(values), probe, sorted(fixed - set(fed)), signatures, plan)
+        return _Recording(list(values), probe, sorted(fixed - set(fed)), signatures, plan,
+                          rest)
 
 
 def _call(step: ReplayStep, values: Sequence[Tensor | None]) -> Tensor:
@@ -209,3 +221,28 @@ def _call(step: ReplayStep, values: Sequence[Tensor | None]) -> Tensor:
     op = step.op
     fn: Callable[..., Tensor] = op.inplace_call if step.inplace else op  # type: ignore[union-attr]
     return fn(*args)
+
+
+def describe_replays(replays: Sequence[DirectReplay]) -> list[str]:
+    """``explain()`` lines: the replayed runs, their nodes, and what the last recording
+    replays (nodes that run the usual way inside it, and where it stops)."""
+    if not replays:
+        return []
+    nodes = sum(len(r.steps) for r in replays)
+    calls = sum(r.replays for r in replays)
+    line = (f"replayed runs (libdnnl): {len(replays)} run{'s' if len(replays) > 1 else ''} of "
+            f"direct kernels, {nodes} nodes; {calls} calls replayed so far")
+    lines = [line]
+    for r in replays:
+        rec = r._recording
+        if rec is None:
+            lines.append(f"  {len(r.steps)} nodes: not recorded (yet)")
+            continue
+        executes = sum(1 for entry in rec.plan if entry[1] is not None)
+        text = f"  {len(r.steps)} nodes: {executes} replayed"
+        if len(rec.plan) > executes:
+            text += f", {len(rec.plan) - executes} run as before inside the replay"
+        if rec.rest < len(r.steps):
+            text += f", the last {len(r.steps) - rec.rest} after it"
+        lines.append(text)
+    return lines

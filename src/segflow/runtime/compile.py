@@ -81,6 +81,7 @@ class CompileReport:
     cache_hits: int = 0                # inductor packages loaded from the disk cache
     evicted: int = 0                   # older packages deleted to keep the cache under its cap
     fallbacks: list[str] = field(default_factory=list)
+    replays: list[DirectReplay] = field(default_factory=list)   # ops/onednn_replay.py
 
     @property
     def compile_time_s(self) -> float:
@@ -150,6 +151,7 @@ class SegmentCompiler:
                                                        cached_only=cached_only))
             else:
                 compiled.append(program.fn)
+                self.report.replays.extend(program.replays)
             self.report.segments += 1
         self.report.build_time_s = time.perf_counter() - start
         return compiled
@@ -220,6 +222,7 @@ class Program:
     pure_fn: Callable[..., tuple[Tensor, ...]] | None = None
     constants: tuple[Tensor, ...] = ()  # pure form: passed first, so tracing sees them
     released: tuple[int, ...] = ()   # pure form: input slots no other task reads afterwards
+    replays: tuple[DirectReplay, ...] = ()   # the replayed runs of direct kernels it calls
 
 
 _FLOAT = (DType.FLOAT32, DType.FLOAT64, DType.FLOAT16, DType.BFLOAT16)
@@ -344,6 +347,7 @@ def generate(steps: Sequence[Step], template: Sequence[Tensor | None], live_out:
         return slot_inplace
 
     runs = {} if pure or traceable or not replay else _replay_runs(steps)
+    replays: list[DirectReplay] = []
     skip_to = 0
     for index, step in enumerate(steps):
         if index < skip_to:
@@ -355,6 +359,7 @@ def generate(steps: Sequence[Step], template: Sequence[Tensor | None], live_out:
             body.append(f"_i = {index}")
             read_after = {slot for later in steps[skip_to:] for slot in later.inputs}
             fn, reads, returns = _replay_call(run, inplace_input, read_after | live_out)
+            replays.append(fn)
             targets = "".join(f"v{slot}, " for slot in returns)
             body.append(f"({targets}) = {em.bind(fn, 'r')}({', '.join(ref(s) for s in reads)})")
             for slot in returns:
@@ -414,7 +419,7 @@ def generate(steps: Sequence[Step], template: Sequence[Tensor | None], live_out:
         constants = tuple(t for t in (em.bound[name] for name in lifted) if isinstance(t, Tensor))
         return Program(source, _pure_to_env(fn, constants, tuple(loaded), outputs),
                        tuple(loaded), outputs, fn, constants, tuple(cleared))
-    return Program(source, fn)
+    return Program(source, fn, replays=tuple(replays))
 
 
 def _replay_op(step: Step) -> DirectConv | DirectPool | None:

@@ -29,6 +29,7 @@ from segflow.ir.graph import Value
 from segflow.ir.types import Device, DeviceKind, Dim, DType, TensorSpec
 from segflow.ops.dense_chain import describe_chains
 from segflow.ops.onednn_direct import describe_direct
+from segflow.ops.onednn_replay import describe_replays
 from segflow.ops.registry import OpRegistry, default_registry
 from segflow.passes.layout import calls_libdnnl, converts_input
 from segflow.passes.pipeline import (
@@ -211,9 +212,11 @@ class InferenceSession:
     def kernel_report(self) -> list[str]:
         """What the CPU kernels did so far: those calling libdnnl, the input layouts they
         built and each that fell back to torch (and why); the dense chains, how many calls
-        ran native and why any went through torch; and the activation arena."""
+        ran native and why any went through torch; the replayed runs of direct kernels;
+        and the activation arena."""
         lines = describe_direct(self._executor.direct_ops)
         lines += describe_chains(self._executor.chain_ops)
+        lines += describe_replays(self.compile_report.replays)
         arena = self._executor.arena
         if arena is not None:   # the block at the sizes the plan was made for
             lines.append(arena.layout(arena.plans.base.dims).describe())
