@@ -58,6 +58,11 @@ def test_replays_from_the_second_run_with_each_new_feed_and_size(name):
         counts.append(replay.replays)
     # Recorded at the first run of each size (another arena block), replayed after.
     assert counts == [0, 1, 2, 2, 3, 3, 4]
+    # Between runs the recording keeps no feed (nor any tensor a step allocated) alive.
+    rec = replay._recording
+    assert rec is not None and rec.transient
+    assert all(rec.values[i] is None for i in rec.transient)
+    assert 0 in rec.transient      # the image, the run's only input that is not a weight
     if name == "resnet18":
         # The stem stages the NCHW feed into channels-last first: it runs as before,
         # inside the replay, and the rest is replayed.

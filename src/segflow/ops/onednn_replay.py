@@ -61,7 +61,7 @@ class ReplayStep:
 class _Recording:
     """What one run looked like: its values, and per step how to redo it."""
 
-    __slots__ = ("values", "probe", "fixed", "fed", "plan", "rest")
+    __slots__ = ("values", "probe", "fixed", "fed", "plan", "rest", "transient")
 
     def __init__(self, values: list[Tensor | None], probe: tuple[DirectConv | DirectPool, Tensor],
                  fixed: list[int], fed: list[_Fed],
@@ -77,6 +77,10 @@ class _Recording:
         # The steps from this one on run the usual way after the plan (the first of them
         # returned a new tensor, not the run's planned storage).
         self.rest = rest
+        # Values dropped after each call, so that a recording never keeps a caller's
+        # feed or a tensor a step allocated alive between runs: the inputs other than
+        # weights, and the outputs of the steps after the plan.
+        self.transient: list[int] = []
 
 
 class DirectReplay:
@@ -131,6 +135,13 @@ class DirectReplay:
         values[:self.n_inputs] = inputs         # steps that run as before read them too
         return True
 
+    def _result(self, values: list[Tensor | None], transient: Sequence[int]
+                ) -> tuple[Tensor | None, ...]:
+        result = tuple(values[i] for i in self.outputs)
+        for i in transient:
+            values[i] = None
+        return result
+
     def _replay(self, rec: _Recording) -> tuple[Tensor | None, ...]:
         values = rec.values
         steps = self.steps
@@ -151,7 +162,7 @@ class DirectReplay:
         if rec.rest < len(steps):
             self._run_from(rec.rest, values)
         self.replays += 1
-        return tuple(values[i] for i in self.outputs)
+        return self._result(values, rec.transient)
 
     # -- recording -------------------------------------------------------------------
     def _record(self, values: list[Tensor | None]) -> _Recording | None:
@@ -211,8 +222,12 @@ class DirectReplay:
             t = values[i]
             assert t is not None
             signatures.append((i, (t.shape, t.stride(), t.dtype), slots_of))
-        return _Recording(list(values), probe, sorted(fixed - set(fed)), signatures, plan,
-                          rest)
+        kept = sorted(fixed - set(fed))
+        rec = _Recording(list(values), probe, kept, signatures, plan, rest)
+        rec.transient = [i for i in range(n) if i not in fixed or i in fed] + \
+            [step.output for step in self.steps[rest:]]
+        self._result(rec.values, rec.transient)
+        return rec
 
 
 def _call(step: ReplayStep, values: Sequence[Tensor | None]) -> Tensor:
