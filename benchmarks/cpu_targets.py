@@ -12,6 +12,7 @@ would otherwise share the cores with those spinning workers.
     python benchmarks/cpu_targets.py --cases mlp_chain --rounds 30
     python benchmarks/cpu_targets.py --cases mlp_chain --variants "default;dense_chain=off"
     python benchmarks/cpu_targets.py --cases resnet50 --variants "default;compile=none;layout=off"
+    python benchmarks/cpu_targets.py --cases mobilenet_v2 --variants "default;replay=off"
     python benchmarks/cpu_targets.py --memory               # peak memory, ResNet-50 batch 1
     python benchmarks/cpu_targets.py --memory --cases mobilenet_v2 --variants "default;compile=none"
     python benchmarks/cpu_targets.py --standalone           # each runtime in its own process
@@ -91,6 +92,8 @@ def _segflow_kwargs(variant: str) -> tuple[dict[str, Any], dict[str, str]]:
             env["SEGFLOW_ONEDNN_BLOCKED"] = "0" if value in ("off", "0", "false") else "1"
         elif key == "arena":  # direct kernels write into a planned block (on) or malloc
             env["SEGFLOW_ARENA"] = "0" if value in ("off", "0", "false") else "1"
+        elif key == "replay":  # runs of direct kernels replayed (on) or called one by one
+            env["SEGFLOW_ONEDNN_REPLAY"] = "0" if value in ("off", "0", "false") else "1"
         else:
             raise SystemExit(f"unknown variant key {key!r} in {variant!r}")
     if passes:
