@@ -51,13 +51,14 @@ def test_replays_from_the_second_run_with_each_new_feed_and_size(name):
     (replay,) = _replays(sess)
     assert len(replay.steps) >= 20     # the convolutions (and poolings) in one call
     counts = []
-    for seed, batch in enumerate((1, 1, 1, 3, 3, 1, 1)):
+    for seed, batch in enumerate((1, 1, 1, 3, 3, 3, 1, 1, 1)):
         feeds = _feeds(name, batch, seed)
         np.testing.assert_allclose(sess.run(None, feeds)[0], ref.run(None, feeds)[0],
                                    atol=ATOL, rtol=RTOL)
         counts.append(replay.replays)
-    # Recorded at the first run of each size (another arena block), replayed after.
-    assert counts == [0, 1, 2, 2, 3, 3, 4]
+    # Recorded at the first run, and again at the second run of a new size (another
+    # arena block); replayed after.
+    assert counts == [0, 1, 2, 2, 2, 3, 3, 3, 4]
     # Between runs the recording keeps no feed (nor any tensor a step allocated) alive.
     rec = replay._recording
     assert rec is not None and rec.transient
@@ -69,6 +70,22 @@ def test_replays_from_the_second_run_with_each_new_feed_and_size(name):
         rec = replay._recording
         assert rec is not None and rec.plan[0][1] is None
         assert all(entry[1] is not None for entry in rec.plan[1:])
+
+
+def test_alternating_sizes_keep_the_first_recording():
+    # Two sizes in turn (as two threads with their own arena blocks would be): the
+    # recording is not made again at every call; the first size keeps replaying.
+    model = models.build("mobilenet_v2", **SMALL)
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    sess = segflow.InferenceSession(model, compile="codegen")
+    (replay,) = _replays(sess)
+    counts = []
+    for seed, batch in enumerate((1, 2, 1, 2, 1, 2)):
+        feeds = _feeds("mobilenet_v2", batch, seed)
+        np.testing.assert_allclose(sess.run(None, feeds)[0], ref.run(None, feeds)[0],
+                                   atol=ATOL, rtol=RTOL)
+        counts.append(replay.replays)
+    assert counts == [0, 0, 1, 1, 2, 2]
 
 
 def test_the_switch_turns_it_off(monkeypatch):

@@ -40,6 +40,8 @@ import torch
 from segflow.ops.onednn_direct import DirectConv, DirectPool
 
 Tensor = torch.Tensor
+# Calls in a row a recording must fail to hold for before the run is recorded again.
+RECORD_AFTER_MISSES = 2
 _Slot = tuple[list[int], int]       # (a step's [src, dst, residual] addresses, position)
 _Fed = tuple[int, tuple[object, ...], list[_Slot]]
 
@@ -96,17 +98,24 @@ class DirectReplay:
         self.n_inputs = n_inputs
         self.outputs = tuple(outputs)
         self._recording: _Recording | None = None
+        self._misses = 0           # calls in a row the recording did not hold for
         self.replays = 0           # calls that replayed (counted for tests and explain)
 
     def __call__(self, *inputs: Tensor | None) -> tuple[Tensor | None, ...]:
         recording = self._recording
-        if recording is not None and self._holds(recording, inputs):
-            return self._replay(recording)
+        if recording is not None:
+            if self._holds(recording, inputs):
+                self._misses = 0
+                return self._replay(recording)
+            self._misses += 1
         values: list[Tensor | None] = [*inputs, *([None] * len(self.steps))]
         self._run_from(0, values)
-        # Recorded again after every run that could not replay: a new size (another arena
-        # block) is then replayed from its second run on.
-        self._recording = self._record(values)
+        # Recorded again after a second call in a row it did not hold for: a new size
+        # (another arena block) is replayed from its third run on, while two threads
+        # running at once (two blocks) do not record over each other at every call.
+        if recording is None or self._misses >= RECORD_AFTER_MISSES:
+            self._recording = self._record(values)
+            self._misses = 0
         return tuple(values[i] for i in self.outputs)
 
     def _run_from(self, first: int, values: list[Tensor | None]) -> None:
@@ -170,6 +179,9 @@ class DirectReplay:
         be replayed (no arena block, a primitive not built)."""
         probe = None
         n = self.n_inputs
+        first = next((step.op for step in self.steps if step.op.destination is not None), None)
+        if first is None or first.destination() is None:   # type: ignore[misc]
+            return None                 # no arena block in this run: nothing to record
         fixed: set[int] = set()
         fed: dict[int, list[_Slot]] = {}
         plan: list[tuple[int, object, object, list[int]]] = []
