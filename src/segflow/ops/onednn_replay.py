@@ -25,6 +25,10 @@ holds, and then only executes:
   output was not the run's planned storage when recorded ends the recording:
   it and the nodes after it always run the usual way.
 
+A call the recording does not hold for runs the usual way; after two such calls
+in a row (a new batch size) the run is recorded again, while two threads whose
+runs alternate between two arena blocks leave the first recording in place.
+
 Each execute still goes through the op (``DirectOp.execute_at``): its lock, and
 its memories re-pointed only where they point elsewhere (another path, such as a
 profiled run, may have moved them). ``SEGFLOW_ONEDNN_REPLAY=0`` turns it off.
