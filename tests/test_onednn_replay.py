@@ -8,6 +8,7 @@ that kept an old address would read the previous feed and fail. ``replays``
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -37,6 +38,38 @@ def _replays(sess: segflow.InferenceSession) -> list[DirectReplay]:
     return found
 
 
+def _resnet18() -> tuple[Any, segflow.InferenceSession, DirectReplay]:
+    """onnxruntime's session, segflow's (codegen), and its one replayed run."""
+    model = models.build("resnet18", **SMALL)
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    sess = segflow.InferenceSession(model, compile="codegen")
+    (replay,) = _replays(sess)
+    return ref, sess, replay
+
+
+def _new_tensor_from(monkeypatch: pytest.MonkeyPatch, op: Any) -> None:
+    """Make ``op`` return a copy of its output (a new tensor each call)."""
+    real = type(op).__call__
+
+    def copied(self: Any, *args: Any) -> Any:
+        out = real(self, *args)
+        return out.clone(memory_format=torch.channels_last) if self is op else out
+    monkeypatch.setattr(type(op), "__call__", copied)
+
+
+def _check(ref: Any, sess: segflow.InferenceSession, name: str, batches: Sequence[int],
+           replay: DirectReplay | None = None) -> list[int]:
+    """Run at these batch sizes, each with a new random feed, against onnxruntime;
+    ``replay.replays`` after each run."""
+    counts = []
+    for seed, batch in enumerate(batches):
+        feeds = _feeds(name, batch, seed)
+        np.testing.assert_allclose(sess.run(None, feeds)[0], ref.run(None, feeds)[0],
+                                   atol=ATOL, rtol=RTOL)
+        counts.append(replay.replays if replay is not None else 0)
+    return counts
+
+
 def _feeds(name: str, batch: int, seed: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     return {k: rng.standard_normal(v.shape).astype(np.float32)
@@ -50,12 +83,7 @@ def test_replays_from_the_second_run_with_each_new_feed_and_size(name):
     sess = segflow.InferenceSession(model, compile="codegen")
     (replay,) = _replays(sess)
     assert len(replay.steps) >= 20     # the convolutions (and poolings) in one call
-    counts = []
-    for seed, batch in enumerate((1, 1, 1, 3, 3, 3, 1, 1, 1)):
-        feeds = _feeds(name, batch, seed)
-        np.testing.assert_allclose(sess.run(None, feeds)[0], ref.run(None, feeds)[0],
-                                   atol=ATOL, rtol=RTOL)
-        counts.append(replay.replays)
+    counts = _check(ref, sess, name, (1, 1, 1, 3, 3, 3, 1, 1, 1), replay)
     # Recorded at the first run, and again at the second run of a new size (another
     # arena block); replayed after.
     assert counts == [0, 1, 2, 2, 2, 3, 3, 3, 4]
@@ -79,13 +107,7 @@ def test_alternating_sizes_keep_the_first_recording():
     ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     sess = segflow.InferenceSession(model, compile="codegen")
     (replay,) = _replays(sess)
-    counts = []
-    for seed, batch in enumerate((1, 2, 1, 2, 1, 2)):
-        feeds = _feeds("mobilenet_v2", batch, seed)
-        np.testing.assert_allclose(sess.run(None, feeds)[0], ref.run(None, feeds)[0],
-                                   atol=ATOL, rtol=RTOL)
-        counts.append(replay.replays)
-    assert counts == [0, 0, 1, 1, 2, 2]
+    assert _check(ref, sess, "mobilenet_v2", (1, 2, 1, 2, 1, 2), replay) == [0, 0, 1, 1, 2, 2]
 
 
 def test_the_switch_turns_it_off(monkeypatch):
@@ -99,15 +121,9 @@ def test_the_switch_turns_it_off(monkeypatch):
 
 
 def test_nothing_is_recorded_without_an_arena(monkeypatch):
-    model = models.build("resnet18", **SMALL)
     monkeypatch.setenv("SEGFLOW_ARENA", "0")
-    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    sess = segflow.InferenceSession(model, compile="codegen")
-    (replay,) = _replays(sess)
-    for seed in range(3):
-        feeds = _feeds("resnet18", 1, seed)
-        np.testing.assert_allclose(sess.run(None, feeds)[0], ref.run(None, feeds)[0],
-                                   atol=ATOL, rtol=RTOL)
+    ref, sess, replay = _resnet18()
+    assert _check(ref, sess, "resnet18", (1, 1, 1), replay) == [0, 0, 0]
     assert replay.replays == 0 and replay._recording is None
 
 
@@ -127,8 +143,6 @@ def test_concurrent_runs_match_onnxruntime():
 def test_a_step_that_falls_back_runs_as_before_inside_the_replay(monkeypatch):
     # One convolution's primitive fails to build: it runs torch's op every time, inside
     # the replay, between replayed ones (its output lands in the run's planned storage).
-    model = models.build("resnet18", **SMALL)
-    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     assert LIB is not None
     convolution = LIB.convolution
     built = [0]
@@ -140,12 +154,8 @@ def test_a_step_that_falls_back_runs_as_before_inside_the_replay(monkeypatch):
                 raise DnnlError("refused for the test")
         return convolution(*args, create=create, **kwargs)
     monkeypatch.setattr(LIB, "convolution", refuse_the_fifth)
-    sess = segflow.InferenceSession(model, compile="codegen")
-    (replay,) = _replays(sess)
-    for seed in range(4):
-        feeds = _feeds("resnet18", 1, seed)
-        np.testing.assert_allclose(sess.run(None, feeds)[0], ref.run(None, feeds)[0],
-                                   atol=ATOL, rtol=RTOL)
+    ref, sess, replay = _resnet18()
+    _check(ref, sess, "resnet18", (1, 1, 1, 1))
     assert any("fell back" in line for line in sess.kernel_report())
     assert replay.replays == 3
     rec = replay._recording
@@ -157,21 +167,12 @@ def test_a_step_whose_output_moves_ends_the_replay_there(monkeypatch):
     # A step that runs as before but returns a tensor other than the recorded one: the
     # steps after it cannot use their recorded addresses, so they run the usual way,
     # the answer stays right, and the next run records again.
-    model = models.build("resnet18", **SMALL)
-    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    sess = segflow.InferenceSession(model, compile="codegen")
-    (replay,) = _replays(sess)
+    ref, sess, replay = _resnet18()
     for seed in range(2):
         feeds = _feeds("resnet18", 1, seed)
         sess.run(None, feeds)
     assert replay.replays == 1
-    stem = replay.steps[0].op
-    real = type(stem).__call__
-
-    def moved(self: Any, *args: Any) -> Any:
-        out = real(self, *args)
-        return out.clone(memory_format=torch.channels_last) if self is stem else out
-    monkeypatch.setattr(type(stem), "__call__", moved)
+    _new_tensor_from(monkeypatch, replay.steps[0].op)      # the stem
     feeds = _feeds("resnet18", 1, 7)
     np.testing.assert_allclose(sess.run(None, feeds)[0], ref.run(None, feeds)[0],
                                atol=ATOL, rtol=RTOL)
@@ -182,21 +183,9 @@ def test_a_step_that_makes_a_new_tensor_each_run_cuts_the_recording(monkeypatch)
     # From the first run on, the third step returns a new tensor (as an activation run
     # after the kernel, out of place, would): the recording ends before it, the steps
     # before it are replayed, and it and the rest run as before.
-    model = models.build("resnet18", **SMALL)
-    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    sess = segflow.InferenceSession(model, compile="codegen")
-    (replay,) = _replays(sess)
-    third = replay.steps[2].op
-    real = type(third).__call__
-
-    def fresh(self: Any, *args: Any) -> Any:
-        out = real(self, *args)
-        return out.clone(memory_format=torch.channels_last) if self is third else out
-    monkeypatch.setattr(type(third), "__call__", fresh)
-    for seed in range(3):
-        feeds = _feeds("resnet18", 1, seed)
-        np.testing.assert_allclose(sess.run(None, feeds)[0], ref.run(None, feeds)[0],
-                                   atol=ATOL, rtol=RTOL)
+    ref, sess, replay = _resnet18()
+    _new_tensor_from(monkeypatch, replay.steps[2].op)
+    _check(ref, sess, "resnet18", (1, 1, 1))
     rec = replay._recording
     assert rec is not None and rec.rest == 2 and len(rec.plan) == 2
     assert replay.replays == 2
