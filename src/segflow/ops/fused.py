@@ -621,6 +621,12 @@ def inline_fused(node: Node, device: torch.device, inplace_input: int | None,
     return None
 
 
+def adds_residual_in_place(node: Node, inplace_input: int | None) -> bool:
+    """Whether a FusedConv writes its output over its residual (input 3): it has one,
+    and the memory plan lets it overwrite that input (``inplace_input``)."""
+    return len(node.inputs) > 3 and node.inputs[3] is not None and inplace_input == 3
+
+
 def _inline_conv(node: Node, inplace_input: int | None, args: str, kernel: Kernel | None
                  ) -> Inline | None:
     if not conv_uses_onednn(node):
@@ -638,7 +644,7 @@ def _inline_conv(node: Node, inplace_input: int | None, args: str, kernel: Kerne
         return Inline(f"{{conv}}({{in0}}, {{weight_for}}({{in0}}, {{in1}}), {bias}, {{pads}}, "
                       f"{{strides}}, {{dil}}, {spec.group}, {attr!r}, {{scalars}}, "
                       f"{algorithm!r})", bound)
-    inplace = spec.has_residual and inplace_input == 3
+    inplace = adds_residual_in_place(node, inplace_input)
     op = kernel.op if isinstance(kernel, DirectKernel) else None
     if isinstance(op, DirectConv):   # the kernel's own op: one set of primitives per node
         return Inline(f"{{fn}}({args})", {"fn": op.inplace_call if inplace else op})

@@ -52,6 +52,7 @@ from segflow.ops.dense_chain import inline_chain, traceable_chain
 from segflow.ops.fused import (
     FUSED_DOMAIN,
     Inline,
+    adds_residual_in_place,
     inline_fused,
     reads_libdnnl_packing,
     traceable_fused,
@@ -462,9 +463,8 @@ def _replay_call(run: Sequence[Step], inplace_input: Callable[[Step], int | None
     for offset, step in enumerate(run):
         op = _replay_op(step)
         assert op is not None
-        node = step.node
-        inplace = isinstance(op, DirectConv) and len(node.inputs) > 3 \
-            and node.inputs[3] is not None and inplace_input(step) == 3
+        inplace = isinstance(op, DirectConv) and adds_residual_in_place(step.node,
+                                                                       inplace_input(step))
         args = tuple(position[s] if s else None for s in step.inputs)
         (slot,) = step.outputs
         position[slot] = n_inputs + offset
