@@ -168,6 +168,24 @@ def test_resnet_plan_is_far_below_naive():
     assert plan.live_peak_bytes <= plan.arena_bytes
 
 
+def test_an_in_place_op_never_overwrites_a_view_that_is_still_needed():
+    # Found by the property test below: Relu(v0) runs in place, so v1 lives in v0's
+    # storage; v3 = Reshape(v1) is a view of it and a graph output. The Reshape joins
+    # v1 with its shape constant in one group, whose root is not v1: the in-place
+    # decision used to lose that group's end (the end of the graph) and pinning, and
+    # then let Sigmoid(v1) overwrite the storage v3 still shows.
+    nodes = [helper.make_node("Relu", ["x"], ["v0"]), helper.make_node("Relu", ["v0"], ["v1"]),
+             helper.make_node("Reshape", ["v1", "s3"], ["v3"]),
+             helper.make_node("Sigmoid", ["v1"], ["v4"]), helper.make_node("Relu", ["v3"], ["v10"])]
+    model = _model(nodes, {"x": [4, 8], "y": [4, 8]}, ["v10", "v3", "v4"],
+                   {"s3": np.array([8, 4], np.int64)})
+    plan = plan_memory(import_model(model))
+    assert "Sigmoid" not in {node.op_type for node in plan.inplace}
+    rng = np.random.default_rng(0)
+    _run_against_ort(model, {"x": rng.standard_normal((4, 8), dtype=np.float32),
+                             "y": rng.standard_normal((4, 8), dtype=np.float32)})
+
+
 # -- property test over random graphs --------------------------------------------------------
 SHAPES = [(4, 8), (8, 4), (32,), (2, 16)]
 UNARY = ["Relu", "Sigmoid", "Neg", "Tanh"]

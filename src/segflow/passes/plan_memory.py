@@ -259,9 +259,15 @@ def plan_memory(graph: Graph, order: Sequence[Node] | None = None, *,
                 target = node.inputs[slot]
                 assert target is not None
                 root = groups.find(target)
-                groups.union(root, node.outputs[0])
-                group_end[root] = max(group_end[root], group_end.get(node.outputs[0], index),
+                # The output's group (its views, a graph output among them) now lives in
+                # the target's storage: that group's end and pinning carry over. Its root
+                # need not be the output itself (a Reshape joins its shape constant too).
+                other = groups.find(node.outputs[0])
+                groups.union(root, other)
+                group_end[root] = max(group_end[root], group_end.get(other, index),
                                       last_use.get(node.outputs[0], index))
+                if other in pinned:
+                    pinned.add(root)
 
     buffers, unplanned = _buffers(nodes, groups, pinned, group_end, defined, chosen, dims)
     placed = place(buffers)
