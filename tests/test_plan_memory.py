@@ -270,6 +270,32 @@ def test_no_two_live_values_share_storage(model):
         assert target.producer.op_type in FRESH_OUTPUT_OPS
         assert target not in graph.outputs
         assert all(position[use] <= position[node] for use in target.uses)
+    # ... and so is everything else in that storage: the views of it (outputs of ops not
+    # in FRESH_OUTPUT_OPS) and what earlier in-place ops wrote there.
+    storage = {v: v for v in graph.values()}
+
+    def home(v):
+        while storage[v] is not v:
+            v = storage[v]
+        return v
+    for node in nodes:
+        slot = plan.inplace.get(node)
+        if slot is not None:
+            source = node.inputs[slot]
+        elif node.op_type not in FRESH_OUTPUT_OPS and node.inputs:
+            source = node.inputs[0]
+        else:
+            continue
+        assert source is not None
+        storage[home(node.outputs[0])] = home(source)
+        if slot is None:
+            continue
+        for value in graph.values():
+            if value.producer is not None and position[value.producer] < position[node] \
+                    and home(value) is home(source):
+                assert value not in graph.outputs, (node.op_type, value.name)
+                assert all(position[use] <= position[node] for use in value.uses), \
+                    (node.op_type, value.name)
     rng = np.random.default_rng(0)
     feeds = {"x": rng.standard_normal((4, 8), dtype=np.float32),
              "y": rng.standard_normal((4, 8), dtype=np.float32)}
