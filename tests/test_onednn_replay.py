@@ -8,6 +8,8 @@ that kept an old address would read the previous feed and fail. ``replays``
 
 from __future__ import annotations
 
+import ctypes
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,11 +21,14 @@ import torch
 import segflow
 from concurrency import run_in_threads
 from segflow import models
-from segflow.ops.onednn_direct import DnnlError, Library
-from segflow.ops.onednn_replay import DirectReplay
+from segflow.ops.native_library import NativeLibrary
+from segflow.ops.onednn_direct import DirectOp, DnnlError, Library
+from segflow.ops.onednn_replay import DirectReplay, _NativeStretch
 
 LIB = Library.load()
 pytestmark = pytest.mark.skipif(LIB is None, reason=f"libdnnl {Library.probe()[1]}")
+NATIVE, NATIVE_WHY = NativeLibrary.probe()
+needs_native = pytest.mark.skipif(NATIVE is None, reason=f"native kernels {NATIVE_WHY}")
 SMALL = {"image_size": 64}
 ATOL, RTOL = 1e-4, 1e-3
 
@@ -76,12 +81,15 @@ def _feeds(name: str, batch: int, seed: int) -> dict[str, np.ndarray]:
             for k, v in models.example_inputs(name, batch_size=batch, **SMALL).items()}
 
 
+@pytest.mark.parametrize("native", [pytest.param(True, marks=needs_native), False],
+                         ids=["native", "python"])
 @pytest.mark.parametrize("name", ["mobilenet_v2", "resnet18"])
-def test_replays_from_the_second_run_with_each_new_feed_and_size(name):
+def test_replays_from_the_second_run_with_each_new_feed_and_size(name, native):
     model = models.build(name, **SMALL)
     ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     sess = segflow.InferenceSession(model, compile="codegen")
     (replay,) = _replays(sess)
+    replay.native = native             # the C loop over the executes, or Python's
     assert len(replay.steps) >= 20     # the convolutions (and poolings) in one call
     counts = _check(ref, sess, name, (1, 1, 1, 3, 3, 3, 1, 1, 1), replay)
     # Recorded at the first run, and again at the second run of a new size (another
@@ -92,11 +100,18 @@ def test_replays_from_the_second_run_with_each_new_feed_and_size(name):
     assert rec is not None and rec.transient
     assert all(rec.values[i] is None for i in rec.transient)
     assert 0 in rec.transient      # the image, the run's only input that is not a weight
+    executes = [entry for entry in rec.plan if entry[1] is not None]
+    if native:
+        # Every execute is in one C call (a stretch): the stem of ResNet-18 (below)
+        # runs before the stretch.
+        (stretch,) = [e for e in rec.program if isinstance(e, _NativeStretch)]
+        assert len(stretch.entries) == len(executes) == len(rec.plan) - (name == "resnet18")
+    else:
+        assert rec.program == rec.plan
     if name == "resnet18":
         # The stem stages the NCHW feed into channels-last first: it runs as before,
         # inside the replay, and the rest is replayed.
-        rec = replay._recording
-        assert rec is not None and rec.plan[0][1] is None
+        assert rec.plan[0][1] is None
         assert all(entry[1] is not None for entry in rec.plan[1:])
 
 
@@ -161,6 +176,9 @@ def test_a_step_that_falls_back_runs_as_before_inside_the_replay(monkeypatch):
     rec = replay._recording
     assert rec is not None
     assert sum(entry[1] is None for entry in rec.plan) == 2      # the stem and that one
+    if NATIVE is not None:
+        # The executes before and after that one are two C calls.
+        assert sum(isinstance(e, _NativeStretch) for e in rec.program) == 2
 
 
 def test_a_step_whose_output_moves_ends_the_replay_there(monkeypatch):
@@ -189,3 +207,72 @@ def test_a_step_that_makes_a_new_tensor_each_run_cuts_the_recording(monkeypatch)
     rec = replay._recording
     assert rec is not None and rec.rest == 2 and len(rec.plan) == 2
     assert replay.replays == 2
+
+
+class _BusyOnce:
+    """A lock that another thread seems to hold when tried without waiting."""
+
+    def __init__(self) -> None:
+        self.tries = 0
+
+    def acquire(self, blocking: bool = True) -> bool:
+        self.tries += 1
+        return blocking
+
+    def release(self) -> None:
+        pass
+
+    def __enter__(self) -> bool:
+        return True
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+@needs_native
+def test_a_stretch_whose_lock_is_held_runs_op_by_op(monkeypatch):
+    # One op's lock is busy (another thread's run): the C call is not made, and the
+    # stretch's executes go through DirectOp.execute_at one at a time, waiting for it.
+    ref, sess, replay = _resnet18()
+    busy = _BusyOnce()
+    replay.steps[5].op.lock = busy              # type: ignore[assignment]
+    executed = []
+    real = DirectOp.execute_at
+
+    def counted(self: DirectOp, *args: Any) -> None:
+        executed.append(self)
+        real(self, *args)
+    monkeypatch.setattr(DirectOp, "execute_at", counted)
+    _check(ref, sess, "resnet18", (1,))          # the first run records, no replay yet
+    executed.clear()
+    _check(ref, sess, "resnet18", (1,))
+    rec = replay._recording
+    assert rec is not None and replay.replays == 1 and busy.tries == 1
+    (stretch,) = [e for e in rec.program if isinstance(e, _NativeStretch)]
+    assert len(executed) == len(stretch.entries) + 1      # and the stem, the usual way
+    assert all(not lock.locked() for lock in stretch.locks if lock is not busy)
+
+
+@needs_native
+def test_a_failing_execute_names_the_op_and_frees_the_locks():
+    ref, sess, replay = _resnet18()
+    _check(ref, sess, "resnet18", (1, 1))
+    rec = replay._recording
+    assert rec is not None
+    (stretch,) = [e for e in rec.program if isinstance(e, _NativeStretch)]
+    calls = [0]
+
+    def third_fails(primitive: int, stream: int, nargs: int, args: int) -> int:
+        calls[0] += 1
+        return 5 if calls[0] == 3 else 0
+    prototype = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                                 ctypes.c_void_p)
+    failing = prototype(third_fails)
+    steps, n, _, set_handle, status = stretch._args
+    stretch._args = (steps, n, ctypes.cast(failing, ctypes.c_void_p).value, set_handle, status)
+    op, call, _ = stretch.entries[2]
+    with pytest.raises(segflow.ExecutionError,
+                       match=rf"DnnlError: {op.kind} \({re.escape(call.impl)}\): oneDNN status 5$"):
+        sess.run(None, _feeds("resnet18", 1, 3))
+    assert calls[0] == 3
+    assert not any(lock.locked() for lock in stretch.locks)

@@ -2,11 +2,13 @@
 
 Some work is too small for any library call to pay: a 64 x 64 dense layer at
 batch 1 is ~4k multiply-adds, about 0.1 us of arithmetic, while one ATen call
-costs 3-4 us of dispatch. For such kernels segflow ships C source and builds it
-with the system C compiler (``$CC``, else ``cc``; ``-O3 -march=native``) the
-first time a process needs it, into ``<cache dir>/native/`` (see
-:func:`segflow.settings.cache_dir`), keyed by the source, the compiler and the
-CPU; later processes load the built library in about a millisecond.
+costs 3-4 us of dispatch (``dense_chain.c``); and a loop over recorded libdnnl
+executes costs 8-10 us a step in Python right after a kernel, well under one in C
+(``replay.c``, ``ops/onednn_replay.py``). For such work segflow ships C source and
+builds it with the system C compiler (``$CC``, else ``cc``; ``-O3 -march=native``)
+the first time a process needs it, into one library in ``<cache dir>/native/``
+(see :func:`segflow.settings.cache_dir`), keyed by the sources, the compiler and
+the CPU; later processes load the built library in about a millisecond.
 
 Nothing here is required: without a compiler, or with ``SEGFLOW_NATIVE=0``,
 :meth:`NativeLibrary.probe` returns None and a phrase saying why, and the
@@ -30,8 +32,10 @@ from pathlib import Path
 
 from segflow.settings import ENV_NATIVE, _env_bool, cache_dir
 
-SOURCE = Path(__file__).with_name("native") / "dense_chain.c"
-ABI = 1          # segflow_native_abi() of the source this module speaks to
+# Compiled together into one library; dense_chain.c defines segflow_native_abi().
+SOURCES = tuple(Path(__file__).with_name("native") / name
+                for name in ("dense_chain.c", "replay.c"))
+ABI = 2          # segflow_native_abi() of the sources this module speaks to
 FLAGS = ("-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 120
 
@@ -70,13 +74,13 @@ class NativeLibrary:
         except (OSError, subprocess.SubprocessError) as exc:
             return None, f"need a working C compiler ({exe}: {exc})"
         try:
-            source = SOURCE.read_bytes()
+            sources = [path.read_bytes() for path in SOURCES]
         except OSError as exc:
             return None, f"are missing their source ({exc})"
-        key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(FLAGS).encode(),
+        key = hashlib.sha256(b"\0".join([*sources, version.encode(), " ".join(FLAGS).encode(),
                                          _cpu_identity().encode()])).hexdigest()[:20]
         directory = cache_dir(env) / "native"
-        target = directory / f"{SOURCE.stem}-{key}.so"
+        target = directory / f"segflow-native-{key}.so"
         built_s = 0.0
         if not target.exists():
             try:
@@ -125,21 +129,24 @@ def clear_builds(env: Mapping[str, str] | None = None) -> tuple[int, int]:
 
 
 def _build(exe: str, target: Path) -> str:
-    """Compile :data:`SOURCE` to ``target`` (atomically: a temporary file, then a rename,
+    """Compile :data:`SOURCES` to ``target`` (atomically: a temporary file, then a rename,
     so concurrent processes never load a half-written library). '' on success."""
     fd, tmp = tempfile.mkstemp(suffix=".so", prefix=".build-", dir=target.parent)
     os.close(fd)
     try:
         for flags in (FLAGS, tuple(f for f in FLAGS if not f.startswith("-march"))):
             try:
-                done = subprocess.run([exe, *flags, "-o", tmp, str(SOURCE), "-lm"],
+                done = subprocess.run([exe, *flags, "-o", tmp, *map(str, SOURCES), "-lm"],
                                       capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
             except (OSError, subprocess.SubprocessError) as exc:
                 return f"{exe}: {exc}"
             if done.returncode == 0:
                 os.replace(tmp, target)
                 return ""
-        return f"{exe} exited with {done.returncode}: {_first_line(done.stderr)}"
+        # The first error, not the first line (often the "In function ..." before it).
+        errors = [line for line in done.stderr.splitlines() if "error" in line]
+        why = _first_line(errors[0] if errors else done.stderr)
+        return f"{exe} exited with {done.returncode}: {why}"
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -496,8 +496,10 @@ class _Call:
     impl: str
     # The addresses the src, dst and residual memories point at now (0: none yet):
     # a run's arena block keeps its addresses from run to run, so most calls need
-    # no ctypes call to re-point them. Read and written under the op's lock.
-    handles: list[int] = field(default_factory=lambda: [0, 0, 0])
+    # no ctypes call to re-point them. Read and written under the op's lock, here or
+    # by a native replay (ops/onednn_replay.py), hence a C array.
+    handles: ctypes.Array[ctypes.c_size_t] = field(
+        default_factory=lambda: (ctypes.c_size_t * 3)())
 
 
 class DirectOp:

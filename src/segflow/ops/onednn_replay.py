@@ -29,24 +29,35 @@ A call the recording does not hold for runs the usual way; after two such calls
 in a row (a new batch size) the run is recorded again, while two threads whose
 runs alternate between two arena blocks leave the first recording in place.
 
-Each execute still goes through the op (``DirectOp.execute_at``): its lock, and
-its memories re-pointed only where they point elsewhere (another path, such as a
-profiled run, may have moved them). ``SEGFLOW_ONEDNN_REPLAY=0`` turns it off.
+Each execute still honours the op: its lock is held, and its memories are
+re-pointed only where they point elsewhere (another path, such as a profiled run,
+may have moved them). Where the native library loads (``ops/native_library.py``),
+each stretch of consecutive executes is one C call (``ops/native/replay.c``)
+under all of that stretch's op locks, taken without waiting; a lock held by
+another thread's run sends the stretch through ``DirectOp.execute_at``, one op
+at a time, as without the library. ``SEGFLOW_ONEDNN_REPLAY=0`` turns the replay
+off, ``SEGFLOW_NATIVE=0`` its C loop.
 """
 
 from __future__ import annotations
 
+import ctypes
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
-from segflow.ops.onednn_direct import DirectConv, DirectPool
+from segflow.ops.native_library import NativeLibrary
+from segflow.ops.onednn_direct import DirectConv, DirectOp, DirectPool, DnnlError, _Call
 
 Tensor = torch.Tensor
 # Calls in a row a recording must fail to hold for before the run is recorded again.
 RECORD_AFTER_MISSES = 2
-_Slot = tuple[list[int], int]       # (a step's [src, dst, residual] addresses, position)
+_Addresses = ctypes.Array[ctypes.c_size_t]     # a step's [src, dst, residual] addresses
+_Slot = tuple[_Addresses, int]                  # (those addresses, position)
+_Entry = tuple[int, object, object, _Addresses]  # (step, execute_at or None, call, addresses)
 _Fed = tuple[int, tuple[object, ...], list[_Slot]]
 
 
@@ -64,14 +75,77 @@ class ReplayStep:
     output: int
 
 
+class _Execute(ctypes.Structure):
+    """One step of a native stretch: ``segflow_execute_t`` in ``ops/native/replay.c``."""
+
+    _fields_ = [("primitive", ctypes.c_void_p), ("stream", ctypes.c_void_p),
+                ("args", ctypes.c_void_p), ("nargs", ctypes.c_int64),
+                ("memory", ctypes.c_void_p * 3), ("handles", ctypes.c_void_p),
+                ("address", ctypes.c_void_p)]
+
+
+class _NativeStretch:
+    """Consecutive replayed executes run by one C call (module docstring)."""
+
+    __slots__ = ("entries", "locks", "_steps", "_call", "_args", "_status")
+
+    def __init__(self, entries: Sequence[tuple[DirectOp, _Call, _Addresses]],
+                 native: NativeLibrary) -> None:
+        self.entries = tuple(entries)
+        self.locks = tuple(op.lock for op, _, _ in self.entries)
+        steps = (_Execute * len(self.entries))()
+        for step, (op, call, addresses) in zip(steps, self.entries, strict=True):
+            step.primitive = call.primitive.value
+            step.stream = op._stream.value if op._stream is not None else None
+            step.args = ctypes.addressof(call.args)
+            step.nargs = len(call.args)
+            step.memory[0] = call.src.value
+            step.memory[1] = call.dst.value
+            step.memory[2] = call.residual.value if call.residual is not None else None
+            step.handles = ctypes.addressof(call.handles)
+            step.address = ctypes.addressof(addresses)
+        self._steps = steps
+        self._status = ctypes.c_int(0)
+        fn = native.dll.segflow_replay_executes
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                       ctypes.c_void_p]
+        fn.restype = ctypes.c_int64
+        dll = self.entries[0][0].lib._dll
+        self._call = fn
+        self._args = (ctypes.addressof(steps), len(self.entries),
+                      ctypes.cast(dll.dnnl_primitive_execute, ctypes.c_void_p).value,
+                      ctypes.cast(dll.dnnl_memory_set_data_handle, ctypes.c_void_p).value,
+                      ctypes.addressof(self._status))
+
+    def __call__(self) -> None:
+        taken: list[threading.Lock] = []
+        try:
+            for lock in self.locks:
+                if not lock.acquire(blocking=False):
+                    break              # another thread runs one of these ops now
+                taken.append(lock)
+            else:
+                done = self._call(*self._args)
+                if done != len(self.entries):
+                    op, call, _ = self.entries[done]
+                    raise DnnlError(f"{op.kind} ({call.impl}): oneDNN status "
+                                    f"{self._status.value}")
+                return
+        finally:
+            for lock in taken:
+                lock.release()
+        for op, call, (src, dst, res) in self.entries:
+            op.execute_at(call, src, dst, res)
+
+
 class _Recording:
     """What one run looked like: its values, and per step how to redo it."""
 
-    __slots__ = ("values", "probe", "fixed", "fed", "plan", "rest", "transient")
+    __slots__ = ("values", "probe", "fixed", "fed", "plan", "program", "rest", "transient")
 
     def __init__(self, values: list[Tensor | None], probe: tuple[DirectConv | DirectPool, Tensor],
-                 fixed: list[int], fed: list[_Fed],
-                 plan: list[tuple[int, object, object, list[int]]], rest: int) -> None:
+                 fixed: list[int], fed: list[_Fed], plan: list[_Entry],
+                 program: list[_Entry | _NativeStretch], rest: int) -> None:
         self.values = values
         self.probe = probe     # (an op, the output its destination gave): the arena block
         self.fixed = fixed     # outside inputs that must be the recorded tensors
@@ -80,6 +154,9 @@ class _Recording:
         self.fed = fed
         # Per step: (step index, execute_at or None (run the op), call, addresses).
         self.plan = plan
+        # What a replay runs: the plan, its stretches of executes each one native call
+        # where the library loads.
+        self.program = program
         # The steps from this one on run the usual way after the plan (the first of them
         # returned a new tensor, not the run's planned storage).
         self.rest = rest
@@ -97,8 +174,11 @@ class DirectReplay:
     """
 
     def __init__(self, steps: Sequence[ReplayStep], n_inputs: int,
-                 outputs: Sequence[int]) -> None:
+                 outputs: Sequence[int], native: bool = True) -> None:
         self.steps = tuple(steps)
+        # Stretches of executes as one C call where the native library loads (read
+        # when a run is recorded).
+        self.native = native
         self.n_inputs = n_inputs
         self.outputs = tuple(outputs)
         self._recording: _Recording | None = None
@@ -158,7 +238,11 @@ class DirectReplay:
     def _replay(self, rec: _Recording) -> tuple[Tensor | None, ...]:
         values = rec.values
         steps = self.steps
-        for index, execute_at, call, (src, dst, res) in rec.plan:
+        for entry in rec.program:
+            if entry.__class__ is _NativeStretch:
+                entry()                     # type: ignore[operator]
+                continue
+            index, execute_at, call, (src, dst, res) = entry   # type: ignore[misc]
             if execute_at is not None:
                 execute_at(call, src, dst, res)  # type: ignore[operator]
                 continue
@@ -188,7 +272,7 @@ class DirectReplay:
             return None                 # no arena block in this run: nothing to record
         fixed: set[int] = set()
         fed: dict[int, list[_Slot]] = {}
-        plan: list[tuple[int, object, object, list[int]]] = []
+        plan: list[_Entry] = []
         replayed = 0
         rest = len(self.steps)
         for index, step in enumerate(self.steps):
@@ -220,10 +304,11 @@ class DirectReplay:
                 if out is None or out is not (z if step.inplace else given):
                     rest = index     # a new tensor each run: the rest runs as before
                     break
-                plan.append((index, None, None, [0, 0, 0]))
+                plan.append((index, None, None, (ctypes.c_size_t * 3)()))
                 continue
-            addresses = [x.data_ptr(), out.data_ptr(),
-                         0 if call.residual is None or z is None else z.data_ptr()]
+            addresses = (ctypes.c_size_t * 3)(
+                x.data_ptr(), out.data_ptr(),
+                0 if call.residual is None or z is None else z.data_ptr())
             residual = step.args[3] if len(step.args) > 3 and call.residual is not None \
                 else None
             for position, a in ((0, step.args[0]), (2, residual)):
@@ -239,11 +324,38 @@ class DirectReplay:
             assert t is not None
             signatures.append((i, (t.shape, t.stride(), t.dtype), slots_of))
         kept = sorted(fixed - set(fed))
-        rec = _Recording(list(values), probe, kept, signatures, plan, rest)
+        native = NativeLibrary.probe()[0] if self.native else None
+        program: list[_Entry | _NativeStretch] = list(plan) if native is None \
+            else _stretches(plan, self.steps, native)
+        rec = _Recording(list(values), probe, kept, signatures, plan, program, rest)
         rec.transient = [i for i in range(n) if i not in fixed or i in fed] + \
             [step.output for step in self.steps[rest:]]
         self._result(rec.values, rec.transient)
         return rec
+
+
+def _stretches(plan: Sequence[_Entry], steps: Sequence[ReplayStep],
+               native: NativeLibrary) -> list[_Entry | _NativeStretch]:
+    """``plan`` with each run of two or more consecutive executes made one native call."""
+    program: list[_Entry | _NativeStretch] = []
+    run: list[_Entry] = []
+
+    def close() -> None:
+        if len(run) > 1:
+            program.append(_NativeStretch(
+                [(steps[index].op, cast(_Call, call), addresses)
+                 for index, _, call, addresses in run], native))
+        else:
+            program.extend(run)
+        run.clear()
+    for entry in plan:
+        if entry[1] is None:
+            close()
+            program.append(entry)
+        else:
+            run.append(entry)
+    close()
+    return program
 
 
 def _call(step: ReplayStep, values: Sequence[Tensor | None]) -> Tensor:
@@ -271,6 +383,10 @@ def describe_replays(replays: Sequence[DirectReplay]) -> list[str]:
             continue
         executes = sum(1 for entry in rec.plan if entry[1] is not None)
         text = f"  {len(r.steps)} nodes: {executes} replayed"
+        stretches = [e for e in rec.program if isinstance(e, _NativeStretch)]
+        if stretches:
+            text += (f" ({sum(len(e.entries) for e in stretches)} of them in "
+                     f"{len(stretches)} native call{'s' if len(stretches) > 1 else ''})")
         if len(rec.plan) > executes:
             text += f", {len(rec.plan) - executes} run as before inside the replay"
         if rec.rest < len(r.steps):
