@@ -135,6 +135,18 @@ def test_the_switch_turns_it_off(monkeypatch):
     assert len(_replays(segflow.InferenceSession(model, compile="codegen"))) == 1
 
 
+def test_the_native_switch_keeps_the_executes_in_python(monkeypatch):
+    # SEGFLOW_NATIVE=0 when the session is made: its replay calls each execute from
+    # Python (and says so), even where another session in the process has the C loop.
+    monkeypatch.setenv("SEGFLOW_NATIVE", "0")
+    ref, sess, replay = _resnet18()
+    monkeypatch.delenv("SEGFLOW_NATIVE")
+    assert _check(ref, sess, "resnet18", (1, 1, 1), replay) == [0, 1, 2]
+    rec = replay._recording
+    assert rec is not None and rec.program == rec.plan
+    assert "called from Python: native kernels are off (SEGFLOW_NATIVE=0)" in sess.explain()
+
+
 def test_nothing_is_recorded_without_an_arena(monkeypatch):
     monkeypatch.setenv("SEGFLOW_ARENA", "0")
     ref, sess, replay = _resnet18()

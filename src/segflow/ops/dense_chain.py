@@ -210,7 +210,7 @@ class DenseChainKernel:
 
 
 def _bind(node: Node, ctx: BindContext) -> DenseChainKernel:
-    library, why = NativeLibrary.probe() if ctx.device.type == "cpu" else \
+    library, why = NativeLibrary.for_session() if ctx.device.type == "cpu" else \
         (None, f"is CPU-only (the node runs on {ctx.device.type})")
     return DenseChainKernel(DenseChain(layers_of(node), library, why))
 

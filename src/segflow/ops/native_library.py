@@ -50,6 +50,14 @@ class NativeLibrary:
     build_s: float           # seconds spent compiling it in this process (0: loaded from cache)
 
     @staticmethod
+    def for_session() -> tuple[NativeLibrary | None, str]:
+        """:meth:`probe`, unless ``SEGFLOW_NATIVE=0`` now: read when a session binds its
+        kernels, so that one process can hold sessions with and without them."""
+        if not _env_bool(os.environ, ENV_NATIVE, True):
+            return None, f"are off ({ENV_NATIVE}=0)"
+        return NativeLibrary.probe()
+
+    @staticmethod
     @functools.cache
     def probe() -> tuple[NativeLibrary | None, str]:
         """``(library, why)``: the library or None, and a phrase for explain/logs.

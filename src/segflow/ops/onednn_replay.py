@@ -176,9 +176,10 @@ class DirectReplay:
     def __init__(self, steps: Sequence[ReplayStep], n_inputs: int,
                  outputs: Sequence[int], native: bool = True) -> None:
         self.steps = tuple(steps)
-        # Stretches of executes as one C call where the native library loads (read
-        # when a run is recorded).
+        # Stretches of executes as one C call where the native library loads (False:
+        # Python calls each execute; read when a run is recorded).
         self.native = native
+        self.native_why = "are off for this run"    # why a recording has no C loop
         self.n_inputs = n_inputs
         self.outputs = tuple(outputs)
         self._recording: _Recording | None = None
@@ -324,7 +325,9 @@ class DirectReplay:
             assert t is not None
             signatures.append((i, (t.shape, t.stride(), t.dtype), slots_of))
         kept = sorted(fixed - set(fed))
-        native = NativeLibrary.probe()[0] if self.native else None
+        native = None
+        if self.native:
+            native, self.native_why = NativeLibrary.probe()
         program: list[_Entry | _NativeStretch] = list(plan) if native is None \
             else _stretches(plan, self.steps, native)
         rec = _Recording(list(values), probe, kept, signatures, plan, program, rest)
@@ -387,6 +390,8 @@ def describe_replays(replays: Sequence[DirectReplay]) -> list[str]:
         if stretches:
             text += (f" ({sum(len(e.entries) for e in stretches)} of them in "
                      f"{len(stretches)} native call{'s' if len(stretches) > 1 else ''})")
+        elif executes > 1 and r.native_why:
+            text += f" (called from Python: native kernels {r.native_why})"
         if len(rec.plan) > executes:
             text += f", {len(rec.plan) - executes} run as before inside the replay"
         if rec.rest < len(r.steps):

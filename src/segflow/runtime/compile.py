@@ -57,6 +57,7 @@ from segflow.ops.fused import (
     reads_libdnnl_packing,
     traceable_fused,
 )
+from segflow.ops.native_library import NativeLibrary
 from segflow.ops.onednn_direct import DirectConv, DirectKernel, DirectPool
 from segflow.ops.onednn_replay import DirectReplay, ReplayStep
 from segflow.ops.registry import Kernel
@@ -470,7 +471,12 @@ def _replay_call(run: Sequence[Step], inplace_input: Callable[[Step], int | None
         position[slot] = n_inputs + offset
         replay_steps.append(ReplayStep(op, inplace, args, n_inputs + offset))
     outputs = [slot for step in run for slot in step.outputs if slot in read_after]
-    replay = DirectReplay(replay_steps, n_inputs, [position[s] for s in outputs])
+    # The C loop over its executes where native kernels are on for this session.
+    library, why = NativeLibrary.for_session()
+    replay = DirectReplay(replay_steps, n_inputs, [position[s] for s in outputs],
+                          native=library is not None)
+    if library is None:
+        replay.native_why = why
     return replay, inputs, outputs
 
 
