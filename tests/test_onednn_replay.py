@@ -283,8 +283,31 @@ def test_a_failing_execute_names_the_op_and_frees_the_locks():
     steps, n, _, set_handle, status = stretch._args
     stretch._args = (steps, n, ctypes.cast(failing, ctypes.c_void_p).value, set_handle, status)
     op, call, _ = stretch.entries[2]
+    label = re.escape(stretch.labels[2])     # the third node of the stretch, not the first
     with pytest.raises(segflow.ExecutionError,
-                       match=rf"DnnlError: {op.kind} \({re.escape(call.impl)}\): oneDNN status 5$"):
+                       match=rf"^While executing {label}: DnnlError: {op.kind} "
+                             rf"\({re.escape(call.impl)}\): oneDNN status 5$"):
         sess.run(None, _feeds("resnet18", 1, 3))
     assert calls[0] == 3
     assert not any(lock.locked() for lock in stretch.locks)
+
+
+def test_an_error_in_a_python_replayed_step_names_its_node(monkeypatch):
+    ref, sess, replay = _resnet18()
+    replay.native = False
+    bad = replay.steps[4]
+    real = DirectOp.execute_at
+    armed = [False]
+
+    def fails_at_bad(self: DirectOp, *args: Any) -> None:
+        if armed[0] and self is bad.op:
+            raise DnnlError("refused for the test")
+        real(self, *args)
+    monkeypatch.setattr(DirectOp, "execute_at", fails_at_bad)   # before it is recorded
+    _check(ref, sess, "resnet18", (1, 1))
+    assert replay.replays == 1
+    armed[0] = True
+    with pytest.raises(segflow.ExecutionError, match=rf"^While executing {re.escape(bad.label)}: "
+                                                     r"DnnlError: refused for the test$"):
+        sess.run(None, _feeds("resnet18", 1, 3))
+    assert bad.label and bad.label != replay.steps[0].label

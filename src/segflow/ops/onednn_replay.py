@@ -49,6 +49,7 @@ from typing import cast
 
 import torch
 
+from segflow.errors import ExecutionError
 from segflow.ops.native_library import NativeLibrary
 from segflow.ops.onednn_direct import DirectConv, DirectOp, DirectPool, DnnlError, _Call
 
@@ -67,12 +68,15 @@ class ReplayStep:
 
     ``args`` index the run's values (the inputs from outside the run first, then each
     step's output in order; None: an absent optional input), ``output`` its output's.
+    An error in a step names its node: ``ExecutionError("While executing <label>: ...")``,
+    as generated code does for the nodes it calls one by one.
     """
 
     op: DirectConv | DirectPool
     inplace: bool
     args: tuple[int | None, ...]
     output: int
+    label: str = ""         # the node, for errors (Node.label)
 
 
 class _Execute(ctypes.Structure):
@@ -87,11 +91,12 @@ class _Execute(ctypes.Structure):
 class _NativeStretch:
     """Consecutive replayed executes run by one C call (module docstring)."""
 
-    __slots__ = ("entries", "locks", "_steps", "_call", "_args", "_status")
+    __slots__ = ("entries", "labels", "locks", "_steps", "_call", "_args", "_status")
 
     def __init__(self, entries: Sequence[tuple[DirectOp, _Call, _Addresses]],
-                 native: NativeLibrary) -> None:
+                 labels: Sequence[str], native: NativeLibrary) -> None:
         self.entries = tuple(entries)
+        self.labels = tuple(labels)
         self.locks = tuple(op.lock for op, _, _ in self.entries)
         steps = (_Execute * len(self.entries))()
         for step, (op, call, addresses) in zip(steps, self.entries, strict=True):
@@ -128,14 +133,17 @@ class _NativeStretch:
                 done = self._call(*self._args)
                 if done != len(self.entries):
                     op, call, _ = self.entries[done]
-                    raise DnnlError(f"{op.kind} ({call.impl}): oneDNN status "
-                                    f"{self._status.value}")
+                    raise _failed(self.labels[done], DnnlError(
+                        f"{op.kind} ({call.impl}): oneDNN status {self._status.value}"))
                 return
         finally:
             for lock in taken:
                 lock.release()
-        for op, call, (src, dst, res) in self.entries:
-            op.execute_at(call, src, dst, res)
+        for (op, call, (src, dst, res)), label in zip(self.entries, self.labels, strict=True):
+            try:
+                op.execute_at(call, src, dst, res)
+            except Exception as exc:
+                raise _failed(label, exc) from exc
 
 
 class _Recording:
@@ -205,7 +213,10 @@ class DirectReplay:
 
     def _run_from(self, first: int, values: list[Tensor | None]) -> None:
         for step in self.steps[first:]:
-            values[step.output] = _call(step, values)
+            try:
+                values[step.output] = _call(step, values)
+            except Exception as exc:
+                raise _failed(step.label, exc) from exc
 
     # -- replaying -------------------------------------------------------------------
     def _holds(self, rec: _Recording, inputs: Sequence[Tensor | None]) -> bool:
@@ -244,11 +255,14 @@ class DirectReplay:
                 entry()                     # type: ignore[operator]
                 continue
             index, execute_at, call, (src, dst, res) = entry   # type: ignore[misc]
-            if execute_at is not None:
-                execute_at(call, src, dst, res)  # type: ignore[operator]
-                continue
             step = steps[index]
-            out = _call(step, values)
+            try:
+                if execute_at is not None:
+                    execute_at(call, src, dst, res)  # type: ignore[operator]
+                    continue
+                out = _call(step, values)
+            except Exception as exc:
+                raise _failed(step.label, exc) from exc
             if out is not values[step.output]:
                 # Not the recorded tensor: later addresses may be stale. The rest goes
                 # the usual way, and the recording is dropped (made again next call).
@@ -347,7 +361,8 @@ def _stretches(plan: Sequence[_Entry], steps: Sequence[ReplayStep],
         if len(run) > 1:
             program.append(_NativeStretch(
                 [(steps[index].op, cast(_Call, call), addresses)
-                 for index, _, call, addresses in run], native))
+                 for index, _, call, addresses in run],
+                [steps[index].label for index, _, _, _ in run], native))
         else:
             program.extend(run)
         run.clear()
@@ -359,6 +374,16 @@ def _stretches(plan: Sequence[_Entry], steps: Sequence[ReplayStep],
             run.append(entry)
     close()
     return program
+
+
+def _failed(label: str, exc: Exception) -> ExecutionError:
+    """``exc`` raised by a step, as the error naming its node (one already named passes)."""
+    if isinstance(exc, ExecutionError):
+        return exc
+    lines = str(exc).strip().splitlines()
+    first = lines[0] if lines else ""
+    return ExecutionError(f"While executing {label or 'a replayed node'}: "
+                          f"{type(exc).__name__}: {first}")
 
 
 def _call(step: ReplayStep, values: Sequence[Tensor | None]) -> Tensor:

@@ -469,7 +469,7 @@ def _replay_call(run: Sequence[Step], inplace_input: Callable[[Step], int | None
         args = tuple(position[s] if s else None for s in step.inputs)
         (slot,) = step.outputs
         position[slot] = n_inputs + offset
-        replay_steps.append(ReplayStep(op, inplace, args, n_inputs + offset))
+        replay_steps.append(ReplayStep(op, inplace, args, n_inputs + offset, step.node.label))
     outputs = [slot for step in run for slot in step.outputs if slot in read_after]
     # The C loop over its executes where native kernels are on for this session.
     library, why = NativeLibrary.for_session()
