@@ -25,3 +25,12 @@ class InvalidInput(SegflowError, ValueError):
 
 class ExecutionError(SegflowError, RuntimeError):
     """A kernel failed at run time; the message names the node (``While executing ...``)."""
+
+
+def node_failed(label: str, exc: BaseException) -> ExecutionError:
+    """The error for ``exc`` raised while running the node ``label`` (``Node.label``):
+    ``While executing <label>: <type>: <first line>``. Raise it ``from exc``; an
+    ``ExecutionError`` names its node already and is re-raised as it is instead."""
+    lines = str(exc).strip().splitlines()
+    first = lines[0] if lines else ""
+    return ExecutionError(f"While executing {label}: {type(exc).__name__}: {first}")

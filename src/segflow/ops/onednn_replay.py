@@ -49,7 +49,7 @@ from typing import cast
 
 import torch
 
-from segflow.errors import ExecutionError
+from segflow.errors import ExecutionError, node_failed
 from segflow.ops.native_library import NativeLibrary
 from segflow.ops.onednn_direct import DirectConv, DirectOp, DirectPool, DnnlError, _Call
 
@@ -133,7 +133,7 @@ class _NativeStretch:
                 done = self._call(*self._args)
                 if done != len(self.entries):
                     op, call, _ = self.entries[done]
-                    raise _failed(self.labels[done], DnnlError(
+                    raise node_failed(self.labels[done], DnnlError(
                         f"{op.kind} ({call.impl}): oneDNN status {self._status.value}"))
                 return
         finally:
@@ -142,8 +142,10 @@ class _NativeStretch:
         for (op, call, (src, dst, res)), label in zip(self.entries, self.labels, strict=True):
             try:
                 op.execute_at(call, src, dst, res)
+            except ExecutionError:
+                raise
             except Exception as exc:
-                raise _failed(label, exc) from exc
+                raise node_failed(label, exc) from exc
 
 
 class _Recording:
@@ -215,8 +217,10 @@ class DirectReplay:
         for step in self.steps[first:]:
             try:
                 values[step.output] = _call(step, values)
+            except ExecutionError:
+                raise
             except Exception as exc:
-                raise _failed(step.label, exc) from exc
+                raise node_failed(step.label, exc) from exc
 
     # -- replaying -------------------------------------------------------------------
     def _holds(self, rec: _Recording, inputs: Sequence[Tensor | None]) -> bool:
@@ -261,8 +265,10 @@ class DirectReplay:
                     execute_at(call, src, dst, res)  # type: ignore[operator]
                     continue
                 out = _call(step, values)
+            except ExecutionError:
+                raise
             except Exception as exc:
-                raise _failed(step.label, exc) from exc
+                raise node_failed(step.label, exc) from exc
             if out is not values[step.output]:
                 # Not the recorded tensor: later addresses may be stale. The rest goes
                 # the usual way, and the recording is dropped (made again next call).
@@ -374,16 +380,6 @@ def _stretches(plan: Sequence[_Entry], steps: Sequence[ReplayStep],
             run.append(entry)
     close()
     return program
-
-
-def _failed(label: str, exc: Exception) -> ExecutionError:
-    """``exc`` raised by a step, as the error naming its node (one already named passes)."""
-    if isinstance(exc, ExecutionError):
-        return exc
-    lines = str(exc).strip().splitlines()
-    first = lines[0] if lines else ""
-    return ExecutionError(f"While executing {label or 'a replayed node'}: "
-                          f"{type(exc).__name__}: {first}")
 
 
 def _call(step: ReplayStep, values: Sequence[Tensor | None]) -> Tensor:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from segflow.errors import ExecutionError
+from segflow.errors import ExecutionError, node_failed
 from segflow.ir.graph import Graph, Node, Value, captured_inputs, node_reads
 from segflow.ops.onednn_direct import Destination
 from segflow.ops.registry import Kernel, OpRegistry, SubgraphRunner
@@ -63,17 +63,11 @@ def run_steps(steps: Sequence[Step], env: list[Tensor | None]) -> None:
         except ExecutionError:
             raise
         except Exception as exc:
-            raise ExecutionError(f"While executing {step.node.label}: "
-                                 f"{type(exc).__name__}: {_first_line(exc)}") from exc
+            raise node_failed(step.node.label, exc) from exc
         for slot, tensor in zip(step.outputs, outs):
             env[slot] = tensor
         for slot in step.release:
             env[slot] = None
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else ""
 
 
 class SlotMap:

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from segflow.engine.base import ExecType
-from segflow.errors import ExecutionError
+from segflow.errors import ExecutionError, node_failed
 from segflow.ir.graph import Node
 from segflow.ir.types import DType
 from segflow.ops.dense_chain import inline_chain, traceable_chain
@@ -513,10 +513,7 @@ def _failure(labels: Sequence[str]) -> Callable[[int, Exception], None]:
     def fail(index: int, exc: Exception) -> None:
         if isinstance(exc, ExecutionError):
             raise exc
-        lines = str(exc).strip().splitlines()
-        first = lines[0] if lines else ""
-        raise ExecutionError(f"While executing {labels[index]}: "
-                             f"{type(exc).__name__}: {first}") from exc
+        raise node_failed(labels[index], exc) from exc
     return fail
 
 
