@@ -189,7 +189,8 @@ class DirectReplay:
         # Stretches of executes as one C call where the native library loads (False:
         # Python calls each execute; read when a run is recorded).
         self.native = native
-        self.native_why = "are off for this run"    # why a recording has no C loop
+        # Why the last recording has no C loop ("": it has the library).
+        self.native_why = "are off for this run"
         self.n_inputs = n_inputs
         self.outputs = tuple(outputs)
         self._recording: _Recording | None = None
@@ -347,7 +348,8 @@ class DirectReplay:
         kept = sorted(fixed - set(fed))
         native = None
         if self.native:
-            native, self.native_why = NativeLibrary.probe()
+            native, why = NativeLibrary.probe()
+            self.native_why = "" if native is not None else why
         program: list[_Entry | _NativeStretch] = list(plan) if native is None \
             else _stretches(plan, self.steps, native)
         rec = _Recording(list(values), probe, kept, signatures, plan, program, rest)
