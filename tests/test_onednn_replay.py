@@ -89,7 +89,8 @@ def test_replays_from_the_second_run_with_each_new_feed_and_size(name, native):
     ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     sess = segflow.InferenceSession(model, compile="codegen")
     (replay,) = _replays(sess)
-    replay.native = native             # the C loop over the executes, or Python's
+    if not native:
+        replay.native = None           # Python's loop over the executes, not the C one
     assert len(replay.steps) >= 20     # the convolutions (and poolings) in one call
     counts = _check(ref, sess, name, (1, 1, 1, 3, 3, 3, 1, 1, 1), replay)
     # Recorded at the first run, and again at the second run of a new size (another
@@ -294,7 +295,7 @@ def test_a_failing_execute_names_the_op_and_frees_the_locks():
 
 def test_an_error_in_a_python_replayed_step_names_its_node(monkeypatch):
     ref, sess, replay = _resnet18()
-    replay.native = False
+    replay.native = None
     bad = replay.steps[4]
     real = DirectOp.execute_at
     armed = [False]

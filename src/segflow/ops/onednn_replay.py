@@ -42,7 +42,6 @@ off, ``SEGFLOW_NATIVE=0`` its C loop.
 from __future__ import annotations
 
 import ctypes
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import cast
@@ -123,22 +122,23 @@ class _NativeStretch:
                       ctypes.addressof(self._status))
 
     def __call__(self) -> None:
-        taken: list[threading.Lock] = []
-        try:
-            for lock in self.locks:
-                if not lock.acquire(blocking=False):
-                    break              # another thread runs one of these ops now
-                taken.append(lock)
-            else:
+        locks = self.locks
+        for taken, lock in enumerate(locks):
+            if not lock.acquire(blocking=False):
+                for held in locks[:taken]:   # another thread runs one of these ops now
+                    held.release()
+                break
+        else:
+            try:
                 done = self._call(*self._args)
-                if done != len(self.entries):
-                    op, call, _ = self.entries[done]
-                    raise node_failed(self.labels[done], DnnlError(
-                        f"{op.kind} ({call.impl}): oneDNN status {self._status.value}"))
-                return
-        finally:
-            for lock in taken:
-                lock.release()
+            finally:
+                for lock in locks:
+                    lock.release()
+            if done != len(self.entries):
+                op, call, _ = self.entries[done]
+                raise node_failed(self.labels[done], DnnlError(
+                    f"{op.kind} ({call.impl}): oneDNN status {self._status.value}"))
+            return
         for (op, call, (src, dst, res)), label in zip(self.entries, self.labels, strict=True):
             try:
                 op.execute_at(call, src, dst, res)
@@ -183,14 +183,14 @@ class DirectReplay:
     ``outputs`` the value indices it returns (those read after the run).
     """
 
-    def __init__(self, steps: Sequence[ReplayStep], n_inputs: int,
-                 outputs: Sequence[int], native: bool = True) -> None:
+    def __init__(self, steps: Sequence[ReplayStep], n_inputs: int, outputs: Sequence[int],
+                 native: NativeLibrary | None = None,
+                 native_why: str = "are off for this replay") -> None:
         self.steps = tuple(steps)
-        # Stretches of executes as one C call where the native library loads (False:
-        # Python calls each execute; read when a run is recorded).
+        # The library whose C loop runs each stretch of executes (None: Python calls
+        # each execute, ``native_why`` says why); read when a run is recorded.
         self.native = native
-        # Why the last recording has no C loop ("": it has the library).
-        self.native_why = "are off for this run"
+        self.native_why = native_why
         self.n_inputs = n_inputs
         self.outputs = tuple(outputs)
         self._recording: _Recording | None = None
@@ -346,12 +346,8 @@ class DirectReplay:
             assert t is not None
             signatures.append((i, (t.shape, t.stride(), t.dtype), slots_of))
         kept = sorted(fixed - set(fed))
-        native = None
-        if self.native:
-            native, why = NativeLibrary.probe()
-            self.native_why = "" if native is not None else why
-        program: list[_Entry | _NativeStretch] = list(plan) if native is None \
-            else _stretches(plan, self.steps, native)
+        program: list[_Entry | _NativeStretch] = list(plan) if self.native is None \
+            else _stretches(plan, self.steps, self.native)
         rec = _Recording(list(values), probe, kept, signatures, plan, program, rest)
         rec.transient = [i for i in range(n) if i not in fixed or i in fed] + \
             [step.output for step in self.steps[rest:]]
@@ -413,7 +409,7 @@ def describe_replays(replays: Sequence[DirectReplay]) -> list[str]:
         if stretches:
             text += (f" ({sum(len(e.entries) for e in stretches)} of them in "
                      f"{len(stretches)} native call{'s' if len(stretches) > 1 else ''})")
-        elif executes > 1 and r.native_why:
+        elif executes > 1 and r.native is None:
             text += f" (called from Python: native kernels {r.native_why})"
         if len(rec.plan) > executes:
             text += f", {len(rec.plan) - executes} run as before inside the replay"

@@ -474,9 +474,7 @@ def _replay_call(run: Sequence[Step], inplace_input: Callable[[Step], int | None
     # The C loop over its executes where native kernels are on for this session.
     library, why = NativeLibrary.for_session()
     replay = DirectReplay(replay_steps, n_inputs, [position[s] for s in outputs],
-                          native=library is not None)
-    if library is None:
-        replay.native_why = why
+                          native=library, native_why=why)
     return replay, inputs, outputs
 
 
