@@ -598,7 +598,7 @@ def test_layout_marks_the_pools_after_a_direct_convolution():
     log, graph = _resnet18_log({})
     pools = [n for n in graph.nodes if n.op_type in ("MaxPool", "GlobalAveragePool")]
     assert len(pools) == 2 and all(n.attrs.get("onednn_direct") == 1 for n in pools)
-    assert log[3].endswith("(and 2 poolings)")
+    assert "(and 2 poolings)" in log[3]
     _, graph = _resnet18_log({"SEGFLOW_ONEDNN_DIRECT": "0"})
     assert not any(n.attrs.get("onednn_direct") for n in graph.nodes)
 

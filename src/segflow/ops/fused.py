@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from segflow.ir.graph import Node
 from segflow.ops._common import torch_pad
+from segflow.ops.native_library import NativeLibrary
 from segflow.ops.onednn_direct import (
     ConvGeometry,
     DirectConv,
@@ -41,6 +42,7 @@ from segflow.ops.onednn_direct import (
     onednn_eltwise,
 )
 from segflow.ops.registry import BindContext, Kernel, OpDef
+from segflow.ops.winograd import Winograd
 
 Tensor = torch.Tensor
 FUSED_DOMAIN = "segflow"
@@ -293,11 +295,17 @@ def _onednn_conv_kernel(node: Node, spec: _ConvSpec, act: Activation, params: li
     verified = node.attrs.get("onednn_direct_verified_for")
     fallback_inplace = (_onednn_conv_callable(spec, act, params, True, weight_for)
                         if spec.has_residual else None)
+    winograd = None
+    if node.attrs.get("winograd"):
+        native, _ = NativeLibrary.for_session()
+        if native is not None:   # else a direct convolution (explain says why natives are off)
+            winograd = Winograd(native, ctx.workspace())
     return DirectKernel(DirectConv(
         lib, geo, eltwise, after, fallback, MAX_SHAPES, MAX_REPACKS,
         [int(d) for d in verified] if verified else None, ctx.destination(node.outputs[0]),
         ctx.staging(node), fallback_inplace, conv_reads_libdnnl_packing(node),
-        bool(node.attrs.get("onednn_blocked")), bool(node.attrs.get("onednn_blocked_input"))))
+        bool(node.attrs.get("onednn_blocked")), bool(node.attrs.get("onednn_blocked_input")),
+        winograd))
 
 
 MAX_REPACKS = 2

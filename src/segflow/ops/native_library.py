@@ -34,8 +34,8 @@ from segflow.settings import ENV_NATIVE, _env_bool, cache_dir
 
 # Compiled together into one library; dense_chain.c defines segflow_native_abi().
 SOURCES = tuple(Path(__file__).with_name("native") / name
-                for name in ("dense_chain.c", "replay.c"))
-ABI = 2          # segflow_native_abi() of the sources this module speaks to
+                for name in ("dense_chain.c", "replay.c", "winograd.c"))
+ABI = 3          # segflow_native_abi() of the sources this module speaks to
 FLAGS = ("-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 120
 

@@ -38,11 +38,14 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from segflow.settings import ENV_DNNL_LIBRARY
+
+if TYPE_CHECKING:
+    from segflow.ops.winograd import Winograd
 
 Tensor = torch.Tensor
 # Where a direct kernel writes its output in a run: the storage planned for it, or None.
@@ -397,6 +400,22 @@ class Library:
                         _FORWARD_INFERENCE, src, weights, bias, dst, attr)
         return self._weighted(pd, create)
 
+    def matmul(self, src: _P, weights: _P, dst: _P) -> tuple[_P | None, _P, str]:
+        """(primitive, its weights descriptor, implementation name) for a matmul
+        (``dst[..., M, N] = src[..., M, K] @ weights[..., K, N]``, batched over the
+        leading dims); ``weights`` may be :meth:`any_desc`."""
+        pd = self._make(self._dll.dnnl_matmul_primitive_desc_create, self.engine, src,
+                        weights, None, dst, None)
+        return self._weighted(pd, True)
+
+    def plain_desc(self, sizes: Sequence[int]) -> _P:
+        """A float32 descriptor of a dense row-major tensor of ``sizes``."""
+        strides = [1] * len(sizes)
+        for dim in range(len(sizes) - 2, -1, -1):
+            strides[dim] = strides[dim + 1] * int(sizes[dim + 1])
+        return self._make(self._dll.dnnl_memory_desc_create_with_strides, len(sizes),
+                          _Dims(*sizes), _F32, _Dims(*strides))
+
     def linear_desc(self, out_features: int, in_features: int, rows: int) -> tuple[_P, str]:
         """The weights descriptor this library's inner product wants for ``rows`` rows
         (no post-ops), and its implementation name; the caller destroys the descriptor."""
@@ -500,6 +519,12 @@ class _Call:
     # by a native replay (ops/onednn_replay.py), hence a C array.
     handles: ctypes.Array[ctypes.c_size_t] = field(
         default_factory=lambda: (ctypes.c_size_t * 3)())
+    # Where a native kernel stands for the primitive (``ops/winograd.py``): what executes
+    # ``primitive`` (dnnl_primitive_execute's signature), the lock of the workspace it
+    # shares with other kernels, held while it runs, and what must outlive the call.
+    run: Any = None
+    lock: threading.Lock | None = None
+    keep: object = None
 
 
 class DirectOp:
@@ -557,9 +582,21 @@ class DirectOp:
             if res and handles[2] != res:
                 lib.set_handle(call.residual, res)
                 handles[2] = res
-            status = lib.execute(call.primitive, self._stream, len(call.args), call.args)
+            run = call.run
+            if run is None:
+                status = lib.execute(call.primitive, self._stream, len(call.args), call.args)
+            else:
+                with call.lock:  # type: ignore[union-attr]
+                    status = run(call.primitive, self._stream, len(call.args), call.args)
         if status != 0:
             raise DnnlError(f"{self.kind} ({call.impl}): oneDNN status {status}")
+
+    def stream(self) -> _P:
+        """The op's oneDNN stream (made at its first primitive)."""
+        if self._stream is None:
+            self._stream = self.lib.stream()
+            self._owned.append(("stream", self._stream))
+        return self._stream
 
     def _build(self, key: tuple[object, ...], make: Callable[[], tuple[_Call | None, str]]
                ) -> _Call | None:
@@ -606,9 +643,7 @@ class DirectOp:
         """Own ``prim`` and memories for src/dst (set per call) and ``extra`` args."""
         lib, owned = self.lib, self._owned
         owned.append(("primitive", prim))
-        if self._stream is None:
-            self._stream = lib.stream()
-            owned.append(("stream", self._stream))
+        self.stream()
         src = lib.memory(src_md)
         dst = lib.memory(dst_md)
         owned.extend(("memory", m) for m in (src, dst))
@@ -651,7 +686,7 @@ class DirectConv(DirectOp):
                  staging: Destination | None = None,
                  fallback_inplace: Callable[..., Tensor] | None = None,
                  libdnnl_packed: bool = False, blocked: bool = False,
-                 blocked_input: bool = False) -> None:
+                 blocked_input: bool = False, winograd: Winograd | None = None) -> None:
         super().__init__(lib, fallback, max_shapes, destination)
         if libdnnl_packed and not verified_for:
             raise ValueError("a weight in libdnnl's packing needs the input size it is for")
@@ -674,6 +709,9 @@ class DirectConv(DirectOp):
         self.after = after
         self.max_copies = max_copies
         self.copies: list[tuple[_P, Tensor]] = []    # (weights descriptor, own packed copy)
+        # Builds this convolution's calls as Winograd where they qualify (ops/winograd.py).
+        self.winograd = winograd
+        self.winograd_not: dict[tuple[object, ...], str] = {}   # layouts it declined, why
 
     def __call__(self, x: Tensor, w: Tensor, b: Tensor | None = None,
                  z: Tensor | None = None) -> Tensor:
@@ -740,6 +778,11 @@ class DirectConv(DirectOp):
         packed = w.dtype == torch.uint8 if self.libdnnl_packed else w.is_mkldnn
         if x.dtype != torch.float32 or not packed or x.dim() not in (4, 5):
             return None, "not a packed float32 2-D/3-D convolution"
+        if self.winograd is not None and not self.blocked:
+            call, why = self.winograd.make_call(self, x, w, b, z, inplace)
+            if call is not None:
+                return call, ""
+            self.winograd_not[self._key(x, z, inplace)] = why
         # oneDNN has only reference kernels for plain NCHW input with channels-last output.
         want = _channels_last(x.dim())
         in_format = None
@@ -1068,6 +1111,27 @@ def describe_direct(ops: Sequence[tuple[str, DirectOp]], limit: int = 8) -> list
         lines.append(f"  fallback: {label} at {list(shape)} {dtype}: {why}")  # type: ignore[call-overload]
     if len(fallbacks) > limit:
         lines.append(f"  ... and {len(fallbacks) - limit} more")
+    lines.extend(_describe_winograd(ops, limit))
+    return lines
+
+
+def _describe_winograd(ops: Sequence[tuple[str, DirectOp]], limit: int) -> list[str]:
+    """The convolutions marked for Winograd: what runs so, what it holds, what declined."""
+    marked = [(label, op.winograd, op) for label, op in ops
+              if isinstance(op, DirectConv) and op.winograd is not None]
+    if not marked:
+        return []
+    layouts = sum(1 for _, _, op in marked for call in op.calls.values()
+                  if call is not None and call.run is not None)
+    weights = sum(w.weight_bytes for _, w, _ in marked if w is not None)
+    spaces = {id(w.workspace): w.workspace.nbytes for _, w, _ in marked if w is not None}
+    lines = [f"  winograd F(4x4,3x3): {len(marked)} convolutions, {layouts} input "
+             f"layout{'s' if layouts != 1 else ''} built; transformed weights "
+             f"{weights / 2**20:.1f} MiB, workspace {sum(spaces.values()) / 2**20:.1f} MiB"]
+    declined = [(label, key, why) for label, _, op in marked
+                for key, why in op.winograd_not.items()]
+    for label, key, why in declined[:limit]:
+        lines.append(f"  not winograd: {label} at {list(key[0])}: {why}")  # type: ignore[call-overload]
     return lines
 
 

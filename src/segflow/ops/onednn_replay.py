@@ -84,7 +84,7 @@ class _Execute(ctypes.Structure):
     _fields_ = [("primitive", ctypes.c_void_p), ("stream", ctypes.c_void_p),
                 ("args", ctypes.c_void_p), ("nargs", ctypes.c_int64),
                 ("memory", ctypes.c_void_p * 3), ("handles", ctypes.c_void_p),
-                ("address", ctypes.c_void_p)]
+                ("address", ctypes.c_void_p), ("run", ctypes.c_void_p)]
 
 
 class _NativeStretch:
@@ -96,7 +96,10 @@ class _NativeStretch:
                  labels: Sequence[str], native: NativeLibrary) -> None:
         self.entries = tuple(entries)
         self.labels = tuple(labels)
-        self.locks = tuple(op.lock for op, _, _ in self.entries)
+        # The ops' locks, then the workspaces their native kernels share (ops/workspace.py).
+        self.locks = tuple(dict.fromkeys(
+            [op.lock for op, _, _ in self.entries]
+            + [call.lock for _, call, _ in self.entries if call.lock is not None]))
         steps = (_Execute * len(self.entries))()
         for step, (op, call, addresses) in zip(steps, self.entries, strict=True):
             step.primitive = call.primitive.value
@@ -108,6 +111,8 @@ class _NativeStretch:
             step.memory[2] = call.residual.value if call.residual is not None else None
             step.handles = ctypes.addressof(call.handles)
             step.address = ctypes.addressof(addresses)
+            if call.run is not None:
+                step.run = ctypes.cast(call.run, ctypes.c_void_p).value
         self._steps = steps
         self._status = ctypes.c_int(0)
         fn = native.dll.segflow_replay_executes

@@ -24,6 +24,7 @@ from segflow.errors import UnsupportedOp
 
 if TYPE_CHECKING:
     from segflow.ir.graph import Graph, Node, Value
+    from segflow.ops.workspace import Workspace
 
 Tensor = torch.Tensor
 Kernel = Callable[[Sequence[Tensor | None]], Sequence[Tensor]]
@@ -65,6 +66,11 @@ class BindContext(Protocol):
     def staging(self, node: Node) -> Callable[[], Tensor | None] | None:
         """Storage the run plans for a copy of ``node``'s first input that its kernel
         makes (a plain input in the layout the kernel reads), like :meth:`destination`."""
+        ...
+
+    def workspace(self) -> Workspace:
+        """Scratch memory the kernels of this binding share, one kernel at a time
+        (``ops/workspace.py``)."""
         ...
 
 

@@ -24,6 +24,7 @@ import torch
 from segflow.ir.graph import Graph, Node, Value
 from segflow.ir.types import shape_window
 from segflow.ops.registry import OpRegistry, SubgraphRunner, default_registry
+from segflow.ops.workspace import Workspace
 from segflow.passes._rewrite import new_const, remove_dead
 from segflow.passes.result import PassResult
 
@@ -52,6 +53,9 @@ class _FoldContext:
 
     def staging(self, node: Node) -> None:
         return None
+
+    def workspace(self) -> Workspace:
+        return Workspace()   # folded kernels run once
 
 
 def fold_constants(graph: Graph, registry: OpRegistry | None = None, *,

@@ -39,7 +39,9 @@ from segflow.ops.fused import (
     direct_linear_preferred,
     onednn_available,
 )
+from segflow.ops.native_library import NativeLibrary
 from segflow.ops.onednn_direct import BLOCK, DnnlError, Library, geometry, same_bytes
+from segflow.ops.winograd import unfit
 from segflow.passes.result import PassResult
 
 # The row count a linear with a dynamic batch (or sequence) is packed for: BERT-base at
@@ -50,11 +52,12 @@ DIRECT_LINEAR_ROWS = 128
 
 
 def layout(graph: Graph, device: Device, *, direct: bool = True,
-           blocked: bool = True) -> PassResult:
+           blocked: bool = True, winograd: bool = True) -> PassResult:
     """Prepack FusedConv weights for oneDNN on CPU (in place); a no-op elsewhere.
 
     ``direct``: mark the packed convolutions to call libdnnl when it loads;
-    ``blocked``: and run a depthwise region on nChw8c activations (:func:`_blocked_region`).
+    ``blocked``: and run a depthwise region on nChw8c activations (:func:`_blocked_region`);
+    ``winograd``: and run the 3x3 ones that qualify as Winograd (:func:`_winograd_fits`).
     """
     if device.kind is not DeviceKind.CPU or not onednn_available():
         return PassResult(graph, False)
@@ -120,6 +123,8 @@ def layout(graph: Graph, device: Device, *, direct: bool = True,
                 node.attrs["onednn_blocked"] = 1
                 if not plain_input:
                     node.attrs["onednn_blocked_input"] = 1
+            elif winograd and _winograd_fits(node, weight.const, params):
+                node.attrs["winograd"] = 1    # ops/winograd.py
         if packed_for is not None:
             # The kernel repacks for other input shapes (ops/fused.py WeightForInput).
             node.attrs["onednn_input_size"] = list(packed_for)
@@ -348,6 +353,18 @@ class _PackParams:
     dilations: tuple[int, ...]
     groups: int
     input_size: tuple[int, ...] | None
+
+
+def _winograd_fits(node: Node, weight: torch.Tensor, params: _PackParams) -> bool:
+    """Whether a direct convolution runs as Winograd F(4x4, 3x3) (``ops/winograd.py``):
+    3x3, stride 1, undilated, ungrouped, channels in multiples of 8, no activation or
+    ReLU, and the native kernels available."""
+    if params.groups != 1 or node.attrs.get("activation") not in (None, "", "Relu"):
+        return False
+    spec = geometry(list(weight.shape), params.strides, params.pads, params.dilations, 1)
+    if unfit(spec, int(weight.shape[1]), None) is not None:
+        return False
+    return NativeLibrary.for_session()[0] is not None
 
 
 def _packable(node: Node) -> _PackParams | None:

@@ -52,6 +52,7 @@ from segflow.settings import (
     ENV_ONEDNN_DIRECT,
     ENV_ONEDNN_REPLAY,
     ENV_OPTIMIZE,
+    ENV_WINOGRAD,
     _env_bool,
     _env_int,
     parse_choice,
@@ -104,6 +105,8 @@ class OptimizeOptions:
     arena: bool = True
     # Runs of them are replayed from recorded addresses (ops/onednn_replay.py).
     onednn_replay: bool = True
+    # 3x3 ones run as Winograd F(4x4, 3x3) where they qualify (ops/winograd.py).
+    winograd: bool = True
 
     @classmethod
     def resolve(cls, optimize: bool | Mapping[str, bool] | None = None, *,
@@ -143,8 +146,10 @@ class OptimizeOptions:
         arena = _env_bool(env, ENV_ARENA, True)
         blocked = _env_bool(env, ENV_ONEDNN_BLOCKED, True)
         replay = _env_bool(env, ENV_ONEDNN_REPLAY, True)
+        winograd = _env_bool(env, ENV_WINOGRAD, True)
         return cls(compile=mode, intra_op_threads=threads, onednn_direct=direct, arena=arena,
-                   onednn_blocked=blocked, onednn_replay=replay, **switches)
+                   onednn_blocked=blocked, onednn_replay=replay, winograd=winograd,
+                   **switches)
 
     def as_record(self) -> dict[str, object]:
         """The options in force, for RunStats settings and benchmark records."""
@@ -152,7 +157,8 @@ class OptimizeOptions:
                 "dense_chain": self.dense_chain, "layout": self.layout,
                 "plan_memory": self.plan_memory, "compile": self.compile.resolve().value,
                 "onednn_direct": self.onednn_direct, "onednn_blocked": self.onednn_blocked,
-                "arena": self.arena, "onednn_replay": self.onednn_replay}
+                "arena": self.arena, "onednn_replay": self.onednn_replay,
+                "winograd": self.winograd}
 
 
 @dataclass(frozen=True, slots=True)
@@ -307,7 +313,7 @@ def _layout(graph: Graph, options: OptimizeOptions, backend: CompileMode,
     if device.kind is not DeviceKind.CPU:
         return "layout: skipped (not a CPU device)"
     packed = layout(graph, device, direct=options.onednn_direct,
-                    blocked=options.onednn_blocked)
+                    blocked=options.onednn_blocked, winograd=options.winograd)
     if not packed.modified:
         return "layout: nothing to do (no oneDNN-eligible convolutions or linears)"
     convs = sum(1 for n in graph.nodes if n.attrs.get("channels_last"))
@@ -329,4 +335,7 @@ def _layout(graph: Graph, options: OptimizeOptions, backend: CompileMode,
         blocked = sum(1 for n in graph.nodes if n.attrs.get("onednn_blocked"))
         if blocked:
             text += f"; {blocked} convolutions on nChw8c activations"
+        winograd = sum(1 for n in graph.nodes if n.attrs.get("winograd"))
+        if winograd:
+            text += f"; {winograd} 3x3 convolutions as Winograd F(4x4,3x3)"
     return text

@@ -17,6 +17,7 @@ from segflow.errors import ExecutionError, node_failed
 from segflow.ir.graph import Graph, Node, Value, captured_inputs, node_reads
 from segflow.ops.onednn_direct import Destination
 from segflow.ops.registry import Kernel, OpRegistry, SubgraphRunner
+from segflow.ops.workspace import Workspace
 from segflow.runtime.arena import ArenaPool
 
 Tensor = torch.Tensor
@@ -97,6 +98,7 @@ class BindContext:
         self._device = device
         self.constants = constants
         self.arena = arena
+        self._workspace: Workspace | None = None
 
     def destination(self, value: Value) -> Destination | None:
         """Where a kernel that takes given storage writes ``value`` in a run (None:
@@ -106,6 +108,13 @@ class BindContext:
     def staging(self, node: Node) -> Destination | None:
         """Where ``node``'s kernel copies its input before reading it (None: allocate)."""
         return self.arena.staging(node) if self.arena is not None else None
+
+    def workspace(self) -> Workspace:
+        """Scratch memory this binding's kernels share, one at a time (made when first
+        asked for)."""
+        if self._workspace is None:
+            self._workspace = Workspace()
+        return self._workspace
 
     @property
     def device(self) -> torch.device:

@@ -26,6 +26,8 @@ typedef struct {
     void *memory[3];         /* source, destination, residual (NULL: none) */
     uintptr_t *handles;      /* where those memories point now: uintptr_t[3] */
     const uintptr_t *address; /* where this step wants them: uintptr_t[3] (0: no residual) */
+    segflow_execute_fn run;   /* what executes `primitive` (NULL: libdnnl's execute), such
+                               * as winograd.c's segflow_winograd_execute for its plan */
 } segflow_execute_t;
 
 /* Runs steps[0..n); returns n, or the index of the step whose call failed with its
@@ -45,7 +47,8 @@ int64_t segflow_replay_executes(const segflow_execute_t *steps, int64_t n,
                 s->handles[k] = s->address[k];
             }
         }
-        int failed = execute(s->primitive, s->stream, (int)s->nargs, s->args);
+        int failed = (s->run ? s->run : execute)(s->primitive, s->stream, (int)s->nargs,
+                                                  s->args);
         if (failed) {
             *status = failed;
             return i;

@@ -1,0 +1,173 @@
+/* segflow native kernels: a 3x3 convolution as Winograd F(4x4, 3x3).
+ *
+ * segflow_winograd_execute computes y = act(conv3x3(x, w) + bias [+ z]) for a
+ * stride-1, undilated, ungrouped convolution over channels-last float32 tensors
+ * (ops/winograd.py builds the plan). The output is cut into 4x4 tiles; each
+ * tile's 6x6 input window is transformed (V = B^T d B), the 36 transformed
+ * planes are multiplied by the transformed weights (U = G g G^T, made once) in
+ * one batched libdnnl matmul [36, tiles, C] x [36, C, K], and each tile's 6x6
+ * result is transformed back (y = A^T m A). That is 36 multiply-adds per 16
+ * outputs and input channel instead of 144: 4x fewer, paid for by the two
+ * transforms, which stream the activations once each.
+ *
+ * It exists because oneDNN 3.2 has Winograd only for AVX-512, and on a 2-core
+ * AVX2 VM the 3x3 convolutions are most of ResNet-50's time: 64 channels at
+ * 56x56 ran 5.6 ms through onnxruntime, 1.5 ms of matmul plus 0.8 ms of
+ * transforms here (ad hoc probe, 2026-12-05).
+ *
+ * Its signature is libdnnl's dnnl_primitive_execute, so the replay's C loop
+ * (replay.c) and Python call it where they would execute a primitive: the plan
+ * stands for the primitive, and the source, destination and residual addresses
+ * are the ones the caller just pointed the convolution's memories at.
+ *
+ * The transforms work on eight channels at a time; C and K are multiples of 8.
+ */
+#include <stddef.h>
+#include <stdint.h>
+
+typedef int (*segflow_execute_fn)(void *primitive, void *stream, int nargs, const void *args);
+typedef int (*segflow_set_handle_fn)(void *memory, void *handle);
+
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+typedef int32_t v8i __attribute__((vector_size(32), aligned(4)));
+
+/* The layout ops/winograd.py's ctypes structure mirrors. */
+typedef struct {
+    int64_t n, h, w, c, k;        /* input [n, h, w, c]; k output channels */
+    int64_t oh, ow, pt, pl;       /* output size; top and left padding */
+    int64_t th, tw;               /* tiles down and across */
+    int64_t relu, residual;       /* ReLU after the sum; add the residual (handles[2]) */
+    const float *bias;            /* k floats, or NULL */
+    const float *zeros;           /* c zeros: the padding */
+    float *const *workspace;      /* *workspace: V [36][T][c], then M [36][T][k] */
+    const uintptr_t *handles;     /* where src, dst and residual point now (0: none) */
+    void *matmul, *stream;        /* V x U -> M */
+    const void *matmul_args;
+    int64_t matmul_nargs;
+    void *matmul_src, *matmul_dst; /* its memories, pointed at the workspace */
+    segflow_execute_fn execute;
+    segflow_set_handle_fn set_handle;
+} segflow_winograd_t;
+
+/* B^T d for six values d0..d5 (one row or column of a 6x6 window). */
+#define INPUT_1D(d0, d1, d2, d3, d4, d5, o0, o1, o2, o3, o4, o5) do { \
+        o0 = 4 * (d0) - 5 * (d2) + (d4);                              \
+        o1 = (d3) + (d4) - 4 * ((d1) + (d2));                         \
+        o2 = 4 * ((d1) - (d2)) - (d3) + (d4);                         \
+        o3 = 2 * ((d3) - (d1)) - (d2) + (d4);                         \
+        o4 = 2 * ((d1) - (d3)) - (d2) + (d4);                         \
+        o5 = 4 * (d1) - 5 * (d3) + (d5);                              \
+    } while (0)
+
+static void input_transform(const segflow_winograd_t *p, const float *x, float *v) {
+    const int64_t c = p->c, tiles = p->n * p->th * p->tw;
+    const size_t plane = (size_t)tiles * c;
+    int64_t t = 0;
+    for (int64_t n = 0; n < p->n; n++)
+    for (int64_t ty = 0; ty < p->th; ty++)
+    for (int64_t tx = 0; tx < p->tw; tx++, t++) {
+        const float *row[36];      /* the window's 36 pixels (zeros outside the input) */
+        for (int i = 0; i < 6; i++) {
+            int64_t iy = ty * 4 - p->pt + i;
+            for (int j = 0; j < 6; j++) {
+                int64_t ix = tx * 4 - p->pl + j;
+                row[i * 6 + j] = (iy >= 0 && iy < p->h && ix >= 0 && ix < p->w)
+                    ? x + ((n * p->h + iy) * p->w + ix) * c : p->zeros;
+            }
+        }
+        float *out = v + t * c;
+        for (int64_t ch = 0; ch < c; ch += 8) {
+            v8 r[36];
+            for (int i = 0; i < 6; i++) {
+                const float *const *d = row + i * 6;
+                INPUT_1D(*(const v8 *)(d[0] + ch), *(const v8 *)(d[1] + ch),
+                         *(const v8 *)(d[2] + ch), *(const v8 *)(d[3] + ch),
+                         *(const v8 *)(d[4] + ch), *(const v8 *)(d[5] + ch),
+                         r[i * 6 + 0], r[i * 6 + 1], r[i * 6 + 2], r[i * 6 + 3],
+                         r[i * 6 + 4], r[i * 6 + 5]);
+            }
+            for (int j = 0; j < 6; j++) {
+                v8 o0, o1, o2, o3, o4, o5;
+                INPUT_1D(r[j], r[6 + j], r[12 + j], r[18 + j], r[24 + j], r[30 + j],
+                         o0, o1, o2, o3, o4, o5);
+                *(v8 *)(out + (0 * 6 + j) * plane + ch) = o0;
+                *(v8 *)(out + (1 * 6 + j) * plane + ch) = o1;
+                *(v8 *)(out + (2 * 6 + j) * plane + ch) = o2;
+                *(v8 *)(out + (3 * 6 + j) * plane + ch) = o3;
+                *(v8 *)(out + (4 * 6 + j) * plane + ch) = o4;
+                *(v8 *)(out + (5 * 6 + j) * plane + ch) = o5;
+            }
+        }
+    }
+}
+
+/* A^T m for six values: four outputs. */
+#define OUTPUT_1D(m0, m1, m2, m3, m4, m5, o0, o1, o2, o3) do {       \
+        v8 a_ = (m1) + (m2), b_ = (m1) - (m2);                        \
+        v8 c_ = (m3) + (m4), d_ = (m3) - (m4);                        \
+        o0 = (m0) + a_ + c_;                                          \
+        o1 = b_ + 2 * d_;                                             \
+        o2 = a_ + 4 * c_;                                             \
+        o3 = b_ + 8 * d_ + (m5);                                      \
+    } while (0)
+
+static void output_transform(const segflow_winograd_t *p, const float *m, float *y,
+                             const float *z) {
+    const int64_t k = p->k, tiles = p->n * p->th * p->tw;
+    const size_t plane = (size_t)tiles * k;
+    const v8 zero = {0};
+    int64_t t = 0;
+    for (int64_t n = 0; n < p->n; n++)
+    for (int64_t ty = 0; ty < p->th; ty++)
+    for (int64_t tx = 0; tx < p->tw; tx++, t++) {
+        const float *in = m + t * k;
+        int64_t rows = p->oh - ty * 4 < 4 ? p->oh - ty * 4 : 4;
+        int64_t cols = p->ow - tx * 4 < 4 ? p->ow - tx * 4 : 4;
+        for (int64_t ch = 0; ch < k; ch += 8) {
+            v8 r[24];
+            for (int j = 0; j < 6; j++) {
+                const float *col = in + ch + j * plane;
+                OUTPUT_1D(*(const v8 *)(col + 0 * 6 * plane), *(const v8 *)(col + 1 * 6 * plane),
+                          *(const v8 *)(col + 2 * 6 * plane), *(const v8 *)(col + 3 * 6 * plane),
+                          *(const v8 *)(col + 4 * 6 * plane), *(const v8 *)(col + 5 * 6 * plane),
+                          r[j], r[6 + j], r[12 + j], r[18 + j]);
+            }
+            v8 bias = p->bias ? *(const v8 *)(p->bias + ch) : zero;
+            for (int64_t i = 0; i < rows; i++) {
+                v8 o[4];
+                const v8 *ri = r + i * 6;
+                OUTPUT_1D(ri[0], ri[1], ri[2], ri[3], ri[4], ri[5], o[0], o[1], o[2], o[3]);
+                size_t at = (size_t)((n * p->oh + ty * 4 + i) * p->ow + tx * 4) * k + ch;
+                for (int64_t j = 0; j < cols; j++, at += k) {
+                    v8 out = o[j] + bias;
+                    if (z)
+                        out += *(const v8 *)(z + at);
+                    if (p->relu)
+                        out = (v8)((v8i)out & (out > zero));
+                    *(v8 *)(y + at) = out;
+                }
+            }
+        }
+    }
+}
+
+/* dnnl_primitive_execute's signature; `plan` is a segflow_winograd_t. Returns 0, or
+ * the matmul's oneDNN status. */
+int segflow_winograd_execute(void *plan, void *stream, int nargs, const void *args) {
+    (void)stream, (void)nargs, (void)args;
+    const segflow_winograd_t *p = plan;
+    const int64_t tiles = p->n * p->th * p->tw;
+    float *v = *p->workspace, *m = v + 36 * tiles * p->c;
+    int failed = p->set_handle(p->matmul_src, v);
+    if (!failed)
+        failed = p->set_handle(p->matmul_dst, m);
+    if (failed)
+        return failed;
+    input_transform(p, (const float *)p->handles[0], v);
+    failed = p->execute(p->matmul, p->stream, (int)p->matmul_nargs, p->matmul_args);
+    if (failed)
+        return failed;
+    output_transform(p, m, (float *)p->handles[1],
+                     p->residual ? (const float *)p->handles[2] : NULL);
+    return 0;
+}

@@ -1,0 +1,197 @@
+"""3x3 convolutions as Winograd F(4x4, 3x3): a native kernel beside libdnnl's.
+
+oneDNN 3.2 has Winograd convolutions only for AVX-512. On an AVX2 CPU a
+stride-1 3x3 convolution runs as a direct convolution, 9 multiply-adds per
+output and input channel. Winograd's F(4x4, 3x3) needs 36 per 4x4 tile of
+outputs, 2.25 per output: 4x fewer. The layout pass marks the convolutions
+that qualify (``winograd``; ``SEGFLOW_WINOGRAD=0`` turns it off), and their
+:class:`~segflow.ops.onednn_direct.DirectConv` builds a call through
+:class:`Winograd` instead of a oneDNN convolution:
+
+- once, the weight is transformed (``U = G g G^T``, in float64) into 36
+  matrices ``[C, K]``, packed for a batched libdnnl matmul. That is 4x the
+  weight's bytes, held beside the packed weight that the fallback reads;
+- at each call ``ops/native/winograd.c`` transforms the input's 6x6 windows into
+  the session's shared :class:`~segflow.ops.workspace.Workspace` (V ``[36, tiles,
+  C]``), runs the matmul (M = V x U), and transforms M back into the output,
+  adding the bias and a residual and applying ReLU on the way.
+
+The call has the shape of a oneDNN one: a replayed run executes it from its C
+loop like a primitive, with the workspace's lock taken with the ops' locks.
+
+Accuracy: the transforms use the points 0, +-1, +-2, whose matrices are exact in
+float32; the result differs from a direct convolution by a few float32 ulps per
+input channel (relative error ~1e-5 at 512 channels, the direct one's ~1e-6).
+
+Measured on a 2-core AVX2 VM (Zen 1), one convolution + ReLU at batch 1, in one
+process: docs/benchmarking.md, "Eleventh session".
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING
+
+import torch
+
+from segflow.ops.native_library import NativeLibrary
+from segflow.ops.onednn_direct import ConvGeometry, _Call, _ExecArg, _reorder_weight
+from segflow.ops.workspace import Workspace
+
+if TYPE_CHECKING:
+    from segflow.ops.onednn_direct import DirectConv
+
+Tensor = torch.Tensor
+TILE = 4            # outputs per tile side: F(4x4, 3x3) reads 6x6 windows
+_WINDOW = TILE + 2
+_POINTS = _WINDOW * _WINDOW
+_LANES = 8          # channels the native transforms handle at once
+_RELU = (32, 0.0, 0.0)   # oneDNN's eltwise ReLU (onednn_direct._ELTWISE)
+_ARG_SRC, _ARG_DST, _ARG_WEIGHTS = 1, 17, 33
+
+# G of F(4x4, 3x3) with the points 0, 1, -1, 2, -2 (and infinity), Lavin & Gray 2016.
+_G = torch.tensor([[1 / 4, 0, 0],
+                   [-1 / 6, -1 / 6, -1 / 6],
+                   [-1 / 6, 1 / 6, -1 / 6],
+                   [1 / 24, 1 / 12, 1 / 6],
+                   [1 / 24, -1 / 12, 1 / 6],
+                   [0, 0, 1]], dtype=torch.float64)
+
+
+def unfit(spec: ConvGeometry, in_channels: int,
+          eltwise: tuple[int, float, float] | None) -> str | None:
+    """Why a convolution cannot run as Winograd (None: it can)."""
+    if spec.kernel != (3, 3) or spec.strides != (1, 1) or spec.dilations != (1, 1):
+        return "not a 3x3 stride-1 undilated convolution"
+    if len(spec.weight_dims) != 4:
+        return "grouped"
+    if spec.out_channels % _LANES or in_channels % _LANES:
+        return f"channels not a multiple of {_LANES}"
+    if eltwise is not None and eltwise != _RELU:
+        return "an activation other than ReLU"
+    return None
+
+
+def transform_weight(dense: Tensor) -> Tensor:
+    """``U = G g G^T`` of a ``[K, C, 3, 3]`` weight: 36 matrices ``[C, K]`` (float32)."""
+    u = torch.einsum("ai,kcij,bj->abck", _G, dense.double(), _G)
+    return u.reshape(_POINTS, dense.shape[1], dense.shape[0]).float().contiguous()
+
+
+class _Plan(ctypes.Structure):
+    """``segflow_winograd_t`` in ``ops/native/winograd.c``."""
+
+    _fields_ = [
+        ("n", ctypes.c_int64), ("h", ctypes.c_int64), ("w", ctypes.c_int64),
+        ("c", ctypes.c_int64), ("k", ctypes.c_int64), ("oh", ctypes.c_int64),
+        ("ow", ctypes.c_int64), ("pt", ctypes.c_int64), ("pl", ctypes.c_int64),
+        ("th", ctypes.c_int64), ("tw", ctypes.c_int64), ("relu", ctypes.c_int64),
+        ("residual", ctypes.c_int64),
+        ("bias", ctypes.c_void_p), ("zeros", ctypes.c_void_p), ("workspace", ctypes.c_void_p),
+        ("handles", ctypes.c_void_p), ("matmul", ctypes.c_void_p), ("stream", ctypes.c_void_p),
+        ("matmul_args", ctypes.c_void_p), ("matmul_nargs", ctypes.c_int64),
+        ("matmul_src", ctypes.c_void_p), ("matmul_dst", ctypes.c_void_p),
+        ("execute", ctypes.c_void_p), ("set_handle", ctypes.c_void_p)]
+
+
+class Winograd:
+    """Builds Winograd calls for a session's convolutions: the native library's kernel
+    and the workspace they share (one per binding, ``BindContext.workspace``)."""
+
+    def __init__(self, native: NativeLibrary, workspace: Workspace) -> None:
+        self.native = native
+        self.workspace = workspace
+        run = native.dll.segflow_winograd_execute
+        run.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+        run.restype = ctypes.c_int
+        self.run = run
+        self.weight_bytes = 0      # the transformed weights its calls hold
+
+    def make_call(self, op: DirectConv, x: Tensor, w: Tensor, b: Tensor | None,
+                  z: Tensor | None, inplace: bool) -> tuple[_Call | None, str]:
+        """A call of ``op`` for ``x``'s layout that runs as Winograd, or None and why."""
+        spec, lib = op.spec, op.lib
+        why = unfit(spec, int(x.shape[1]), op.eltwise)
+        if why is None and (x.dim() != 4 or x.dtype != torch.float32):
+            why = "not a float32 image"
+        if why is None and op.after is not None:
+            why = "an activation after the kernel"
+        out_shape = spec.output_size(x.shape)
+        if why is None and z is not None and (tuple(z.shape) != out_shape
+                                              or z.dtype != torch.float32 or not
+                                              z.is_contiguous(memory_format=torch.channels_last)):
+            why = "residual not the output's channels-last shape"
+        if why is not None:
+            return None, why
+        in_format = None
+        if not x.is_contiguous(memory_format=torch.channels_last):
+            in_format = torch.channels_last         # the caller stages x first
+            x = x.contiguous(memory_format=torch.channels_last)
+        n, c, h, width = (int(d) for d in x.shape)
+        k, oh, ow = out_shape[1], out_shape[2], out_shape[3]
+        th, tw = -(-oh // TILE), -(-ow // TILE)
+        tiles = n * th * tw
+        dense = _dense_weight(op, w)
+        u = transform_weight(dense)
+        src_md = lib.plain_desc([_POINTS, tiles, c])
+        dst_md = lib.plain_desc([_POINTS, tiles, k])
+        any_weights = lib.any_desc([_POINTS, c, k])
+        owned = op._owned
+        try:
+            prim, weights_md, impl = lib.matmul(src_md, any_weights, dst_md)
+        finally:
+            lib.destroy([("memory_desc", any_weights)])
+        assert prim is not None
+        owned.append(("primitive", prim))
+        owned.extend(("memory_desc", md) for md in (src_md, dst_md, weights_md))
+        if impl.startswith("ref"):
+            return None, f"only a reference matmul ({impl})"
+        packed = _reorder_weight(lib, u, weights_md, u.shape)
+        self.weight_bytes += packed.numel() * packed.element_size()
+        mm_src, mm_dst = lib.memory(src_md), lib.memory(dst_md)
+        mm_weights = lib.memory(weights_md, packed.data_ptr())
+        owned.extend(("memory", m) for m in (mm_src, mm_dst, mm_weights))
+        mm_args = (_ExecArg * 3)(_ExecArg(_ARG_SRC, mm_src), _ExecArg(_ARG_WEIGHTS, mm_weights),
+                                 _ExecArg(_ARG_DST, mm_dst))
+        stream = op.stream()
+        # The convolution's own memories: the caller points them at x, y and z, and the
+        # native kernel reads those addresses from the call's handles.
+        example = z if z is not None and inplace else torch.empty(
+            out_shape, memory_format=torch.channels_last)
+        descs = [lib.memory_desc(t) for t in (x, example, z) if t is not None]
+        owned.extend(("memory_desc", md) for md in descs)
+        conv_src, conv_dst = lib.memory(descs[0]), lib.memory(descs[1])
+        residual = lib.memory(descs[2]) if z is not None else None
+        owned.extend(("memory", m) for m in (conv_src, conv_dst, residual) if m is not None)
+        bias = b.detach().float().contiguous() if b is not None else None
+        zeros = torch.zeros(c)
+        self.workspace.reserve(_POINTS * tiles * (c + k))
+        plan = _Plan(n=n, h=h, w=width, c=c, k=k, oh=oh, ow=ow, pt=spec.pads[0],
+                     pl=spec.pads[1], th=th, tw=tw, relu=int(op.eltwise == _RELU),
+                     residual=int(z is not None))
+        plan.bias = bias.data_ptr() if bias is not None else None
+        plan.zeros = zeros.data_ptr()
+        plan.workspace = ctypes.addressof(self.workspace.slot)
+        plan.matmul, plan.stream = prim.value, stream.value
+        plan.matmul_args, plan.matmul_nargs = ctypes.addressof(mm_args), len(mm_args)
+        plan.matmul_src, plan.matmul_dst = mm_src.value, mm_dst.value
+        dll = lib._dll
+        plan.execute = ctypes.cast(dll.dnnl_primitive_execute, ctypes.c_void_p).value
+        plan.set_handle = ctypes.cast(dll.dnnl_memory_set_data_handle, ctypes.c_void_p).value
+        args = [_ExecArg(_ARG_SRC, conv_src), _ExecArg(_ARG_DST, conv_dst)]
+        call = _Call(ctypes.c_void_p(ctypes.addressof(plan)), conv_src, conv_dst, residual,
+                     (_ExecArg * len(args))(*args), in_format, tuple(out_shape),
+                     torch.channels_last, w, b, f"winograd F(4x4,3x3) + {impl}",
+                     run=self.run, lock=self.workspace.lock,
+                     keep=(plan, packed, mm_args, bias, zeros))
+        plan.handles = ctypes.addressof(call.handles)
+        return call, ""
+
+
+def _dense_weight(op: DirectConv, w: Tensor) -> Tensor:
+    """The float32 ``[K, C, 3, 3]`` weight behind ``op``'s packed ``w``."""
+    if op.libdnnl_packed:
+        assert op.verified_for is not None
+        return op.lib.unpack_weight(w, op.spec, op.verified_for)
+    return w.to_dense() if w.is_mkldnn else w
+

@@ -1,0 +1,243 @@
+"""Tests for 3x3 convolutions as Winograd F(4x4, 3x3) (ops/winograd.py).
+
+Every model is compared with onnxruntime at atol 1e-4, rtol 1e-3, the tolerance
+of the other direct-kernel tests (Winograd's own error is ~1e-5 relative). Each
+test also checks that the convolutions it means to cover did run as Winograd:
+a test that silently fell back to the direct convolution would prove nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+import segflow
+from concurrency import run_in_threads
+from segflow import models
+from segflow.ops.native_library import NativeLibrary
+from segflow.ops.onednn_direct import DirectConv, Library
+from segflow.ops.onednn_replay import DirectReplay, _NativeStretch
+from segflow.ops.winograd import transform_weight
+
+LIB = Library.load()
+NATIVE, NATIVE_WHY = NativeLibrary.probe()
+pytestmark = [pytest.mark.skipif(LIB is None, reason=f"libdnnl {Library.probe()[1]}"),
+              pytest.mark.skipif(NATIVE is None, reason=f"native kernels {NATIVE_WHY}")]
+ATOL, RTOL = 1e-4, 1e-3
+
+
+def _model(n: int, c: int, k: int, h: int, w: int, pad: int, activation: str | None,
+           residual: bool, seed: int = 0) -> onnx.ModelProto:
+    """x -> Conv 1x1 (c -> c) -> Conv 3x3 (c -> k, pads ``pad``) [+ the 1x1's output]
+    [-> activation]. The 1x1 convolution gives the 3x3 one a channels-last input."""
+    rng = np.random.default_rng(seed)
+    w1 = (rng.standard_normal((c, c, 1, 1)) / np.sqrt(c)).astype(np.float32)
+    w3 = (rng.standard_normal((k, c, 3, 3)) / np.sqrt(9 * c)).astype(np.float32)
+    b3 = rng.standard_normal(k).astype(np.float32)
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["a"]),
+             helper.make_node("Conv", ["a", "w3", "b3"], ["y0"], kernel_shape=[3, 3],
+                              pads=[pad] * 4)]
+    last = "y0"
+    if residual:
+        nodes.append(helper.make_node("Add", [last, "a"], ["y1"]))
+        last = "y1"
+    if activation is not None:
+        attrs = {"alpha": 0.1} if activation == "LeakyRelu" else {}
+        nodes.append(helper.make_node(activation, [last], ["y"], **attrs))
+    else:
+        nodes.append(helper.make_node("Identity", [last], ["y"]))
+    graph = helper.make_graph(
+        nodes, "winograd", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [n, c, h, w])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(a, name) for a, name in ((w1, "w1"), (w3, "w3"), (b3, "b3"))])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _direct_convs(sess: segflow.InferenceSession) -> list[tuple[str, DirectConv]]:
+    return [(label, op) for label, op in sess._executor.direct_ops
+            if isinstance(op, DirectConv)]
+
+
+def _winograd_calls(sess: segflow.InferenceSession) -> int:
+    """Input layouts built as Winograd over the session's convolutions."""
+    return sum(1 for _, op in _direct_convs(sess) for call in op.calls.values()
+               if call is not None and call.run is not None)
+
+
+def _compare(model: onnx.ModelProto, feeds: dict[str, np.ndarray],
+             sess: segflow.InferenceSession, runs: int = 2) -> None:
+    ref = ort.InferenceSession(model.SerializeToString(),
+                               providers=["CPUExecutionProvider"]).run(None, feeds)
+    for _ in range(runs):
+        np.testing.assert_allclose(sess.run(None, feeds)[0], ref[0], atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("n, c, k, h, w, pad, activation, residual", [
+    (1, 16, 16, 14, 14, 1, "Relu", False),     # tiles fill the output exactly
+    (1, 8, 24, 9, 7, 1, None, False),          # partial tiles on both edges
+    (2, 16, 16, 13, 11, 1, "Relu", True),      # batch 2, residual and ReLU fused
+    (1, 32, 32, 7, 7, 1, None, True),          # ResNet-50's last stage, in small
+    (1, 16, 8, 10, 6, 0, "Relu", False),       # no padding: a smaller output
+    (3, 8, 8, 1, 1, 1, "Relu", False),         # a 1x1 image: one tile, mostly padding
+])
+def test_a_convolution_matches_onnxruntime(n, c, k, h, w, pad, activation, residual):
+    model = _model(n, c, k, h, w, pad, activation, residual)
+    sess = segflow.InferenceSession(model, compile="codegen")
+    x = np.random.default_rng(1).standard_normal((n, c, h, w)).astype(np.float32)
+    _compare(model, {"x": x}, sess, runs=3)
+    assert _winograd_calls(sess) == 1
+    (label, op), = [(label, op) for label, op in _direct_convs(sess) if op.winograd is not None]
+    (call,) = [c for c in op.calls.values() if c is not None]
+    assert call.impl.startswith("winograd F(4x4,3x3) + ")
+    assert "1 3x3 convolutions as Winograd F(4x4,3x3)" in sess.explain()
+
+
+def test_the_transforms_compute_a_3x3_correlation_of_a_6x6_window():
+    # Y = A^T [U * (B^T d B)] A with U = G g G^T: the matrices winograd.c hard-codes.
+    bt = torch.tensor([[4, 0, -5, 0, 1, 0], [0, -4, -4, 1, 1, 0], [0, 4, -4, -1, 1, 0],
+                       [0, -2, -1, 2, 1, 0], [0, 2, -1, -2, 1, 0], [0, 4, 0, -5, 0, 1]],
+                      dtype=torch.float64)
+    at = torch.tensor([[1, 1, 1, 1, 1, 0], [0, 1, -1, 2, -2, 0], [0, 1, 1, 4, 4, 0],
+                       [0, 1, -1, 8, -8, 1]], dtype=torch.float64)
+    w = torch.randn(1, 1, 3, 3, dtype=torch.float64)
+    window = torch.randn(6, 6, dtype=torch.float64)
+    u = transform_weight(w).double().reshape(6, 6)
+    y = at @ (u * (bt @ window @ bt.T)) @ at.T
+    expected = torch.nn.functional.conv2d(window[None, None], w)[0, 0]
+    torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("change, why", [
+    ({"activation": "LeakyRelu"}, "an activation other than ReLU"),
+    ({"c": 12}, "channels not a multiple of 8"),
+])
+def test_convolutions_that_do_not_fit_stay_direct(change, why):
+    spec: dict[str, Any] = {"n": 1, "c": 16, "k": 16, "h": 8, "w": 8, "pad": 1,
+                            "activation": "Relu", "residual": False, **change}
+    model = _model(**spec)
+    sess = segflow.InferenceSession(model, compile="codegen")
+    x = np.random.default_rng(2).standard_normal((1, spec["c"], 8, 8)).astype(np.float32)
+    _compare(model, {"x": x}, sess)
+    assert _winograd_calls(sess) == 0
+    assert "as Winograd" not in sess.explain()
+    assert all(op.direct_layouts == 1 for _, op in _direct_convs(sess))
+
+
+def test_a_plain_input_is_staged_into_channels_last():
+    # The 3x3 convolution reads the model's NCHW input directly.
+    rng = np.random.default_rng(3)
+    w3 = (rng.standard_normal((16, 8, 3, 3)) / 8).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w3"], ["y0"], kernel_shape=[3, 3], pads=[1] * 4),
+         helper.make_node("Relu", ["y0"], ["y"])], "stem",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 10, 10])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(w3, "w3")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    sess = segflow.InferenceSession(model, compile="codegen")
+    _compare(model, {"x": rng.standard_normal((1, 8, 10, 10)).astype(np.float32)}, sess)
+    assert _winograd_calls(sess) == 1
+
+
+def test_segflow_winograd_0_turns_it_off(monkeypatch):
+    model = _model(1, 16, 16, 12, 12, 1, "Relu", True)
+    monkeypatch.setenv("SEGFLOW_WINOGRAD", "0")
+    sess = segflow.InferenceSession(model, compile="codegen")
+    _compare(model, {"x": np.ones((1, 16, 12, 12), np.float32)}, sess)
+    assert _winograd_calls(sess) == 0
+    assert not any(n.attrs.get("winograd") for n in sess.graph.nodes)
+    assert sess.last_run_stats is not None
+    assert sess.last_run_stats.settings["winograd"] is False
+
+
+def _resnet18() -> tuple[onnx.ModelProto, segflow.InferenceSession]:
+    model = models.build("resnet18", image_size=64)
+    return model, segflow.InferenceSession(model, compile="codegen")
+
+
+def _feeds(batch: int, seed: int) -> dict[str, np.ndarray]:
+    return models.example_inputs("resnet18", batch_size=batch, image_size=64, seed=seed)
+
+
+def _replay(sess: segflow.InferenceSession) -> DirectReplay:
+    (replay,) = [cell.cell_contents for fn in sess._executor.compiled
+                 for cell in getattr(fn, "__closure__", None) or ()
+                 if isinstance(cell.cell_contents, DirectReplay)]
+    return replay
+
+
+def test_resnet18_runs_its_3x3_convolutions_as_winograd_inside_the_native_replay():
+    model, sess = _resnet18()
+    for seed in range(3):
+        _compare(model, _feeds(1, seed), sess, runs=1)
+    # ResNet-18 has 16 3x3 convolutions after its stem; 3 have stride 2.
+    assert _winograd_calls(sess) == 13
+    replay = _replay(sess)
+    assert replay.replays == 2       # the first run recorded
+    rec = replay._recording
+    assert rec is not None
+    (stretch,) = [e for e in rec.program if isinstance(e, _NativeStretch)]
+    winograd_steps = [s for s in stretch._steps if s.run]
+    assert len(winograd_steps) == 13
+    workspace = _direct_convs(sess)[1][1].winograd
+    assert workspace is not None
+    assert workspace.workspace.lock in stretch.locks
+    text = sess.explain()
+    assert "13 3x3 convolutions as Winograd F(4x4,3x3)" in text
+    assert re.search(r"winograd F\(4x4,3x3\): 13 convolutions, 13 input layouts built; "
+                     r"transformed weights [\d.]+ MiB, workspace [\d.]+ MiB", text)
+
+
+def test_the_shared_workspace_grows_for_a_larger_batch_and_serves_the_smaller_one():
+    model, sess = _resnet18()
+    (workspace,) = {id(op.winograd.workspace): op.winograd.workspace
+                    for _, op in _direct_convs(sess) if op.winograd is not None}.values()
+    _compare(model, _feeds(1, 0), sess, runs=1)
+    small = workspace.nbytes
+    _compare(model, _feeds(3, 1), sess, runs=1)
+    assert workspace.nbytes > small
+    _compare(model, _feeds(1, 2), sess, runs=3)     # built at batch 1, now a larger buffer
+    assert _winograd_calls(sess) == 26
+
+
+def test_threads_share_the_workspace_without_mixing_their_tiles():
+    model, sess = _resnet18()
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+    def worker(i: int) -> None:
+        for seed in range(5):
+            feeds = _feeds(1 + (seed + i) % 2, 100 * i + seed)
+            np.testing.assert_allclose(sess.run(None, feeds)[0], ref.run(None, feeds)[0],
+                                       atol=ATOL, rtol=RTOL)
+    run_in_threads(worker, 3)
+
+
+def test_a_failing_matmul_names_the_node_and_frees_the_locks():
+    model, sess = _resnet18()
+    _compare(model, _feeds(1, 0), sess)
+    label, op = [(label, op) for label, op in _direct_convs(sess) if op.winograd is not None][2]
+    (call,) = [c for c in op.calls.values() if c is not None]
+    prototype = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                                 ctypes.c_void_p)
+    failing = prototype(lambda *args: 5)
+    plan = call.keep[0]                # type: ignore[index]
+    real, plan.execute = plan.execute, ctypes.cast(failing, ctypes.c_void_p).value
+    stretch = next(e for e in _replay(sess)._recording.program   # type: ignore[union-attr]
+                   if isinstance(e, _NativeStretch))
+    try:
+        with pytest.raises(segflow.ExecutionError,
+                           match=rf"^While executing {re.escape(label)}: DnnlError: "
+                                 r"convolution \(winograd F\(4x4,3x3\) \+ .*\): oneDNN status 5$"):
+            sess.run(None, _feeds(1, 1))
+        assert not any(lock.locked() for lock in stretch.locks)
+    finally:
+        plan.execute = real
+    _compare(model, _feeds(1, 2), sess)
