@@ -17,6 +17,8 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
 import segflow
@@ -98,6 +100,20 @@ def test_a_convolution_matches_onnxruntime(n, c, k, h, w, pad, activation, resid
     (call,) = [c for c in op.calls.values() if c is not None]
     assert call.impl.startswith("winograd F(4x4,3x3) + ")
     assert "1 3x3 convolutions as Winograd F(4x4,3x3)" in sess.explain()
+
+
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(1, 2), c=st.sampled_from([8, 16, 24]), k=st.sampled_from([8, 16, 40]),
+       h=st.integers(1, 13), w=st.integers(1, 13), pad=st.integers(0, 1),
+       relu=st.booleans(), residual=st.booleans())
+def test_random_shapes_match_onnxruntime(n, c, k, h, w, pad, relu, residual):
+    assume(pad == 1 or (h >= 3 and w >= 3))
+    assume(not residual or (k == c and pad == 1))    # the residual is the conv's input
+    model = _model(n, c, k, h, w, pad, "Relu" if relu else None, residual, seed=h * 16 + w)
+    sess = segflow.InferenceSession(model, compile="codegen")
+    x = np.random.default_rng(n * c + k).standard_normal((n, c, h, w)).astype(np.float32)
+    _compare(model, {"x": x}, sess)
+    assert _winograd_calls(sess) == 1
 
 
 def test_the_transforms_compute_a_3x3_correlation_of_a_6x6_window():

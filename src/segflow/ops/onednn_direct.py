@@ -129,12 +129,35 @@ def _library_candidates() -> list[str]:
 
 
 def _libgomp_copies() -> int:
+    return len(_libgomp_paths()) or 1
+
+
+def _libgomp_paths() -> set[str]:
+    """The libgomp files mapped into this process (empty: none, or no /proc)."""
     try:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
-        return 1
-    return len({line.split()[-1] for line in maps.splitlines()
-                if "libgomp" in line.rsplit("/", 1)[-1]})
+        return set()
+    return {line.split()[-1] for line in maps.splitlines()
+            if "libgomp" in line.rsplit("/", 1)[-1]}
+
+
+@functools.cache
+def openmp_entry_points() -> tuple[int, int, int] | None:
+    """``GOMP_parallel``, ``omp_get_thread_num`` and ``omp_get_num_threads`` of the
+    process's one libgomp, the thread pool torch and libdnnl share; None where there is
+    not exactly one. Native kernels (``ops/native/winograd.c``) split their loops on it
+    rather than start threads of their own that would compete for the cores."""
+    paths = _libgomp_paths()
+    if len(paths) != 1:
+        return None
+    try:
+        dll = ctypes.CDLL(paths.pop())
+        return tuple(ctypes.cast(getattr(dll, name), ctypes.c_void_p).value or 0
+                     for name in ("GOMP_parallel", "omp_get_thread_num",
+                                  "omp_get_num_threads"))  # type: ignore[return-value]
+    except (OSError, AttributeError):
+        return None
 
 
 class Library:

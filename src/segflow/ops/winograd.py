@@ -35,7 +35,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from segflow.ops.native_library import NativeLibrary
-from segflow.ops.onednn_direct import ConvGeometry, _Call, _ExecArg, _reorder_weight
+from segflow.ops.onednn_direct import (
+    ConvGeometry,
+    _Call,
+    _ExecArg,
+    _reorder_weight,
+    openmp_entry_points,
+)
 from segflow.ops.workspace import Workspace
 
 if TYPE_CHECKING:
@@ -91,7 +97,9 @@ class _Plan(ctypes.Structure):
         ("handles", ctypes.c_void_p), ("matmul", ctypes.c_void_p), ("stream", ctypes.c_void_p),
         ("matmul_args", ctypes.c_void_p), ("matmul_nargs", ctypes.c_int64),
         ("matmul_src", ctypes.c_void_p), ("matmul_dst", ctypes.c_void_p),
-        ("execute", ctypes.c_void_p), ("set_handle", ctypes.c_void_p)]
+        ("execute", ctypes.c_void_p), ("set_handle", ctypes.c_void_p),
+        ("parallel", ctypes.c_void_p), ("thread_num", ctypes.c_void_p),
+        ("num_threads", ctypes.c_void_p)]
 
 
 class Winograd:
@@ -178,6 +186,9 @@ class Winograd:
         dll = lib._dll
         plan.execute = ctypes.cast(dll.dnnl_primitive_execute, ctypes.c_void_p).value
         plan.set_handle = ctypes.cast(dll.dnnl_memory_set_data_handle, ctypes.c_void_p).value
+        omp = openmp_entry_points()
+        if omp is not None:
+            plan.parallel, plan.thread_num, plan.num_threads = omp
         args = [_ExecArg(_ARG_SRC, conv_src), _ExecArg(_ARG_DST, conv_dst)]
         call = _Call(ctypes.c_void_p(ctypes.addressof(plan)), conv_src, conv_dst, residual,
                      (_ExecArg * len(args))(*args), in_format, tuple(out_shape),

@@ -47,7 +47,20 @@ typedef struct {
     void *matmul_src, *matmul_dst; /* its memories, pointed at the workspace */
     segflow_execute_fn execute;
     segflow_set_handle_fn set_handle;
+    /* The process's OpenMP runtime (libgomp's entry points, the pool libdnnl runs on),
+     * which splits the transforms' tiles between its threads; NULL: this thread alone. */
+    void (*parallel)(void (*fn)(void *), void *data, unsigned threads, unsigned flags);
+    int (*thread_num)(void);
+    int (*num_threads)(void);
 } segflow_winograd_t;
+
+/* What the threads of one transform share: its input, its output and the residual. */
+typedef struct {
+    const segflow_winograd_t *p;
+    const float *in;
+    float *out;
+    const float *residual;
+} segflow_winograd_job_t;
 
 /* B^T d for six values d0..d5 (one row or column of a 6x6 window). */
 #define INPUT_1D(d0, d1, d2, d3, d4, d5, o0, o1, o2, o3, o4, o5) do { \
@@ -59,13 +72,12 @@ typedef struct {
         o5 = 4 * (d1) - 5 * (d3) + (d5);                              \
     } while (0)
 
-static void input_transform(const segflow_winograd_t *p, const float *x, float *v) {
+static void input_transform(const segflow_winograd_t *p, const float *x, float *v,
+                            int64_t first, int64_t last) {
     const int64_t c = p->c, tiles = p->n * p->th * p->tw;
     const size_t plane = (size_t)tiles * c;
-    int64_t t = 0;
-    for (int64_t n = 0; n < p->n; n++)
-    for (int64_t ty = 0; ty < p->th; ty++)
-    for (int64_t tx = 0; tx < p->tw; tx++, t++) {
+    for (int64_t t = first; t < last; t++) {
+        const int64_t n = t / (p->th * p->tw), ty = t / p->tw % p->th, tx = t % p->tw;
         const float *row[36];      /* the window's 36 pixels (zeros outside the input) */
         for (int i = 0; i < 6; i++) {
             int64_t iy = ty * 4 - p->pt + i;
@@ -112,14 +124,12 @@ static void input_transform(const segflow_winograd_t *p, const float *x, float *
     } while (0)
 
 static void output_transform(const segflow_winograd_t *p, const float *m, float *y,
-                             const float *z) {
+                             const float *z, int64_t first, int64_t last) {
     const int64_t k = p->k, tiles = p->n * p->th * p->tw;
     const size_t plane = (size_t)tiles * k;
     const v8 zero = {0};
-    int64_t t = 0;
-    for (int64_t n = 0; n < p->n; n++)
-    for (int64_t ty = 0; ty < p->th; ty++)
-    for (int64_t tx = 0; tx < p->tw; tx++, t++) {
+    for (int64_t t = first; t < last; t++) {
+        const int64_t n = t / (p->th * p->tw), ty = t / p->tw % p->th, tx = t % p->tw;
         const float *in = m + t * k;
         int64_t rows = p->oh - ty * 4 < 4 ? p->oh - ty * 4 : 4;
         int64_t cols = p->ow - tx * 4 < 4 ? p->ow - tx * 4 : 4;
@@ -151,6 +161,37 @@ static void output_transform(const segflow_winograd_t *p, const float *m, float 
     }
 }
 
+/* This thread's share of the tiles when a team of OpenMP threads runs `job`. */
+static void share(const segflow_winograd_job_t *job, int64_t *first, int64_t *last) {
+    const segflow_winograd_t *p = job->p;
+    const int64_t tiles = p->n * p->th * p->tw;
+    int64_t threads = p->parallel ? p->num_threads() : 1;
+    int64_t me = p->parallel ? p->thread_num() : 0;
+    *first = tiles * me / threads;
+    *last = tiles * (me + 1) / threads;
+}
+
+static void input_job(void *arg) {
+    const segflow_winograd_job_t *job = arg;
+    int64_t first, last;
+    share(job, &first, &last);
+    input_transform(job->p, job->in, job->out, first, last);
+}
+
+static void output_job(void *arg) {
+    const segflow_winograd_job_t *job = arg;
+    int64_t first, last;
+    share(job, &first, &last);
+    output_transform(job->p, job->in, job->out, job->residual, first, last);
+}
+
+static void run_job(const segflow_winograd_t *p, void (*fn)(void *), segflow_winograd_job_t *job) {
+    if (p->parallel)
+        p->parallel(fn, job, 0, 0);    /* 0 threads: the calling thread's OpenMP default */
+    else
+        fn(job);
+}
+
 /* dnnl_primitive_execute's signature; `plan` is a segflow_winograd_t. Returns 0, or
  * the matmul's oneDNN status. */
 int segflow_winograd_execute(void *plan, void *stream, int nargs, const void *args) {
@@ -163,11 +204,13 @@ int segflow_winograd_execute(void *plan, void *stream, int nargs, const void *ar
         failed = p->set_handle(p->matmul_dst, m);
     if (failed)
         return failed;
-    input_transform(p, (const float *)p->handles[0], v);
+    segflow_winograd_job_t in = {p, (const float *)p->handles[0], v, NULL};
+    run_job(p, input_job, &in);
     failed = p->execute(p->matmul, p->stream, (int)p->matmul_nargs, p->matmul_args);
     if (failed)
         return failed;
-    output_transform(p, m, (float *)p->handles[1],
-                     p->residual ? (const float *)p->handles[2] : NULL);
+    segflow_winograd_job_t out = {p, m, (float *)p->handles[1],
+                                  p->residual ? (const float *)p->handles[2] : NULL};
+    run_job(p, output_job, &out);
     return 0;
 }
