@@ -14,6 +14,7 @@ would otherwise share the cores with those spinning workers.
     python benchmarks/cpu_targets.py --cases resnet50 --variants "default;compile=none;layout=off"
     python benchmarks/cpu_targets.py --cases mobilenet_v2 --variants "default;replay=off"
     python benchmarks/cpu_targets.py --cases mobilenet_v2 --variants "default;native=off"
+    python benchmarks/cpu_targets.py --cases resnet50,resnet50@8 --variants "default;winograd=off"
     python benchmarks/cpu_targets.py --memory               # peak memory, ResNet-50 batch 1
     python benchmarks/cpu_targets.py --memory --cases mobilenet_v2 --variants "default;compile=none"
     python benchmarks/cpu_targets.py --standalone           # each runtime in its own process
@@ -27,7 +28,9 @@ joined by ``,``: ``compile``, ``engine``, ``threads``, pass switches
 ``blocked`` = on|off for a depthwise region on nChw8c activations or NHWC, and
 ``arena`` = on|off for their outputs in a planned block per run or from malloc,
 ``replay`` = on|off for runs of direct kernels replayed from recorded addresses,
-``native`` = on|off for native kernels: dense chains and the replay's C loop).
+``native`` = on|off for native kernels: dense chains, the replay's C loop and
+Winograd convolutions, ``winograd`` = on|off for stride-1 3x3 convolutions as
+Winograd F(4x4,3x3) or libdnnl's direct convolution).
 The default (``compile=auto``) runs a small segment's inductor package when the
 package cache (``SEGFLOW_CACHE_DIR``) already holds one, as after a
 ``compile=inductor`` variant has run; the case line then says "cached inductor
@@ -99,6 +102,8 @@ def _segflow_kwargs(variant: str) -> tuple[dict[str, Any], dict[str, str]]:
             env["SEGFLOW_ONEDNN_REPLAY"] = "0" if value in ("off", "0", "false") else "1"
         elif key == "native":  # native kernels: dense chains, the replay's C loop (on) or not
             env["SEGFLOW_NATIVE"] = "0" if value in ("off", "0", "false") else "1"
+        elif key == "winograd":  # 3x3 convolutions as Winograd F(4x4,3x3) (on) or direct
+            env["SEGFLOW_WINOGRAD"] = "0" if value in ("off", "0", "false") else "1"
         else:
             raise SystemExit(f"unknown variant key {key!r} in {variant!r}")
     if passes:

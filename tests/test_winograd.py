@@ -218,8 +218,11 @@ def test_the_shared_workspace_grows_for_a_larger_batch_and_serves_the_smaller_on
                     for _, op in _direct_convs(sess) if op.winograd is not None}.values()
     _compare(model, _feeds(1, 0), sess, runs=1)
     small = workspace.nbytes
+    weights = [op.winograd.weight_bytes for _, op in _direct_convs(sess) if op.winograd]
     _compare(model, _feeds(3, 1), sess, runs=1)
     assert workspace.nbytes > small
+    # The transformed weights are packed once: batch 3 wants the same format.
+    assert [op.winograd.weight_bytes for _, op in _direct_convs(sess) if op.winograd] == weights
     _compare(model, _feeds(1, 2), sess, runs=3)     # built at batch 1, now a larger buffer
     assert _winograd_calls(sess) == 26
 

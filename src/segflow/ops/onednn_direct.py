@@ -696,7 +696,10 @@ class DirectConv(DirectOp):
     ``nChw8c`` bytes under its logical shape, and so is the input with
     ``blocked_input`` (else it is plain NCHW, the blocked region's entry); the
     weight is then packed for that layout, and the fallback runs between
-    reorders (``passes/layout.py``, ``_blocked_region``).
+    reorders (``passes/layout.py``, ``_blocked_region``). With ``winograd``, a layout
+    it takes is built as Winograd F(4x4, 3x3) instead (``ops/winograd.py``: a call whose
+    ``run`` is the native kernel); one it declines (``winograd_not``) is a oneDNN
+    convolution as usual.
     """
 
     kind = "convolution"

@@ -35,8 +35,10 @@ may have moved them). Where the native library loads (``ops/native_library.py``)
 each stretch of consecutive executes is one C call (``ops/native/replay.c``)
 under all of that stretch's op locks, taken without waiting; a lock held by
 another thread's run sends the stretch through ``DirectOp.execute_at``, one op
-at a time, as without the library. ``SEGFLOW_ONEDNN_REPLAY=0`` turns the replay
-off, ``SEGFLOW_NATIVE=0`` its C loop.
+at a time, as without the library. A Winograd convolution (``ops/winograd.py``) is
+such an execute too: its step calls the native kernel in place of libdnnl's
+execute, and the stretch also takes the lock of the workspace it shares.
+``SEGFLOW_ONEDNN_REPLAY=0`` turns the replay off, ``SEGFLOW_NATIVE=0`` its C loop.
 """
 
 from __future__ import annotations

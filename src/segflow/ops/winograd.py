@@ -39,7 +39,6 @@ from segflow.ops.onednn_direct import (
     ConvGeometry,
     _Call,
     _ExecArg,
-    _reorder_weight,
     openmp_entry_points,
 )
 from segflow.ops.workspace import Workspace
@@ -79,9 +78,13 @@ def unfit(spec: ConvGeometry, in_channels: int,
 
 
 def transform_weight(dense: Tensor) -> Tensor:
-    """``U = G g G^T`` of a ``[K, C, 3, 3]`` weight: 36 matrices ``[C, K]`` (float32)."""
-    u = torch.einsum("ai,kcij,bj->abck", _G, dense.double(), _G)
-    return u.reshape(_POINTS, dense.shape[1], dense.shape[0]).float().contiguous()
+    """``U = G g G^T`` of a ``[K, C, 3, 3]`` weight: 36 matrices ``[C, K]`` (float32),
+    computed in float64 as one product with ``G (x) G``. The result is a view of a
+    ``[K, C, 36]`` tensor (the packing reorder transposes it faster than a copy would)."""
+    k, c = dense.shape[:2]
+    kron = torch.kron(_G, _G).T          # [9, 36]: (i, j) -> (a, b)
+    flat = dense.reshape(k * c, 9).double() @ kron
+    return flat.float().reshape(k, c, _POINTS).permute(2, 1, 0)
 
 
 class _Plan(ctypes.Structure):
@@ -103,8 +106,9 @@ class _Plan(ctypes.Structure):
 
 
 class Winograd:
-    """Builds Winograd calls for a session's convolutions: the native library's kernel
-    and the workspace they share (one per binding, ``BindContext.workspace``)."""
+    """Builds one convolution's Winograd calls (one per input layout): the native
+    library's kernel, the workspace the binding's convolutions share
+    (``BindContext.workspace``) and the transformed weight, packed once."""
 
     def __init__(self, native: NativeLibrary, workspace: Workspace) -> None:
         self.native = native
@@ -114,6 +118,8 @@ class Winograd:
         run.restype = ctypes.c_int
         self.run = run
         self.weight_bytes = 0      # the transformed weights its calls hold
+        # (matmul weights descriptor, the transformed weight packed so), one per format.
+        self._packed: list[tuple[ctypes.c_void_p, Tensor]] = []
 
     def make_call(self, op: DirectConv, x: Tensor, w: Tensor, b: Tensor | None,
                   z: Tensor | None, inplace: bool) -> tuple[_Call | None, str]:
@@ -139,8 +145,6 @@ class Winograd:
         k, oh, ow = out_shape[1], out_shape[2], out_shape[3]
         th, tw = -(-oh // TILE), -(-ow // TILE)
         tiles = n * th * tw
-        dense = _dense_weight(op, w)
-        u = transform_weight(dense)
         src_md = lib.plain_desc([_POINTS, tiles, c])
         dst_md = lib.plain_desc([_POINTS, tiles, k])
         any_weights = lib.any_desc([_POINTS, c, k])
@@ -154,8 +158,7 @@ class Winograd:
         owned.extend(("memory_desc", md) for md in (src_md, dst_md, weights_md))
         if impl.startswith("ref"):
             return None, f"only a reference matmul ({impl})"
-        packed = _reorder_weight(lib, u, weights_md, u.shape)
-        self.weight_bytes += packed.numel() * packed.element_size()
+        packed = self._packed_weight(op, w, weights_md)
         mm_src, mm_dst = lib.memory(src_md), lib.memory(dst_md)
         mm_weights = lib.memory(weights_md, packed.data_ptr())
         owned.extend(("memory", m) for m in (mm_src, mm_dst, mm_weights))
@@ -197,6 +200,25 @@ class Winograd:
                      keep=(plan, packed, mm_args, bias, zeros))
         plan.handles = ctypes.addressof(call.handles)
         return call, ""
+
+
+    def _packed_weight(self, op: DirectConv, w: Tensor, weights_md: ctypes.c_void_p) -> Tensor:
+        """``w`` transformed and packed as ``weights_md`` says: made once, and again only
+        for an input size whose matmul wants another format (the copies are kept)."""
+        lib = op.lib
+        for desc, packed in self._packed:
+            if lib.equal(desc, weights_md):
+                return packed
+        u = transform_weight(_dense_weight(op, w))
+        packed = torch.empty(lib.size(weights_md), dtype=torch.uint8)
+        u_md = lib.memory_desc(u)
+        try:
+            lib.reorder(u_md, u.data_ptr(), weights_md, packed.data_ptr())
+        finally:
+            lib.destroy([("memory_desc", u_md)])
+        self._packed.append((weights_md, packed))
+        self.weight_bytes += packed.numel()
+        return packed
 
 
 def _dense_weight(op: DirectConv, w: Tensor) -> Tensor:

@@ -16,7 +16,10 @@ convolution's output. Where torch's packing is not the format libdnnl wants
 instead (bytes, marked ``onednn_direct_packed``), so the model still holds
 one copy. A graph with depthwise convolutions runs its depthwise/1x1 stack on
 oneDNN's blocked ``nChw8c`` activations (``onednn_blocked``; see
-:func:`_blocked_region`, ``SEGFLOW_ONEDNN_BLOCKED=0`` turns it off). Measured
+:func:`_blocked_region`, ``SEGFLOW_ONEDNN_BLOCKED=0`` turns it off). A direct
+stride-1 3x3 convolution outside that region, with channels in multiples of 8
+and no activation or ReLU, is marked ``winograd``: it runs as Winograd
+F(4x4, 3x3) (``ops/winograd.py``; ``SEGFLOW_WINOGRAD=0`` turns it off). Measured
 on ResNet-50 / MobileNetV2 at batch 1 (see benchmarks/cpu_targets.py): torch's
 NCHW ``conv2d`` is several times slower, and its 3-channel stem conv alone costs
 more than oneDNN's whole network.
