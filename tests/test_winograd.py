@@ -192,10 +192,15 @@ def _replay(sess: segflow.InferenceSession) -> DirectReplay:
 
 def test_resnet18_runs_its_3x3_convolutions_as_winograd_inside_the_native_replay():
     model, sess = _resnet18()
+    # Transformed while the session bound its kernels, and never again by a run.
+    transformed = [op.winograd._weight for _, op in _direct_convs(sess) if op.winograd]
+    assert len(transformed) == 13 and all(t is not None for t in transformed)
     for seed in range(3):
         _compare(model, _feeds(1, seed), sess, runs=1)
     # ResNet-18 has 16 3x3 convolutions after its stem; 3 have stride 2.
     assert _winograd_calls(sess) == 13
+    now = [op.winograd._weight for _, op in _direct_convs(sess) if op.winograd]
+    assert all(a is b for a, b in zip(now, transformed, strict=True))
     replay = _replay(sess)
     assert replay.replays == 2       # the first run recorded
     rec = replay._recording

@@ -300,12 +300,15 @@ def _onednn_conv_kernel(node: Node, spec: _ConvSpec, act: Activation, params: li
         native, _ = NativeLibrary.for_session()
         if native is not None:   # else a direct convolution (explain says why natives are off)
             winograd = Winograd(native, ctx.workspace())
-    return DirectKernel(DirectConv(
+    conv = DirectConv(
         lib, geo, eltwise, after, fallback, MAX_SHAPES, MAX_REPACKS,
         [int(d) for d in verified] if verified else None, ctx.destination(node.outputs[0]),
         ctx.staging(node), fallback_inplace, conv_reads_libdnnl_packing(node),
         bool(node.attrs.get("onednn_blocked")), bool(node.attrs.get("onednn_blocked_input")),
-        winograd))
+        winograd)
+    if winograd is not None and weight.const is not None:
+        winograd.prepare(conv, weight.const)   # with the session's weights, not a run's
+    return DirectKernel(conv)
 
 
 MAX_REPACKS = 2

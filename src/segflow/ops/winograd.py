@@ -8,9 +8,10 @@ that qualify (``winograd``; ``SEGFLOW_WINOGRAD=0`` turns it off), and their
 :class:`~segflow.ops.onednn_direct.DirectConv` builds a call through
 :class:`Winograd` instead of a oneDNN convolution:
 
-- once, the weight is transformed (``U = G g G^T``, in float64) into 36
-  matrices ``[C, K]``, packed for a batched libdnnl matmul. That is 4x the
-  weight's bytes, held beside the packed weight that the fallback reads;
+- once, while the session binds its kernels, the weight is transformed
+  (``U = G g G^T``, in float64) into 36 matrices ``[C, K]`` for a batched
+  libdnnl matmul. That is 4x the weight's bytes, held beside the packed
+  weight that the fallback reads;
 - at each call ``ops/native/winograd.c`` transforms the input's 6x6 windows into
   the session's shared :class:`~segflow.ops.workspace.Workspace` (V ``[36, tiles,
   C]``), runs the matmul (M = V x U), and transforms M back into the output,
@@ -108,7 +109,9 @@ class _Plan(ctypes.Structure):
 class Winograd:
     """Builds one convolution's Winograd calls (one per input layout): the native
     library's kernel, the workspace the binding's convolutions share
-    (``BindContext.workspace``) and the transformed weight, packed once."""
+    (``BindContext.workspace``) and the transformed weight, made once
+    (:meth:`prepare`, while the session binds its kernels: it is part of the
+    session's memory, not of a run's)."""
 
     def __init__(self, native: NativeLibrary, workspace: Workspace) -> None:
         self.native = native
@@ -117,9 +120,27 @@ class Winograd:
         run.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
         run.restype = ctypes.c_int
         self.run = run
-        self.weight_bytes = 0      # the transformed weights its calls hold
-        # (matmul weights descriptor, the transformed weight packed so), one per format.
-        self._packed: list[tuple[ctypes.c_void_p, Tensor]] = []
+        # The transformed weight [36, C, K] (row-major: the matmul reads it as it is,
+        # which measured as fast as its own packing) and the packed weight it is of.
+        self._weight: Tensor | None = None
+        self._source: Tensor | None = None
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the transformed weight it holds (0 before :meth:`prepare`)."""
+        return 0 if self._weight is None else self._weight.numel() * 4
+
+    def prepare(self, op: DirectConv, w: Tensor) -> None:
+        """Transform ``op``'s packed weight ``w`` for the calls to come."""
+        u = transform_weight(_dense_weight(op, w))
+        plain = torch.empty(u.shape)
+        lib = op.lib
+        u_md, plain_md = lib.memory_desc(u), lib.memory_desc(plain)
+        try:   # libdnnl's reorder transposes [K, C, 36] to [36, C, K] ~5x faster than torch
+            lib.reorder(u_md, u.data_ptr(), plain_md, plain.data_ptr())
+        finally:
+            lib.destroy([("memory_desc", u_md), ("memory_desc", plain_md)])
+        self._weight, self._source = plain, w
 
     def make_call(self, op: DirectConv, x: Tensor, w: Tensor, b: Tensor | None,
                   z: Tensor | None, inplace: bool) -> tuple[_Call | None, str]:
@@ -147,20 +168,20 @@ class Winograd:
         tiles = n * th * tw
         src_md = lib.plain_desc([_POINTS, tiles, c])
         dst_md = lib.plain_desc([_POINTS, tiles, k])
-        any_weights = lib.any_desc([_POINTS, c, k])
+        weights_md = lib.plain_desc([_POINTS, c, k])
         owned = op._owned
-        try:
-            prim, weights_md, impl = lib.matmul(src_md, any_weights, dst_md)
-        finally:
-            lib.destroy([("memory_desc", any_weights)])
+        owned.extend(("memory_desc", md) for md in (src_md, dst_md, weights_md))
+        prim, _, impl = lib.matmul(src_md, weights_md, dst_md)
         assert prim is not None
         owned.append(("primitive", prim))
-        owned.extend(("memory_desc", md) for md in (src_md, dst_md, weights_md))
         if impl.startswith("ref"):
             return None, f"only a reference matmul ({impl})"
-        packed = self._packed_weight(op, w, weights_md)
+        if self._weight is None or w is not self._source:
+            self.prepare(op, w)
+        weight = self._weight
+        assert weight is not None
         mm_src, mm_dst = lib.memory(src_md), lib.memory(dst_md)
-        mm_weights = lib.memory(weights_md, packed.data_ptr())
+        mm_weights = lib.memory(weights_md, weight.data_ptr())
         owned.extend(("memory", m) for m in (mm_src, mm_dst, mm_weights))
         mm_args = (_ExecArg * 3)(_ExecArg(_ARG_SRC, mm_src), _ExecArg(_ARG_WEIGHTS, mm_weights),
                                  _ExecArg(_ARG_DST, mm_dst))
@@ -197,28 +218,9 @@ class Winograd:
                      (_ExecArg * len(args))(*args), in_format, tuple(out_shape),
                      torch.channels_last, w, b, f"winograd F(4x4,3x3) + {impl}",
                      run=self.run, lock=self.workspace.lock,
-                     keep=(plan, packed, mm_args, bias, zeros))
+                     keep=(plan, weight, mm_args, bias, zeros))
         plan.handles = ctypes.addressof(call.handles)
         return call, ""
-
-
-    def _packed_weight(self, op: DirectConv, w: Tensor, weights_md: ctypes.c_void_p) -> Tensor:
-        """``w`` transformed and packed as ``weights_md`` says: made once, and again only
-        for an input size whose matmul wants another format (the copies are kept)."""
-        lib = op.lib
-        for desc, packed in self._packed:
-            if lib.equal(desc, weights_md):
-                return packed
-        u = transform_weight(_dense_weight(op, w))
-        packed = torch.empty(lib.size(weights_md), dtype=torch.uint8)
-        u_md = lib.memory_desc(u)
-        try:
-            lib.reorder(u_md, u.data_ptr(), weights_md, packed.data_ptr())
-        finally:
-            lib.destroy([("memory_desc", u_md)])
-        self._packed.append((weights_md, packed))
-        self.weight_bytes += packed.numel()
-        return packed
 
 
 def _dense_weight(op: DirectConv, w: Tensor) -> Tensor:
