@@ -12,10 +12,12 @@ that qualify (``winograd``; ``SEGFLOW_WINOGRAD=0`` turns it off), and their
   (``U = G g G^T``, in float64) into 36 matrices ``[C, K]`` for a batched
   libdnnl matmul. That is 4x the weight's bytes, held beside the packed
   weight that the fallback reads;
-- at each call ``ops/native/winograd.c`` transforms the input's 6x6 windows into
-  the session's shared :class:`~segflow.ops.workspace.Workspace` (V ``[36, tiles,
-  C]``), runs the matmul (M = V x U), and transforms M back into the output,
-  adding the bias and a residual and applying ReLU on the way.
+- at each call ``ops/native/winograd.c`` goes through the output's 4x4 tiles a
+  chunk at a time (:func:`chunk_tiles`): it transforms their 6x6 input windows
+  into the session's shared :class:`~segflow.ops.workspace.Workspace` (V ``[36,
+  chunk, C]``), runs the matmul (M = V x U), and transforms M back into the
+  output, adding the bias and a residual and applying ReLU on the way. A chunk
+  fits the caches, and the workspace stays ~1 MiB at any batch size.
 
 The call has the shape of a oneDNN one: a replayed run executes it from its C
 loop like a primitive, with the workspace's lock taken with the ops' locks.
@@ -54,6 +56,9 @@ _POINTS = _WINDOW * _WINDOW
 _LANES = 8          # channels the native transforms handle at once
 _RELU = (32, 0.0, 0.0)   # oneDNN's eltwise ReLU (onednn_direct._ELTWISE)
 _ARG_SRC, _ARG_DST, _ARG_WEIGHTS = 1, 17, 33
+# A chunk's V and M together (a 2-core Zen 1 has 512 KiB of L2 per core and 8 MiB of L3).
+CHUNK_BYTES = 1 << 20
+MIN_CHUNK = 32
 
 # G of F(4x4, 3x3) with the points 0, 1, -1, 2, -2 (and infinity), Lavin & Gray 2016.
 _G = torch.tensor([[1 / 4, 0, 0],
@@ -88,6 +93,13 @@ def transform_weight(dense: Tensor) -> Tensor:
     return flat.float().reshape(k, c, _POINTS).permute(2, 1, 0)
 
 
+class _Matmul(ctypes.Structure):
+    """``segflow_matmul_t`` in ``ops/native/winograd.c``."""
+
+    _fields_ = [("primitive", ctypes.c_void_p), ("args", ctypes.c_void_p),
+                ("nargs", ctypes.c_int64), ("src", ctypes.c_void_p), ("dst", ctypes.c_void_p)]
+
+
 class _Plan(ctypes.Structure):
     """``segflow_winograd_t`` in ``ops/native/winograd.c``."""
 
@@ -98,12 +110,23 @@ class _Plan(ctypes.Structure):
         ("th", ctypes.c_int64), ("tw", ctypes.c_int64), ("relu", ctypes.c_int64),
         ("residual", ctypes.c_int64),
         ("bias", ctypes.c_void_p), ("zeros", ctypes.c_void_p), ("workspace", ctypes.c_void_p),
-        ("handles", ctypes.c_void_p), ("matmul", ctypes.c_void_p), ("stream", ctypes.c_void_p),
-        ("matmul_args", ctypes.c_void_p), ("matmul_nargs", ctypes.c_int64),
-        ("matmul_src", ctypes.c_void_p), ("matmul_dst", ctypes.c_void_p),
+        ("handles", ctypes.c_void_p), ("chunk", ctypes.c_int64), ("stream", ctypes.c_void_p),
+        ("matmul", _Matmul * 2),
         ("execute", ctypes.c_void_p), ("set_handle", ctypes.c_void_p),
         ("parallel", ctypes.c_void_p), ("thread_num", ctypes.c_void_p),
         ("num_threads", ctypes.c_void_p)]
+
+
+def chunk_tiles(tiles: int, c: int, k: int) -> int:
+    """Tiles per matmul: V and M of a chunk take at most ``CHUNK_BYTES`` (they then stay
+    in the caches between the transforms and the matmul, and the workspace stays small),
+    but a chunk has at least ``MIN_CHUNK`` rows (fewer would stream U once per few rows);
+    the chunks of a convolution are as even as that allows."""
+    rows = max(MIN_CHUNK, CHUNK_BYTES // (_POINTS * 4 * (c + k)))
+    if rows >= tiles:
+        return tiles
+    chunks = -(-tiles // rows)
+    return -(-tiles // chunks)
 
 
 class Winograd:
@@ -166,25 +189,35 @@ class Winograd:
         k, oh, ow = out_shape[1], out_shape[2], out_shape[3]
         th, tw = -(-oh // TILE), -(-ow // TILE)
         tiles = n * th * tw
-        src_md = lib.plain_desc([_POINTS, tiles, c])
-        dst_md = lib.plain_desc([_POINTS, tiles, k])
+        chunk = chunk_tiles(tiles, c, k)
         weights_md = lib.plain_desc([_POINTS, c, k])
         owned = op._owned
-        owned.extend(("memory_desc", md) for md in (src_md, dst_md, weights_md))
-        prim, _, impl = lib.matmul(src_md, weights_md, dst_md)
-        assert prim is not None
-        owned.append(("primitive", prim))
-        if impl.startswith("ref"):
-            return None, f"only a reference matmul ({impl})"
+        owned.append(("memory_desc", weights_md))
         if self._weight is None or w is not self._source:
             self.prepare(op, w)
         weight = self._weight
         assert weight is not None
-        mm_src, mm_dst = lib.memory(src_md), lib.memory(dst_md)
         mm_weights = lib.memory(weights_md, weight.data_ptr())
-        owned.extend(("memory", m) for m in (mm_src, mm_dst, mm_weights))
-        mm_args = (_ExecArg * 3)(_ExecArg(_ARG_SRC, mm_src), _ExecArg(_ARG_WEIGHTS, mm_weights),
-                                 _ExecArg(_ARG_DST, mm_dst))
+        owned.append(("memory", mm_weights))
+        matmuls = []
+        impl = ""
+        for rows in dict.fromkeys((chunk, tiles % chunk)):   # whole chunks, the last one
+            if not rows:
+                continue
+            src_md = lib.plain_desc([_POINTS, rows, c])
+            dst_md = lib.plain_desc([_POINTS, rows, k])
+            owned.extend(("memory_desc", md) for md in (src_md, dst_md))
+            prim, queried, impl = lib.matmul(src_md, weights_md, dst_md)
+            assert prim is not None
+            owned.extend((("primitive", prim), ("memory_desc", queried)))
+            if impl.startswith("ref"):
+                return None, f"only a reference matmul ({impl})"
+            mm_src, mm_dst = lib.memory(src_md), lib.memory(dst_md)
+            owned.extend(("memory", m) for m in (mm_src, mm_dst))
+            mm_args = (_ExecArg * 3)(_ExecArg(_ARG_SRC, mm_src),
+                                     _ExecArg(_ARG_WEIGHTS, mm_weights),
+                                     _ExecArg(_ARG_DST, mm_dst))
+            matmuls.append((prim, mm_args, mm_src, mm_dst))
         stream = op.stream()
         # The convolution's own memories: the caller points them at x, y and z, and the
         # native kernel reads those addresses from the call's handles.
@@ -197,16 +230,17 @@ class Winograd:
         owned.extend(("memory", m) for m in (conv_src, conv_dst, residual) if m is not None)
         bias = b.detach().float().contiguous() if b is not None else None
         zeros = torch.zeros(c)
-        self.workspace.reserve(_POINTS * tiles * (c + k))
+        self.workspace.reserve(_POINTS * chunk * (c + k))
         plan = _Plan(n=n, h=h, w=width, c=c, k=k, oh=oh, ow=ow, pt=spec.pads[0],
                      pl=spec.pads[1], th=th, tw=tw, relu=int(op.eltwise == _RELU),
                      residual=int(z is not None))
         plan.bias = bias.data_ptr() if bias is not None else None
         plan.zeros = zeros.data_ptr()
         plan.workspace = ctypes.addressof(self.workspace.slot)
-        plan.matmul, plan.stream = prim.value, stream.value
-        plan.matmul_args, plan.matmul_nargs = ctypes.addressof(mm_args), len(mm_args)
-        plan.matmul_src, plan.matmul_dst = mm_src.value, mm_dst.value
+        plan.chunk, plan.stream = chunk, stream.value
+        for slot, (prim, mm_args, mm_src, mm_dst) in zip(plan.matmul, matmuls):
+            slot.primitive, slot.args, slot.nargs = prim.value, ctypes.addressof(mm_args), 3
+            slot.src, slot.dst = mm_src.value, mm_dst.value
         dll = lib._dll
         plan.execute = ctypes.cast(dll.dnnl_primitive_execute, ctypes.c_void_p).value
         plan.set_handle = ctypes.cast(dll.dnnl_memory_set_data_handle, ctypes.c_void_p).value
@@ -218,7 +252,7 @@ class Winograd:
                      (_ExecArg * len(args))(*args), in_format, tuple(out_shape),
                      torch.channels_last, w, b, f"winograd F(4x4,3x3) + {impl}",
                      run=self.run, lock=self.workspace.lock,
-                     keep=(plan, weight, mm_args, bias, zeros))
+                     keep=(plan, weight, matmuls, bias, zeros))
         plan.handles = ctypes.addressof(call.handles)
         return call, ""
 

@@ -2,13 +2,15 @@
  *
  * segflow_winograd_execute computes y = act(conv3x3(x, w) + bias [+ z]) for a
  * stride-1, undilated, ungrouped convolution over channels-last float32 tensors
- * (ops/winograd.py builds the plan). The output is cut into 4x4 tiles; each
- * tile's 6x6 input window is transformed (V = B^T d B), the 36 transformed
- * planes are multiplied by the transformed weights (U = G g G^T, made once) in
- * one batched libdnnl matmul [36, tiles, C] x [36, C, K], and each tile's 6x6
- * result is transformed back (y = A^T m A). That is 36 multiply-adds per 16
- * outputs and input channel instead of 144: 4x fewer, paid for by the two
- * transforms, which stream the activations once each.
+ * (ops/winograd.py builds the plan). The output is cut into 4x4 tiles, taken a
+ * chunk of tiles at a time: each tile's 6x6 input window is transformed
+ * (V = B^T d B), the 36 transformed planes are multiplied by the transformed
+ * weights (U = G g G^T, made once) in one batched libdnnl matmul
+ * [36, chunk, C] x [36, C, K], and each tile's 6x6 result is transformed back
+ * (y = A^T m A). That is 36 multiply-adds per 16 outputs and input channel
+ * instead of 144: 4x fewer, paid for by the two transforms, which stream the
+ * activations once each. A chunk's V and M (~1 MiB) stay in the caches from
+ * one step to the next, and are all the workspace a convolution needs.
  *
  * It exists because oneDNN 3.2 has Winograd only for AVX-512, and on a 2-core
  * AVX2 VM the 3x3 convolutions are most of ResNet-50's time: 64 channels at
@@ -20,7 +22,8 @@
  * stands for the primitive, and the source, destination and residual addresses
  * are the ones the caller just pointed the convolution's memories at.
  *
- * The transforms work on eight channels at a time; C and K are multiples of 8.
+ * The transforms work on eight channels at a time (C and K are multiples of 8)
+ * and split each chunk's tiles over the OpenMP threads libdnnl uses.
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -31,6 +34,14 @@ typedef int (*segflow_set_handle_fn)(void *memory, void *handle);
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
 typedef int32_t v8i __attribute__((vector_size(32), aligned(4)));
 
+/* V x U -> M over one chunk of tiles: a libdnnl matmul and its memories. */
+typedef struct {
+    void *primitive;
+    const void *args;
+    int64_t nargs;
+    void *src, *dst;              /* pointed at the workspace */
+} segflow_matmul_t;
+
 /* The layout ops/winograd.py's ctypes structure mirrors. */
 typedef struct {
     int64_t n, h, w, c, k;        /* input [n, h, w, c]; k output channels */
@@ -39,12 +50,11 @@ typedef struct {
     int64_t relu, residual;       /* ReLU after the sum; add the residual (handles[2]) */
     const float *bias;            /* k floats, or NULL */
     const float *zeros;           /* c zeros: the padding */
-    float *const *workspace;      /* *workspace: V [36][T][c], then M [36][T][k] */
+    float *const *workspace;      /* *workspace: V [36][chunk][c], then M [36][chunk][k] */
     const uintptr_t *handles;     /* where src, dst and residual point now (0: none) */
-    void *matmul, *stream;        /* V x U -> M */
-    const void *matmul_args;
-    int64_t matmul_nargs;
-    void *matmul_src, *matmul_dst; /* its memories, pointed at the workspace */
+    int64_t chunk;                /* tiles per matmul: V and M hold one chunk at a time */
+    void *stream;
+    segflow_matmul_t matmul[2];   /* for a whole chunk; for the last, shorter one (or none) */
     segflow_execute_fn execute;
     segflow_set_handle_fn set_handle;
     /* The process's OpenMP runtime (libgomp's entry points, the pool libdnnl runs on),
@@ -54,12 +64,14 @@ typedef struct {
     int (*num_threads)(void);
 } segflow_winograd_t;
 
-/* What the threads of one transform share: its input, its output and the residual. */
+/* What the threads of one transform share: its input, its output, the residual, and
+ * the chunk of tiles [base, base + rows) it transforms. */
 typedef struct {
     const segflow_winograd_t *p;
     const float *in;
     float *out;
     const float *residual;
+    int64_t base, rows;
 } segflow_winograd_job_t;
 
 /* B^T d for six values d0..d5 (one row or column of a 6x6 window). */
@@ -72,10 +84,11 @@ typedef struct {
         o5 = 4 * (d1) - 5 * (d3) + (d5);                              \
     } while (0)
 
+/* Tiles [first, last) of a chunk of `rows` tiles from tile `base`, into V [36][rows][c]. */
 static void input_transform(const segflow_winograd_t *p, const float *x, float *v,
-                            int64_t first, int64_t last) {
-    const int64_t c = p->c, tiles = p->n * p->th * p->tw;
-    const size_t plane = (size_t)tiles * c;
+                            int64_t base, int64_t rows, int64_t first, int64_t last) {
+    const int64_t c = p->c;
+    const size_t plane = (size_t)rows * c;
     for (int64_t t = first; t < last; t++) {
         const int64_t n = t / (p->th * p->tw), ty = t / p->tw % p->th, tx = t % p->tw;
         const float *row[36];      /* the window's 36 pixels (zeros outside the input) */
@@ -87,7 +100,7 @@ static void input_transform(const segflow_winograd_t *p, const float *x, float *
                     ? x + ((n * p->h + iy) * p->w + ix) * c : p->zeros;
             }
         }
-        float *out = v + t * c;
+        float *out = v + (t - base) * c;
         for (int64_t ch = 0; ch < c; ch += 8) {
             v8 r[36];
             for (int i = 0; i < 6; i++) {
@@ -123,16 +136,18 @@ static void input_transform(const segflow_winograd_t *p, const float *x, float *
         o3 = b_ + 8 * d_ + (m5);                                      \
     } while (0)
 
+/* Tiles [first, last) of a chunk of `rows` tiles from tile `base`, from M [36][rows][k]. */
 static void output_transform(const segflow_winograd_t *p, const float *m, float *y,
-                             const float *z, int64_t first, int64_t last) {
-    const int64_t k = p->k, tiles = p->n * p->th * p->tw;
-    const size_t plane = (size_t)tiles * k;
+                             const float *z, int64_t base, int64_t rows, int64_t first,
+                             int64_t last) {
+    const int64_t k = p->k;
+    const size_t plane = (size_t)rows * k;
     const v8 zero = {0};
     for (int64_t t = first; t < last; t++) {
         const int64_t n = t / (p->th * p->tw), ty = t / p->tw % p->th, tx = t % p->tw;
-        const float *in = m + t * k;
-        int64_t rows = p->oh - ty * 4 < 4 ? p->oh - ty * 4 : 4;
-        int64_t cols = p->ow - tx * 4 < 4 ? p->ow - tx * 4 : 4;
+        const float *in = m + (t - base) * k;
+        int64_t height = p->oh - ty * 4 < 4 ? p->oh - ty * 4 : 4;   /* of this tile */
+        int64_t width = p->ow - tx * 4 < 4 ? p->ow - tx * 4 : 4;
         for (int64_t ch = 0; ch < k; ch += 8) {
             v8 r[24];
             for (int j = 0; j < 6; j++) {
@@ -143,12 +158,12 @@ static void output_transform(const segflow_winograd_t *p, const float *m, float 
                           r[j], r[6 + j], r[12 + j], r[18 + j]);
             }
             v8 bias = p->bias ? *(const v8 *)(p->bias + ch) : zero;
-            for (int64_t i = 0; i < rows; i++) {
+            for (int64_t i = 0; i < height; i++) {
                 v8 o[4];
                 const v8 *ri = r + i * 6;
                 OUTPUT_1D(ri[0], ri[1], ri[2], ri[3], ri[4], ri[5], o[0], o[1], o[2], o[3]);
                 size_t at = (size_t)((n * p->oh + ty * 4 + i) * p->ow + tx * 4) * k + ch;
-                for (int64_t j = 0; j < cols; j++, at += k) {
+                for (int64_t j = 0; j < width; j++, at += k) {
                     v8 out = o[j] + bias;
                     if (z)
                         out += *(const v8 *)(z + at);
@@ -164,25 +179,25 @@ static void output_transform(const segflow_winograd_t *p, const float *m, float 
 /* This thread's share of the tiles when a team of OpenMP threads runs `job`. */
 static void share(const segflow_winograd_job_t *job, int64_t *first, int64_t *last) {
     const segflow_winograd_t *p = job->p;
-    const int64_t tiles = p->n * p->th * p->tw;
     int64_t threads = p->parallel ? p->num_threads() : 1;
     int64_t me = p->parallel ? p->thread_num() : 0;
-    *first = tiles * me / threads;
-    *last = tiles * (me + 1) / threads;
+    *first = job->base + job->rows * me / threads;
+    *last = job->base + job->rows * (me + 1) / threads;
 }
 
 static void input_job(void *arg) {
     const segflow_winograd_job_t *job = arg;
     int64_t first, last;
     share(job, &first, &last);
-    input_transform(job->p, job->in, job->out, first, last);
+    input_transform(job->p, job->in, job->out, job->base, job->rows, first, last);
 }
 
 static void output_job(void *arg) {
     const segflow_winograd_job_t *job = arg;
     int64_t first, last;
     share(job, &first, &last);
-    output_transform(job->p, job->in, job->out, job->residual, first, last);
+    output_transform(job->p, job->in, job->out, job->residual, job->base, job->rows, first,
+                     last);
 }
 
 static void run_job(const segflow_winograd_t *p, void (*fn)(void *), segflow_winograd_job_t *job) {
@@ -198,19 +213,25 @@ int segflow_winograd_execute(void *plan, void *stream, int nargs, const void *ar
     (void)stream, (void)nargs, (void)args;
     const segflow_winograd_t *p = plan;
     const int64_t tiles = p->n * p->th * p->tw;
-    float *v = *p->workspace, *m = v + 36 * tiles * p->c;
-    int failed = p->set_handle(p->matmul_src, v);
-    if (!failed)
-        failed = p->set_handle(p->matmul_dst, m);
-    if (failed)
-        return failed;
-    segflow_winograd_job_t in = {p, (const float *)p->handles[0], v, NULL};
-    run_job(p, input_job, &in);
-    failed = p->execute(p->matmul, p->stream, (int)p->matmul_nargs, p->matmul_args);
-    if (failed)
-        return failed;
-    segflow_winograd_job_t out = {p, m, (float *)p->handles[1],
-                                  p->residual ? (const float *)p->handles[2] : NULL};
-    run_job(p, output_job, &out);
+    float *v = *p->workspace, *m = v + 36 * p->chunk * p->c;
+    const float *x = (const float *)p->handles[0];
+    float *y = (float *)p->handles[1];
+    const float *z = p->residual ? (const float *)p->handles[2] : NULL;
+    for (int64_t base = 0; base < tiles; base += p->chunk) {
+        const int64_t rows = tiles - base < p->chunk ? tiles - base : p->chunk;
+        const segflow_matmul_t *mm = &p->matmul[rows == p->chunk ? 0 : 1];
+        int failed = p->set_handle(mm->src, v);
+        if (!failed)
+            failed = p->set_handle(mm->dst, m);
+        if (failed)
+            return failed;
+        segflow_winograd_job_t in = {p, x, v, NULL, base, rows};
+        run_job(p, input_job, &in);
+        failed = p->execute(mm->primitive, p->stream, (int)mm->nargs, mm->args);
+        if (failed)
+            return failed;
+        segflow_winograd_job_t out = {p, m, y, z, base, rows};
+        run_job(p, output_job, &out);
+    }
     return 0;
 }
