@@ -24,6 +24,7 @@ from onnx import TensorProto, helper, numpy_helper
 import segflow
 from concurrency import run_in_threads
 from segflow import models
+from segflow.ops import winograd
 from segflow.ops.native_library import NativeLibrary
 from segflow.ops.onednn_direct import DirectConv, Library
 from segflow.ops.onednn_replay import DirectReplay, _NativeStretch
@@ -100,6 +101,32 @@ def test_a_convolution_matches_onnxruntime(n, c, k, h, w, pad, activation, resid
     (call,) = [c for c in op.calls.values() if c is not None]
     assert call.impl.startswith("winograd F(4x4,3x3) + ")
     assert "1 3x3 convolutions as Winograd F(4x4,3x3)" in sess.explain()
+
+
+def test_chunks_of_tiles_and_a_shorter_last_chunk(monkeypatch):
+    # Batch 2 of 12x20 outputs: 2 x 3 x 5 = 30 tiles; at most 4 a chunk: 7 chunks of 4
+    # and one of 2, each its own matmul (two primitives), with ReLU and a residual.
+    monkeypatch.setattr(winograd, "CHUNK_BYTES", 1)
+    monkeypatch.setattr(winograd, "MIN_CHUNK", 4)
+    assert winograd.chunk_tiles(30, 16, 16) == 4
+    model = _model(2, 16, 16, 12, 20, 1, "Relu", True)
+    sess = segflow.InferenceSession(model, compile="codegen")
+    x = np.random.default_rng(4).standard_normal((2, 16, 12, 20)).astype(np.float32)
+    _compare(model, {"x": x}, sess, runs=3)
+    (call,) = [c for _, op in _direct_convs(sess) for c in op.calls.values()
+               if c is not None and c.run is not None]
+    plan = call.keep[0]                # type: ignore[index]
+    assert plan.chunk == 4 and all(m.primitive for m in plan.matmul)
+
+
+def test_chunk_sizes_are_even_and_bounded():
+    assert winograd.chunk_tiles(16, 256, 256) == 16          # one chunk: fits the budget
+    assert winograd.chunk_tiles(196, 64, 64) == 49           # 56x56 at 64 channels: 4 chunks
+    assert winograd.chunk_tiles(4, 512, 512) == 4
+    assert winograd.chunk_tiles(1000, 512, 512) == winograd.MIN_CHUNK   # the floor: 32 rows
+    for tiles in (1, 7, 33, 196, 1568):
+        chunk = winograd.chunk_tiles(tiles, 64, 128)
+        assert 1 <= chunk <= tiles and -(-tiles // chunk) * chunk - tiles < -(-tiles // chunk)
 
 
 @settings(max_examples=20, deadline=None)
