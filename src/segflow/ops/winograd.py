@@ -85,12 +85,17 @@ def unfit(spec: ConvGeometry, in_channels: int,
 
 def transform_weight(dense: Tensor) -> Tensor:
     """``U = G g G^T`` of a ``[K, C, 3, 3]`` weight: 36 matrices ``[C, K]`` (float32),
-    computed in float64 as one product with ``G (x) G``. The result is a view of a
-    ``[K, C, 36]`` tensor (the packing reorder transposes it faster than a copy would)."""
+    computed in float64 as one product with ``G (x) G``, 64 output channels at a time
+    (the float64 temporaries of a 512 x 512 weight at once would be 75 MiB). The
+    result is a view of a ``[K, C, 36]`` tensor (the caller's reorder transposes it
+    faster than a copy would)."""
     k, c = dense.shape[:2]
     kron = torch.kron(_G, _G).T          # [9, 36]: (i, j) -> (a, b)
-    flat = dense.reshape(k * c, 9).double() @ kron
-    return flat.float().reshape(k, c, _POINTS).permute(2, 1, 0)
+    out = torch.empty(k, c, _POINTS)
+    for first in range(0, k, 64):
+        block = dense[first:first + 64].reshape(-1, 9).double() @ kron
+        out[first:first + 64] = block.reshape(-1, c, _POINTS)
+    return out.permute(2, 1, 0)
 
 
 class _Matmul(ctypes.Structure):
