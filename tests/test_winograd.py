@@ -222,6 +222,7 @@ def test_resnet18_runs_its_3x3_convolutions_as_winograd_inside_the_native_replay
     # Transformed while the session bound its kernels, and never again by a run.
     transformed = [op.winograd._weight for _, op in _direct_convs(sess) if op.winograd]
     assert len(transformed) == 13 and all(t is not None for t in transformed)
+    assert "winograd F(4x4,3x3): 13 convolutions, 0 input layouts built" in sess.explain()
     for seed in range(3):
         _compare(model, _feeds(1, seed), sess, runs=1)
     # ResNet-18 has 16 3x3 convolutions after its stem; 3 have stride 2.

@@ -1129,7 +1129,7 @@ def describe_direct(ops: Sequence[tuple[str, DirectOp]], limit: int = 8) -> list
     fallbacks = [(label, key, why) for label, op in ops for key, why in op.why_not.items()]
     if not built and not fallbacks:
         return [f"direct kernels (libdnnl): {what}; no input layout built yet (each is built "
-                "at its first run)"]
+                "at its first run)", *_describe_winograd(ops, limit)]
     lines = [f"direct kernels (libdnnl): {what}; {built} input layout{'s' if built != 1 else ''}"
              f" built, {len(fallbacks)} fell back to torch"]
     for label, key, why in fallbacks[:limit]:
