@@ -1143,18 +1143,19 @@ def describe_direct(ops: Sequence[tuple[str, DirectOp]], limit: int = 8) -> list
 
 def _describe_winograd(ops: Sequence[tuple[str, DirectOp]], limit: int) -> list[str]:
     """The convolutions marked for Winograd: what runs so, what it holds, what declined."""
-    marked = [(label, op.winograd, op) for label, op in ops
+    marked = [(label, op) for label, op in ops
               if isinstance(op, DirectConv) and op.winograd is not None]
     if not marked:
         return []
-    layouts = sum(1 for _, _, op in marked for call in op.calls.values()
+    layouts = sum(1 for _, op in marked for call in op.calls.values()
                   if call is not None and call.run is not None)
-    weights = sum(w.weight_bytes for _, w, _ in marked if w is not None)
-    spaces = {id(w.workspace): w.workspace.nbytes for _, w, _ in marked if w is not None}
+    builders = [op.winograd for _, op in marked if op.winograd is not None]
+    weights = sum(w.weight_bytes for w in builders)
+    spaces = {id(w.workspace): w.workspace.nbytes for w in builders}
     lines = [f"  winograd F(4x4,3x3): {len(marked)} convolutions, {layouts} input "
              f"layout{'s' if layouts != 1 else ''} built; transformed weights "
              f"{weights / 2**20:.1f} MiB, workspace {sum(spaces.values()) / 2**20:.1f} MiB"]
-    declined = [(label, key, why) for label, _, op in marked
+    declined = [(label, key, why) for label, op in marked
                 for key, why in op.winograd_not.items()]
     for label, key, why in declined[:limit]:
         lines.append(f"  not winograd: {label} at {list(key[0])}: {why}")  # type: ignore[call-overload]

@@ -39,9 +39,13 @@ import torch
 
 from segflow.ops.native_library import NativeLibrary
 from segflow.ops.onednn_direct import (
+    _ARG_DST,
+    _ARG_SRC,
+    _ARG_WEIGHTS,
     ConvGeometry,
     _Call,
     _ExecArg,
+    onednn_eltwise,
     openmp_entry_points,
 )
 from segflow.ops.workspace import Workspace
@@ -54,8 +58,7 @@ TILE = 4            # outputs per tile side: F(4x4, 3x3) reads 6x6 windows
 _WINDOW = TILE + 2
 _POINTS = _WINDOW * _WINDOW
 _LANES = 8          # channels the native transforms handle at once
-_RELU = (32, 0.0, 0.0)   # oneDNN's eltwise ReLU (onednn_direct._ELTWISE)
-_ARG_SRC, _ARG_DST, _ARG_WEIGHTS = 1, 17, 33
+_RELU = onednn_eltwise("relu", (), "")   # the one activation the transforms apply
 # A chunk's V and M together (a 2-core Zen 1 has 512 KiB of L2 per core and 8 MiB of L3).
 CHUNK_BYTES = 1 << 20
 MIN_CHUNK = 32

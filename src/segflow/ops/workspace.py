@@ -2,9 +2,9 @@
 
 A kernel that needs room only while it runs (the Winograd convolution's
 transformed tiles, ``ops/winograd.py``) would otherwise hold its own buffer
-between runs: ResNet-50's eleven at batch 8 would keep ~180 MiB. Instead a
-session's kernels share one buffer, as large as the largest of them asks for,
-and hold :attr:`Workspace.lock` while they use it. Native code reads the buffer's
+between runs, thirteen of them in ResNet-50. Instead a session's kernels share
+one buffer, as large as the largest of them asks for, and hold
+:attr:`Workspace.lock` while they use it. Native code reads the buffer's
 address through :attr:`Workspace.slot` at every call, so growing it (under the
 lock) is seen by every kernel that was built earlier.
 """
