@@ -1,4 +1,5 @@
-"""benchmarks/conv_kernels.py, host_memory.py and grad_mode.py: parsing and one small run each."""
+"""benchmarks/conv_kernels.py, host_memory.py, grad_mode.py and winograd_shapes.py: parsing
+and one small run each."""
 
 from __future__ import annotations
 
@@ -85,3 +86,13 @@ def test_mxnet_peer_hands_mxnet_the_weights_segflow_runs(tmp_path: Path) -> None
     got = segflow.InferenceSession(model).run(None, {"x": arrays["x"]})[0]
     np.testing.assert_allclose(got, y, atol=1e-5, rtol=1e-5)
     assert probe.main(["--mxnet-python", str(tmp_path / "missing")]) == 2
+
+
+def test_winograd_shapes_compares_three_runs_of_a_small_shape(capsys) -> None:
+    pytest.importorskip("onnxruntime")
+    shapes = _load("winograd_shapes")
+    shapes.main(["--shapes", "16x9", "--rounds", "2", "--per-round", "1"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("batch 1, 2 threads")
+    assert out[1].startswith("  16 ch @ 9x9: winograd / direct / ort ")
+    assert " w/direct " in out[1] and " w/ort " in out[1]
