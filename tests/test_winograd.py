@@ -26,7 +26,7 @@ from concurrency import run_in_threads
 from segflow import models
 from segflow.ops import winograd
 from segflow.ops.native_library import NativeLibrary
-from segflow.ops.onednn_direct import DirectConv, Library
+from segflow.ops.onednn_direct import DirectConv, Library, geometry
 from segflow.ops.onednn_replay import DirectReplay, _NativeStretch
 from segflow.ops.winograd import transform_weight
 
@@ -52,7 +52,11 @@ def _model(n: int, c: int, k: int, h: int, w: int, pad: int, activation: str | N
     if residual:
         nodes.append(helper.make_node("Add", [last, "a"], ["y1"]))
         last = "y1"
-    if activation is not None:
+    consts = [(w1, "w1"), (w3, "w3"), (b3, "b3")]
+    if activation == "Clip":          # ReLU6
+        consts += [(np.array(0.0, np.float32), "lo"), (np.array(6.0, np.float32), "hi")]
+        nodes.append(helper.make_node("Clip", [last, "lo", "hi"], ["y"]))
+    elif activation is not None:
         attrs = {"alpha": 0.1} if activation == "LeakyRelu" else {}
         nodes.append(helper.make_node(activation, [last], ["y"], **attrs))
     else:
@@ -60,7 +64,7 @@ def _model(n: int, c: int, k: int, h: int, w: int, pad: int, activation: str | N
     graph = helper.make_graph(
         nodes, "winograd", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [n, c, h, w])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-        [numpy_helper.from_array(a, name) for a, name in ((w1, "w1"), (w3, "w3"), (b3, "b3"))])
+        [numpy_helper.from_array(a, name) for a, name in consts])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
@@ -90,6 +94,8 @@ def _compare(model: onnx.ModelProto, feeds: dict[str, np.ndarray],
     (1, 32, 32, 7, 7, 1, None, True),          # ResNet-50's last stage, in small
     (1, 16, 8, 10, 6, 0, "Relu", False),       # no padding: a smaller output
     (3, 8, 8, 1, 1, 1, "Relu", False),         # a 1x1 image: one tile, mostly padding
+    (1, 16, 16, 9, 9, 1, "LeakyRelu", True),   # LeakyReLU (slope 0.1) after the residual
+    (2, 8, 16, 6, 10, 1, "Clip", False),       # ReLU6
 ])
 def test_a_convolution_matches_onnxruntime(n, c, k, h, w, pad, activation, residual):
     model = _model(n, c, k, h, w, pad, activation, residual)
@@ -132,11 +138,11 @@ def test_chunk_sizes_are_even_and_bounded():
 @settings(max_examples=20, deadline=None)
 @given(n=st.integers(1, 2), c=st.sampled_from([8, 16, 24]), k=st.sampled_from([8, 16, 40]),
        h=st.integers(1, 13), w=st.integers(1, 13), pad=st.integers(0, 1),
-       relu=st.booleans(), residual=st.booleans())
-def test_random_shapes_match_onnxruntime(n, c, k, h, w, pad, relu, residual):
+       activation=st.sampled_from([None, "Relu", "LeakyRelu", "Clip"]), residual=st.booleans())
+def test_random_shapes_match_onnxruntime(n, c, k, h, w, pad, activation, residual):
     assume(pad == 1 or (h >= 3 and w >= 3))
     assume(not residual or (k == c and pad == 1))    # the residual is the conv's input
-    model = _model(n, c, k, h, w, pad, "Relu" if relu else None, residual, seed=h * 16 + w)
+    model = _model(n, c, k, h, w, pad, activation, residual, seed=h * 16 + w)
     sess = segflow.InferenceSession(model, compile="codegen")
     x = np.random.default_rng(n * c + k).standard_normal((n, c, h, w)).astype(np.float32)
     _compare(model, {"x": x}, sess)
@@ -159,7 +165,7 @@ def test_the_transforms_compute_a_3x3_correlation_of_a_6x6_window():
 
 
 @pytest.mark.parametrize("change, why", [
-    ({"activation": "LeakyRelu"}, "an activation other than ReLU"),
+    ({"activation": "Sigmoid"}, "an activation other than ReLU, LeakyReLU (slope 0 to 1) or Clip"),
     ({"c": 12}, "channels not a multiple of 8"),
 ])
 def test_convolutions_that_do_not_fit_stay_direct(change, why):
@@ -172,6 +178,9 @@ def test_convolutions_that_do_not_fit_stay_direct(change, why):
     assert _winograd_calls(sess) == 0
     assert "as Winograd" not in sess.explain()
     assert all(op.direct_layouts == 1 for _, op in _direct_convs(sess))
+    eltwise = {"Relu": (32, 0.0, 0.0), "Sigmoid": (41, 0.0, 0.0)}[spec["activation"]]
+    geo = geometry([spec["k"], spec["c"], 3, 3], (1, 1), (1, 1), (1, 1), 1)
+    assert winograd.unfit(geo, spec["c"], eltwise) == why
 
 
 def test_a_plain_input_is_staged_into_channels_last():

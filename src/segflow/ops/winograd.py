@@ -16,7 +16,8 @@ that qualify (``winograd``; ``SEGFLOW_WINOGRAD=0`` turns it off), and their
   chunk at a time (:func:`chunk_tiles`): it transforms their 6x6 input windows
   into the session's shared :class:`~segflow.ops.workspace.Workspace` (V ``[36,
   chunk, C]``), runs the matmul (M = V x U), and transforms M back into the
-  output, adding the bias and a residual and applying ReLU on the way. A chunk
+  output, adding the bias and a residual and applying ReLU, LeakyReLU or Clip
+  on the way. A chunk
   fits the caches, and the workspace stays ~1 MiB at any batch size.
 
 The call has the shape of a oneDNN one: a replayed run executes it from its C
@@ -33,6 +34,7 @@ process: docs/benchmarking.md, "Eleventh session".
 from __future__ import annotations
 
 import ctypes
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -58,7 +60,10 @@ TILE = 4            # outputs per tile side: F(4x4, 3x3) reads 6x6 windows
 _WINDOW = TILE + 2
 _POINTS = _WINDOW * _WINDOW
 _LANES = 8          # channels the native transforms handle at once
-_RELU = onednn_eltwise("relu", (), "")   # the one activation the transforms apply
+# oneDNN's eltwise algorithms the output transform applies: ReLU (alpha: LeakyReLU's
+# slope) and clip_v2 (Clip, ReLU6) (onednn_direct._ELTWISE).
+_RELU_ALGORITHM = onednn_eltwise("relu", (0.0,), "")[0]          # type: ignore[index]
+_CLIP_ALGORITHM = onednn_eltwise("hardtanh", (0.0, 6.0), "")[0]  # type: ignore[index]
 # A chunk's V and M together (a 2-core Zen 1 has 512 KiB of L2 per core and 8 MiB of L3).
 CHUNK_BYTES = 1 << 20
 MIN_CHUNK = 32
@@ -81,8 +86,19 @@ def unfit(spec: ConvGeometry, in_channels: int,
         return "grouped"
     if spec.out_channels % _LANES or in_channels % _LANES:
         return f"channels not a multiple of {_LANES}"
-    if eltwise is not None and eltwise != _RELU:
-        return "an activation other than ReLU"
+    if eltwise is not None and _activation(eltwise) is None:
+        return "an activation other than ReLU, LeakyReLU (slope 0 to 1) or Clip"
+    return None
+
+
+def _activation(eltwise: tuple[int, float, float]) -> tuple[float, float, float] | None:
+    """``(slope, lo, hi)`` of ``min(max(max(v, slope v), lo), hi)``, the activation
+    ``winograd.c`` applies, for a oneDNN eltwise; None where it is not one of those."""
+    algorithm, alpha, beta = eltwise
+    if algorithm == _RELU_ALGORITHM and 0.0 <= alpha <= 1.0:
+        return alpha, -math.inf, math.inf
+    if algorithm == _CLIP_ALGORITHM:
+        return 1.0, alpha, beta
     return None
 
 
@@ -115,8 +131,9 @@ class _Plan(ctypes.Structure):
         ("n", ctypes.c_int64), ("h", ctypes.c_int64), ("w", ctypes.c_int64),
         ("c", ctypes.c_int64), ("k", ctypes.c_int64), ("oh", ctypes.c_int64),
         ("ow", ctypes.c_int64), ("pt", ctypes.c_int64), ("pl", ctypes.c_int64),
-        ("th", ctypes.c_int64), ("tw", ctypes.c_int64), ("relu", ctypes.c_int64),
-        ("residual", ctypes.c_int64),
+        ("th", ctypes.c_int64), ("tw", ctypes.c_int64), ("act", ctypes.c_int64),
+        ("residual", ctypes.c_int64), ("slope", ctypes.c_float), ("lo", ctypes.c_float),
+        ("hi", ctypes.c_float), ("pad_", ctypes.c_int32),
         ("bias", ctypes.c_void_p), ("zeros", ctypes.c_void_p), ("workspace", ctypes.c_void_p),
         ("handles", ctypes.c_void_p), ("chunk", ctypes.c_int64), ("stream", ctypes.c_void_p),
         ("matmul", _Matmul * 2),
@@ -240,8 +257,10 @@ class Winograd:
         zeros = torch.zeros(c)
         self.workspace.reserve(_POINTS * chunk * (c + k))
         plan = _Plan(n=n, h=h, w=width, c=c, k=k, oh=oh, ow=ow, pt=spec.pads[0],
-                     pl=spec.pads[1], th=th, tw=tw, relu=int(op.eltwise == _RELU),
-                     residual=int(z is not None))
+                     pl=spec.pads[1], th=th, tw=tw, residual=int(z is not None))
+        if op.eltwise is not None:
+            plan.act = 1
+            plan.slope, plan.lo, plan.hi = _activation(op.eltwise)  # type: ignore[misc]
         plan.bias = bias.data_ptr() if bias is not None else None
         plan.zeros = zeros.data_ptr()
         plan.workspace = ctypes.addressof(self.workspace.slot)

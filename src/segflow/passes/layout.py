@@ -18,7 +18,7 @@ one copy. A graph with depthwise convolutions runs its depthwise/1x1 stack on
 oneDNN's blocked ``nChw8c`` activations (``onednn_blocked``; see
 :func:`_blocked_region`, ``SEGFLOW_ONEDNN_BLOCKED=0`` turns it off). A direct
 stride-1 3x3 convolution outside that region, with channels in multiples of 8
-and no activation or ReLU, is marked ``winograd``: it runs as Winograd
+and no activation, or ReLU, LeakyReLU or Clip, is marked ``winograd``: it runs as Winograd
 F(4x4, 3x3) (``ops/winograd.py``; ``SEGFLOW_WINOGRAD=0`` turns it off). Measured
 on ResNet-50 / MobileNetV2 at batch 1 (see benchmarks/cpu_targets.py): torch's
 NCHW ``conv2d`` is several times slower, and its 3-channel stem conv alone costs
@@ -43,7 +43,14 @@ from segflow.ops.fused import (
     onednn_available,
 )
 from segflow.ops.native_library import NativeLibrary
-from segflow.ops.onednn_direct import BLOCK, DnnlError, Library, geometry, same_bytes
+from segflow.ops.onednn_direct import (
+    BLOCK,
+    DnnlError,
+    Library,
+    geometry,
+    onednn_eltwise,
+    same_bytes,
+)
 from segflow.ops.winograd import unfit
 from segflow.passes.result import PassResult
 
@@ -361,11 +368,16 @@ class _PackParams:
 def _winograd_fits(node: Node, weight: torch.Tensor, params: _PackParams) -> bool:
     """Whether a direct convolution runs as Winograd F(4x4, 3x3) (``ops/winograd.py``):
     3x3, stride 1, undilated, ungrouped, channels in multiples of 8, no activation or
-    ReLU, and the native kernels available."""
-    if params.groups != 1 or node.attrs.get("activation") not in (None, "", "Relu"):
+    one the transforms apply (ReLU, LeakyReLU, Clip), and the native kernels available."""
+    if params.groups != 1:
         return False
+    act, scalars = activation_of(node)
+    post = act.onednn(scalars) if act.name else None
+    eltwise = onednn_eltwise(*post) if post is not None and post[0] != "none" else None
+    if act.name and eltwise is None:
+        return False             # run after the kernel: the direct path handles that
     spec = geometry(list(weight.shape), params.strides, params.pads, params.dilations, 1)
-    if unfit(spec, int(weight.shape[1]), None) is not None:
+    if unfit(spec, int(weight.shape[1]), eltwise) is not None:
         return False
     return NativeLibrary.for_session()[0] is not None
 

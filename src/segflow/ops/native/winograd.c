@@ -47,7 +47,9 @@ typedef struct {
     int64_t n, h, w, c, k;        /* input [n, h, w, c]; k output channels */
     int64_t oh, ow, pt, pl;       /* output size; top and left padding */
     int64_t th, tw;               /* tiles down and across */
-    int64_t relu, residual;       /* ReLU after the sum; add the residual (handles[2]) */
+    int64_t act, residual;        /* apply the activation below; add the residual (handles[2]) */
+    float slope, lo, hi;          /* the activation: min(max(max(v, slope v), lo), hi) */
+    int32_t pad_;
     const float *bias;            /* k floats, or NULL */
     const float *zeros;           /* c zeros: the padding */
     float *const *workspace;      /* *workspace: V [36][chunk][c], then M [36][chunk][k] */
@@ -158,6 +160,7 @@ static void output_transform(const segflow_winograd_t *p, const float *m, float 
                           r[j], r[6 + j], r[12 + j], r[18 + j]);
             }
             v8 bias = p->bias ? *(const v8 *)(p->bias + ch) : zero;
+            const v8 slope = zero + p->slope, lo = zero + p->lo, hi = zero + p->hi;
             for (int64_t i = 0; i < height; i++) {
                 v8 o[4];
                 const v8 *ri = r + i * 6;
@@ -167,8 +170,14 @@ static void output_transform(const segflow_winograd_t *p, const float *m, float 
                     v8 out = o[j] + bias;
                     if (z)
                         out += *(const v8 *)(z + at);
-                    if (p->relu)
-                        out = (v8)((v8i)out & (out > zero));
+                    if (p->act) {   /* ReLU, LeakyReLU (0 <= slope <= 1), Clip */
+                        v8 leaky = out * slope;
+                        v8i up = out > leaky;
+                        out = (v8)(((v8i)out & up) | ((v8i)leaky & ~up));
+                        v8i low = out < lo, high = out > hi;
+                        out = (v8)(((v8i)out & ~low) | ((v8i)lo & low));
+                        out = (v8)(((v8i)out & ~high) | ((v8i)hi & high));
+                    }
                     *(v8 *)(y + at) = out;
                 }
             }
