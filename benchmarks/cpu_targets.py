@@ -30,7 +30,8 @@ joined by ``,``: ``compile``, ``engine``, ``threads``, pass switches
 ``replay`` = on|off for runs of direct kernels replayed from recorded addresses,
 ``native`` = on|off for native kernels: dense chains, the replay's C loop and
 Winograd convolutions, ``winograd`` = on|off for stride-1 3x3 convolutions as
-Winograd F(4x4,3x3) or libdnnl's direct convolution).
+Winograd F(4x4,3x3) or libdnnl's direct convolution; unset, Winograd applies on
+CPUs without AVX-512).
 The default (``compile=auto``) runs a small segment's inductor package when the
 package cache (``SEGFLOW_CACHE_DIR``) already holds one, as after a
 ``compile=inductor`` variant has run; the case line then says "cached inductor

@@ -29,12 +29,21 @@ from segflow.ops.native_library import NativeLibrary
 from segflow.ops.onednn_direct import DirectConv, Library, geometry
 from segflow.ops.onednn_replay import DirectReplay, _NativeStretch
 from segflow.ops.winograd import transform_weight
+from segflow.passes import layout as layout_pass
+from segflow.passes.pipeline import OptimizeOptions
 
 LIB = Library.load()
 NATIVE, NATIVE_WHY = NativeLibrary.probe()
 pytestmark = [pytest.mark.skipif(LIB is None, reason=f"libdnnl {Library.probe()[1]}"),
               pytest.mark.skipif(NATIVE is None, reason=f"native kernels {NATIVE_WHY}")]
 ATOL, RTOL = 1e-4, 1e-3
+
+
+@pytest.fixture(autouse=True)
+def _winograd_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Winograd on where the default leaves it off (AVX-512 CPUs), so that the kernel is
+    tested on every machine; a test that means otherwise sets the variable itself."""
+    monkeypatch.setenv("SEGFLOW_WINOGRAD", "1")
 
 
 def _model(n: int, c: int, k: int, h: int, w: int, pad: int, activation: str | None,
@@ -208,6 +217,24 @@ def test_segflow_winograd_0_turns_it_off(monkeypatch):
     assert not any(n.attrs.get("winograd") for n in sess.graph.nodes)
     assert sess.last_run_stats is not None
     assert sess.last_run_stats.settings["winograd"] is False
+
+
+def test_unset_it_runs_where_it_was_measured_faster(monkeypatch):
+    assert OptimizeOptions.resolve(env={}).winograd is None
+    assert OptimizeOptions.resolve(env={}).as_record()["winograd"] == "auto"
+    assert OptimizeOptions.resolve(env={"SEGFLOW_WINOGRAD": "1"}).winograd is True
+    model = _model(1, 16, 16, 8, 8, 1, "Relu", False)
+    monkeypatch.delenv("SEGFLOW_WINOGRAD")
+    monkeypatch.setattr(layout_pass, "winograd_preferred", lambda: False)   # AVX-512
+    sess = segflow.InferenceSession(model, compile="codegen")
+    assert not any(n.attrs.get("winograd") for n in sess.graph.nodes)
+    monkeypatch.setattr(layout_pass, "winograd_preferred", lambda: True)    # AVX2
+    sess = segflow.InferenceSession(model, compile="codegen")
+    assert sum(1 for n in sess.graph.nodes if n.attrs.get("winograd")) == 1
+    monkeypatch.setattr(layout_pass, "winograd_preferred", lambda: False)
+    monkeypatch.setenv("SEGFLOW_WINOGRAD", "1")                             # forced
+    sess = segflow.InferenceSession(model, compile="codegen")
+    assert sum(1 for n in sess.graph.nodes if n.attrs.get("winograd")) == 1
 
 
 def _resnet18() -> tuple[onnx.ModelProto, segflow.InferenceSession]:

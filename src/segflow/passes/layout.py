@@ -19,7 +19,8 @@ oneDNN's blocked ``nChw8c`` activations (``onednn_blocked``; see
 :func:`_blocked_region`, ``SEGFLOW_ONEDNN_BLOCKED=0`` turns it off). A direct
 stride-1 3x3 convolution outside that region, with channels in multiples of 8
 and no activation, or ReLU, LeakyReLU or Clip, is marked ``winograd``: it runs as Winograd
-F(4x4, 3x3) (``ops/winograd.py``; ``SEGFLOW_WINOGRAD=0`` turns it off). Measured
+F(4x4, 3x3) on CPUs without AVX-512 (``ops/winograd.py``; ``SEGFLOW_WINOGRAD=0``
+turns it off, ``=1`` on everywhere). Measured
 on ResNet-50 / MobileNetV2 at batch 1 (see benchmarks/cpu_targets.py): torch's
 NCHW ``conv2d`` is several times slower, and its 3-channel stem conv alone costs
 more than oneDNN's whole network.
@@ -41,6 +42,7 @@ from segflow.ops.fused import (
     blocked_layout_preferred,
     direct_linear_preferred,
     onednn_available,
+    winograd_preferred,
 )
 from segflow.ops.native_library import NativeLibrary
 from segflow.ops.onednn_direct import (
@@ -62,18 +64,20 @@ DIRECT_LINEAR_ROWS = 128
 
 
 def layout(graph: Graph, device: Device, *, direct: bool = True,
-           blocked: bool = True, winograd: bool = True) -> PassResult:
+           blocked: bool = True, winograd: bool | None = None) -> PassResult:
     """Prepack FusedConv weights for oneDNN on CPU (in place); a no-op elsewhere.
 
     ``direct``: mark the packed convolutions to call libdnnl when it loads;
     ``blocked``: and run a depthwise region on nChw8c activations (:func:`_blocked_region`);
-    ``winograd``: and run the 3x3 ones that qualify as Winograd (:func:`_winograd_fits`).
+    ``winograd``: and run the 3x3 ones that qualify as Winograd (:func:`_winograd_fits`;
+    None: where ``winograd_preferred()``, CPUs without AVX-512).
     """
     if device.kind is not DeviceKind.CPU or not onednn_available():
         return PassResult(graph, False)
     packed: dict[tuple[int, _PackParams, int], Value] = {}
     packed_as: dict[int, PackedConv] = {}
     changed = 0
+    use_winograd = winograd_preferred() if winograd is None else winograd
     lib: Library | None = None
     region: set[int] = set()
     convs = [n for n in graph.nodes if n.domain == FUSED_DOMAIN and n.op_type == "FusedConv"]
@@ -133,7 +137,7 @@ def layout(graph: Graph, device: Device, *, direct: bool = True,
                 node.attrs["onednn_blocked"] = 1
                 if not plain_input:
                     node.attrs["onednn_blocked_input"] = 1
-            elif winograd and _winograd_fits(node, weight.const, params):
+            elif use_winograd and _winograd_fits(node, weight.const, params):
                 node.attrs["winograd"] = 1    # ops/winograd.py
         if packed_for is not None:
             # The kernel repacks for other input shapes (ops/fused.py WeightForInput).

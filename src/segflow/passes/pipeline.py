@@ -105,8 +105,9 @@ class OptimizeOptions:
     arena: bool = True
     # Runs of them are replayed from recorded addresses (ops/onednn_replay.py).
     onednn_replay: bool = True
-    # 3x3 ones run as Winograd F(4x4, 3x3) where they qualify (ops/winograd.py).
-    winograd: bool = True
+    # 3x3 ones run as Winograd F(4x4, 3x3) where they qualify (ops/winograd.py); None:
+    # where it was measured faster (fused.winograd_preferred: CPUs without AVX-512).
+    winograd: bool | None = None
 
     @classmethod
     def resolve(cls, optimize: bool | Mapping[str, bool] | None = None, *,
@@ -146,7 +147,8 @@ class OptimizeOptions:
         arena = _env_bool(env, ENV_ARENA, True)
         blocked = _env_bool(env, ENV_ONEDNN_BLOCKED, True)
         replay = _env_bool(env, ENV_ONEDNN_REPLAY, True)
-        winograd = _env_bool(env, ENV_WINOGRAD, True)
+        winograd = (_env_bool(env, ENV_WINOGRAD, True)
+                    if env.get(ENV_WINOGRAD, "").strip() else None)
         return cls(compile=mode, intra_op_threads=threads, onednn_direct=direct, arena=arena,
                    onednn_blocked=blocked, onednn_replay=replay, winograd=winograd,
                    **switches)
@@ -158,7 +160,7 @@ class OptimizeOptions:
                 "plan_memory": self.plan_memory, "compile": self.compile.resolve().value,
                 "onednn_direct": self.onednn_direct, "onednn_blocked": self.onednn_blocked,
                 "arena": self.arena, "onednn_replay": self.onednn_replay,
-                "winograd": self.winograd}
+                "winograd": "auto" if self.winograd is None else self.winograd}
 
 
 @dataclass(frozen=True, slots=True)
