@@ -140,6 +140,12 @@ def linear_post_op(act: Activation, params: Sequence[float]
     return post
 
 
+def eltwise_of(post: tuple[str, list[float], str] | None) -> tuple[int, float, float] | None:
+    """libdnnl's eltwise ``(algorithm, alpha, beta)`` for a post-op from
+    ``Activation.onednn`` (None: no activation, or one that runs after the kernel)."""
+    return None if post is None or post[0] == "none" else onednn_eltwise(*post)
+
+
 def direct_linear_preferred() -> bool:
     """Whether large linears should run through libdnnl's inner product
     (:class:`DirectLinear`) rather than torch's oneDNN matmul, when libdnnl loads.
@@ -289,10 +295,7 @@ def _onednn_conv_kernel(node: Node, spec: _ConvSpec, act: Activation, params: li
         def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
             return [fallback(*inputs)]
         return kernel
-    post = act.onednn(params)
-    eltwise = None
-    if post is not None and post[0] != "none":
-        eltwise = onednn_eltwise(*post)
+    eltwise = eltwise_of(act.onednn(params))
     after: Callable[[Tensor], Tensor] | None = None
     if act.name and eltwise is None:
         finish = act.inplace or act.apply
@@ -508,8 +511,7 @@ def _direct_linear(node: Node) -> DirectLinear:
     assert lib is not None and weight is not None and weight.spec.shape is not None
     out_features, in_features = (int(d) for d in weight.spec.shape)  # type: ignore[arg-type]
     act, params = activation_of(node)
-    post = linear_post_op(act, params)
-    eltwise = None if post is None or post[0] == "none" else onednn_eltwise(*post)
+    eltwise = eltwise_of(linear_post_op(act, params))
     finish = act.inplace or act.apply
     after: Callable[[Tensor], Tensor] | None = None
     if act.name and eltwise is None:

@@ -41,6 +41,7 @@ from segflow.ops.fused import (
     activation_of,
     blocked_layout_preferred,
     direct_linear_preferred,
+    eltwise_of,
     onednn_available,
     winograd_preferred,
 )
@@ -50,7 +51,6 @@ from segflow.ops.onednn_direct import (
     DnnlError,
     Library,
     geometry,
-    onednn_eltwise,
     same_bytes,
 )
 from segflow.ops.winograd import unfit
@@ -376,8 +376,7 @@ def _winograd_fits(node: Node, weight: torch.Tensor, params: _PackParams) -> boo
     if params.groups != 1:
         return False
     act, scalars = activation_of(node)
-    post = act.onednn(scalars) if act.name else None
-    eltwise = onednn_eltwise(*post) if post is not None and post[0] != "none" else None
+    eltwise = eltwise_of(act.onednn(scalars))
     if act.name and eltwise is None:
         return False             # run after the kernel: the direct path handles that
     spec = geometry(list(weight.shape), params.strides, params.pads, params.dilations, 1)
