@@ -11,7 +11,8 @@ that qualify (``winograd``; ``SEGFLOW_WINOGRAD=0`` turns it off), and their
 - once, while the session binds its kernels, the weight is transformed
   (``U = G g G^T``, in float64) into 36 matrices ``[C, K]`` for a batched
   libdnnl matmul. That is 4x the weight's bytes, held beside the packed
-  weight that the fallback reads;
+  weight that the fallback reads (each block of 64 output channels is written
+  straight into place, so loading needs no second copy);
 - at each call ``ops/native/winograd.c`` goes through the output's 4x4 tiles a
   chunk at a time (:func:`chunk_tiles`): it transforms their 6x6 input windows
   into the session's shared :class:`~segflow.ops.workspace.Workspace` (V ``[36,
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -102,19 +104,30 @@ def _activation(eltwise: tuple[int, float, float]) -> tuple[float, float, float]
     return None
 
 
-def transform_weight(dense: Tensor) -> Tensor:
-    """``U = G g G^T`` of a ``[K, C, 3, 3]`` weight: 36 matrices ``[C, K]`` (float32),
-    computed in float64 as one product with ``G (x) G``, 64 output channels at a time
-    (the float64 temporaries of a 512 x 512 weight at once would be 75 MiB). The
-    result is a view of a ``[K, C, 36]`` tensor (the caller's reorder transposes it
-    faster than a copy would)."""
+def transform_weight(dense: Tensor,
+                     copy: Callable[[Tensor, Tensor], None] | None = None) -> Tensor:
+    """``U = G g G^T`` of a ``[K, C, 3, 3]`` weight: 36 matrices ``[C, K]``, a row-major
+    float32 ``[36, C, K]`` tensor. It is computed in float64 as one product with
+    ``G (x) G``, 64 output channels at a time, and each block goes straight to its
+    place in the result: what loading holds beyond the result is one block's
+    temporaries (~14 MiB at 512 input channels), not a second transformed weight.
+    ``copy(block, place)`` writes a float32 ``[64, C, 36]`` block into its strided
+    view of the result (default: torch's copy; :meth:`Winograd.prepare` passes
+    libdnnl's reorder, which transposes ~5x faster)."""
     k, c = dense.shape[:2]
     kron = torch.kron(_G, _G).T          # [9, 36]: (i, j) -> (a, b)
-    out = torch.empty(k, c, _POINTS)
+    out = torch.empty(_POINTS, c, k)
+    places = out.permute(2, 1, 0)        # [K, C, 36], strided
     for first in range(0, k, 64):
         block = dense[first:first + 64].reshape(-1, 9).double() @ kron
-        out[first:first + 64] = block.reshape(-1, c, _POINTS)
-    return out.permute(2, 1, 0)
+        block32 = block.float().reshape(-1, c, _POINTS)
+        del block
+        place = places[first:first + 64]
+        if copy is None:
+            place.copy_(block32)
+        else:
+            copy(block32, place)
+    return out
 
 
 class _Matmul(ctypes.Structure):
@@ -180,15 +193,18 @@ class Winograd:
 
     def prepare(self, op: DirectConv, w: Tensor) -> None:
         """Transform ``op``'s packed weight ``w`` for the calls to come."""
-        u = transform_weight(_dense_weight(op, w))
-        plain = torch.empty(u.shape)
         lib = op.lib
-        u_md, plain_md = lib.memory_desc(u), lib.memory_desc(plain)
-        try:   # libdnnl's reorder transposes [K, C, 36] to [36, C, K] ~5x faster than torch
-            lib.reorder(u_md, u.data_ptr(), plain_md, plain.data_ptr())
-        finally:
-            lib.destroy([("memory_desc", u_md), ("memory_desc", plain_md)])
-        self._weight, self._source = plain, w
+
+        def reorder(block: Tensor, place: Tensor) -> None:
+            block_md, place_md = lib.memory_desc(block), lib.memory_desc(place)
+            try:
+                lib.reorder(block_md, block.data_ptr(), place_md, place.data_ptr())
+            finally:
+                lib.destroy([("memory_desc", block_md), ("memory_desc", place_md)])
+
+        dense = _dense_weight(op, w)
+        self._weight = None                # the old one is freed before the new one is made
+        self._weight, self._source = transform_weight(dense, reorder), w
 
     def make_call(self, op: DirectConv, x: Tensor, w: Tensor, b: Tensor | None,
                   z: Tensor | None, inplace: bool) -> tuple[_Call | None, str]:
