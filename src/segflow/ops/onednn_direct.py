@@ -1211,7 +1211,10 @@ def same_bytes(packed: Tensor, mine: Tensor) -> bool:
     if torch.ops.mkldnn._nbytes(packed) != size:
         return False
     theirs = (ctypes.c_uint8 * size).from_address(torch.ops.mkldnn.data_ptr(packed))
-    return bool(torch.equal(mine, torch.frombuffer(theirs, dtype=torch.uint8)))
+    # Compared 8 bytes at a time where the size allows: torch.equal on uint8 runs at ~1
+    # GB/s, ~6x slower (a tenth of a second of loading ResNet-50).
+    wide = torch.int64 if size % 8 == 0 else torch.int32 if size % 4 == 0 else torch.uint8
+    return bool(torch.equal(mine.view(wide), torch.frombuffer(theirs, dtype=wide)))
 
 
 def _reorder_weight(lib: Library, weight: Tensor, weights_md: _P,
