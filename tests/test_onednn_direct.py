@@ -425,9 +425,11 @@ def test_torch_packing_is_made_once_from_libdnnl_bytes_for_a_fallback():
 def test_models_match_onnxruntime_with_every_weight_in_libdnnl_packing(
         monkeypatch: pytest.MonkeyPatch):
     # Pretend no torch packing is libdnnl's format: every convolution keeps libdnnl's
-    # own packing, reads it in place and holds no copy of its weight.
+    # own packing, reads it in place and holds no copy of its weight. (Without
+    # Winograd, whose convolutions hold its transform instead: tests/test_winograd.py.)
     from segflow.passes import layout
     monkeypatch.setattr(layout, "same_bytes", lambda packed, mine: False)
+    monkeypatch.setenv("SEGFLOW_WINOGRAD", "0")
     options = {"image_size": 48}
     model = models.build("resnet18", **options)
     feeds = models.example_inputs("resnet18", batch_size=1, **options)

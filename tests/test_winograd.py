@@ -173,6 +173,46 @@ def test_the_transforms_compute_a_3x3_correlation_of_a_6x6_window():
     torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_the_inverse_transform_recovers_the_weight():
+    g = torch.randn(72, 16, 3, 3) * 3
+    u = transform_weight(g)
+    assert u.shape == (36, 16, 72) and u.is_contiguous()
+    # Within a few float32 ulps of the original: U was rounded to float32 once.
+    torch.testing.assert_close(winograd.inverse_transform(u), g, atol=4e-6, rtol=0)
+    with pytest.raises(ValueError, match="36 points"):
+        winograd.inverse_transform(torch.zeros(16, 4, 4))
+
+
+def test_a_winograd_convolution_holds_its_weight_once():
+    model = _model(1, 16, 24, 10, 10, 1, "Relu", False)
+    sess = segflow.InferenceSession(model, compile="codegen")
+    (node,) = [n for n in sess.graph.nodes if n.attrs.get("winograd")]
+    weight = node.inputs[1]
+    assert weight.const is not None and tuple(weight.const.shape) == (36, 16, 24)
+    assert weight.spec.shape == (24, 16, 3, 3)      # the logical weight, as before
+    # Neither the dense weight nor a packed copy of it is left in the graph.
+    held = [v for v in sess.graph.initializers.values() if v.const is not None
+            and v.const.numel() in (24 * 16 * 9,) and v is not weight]
+    assert held == [] and weight.name.endswith(".winograd")
+    assert "onednn_direct_packed" not in node.attrs
+    _compare(model, {"x": np.random.default_rng(5).standard_normal(
+        (1, 16, 10, 10)).astype(np.float32)}, sess)
+    assert _winograd_calls(sess) == 1
+
+
+def test_a_declined_call_runs_the_fallback_over_the_recovered_weight(monkeypatch):
+    monkeypatch.setattr(winograd.Winograd, "make_call",
+                        lambda self, *args: (None, "declined for the test"))
+    model = _model(2, 16, 16, 9, 9, 1, "Relu", True)
+    sess = segflow.InferenceSession(model, compile="codegen")
+    feeds = {"x": np.random.default_rng(6).standard_normal((2, 16, 9, 9)).astype(np.float32)}
+    _compare(model, feeds, sess)
+    assert _winograd_calls(sess) == 0
+    (op,) = [op for _, op in _direct_convs(sess) if op.winograd is not None]
+    assert list(op.winograd_not.values()) == ["declined for the test"]
+    assert "declined for the test" in sess.explain()
+
+
 @pytest.mark.parametrize("change, why", [
     ({"activation": "Sigmoid"}, "an activation other than ReLU, LeakyReLU (slope 0 to 1) or Clip"),
     ({"c": 12}, "channels not a multiple of 8"),
@@ -255,15 +295,18 @@ def _replay(sess: segflow.InferenceSession) -> DirectReplay:
 
 def test_resnet18_runs_its_3x3_convolutions_as_winograd_inside_the_native_replay():
     model, sess = _resnet18()
-    # Transformed while the session bound its kernels, and never again by a run.
-    transformed = [op.winograd._weight for _, op in _direct_convs(sess) if op.winograd]
-    assert len(transformed) == 13 and all(t is not None for t in transformed)
+    # Transformed by the layout pass: the calls read the graph's constants in place.
+    marked = [n for n in sess.graph.nodes if n.attrs.get("winograd")]
+    constants = [n.inputs[1].const for n in marked]
+    transformed = [op.winograd.weight for _, op in _direct_convs(sess) if op.winograd]
+    assert len(transformed) == 13
+    assert {id(t) for t in transformed} == {id(c) for c in constants}
     assert "winograd F(4x4,3x3): 13 convolutions, 0 input layouts built" in sess.explain()
     for seed in range(3):
         _compare(model, _feeds(1, seed), sess, runs=1)
     # ResNet-18 has 16 3x3 convolutions after its stem; 3 have stride 2.
     assert _winograd_calls(sess) == 13
-    now = [op.winograd._weight for _, op in _direct_convs(sess) if op.winograd]
+    now = [op.winograd.weight for _, op in _direct_convs(sess) if op.winograd]
     assert all(a is b for a, b in zip(now, transformed, strict=True))
     replay = _replay(sess)
     assert replay.replays == 2       # the first run recorded
@@ -278,7 +321,8 @@ def test_resnet18_runs_its_3x3_convolutions_as_winograd_inside_the_native_replay
     text = sess.explain()
     assert "13 3x3 convolutions as Winograd F(4x4,3x3)" in text
     assert re.search(r"winograd F\(4x4,3x3\): 13 convolutions, 13 input layouts built; "
-                     r"transformed weights [\d.]+ MiB, workspace [\d.]+ MiB", text)
+                     r"transformed weights [\d.]+ MiB \(the weights themselves\), "
+                     r"workspace [\d.]+ MiB", text)
 
 
 def test_the_shared_workspace_grows_for_a_larger_batch_and_serves_the_smaller_one():
@@ -290,7 +334,7 @@ def test_the_shared_workspace_grows_for_a_larger_batch_and_serves_the_smaller_on
     weights = [op.winograd.weight_bytes for _, op in _direct_convs(sess) if op.winograd]
     _compare(model, _feeds(3, 1), sess, runs=1)
     assert workspace.nbytes > small
-    # The transformed weights are packed once: batch 3 wants the same format.
+    # The transformed weights serve every batch size as they are.
     assert [op.winograd.weight_bytes for _, op in _direct_convs(sess) if op.winograd] == weights
     _compare(model, _feeds(1, 2), sess, runs=3)     # built at batch 1, now a larger buffer
     assert _winograd_calls(sess) == 26

@@ -42,7 +42,7 @@ from segflow.ops.onednn_direct import (
     onednn_eltwise,
 )
 from segflow.ops.registry import BindContext, Kernel, OpDef
-from segflow.ops.winograd import Winograd
+from segflow.ops.winograd import Winograd, inverse_transform
 
 Tensor = torch.Tensor
 FUSED_DOMAIN = "segflow"
@@ -240,7 +240,8 @@ def conv_uses_onednn(node: Node) -> bool:
     """True when the layout pass prepacked this FusedConv's weight for oneDNN."""
     weight = node.inputs[1]
     return weight is not None and weight.const is not None and (
-        weight.const.is_mkldnn or conv_reads_libdnnl_packing(node))
+        weight.const.is_mkldnn or conv_reads_libdnnl_packing(node)
+        or conv_reads_winograd_weight(node))
 
 
 def conv_reads_libdnnl_packing(node: Node) -> bool:
@@ -250,9 +251,18 @@ def conv_reads_libdnnl_packing(node: Node) -> bool:
     return bool(node.attrs.get("onednn_direct_packed"))
 
 
+def conv_reads_winograd_weight(node: Node) -> bool:
+    """True when the layout pass made this FusedConv's weight constant the Winograd
+    transform ``U`` (``winograd``, ``[36, C, K]``: ops/winograd.py), read in place by
+    its kernel; torch's packing is made from it only if a fallback needs it."""
+    return bool(node.attrs.get("winograd"))
+
+
 def reads_libdnnl_packing(node: Node) -> bool:
-    """Whether this node's weight constant is libdnnl's packing (bytes, not values)."""
-    return linear_calls_libdnnl(node) or conv_reads_libdnnl_packing(node)
+    """Whether this node's weight constant is a kernel's own format (libdnnl's packing,
+    or the Winograd transform), not the weight's values in its shape."""
+    return (linear_calls_libdnnl(node) or conv_reads_libdnnl_packing(node)
+            or conv_reads_winograd_weight(node))
 
 
 def _fused_conv(node: Node, ctx: BindContext) -> Kernel:
@@ -307,18 +317,16 @@ def _onednn_conv_kernel(node: Node, spec: _ConvSpec, act: Activation, params: li
     fallback_inplace = (_onednn_conv_callable(spec, act, params, True, weight_for)
                         if spec.has_residual else None)
     winograd = None
-    if node.attrs.get("winograd"):
+    if conv_reads_winograd_weight(node) and weight.const is not None:
         native, _ = NativeLibrary.for_session()
-        if native is not None:   # else a direct convolution (explain says why natives are off)
-            winograd = Winograd(native, ctx.workspace())
+        if native is not None:   # else the fallback, over the recovered plain weight
+            winograd = Winograd(native, ctx.workspace(), weight.const)
     conv = DirectConv(
         lib, geo, eltwise, after, fallback, MAX_SHAPES, MAX_REPACKS,
         [int(d) for d in verified] if verified else None, ctx.destination(node.outputs[0]),
         ctx.staging(node), fallback_inplace, conv_reads_libdnnl_packing(node),
         bool(node.attrs.get("onednn_blocked")), bool(node.attrs.get("onednn_blocked_input")),
         winograd)
-    if winograd is not None and weight.const is not None:
-        winograd.prepare(conv, weight.const)   # with the session's weights, not a run's
     return DirectKernel(conv)
 
 
@@ -352,7 +360,7 @@ class WeightForInput:
     """
 
     def __init__(self, spec: _ConvSpec, packed_for: Sequence[int] | None,
-                 torch_packing: TorchPacking | None = None) -> None:
+                 torch_packing: Callable[[Tensor], Tensor] | None = None) -> None:
         self.spec = spec
         self.packed_for = tuple(packed_for) if packed_for else None
         self.cache: dict[tuple[int, ...], Tensor] = {}
@@ -419,10 +427,35 @@ class TorchPacking:
         return made[1]
 
 
+class WinogradPacking:
+    """torch's packing of a convolution whose weight constant is the Winograd transform
+    (:func:`conv_reads_winograd_weight`), made from ``U`` on first use
+    (``winograd.inverse_transform``): only a fallback of the Winograd call reads it,
+    and a session that never falls back never holds it."""
+
+    def __init__(self, spec: _ConvSpec) -> None:
+        self.spec = spec
+        self.made: tuple[Tensor, Tensor] | None = None     # (U, torch packing)
+
+    def __call__(self, w: Tensor) -> Tensor:
+        if w.is_mkldnn:
+            return w
+        made = self.made
+        if made is None or made[0] is not w:
+            spec = self.spec
+            made = (w, torch.ops.mkldnn._reorder_convolution_weight(
+                inverse_transform(w), spec.pads, spec.strides, spec.dilations, spec.group,
+                None))
+            self.made = made
+        return made[1]
+
+
 def _weight_for(node: Node, spec: _ConvSpec) -> WeightForInput:
     packed_for = node.attrs.get("onednn_input_size")
     torch_packing = None
     weight = node.inputs[1]
+    if conv_reads_winograd_weight(node):
+        return WeightForInput(spec, None, WinogradPacking(spec))
     if conv_reads_libdnnl_packing(node) and packed_for and weight is not None \
             and weight.spec.shape is not None:
         geo = geometry([int(d) for d in weight.spec.shape], spec.strides,  # type: ignore[arg-type]

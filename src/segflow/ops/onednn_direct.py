@@ -696,10 +696,11 @@ class DirectConv(DirectOp):
     ``nChw8c`` bytes under its logical shape, and so is the input with
     ``blocked_input`` (else it is plain NCHW, the blocked region's entry); the
     weight is then packed for that layout, and the fallback runs between
-    reorders (``passes/layout.py``, ``_blocked_region``). With ``winograd``, a layout
-    it takes is built as Winograd F(4x4, 3x3) instead (``ops/winograd.py``: a call whose
-    ``run`` is the native kernel); one it declines (``winograd_not``) is a oneDNN
-    convolution as usual.
+    reorders (``passes/layout.py``, ``_blocked_region``). With ``winograd``, ``w`` is
+    the Winograd transform of the weight, and each layout is built as Winograd F(4x4,
+    3x3) (``ops/winograd.py``: a call whose ``run`` is the native kernel); one it
+    declines (``winograd_not``) runs the fallback, over the plain weight recovered from
+    ``w``.
     """
 
     kind = "convolution"
@@ -801,14 +802,15 @@ class DirectConv(DirectOp):
     def _make_call(self, x: Tensor, w: Tensor, b: Tensor | None, z: Tensor | None,
                    inplace: bool) -> tuple[_Call | None, str]:
         lib, spec = self.lib, self.spec
+        if self.winograd is not None:
+            # Its weight is the Winograd transform: a layout it declines is the fallback's.
+            call, why = self.winograd.make_call(self, x, w, b, z, inplace)
+            if call is None:
+                self.winograd_not[self._key(x, z, inplace)] = why
+            return call, why
         packed = w.dtype == torch.uint8 if self.libdnnl_packed else w.is_mkldnn
         if x.dtype != torch.float32 or not packed or x.dim() not in (4, 5):
             return None, "not a packed float32 2-D/3-D convolution"
-        if self.winograd is not None and not self.blocked:
-            call, why = self.winograd.make_call(self, x, w, b, z, inplace)
-            if call is not None:
-                return call, ""
-            self.winograd_not[self._key(x, z, inplace)] = why
         # oneDNN has only reference kernels for plain NCHW input with channels-last output.
         want = _channels_last(x.dim())
         in_format = None
@@ -1154,7 +1156,8 @@ def _describe_winograd(ops: Sequence[tuple[str, DirectOp]], limit: int) -> list[
     spaces = {id(w.workspace): w.workspace.nbytes for w in builders}
     lines = [f"  winograd F(4x4,3x3): {len(marked)} convolutions, {layouts} input "
              f"layout{'s' if layouts != 1 else ''} built; transformed weights "
-             f"{weights / 2**20:.1f} MiB, workspace {sum(spaces.values()) / 2**20:.1f} MiB"]
+             f"{weights / 2**20:.1f} MiB (the weights themselves), workspace "
+             f"{sum(spaces.values()) / 2**20:.1f} MiB"]
     declined = [(label, key, why) for label, op in marked
                 for key, why in op.winograd_not.items()]
     for label, key, why in declined[:limit]:

@@ -8,11 +8,13 @@ that qualify (``winograd``; ``SEGFLOW_WINOGRAD=0`` turns it off), and their
 :class:`~segflow.ops.onednn_direct.DirectConv` builds a call through
 :class:`Winograd` instead of a oneDNN convolution:
 
-- once, while the session binds its kernels, the weight is transformed
-  (``U = G g G^T``, in float64) into 36 matrices ``[C, K]`` for a batched
-  libdnnl matmul. That is 4x the weight's bytes, held beside the packed
-  weight that the fallback reads (each block of 64 output channels is written
-  straight into place, so loading needs no second copy);
+- once, when the session is made, the layout pass transforms the weight
+  (``U = G g G^T``, in float64; :func:`transform_weight`) into 36 matrices
+  ``[C, K]`` for a batched libdnnl matmul. ``U`` *is* the convolution's weight
+  constant from then on: 4x the weight's bytes, and no packed copy beside it.
+  A call that cannot run as Winograd (a layout it declines) goes to torch's
+  convolution with the plain weight recovered from ``U``
+  (:func:`inverse_transform`, made on first use);
 - at each call ``ops/native/winograd.c`` goes through the output's 4x4 tiles a
   chunk at a time (:func:`chunk_tiles`): it transforms their 6x6 input windows
   into the session's shared :class:`~segflow.ops.workspace.Workspace` (V ``[36,
@@ -55,7 +57,7 @@ from segflow.ops.onednn_direct import (
 from segflow.ops.workspace import Workspace
 
 if TYPE_CHECKING:
-    from segflow.ops.onednn_direct import DirectConv
+    from segflow.ops.onednn_direct import DirectConv, Library
 
 Tensor = torch.Tensor
 TILE = 4            # outputs per tile side: F(4x4, 3x3) reads 6x6 windows
@@ -130,6 +132,41 @@ def transform_weight(dense: Tensor,
     return out
 
 
+def transformed(dense: Tensor, lib: Library | None) -> Tensor:
+    """:func:`transform_weight` with libdnnl's reorder placing each block (``lib``; None:
+    torch's copy)."""
+    if lib is None:
+        return transform_weight(dense)
+
+    def reorder(block: Tensor, place: Tensor) -> None:
+        block_md, place_md = lib.memory_desc(block), lib.memory_desc(place)
+        try:
+            lib.reorder(block_md, block.data_ptr(), place_md, place.data_ptr())
+        finally:
+            lib.destroy([("memory_desc", block_md), ("memory_desc", place_md)])
+
+    return transform_weight(dense, reorder)
+
+
+def inverse_transform(u: Tensor) -> Tensor:
+    """The float32 ``[K, C, 3, 3]`` weight whose :func:`transform_weight` is ``u``
+    (``[36, C, K]``): ``g = P U P^T`` with ``P`` the pseudo-inverse of ``G``, in
+    float64, 64 output channels at a time. ``U`` was rounded to float32, so ``g``
+    comes back within a few float32 ulps of the original (``G`` has full column
+    rank: the least-squares inverse over all 36 points is exact up to that
+    rounding). Only a fallback reads it."""
+    points, c, k = u.shape
+    if points != _POINTS:
+        raise ValueError(f"a Winograd weight has {_POINTS} points, not {points}")
+    pinv = torch.linalg.pinv(_G)                  # [3, 6]
+    back = torch.kron(pinv, pinv).T               # [36, 9]: (i, j) -> (a, b)
+    out = torch.empty(k, c, 3, 3)
+    for first in range(0, k, 64):
+        block = u[:, :, first:first + 64].permute(2, 1, 0).double()     # [64, C, 36]
+        out[first:first + 64] = (block.reshape(-1, _POINTS) @ back).reshape(-1, c, 3, 3)
+    return out
+
+
 class _Matmul(ctypes.Structure):
     """``segflow_matmul_t`` in ``ops/native/winograd.c``."""
 
@@ -168,43 +205,31 @@ def chunk_tiles(tiles: int, c: int, k: int) -> int:
 
 
 class Winograd:
-    """Builds one convolution's Winograd calls (one per input layout): the native
+    """Builds one convolution's Winograd calls (one per input layout) from the native
     library's kernel, the workspace the binding's convolutions share
-    (``BindContext.workspace``) and the transformed weight, made once
-    (:meth:`prepare`, while the session binds its kernels: it is part of the
-    session's memory, not of a run's)."""
+    (``BindContext.workspace``) and the convolution's weight constant, which the
+    layout pass made the transformed ``U`` (:func:`transformed`): a call reads the
+    session's weight in place and nothing is transformed while binding or running."""
 
-    def __init__(self, native: NativeLibrary, workspace: Workspace) -> None:
+    def __init__(self, native: NativeLibrary, workspace: Workspace, weight: Tensor) -> None:
+        if weight.dim() != 3 or weight.shape[0] != _POINTS or weight.dtype != torch.float32 \
+                or not weight.is_contiguous():
+            raise ValueError(f"a Winograd weight is a row-major float32 [{_POINTS}, C, K] "
+                             f"tensor, not {weight.dtype} {list(weight.shape)}")
         self.native = native
         self.workspace = workspace
         run = native.dll.segflow_winograd_execute
         run.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
         run.restype = ctypes.c_int
         self.run = run
-        # The transformed weight [36, C, K] (row-major: the matmul reads it as it is,
-        # which measured as fast as its own packing) and the packed weight it is of.
-        self._weight: Tensor | None = None
-        self._source: Tensor | None = None
+        # [36, C, K], row-major: the matmul reads it as it is (measured as fast as
+        # libdnnl's own packing, which would be a second copy).
+        self.weight = weight
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of the transformed weight it holds (0 before :meth:`prepare`)."""
-        return 0 if self._weight is None else self._weight.numel() * 4
-
-    def prepare(self, op: DirectConv, w: Tensor) -> None:
-        """Transform ``op``'s packed weight ``w`` for the calls to come."""
-        lib = op.lib
-
-        def reorder(block: Tensor, place: Tensor) -> None:
-            block_md, place_md = lib.memory_desc(block), lib.memory_desc(place)
-            try:
-                lib.reorder(block_md, block.data_ptr(), place_md, place.data_ptr())
-            finally:
-                lib.destroy([("memory_desc", block_md), ("memory_desc", place_md)])
-
-        dense = _dense_weight(op, w)
-        self._weight = None                # the old one is freed before the new one is made
-        self._weight, self._source = transform_weight(dense, reorder), w
+        """Bytes of the transformed weight (the session's constant, not a copy)."""
+        return self.weight.numel() * 4
 
     def make_call(self, op: DirectConv, x: Tensor, w: Tensor, b: Tensor | None,
                   z: Tensor | None, inplace: bool) -> tuple[_Call | None, str]:
@@ -215,6 +240,8 @@ class Winograd:
             why = "not a float32 image"
         if why is None and op.after is not None:
             why = "an activation after the kernel"
+        if why is None and w is not self.weight:
+            why = "a weight other than the transformed constant"
         out_shape = spec.output_size(x.shape)
         if why is None and z is not None and (tuple(z.shape) != out_shape
                                               or z.dtype != torch.float32 or not
@@ -234,10 +261,7 @@ class Winograd:
         weights_md = lib.plain_desc([_POINTS, c, k])
         owned = op._owned
         owned.append(("memory_desc", weights_md))
-        if self._weight is None or w is not self._source:
-            self.prepare(op, w)
-        weight = self._weight
-        assert weight is not None
+        weight = self.weight
         mm_weights = lib.memory(weights_md, weight.data_ptr())
         owned.append(("memory", mm_weights))
         matmuls = []
@@ -298,12 +322,3 @@ class Winograd:
                      keep=(plan, weight, matmuls, bias, zeros))
         plan.handles = ctypes.addressof(call.handles)
         return call, ""
-
-
-def _dense_weight(op: DirectConv, w: Tensor) -> Tensor:
-    """The float32 ``[K, C, 3, 3]`` weight behind ``op``'s packed ``w``."""
-    if op.libdnnl_packed:
-        assert op.verified_for is not None
-        return op.lib.unpack_weight(w, op.spec, op.verified_for)
-    return w.to_dense() if w.is_mkldnn else w
-

@@ -20,7 +20,8 @@ oneDNN's blocked ``nChw8c`` activations (``onednn_blocked``; see
 stride-1 3x3 convolution outside that region, with channels in multiples of 8
 and no activation, or ReLU, LeakyReLU or Clip, is marked ``winograd``: it runs as Winograd
 F(4x4, 3x3) on CPUs without AVX-512 (``ops/winograd.py``; ``SEGFLOW_WINOGRAD=0``
-turns it off, ``=1`` on everywhere). Measured
+turns it off, ``=1`` on everywhere), and its weight constant becomes the
+transformed one (``[36, C, K]``) instead of a packed one. Measured
 on ResNet-50 / MobileNetV2 at batch 1 (see benchmarks/cpu_targets.py): torch's
 NCHW ``conv2d`` is several times slower, and its 3-channel stem conv alone costs
 more than oneDNN's whole network.
@@ -53,7 +54,7 @@ from segflow.ops.onednn_direct import (
     geometry,
     same_bytes,
 )
-from segflow.ops.winograd import unfit
+from segflow.ops.winograd import transformed, unfit
 from segflow.passes.result import PassResult
 
 # The row count a linear with a dynamic batch (or sequence) is packed for: BERT-base at
@@ -76,6 +77,7 @@ def layout(graph: Graph, device: Device, *, direct: bool = True,
         return PassResult(graph, False)
     packed: dict[tuple[int, _PackParams, int], Value] = {}
     packed_as: dict[int, PackedConv] = {}
+    winograd_weights: dict[int, Value] = {}     # id(dense weight) -> its transformed one
     changed = 0
     use_winograd = winograd_preferred() if winograd is None else winograd
     lib: Library | None = None
@@ -114,6 +116,11 @@ def layout(graph: Graph, device: Device, *, direct: bool = True,
         in_region = id(node) in region
         x = node.inputs[0]
         plain_input = in_region and x is not None and id(x.producer) not in region
+        if lib is not None and use_winograd and not in_region \
+                and _winograd_fits(node, weight.const, params):
+            _as_winograd(graph, node, weight, winograd_weights, lib)
+            changed += 1
+            continue
         key = (id(weight), params, in_region + plain_input)
         value = packed.get(key)
         if value is None:
@@ -137,8 +144,6 @@ def layout(graph: Graph, device: Device, *, direct: bool = True,
                 node.attrs["onednn_blocked"] = 1
                 if not plain_input:
                     node.attrs["onednn_blocked_input"] = 1
-            elif use_winograd and _winograd_fits(node, weight.const, params):
-                node.attrs["winograd"] = 1    # ops/winograd.py
         if packed_for is not None:
             # The kernel repacks for other input shapes (ops/fused.py WeightForInput).
             node.attrs["onednn_input_size"] = list(packed_for)
@@ -367,6 +372,25 @@ class _PackParams:
     dilations: tuple[int, ...]
     groups: int
     input_size: tuple[int, ...] | None
+
+
+def _as_winograd(graph: Graph, node: Node, weight: Value, made: dict[int, Value],
+                 lib: Library) -> None:
+    """Mark ``node`` ``winograd`` and give it the transformed weight as its constant
+    (``U``, ``[36, C, K]``: ops/winograd.py), made once per dense weight. Nothing
+    packs the dense one for it: its kernel reads ``U`` in place, and a fallback
+    recovers the plain weight from ``U`` if it ever needs it."""
+    value = made.get(id(weight))
+    if value is None:
+        assert weight.const is not None
+        value = Value(f"{weight.name}.winograd", weight.spec,
+                      const=transformed(weight.const, lib))
+        graph.add_initializer(value)
+        made[id(weight)] = value
+    graph.set_input(node, 1, value)
+    node.attrs["channels_last"] = 1
+    node.attrs["onednn_direct"] = 1
+    node.attrs["winograd"] = 1
 
 
 def _winograd_fits(node: Node, weight: torch.Tensor, params: _PackParams) -> bool:
