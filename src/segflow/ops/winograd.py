@@ -114,7 +114,7 @@ def transform_weight(dense: Tensor,
     place in the result: what loading holds beyond the result is one block's
     temporaries (~14 MiB at 512 input channels), not a second transformed weight.
     ``copy(block, place)`` writes a float32 ``[64, C, 36]`` block into its strided
-    view of the result (default: torch's copy; :meth:`Winograd.prepare` passes
+    view of the result (default: torch's copy; :func:`transformed` passes
     libdnnl's reorder, which transposes ~5x faster)."""
     k, c = dense.shape[:2]
     kron = torch.kron(_G, _G).T          # [9, 36]: (i, j) -> (a, b)
