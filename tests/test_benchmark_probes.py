@@ -1,5 +1,5 @@
-"""benchmarks/conv_kernels.py, host_memory.py, grad_mode.py and winograd_shapes.py: parsing
-and one small run each."""
+"""benchmarks/conv_kernels.py, host_memory.py, grad_mode.py, winograd_shapes.py and
+cold_start.py: parsing and one small run each."""
 
 from __future__ import annotations
 
@@ -96,3 +96,20 @@ def test_winograd_shapes_compares_three_runs_of_a_small_shape(capsys) -> None:
     assert out[0].startswith("batch 1, 2 threads")
     assert out[1].startswith("  16 ch @ 9x9: winograd / direct / ort ")
     assert " w/direct " in out[1] and " w/ort " in out[1]
+
+
+def test_cold_start_times_both_runtimes_in_fresh_processes(capsys) -> None:
+    pytest.importorskip("onnxruntime")
+    probe = _load("cold_start")
+    assert probe.main(["--models", "no_such_model"]) == 2
+    assert "unknown model 'no_such_model'" in capsys.readouterr().err
+    assert probe.main(["--models", "bert_tiny", "--repeats", "1", "--threads", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("cold start, batch 1, 1 threads, median of 1 fresh")
+    for runtime, line in zip(("segflow", "onnxruntime"), out[1:3], strict=True):
+        fields = line.split()
+        assert fields[:2] == ["bert_tiny", runtime]
+        values = dict(zip(fields[2::2], map(float, fields[3::2]), strict=True))
+        assert set(values) == {"load", "run1", "run2", "steady"}
+        assert all(v > 0 for v in values.values())
+    assert out[3].split()[:4] == ["bert_tiny", "load", "+", "run1:"]

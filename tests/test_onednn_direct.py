@@ -718,3 +718,36 @@ def test_a_call_repoints_the_memories_only_where_the_address_changed(
                                    atol=ATOL, rtol=RTOL)
     # src and dst at the first call; src again at each change of input only.
     assert pointed == [xs[0].data_ptr(), out.data_ptr(), xs[1].data_ptr(), xs[0].data_ptr()]
+
+
+@pytest.mark.parametrize("winograd", ["0", "1"])
+def test_a_weight_two_convolutions_share_is_released_after_its_last_reader(
+        monkeypatch: pytest.MonkeyPatch, winograd: str):
+    # The layout pass frees each dense weight as soon as its last reader has the packed
+    # (or transformed) one. A weight read twice must survive the first of its readers.
+    from onnx import TensorProto, helper, numpy_helper
+    monkeypatch.setenv("SEGFLOW_WINOGRAD", winograd)
+    rng = np.random.default_rng(7)
+    w = (rng.standard_normal((16, 16, 3, 3)) / 12).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["a"], kernel_shape=[3, 3], pads=[1] * 4),
+         helper.make_node("Relu", ["a"], ["b"]),
+         helper.make_node("Conv", ["b", "w"], ["c"], kernel_shape=[3, 3], pads=[1] * 4),
+         helper.make_node("Conv", ["c", "w"], ["y"], kernel_shape=[3, 3], pads=[1] * 4,
+                          strides=[2, 2])],
+        "shared", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16, 12, 12])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    sess = segflow.InferenceSession(model.SerializeToString(), compile="codegen")
+    feeds = {"x": rng.standard_normal((1, 16, 12, 12)).astype(np.float32)}
+    ref = ort.InferenceSession(model.SerializeToString(),
+                               providers=["CPUExecutionProvider"]).run(None, feeds)
+    np.testing.assert_allclose(sess.run(None, feeds)[0], ref[0], atol=1e-4, rtol=1e-3)
+    convs = [n for n in sess.graph.nodes if n.op_type == "FusedConv"]
+    assert len(convs) == 3 and "w" not in sess.graph.initializers
+    assert all(n.inputs[1] is not None and n.inputs[1].const is not None for n in convs)
+    # The two stride-1 convolutions share one transformed (or packed) weight.
+    assert convs[0].inputs[1] is convs[1].inputs[1]
+    assert bool(convs[0].attrs.get("winograd")) is (winograd == "1")
+    assert not convs[2].attrs.get("winograd")        # stride 2: packed

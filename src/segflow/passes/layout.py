@@ -78,6 +78,7 @@ def layout(graph: Graph, device: Device, *, direct: bool = True,
     packed: dict[tuple[int, _PackParams, int], Value] = {}
     packed_as: dict[int, PackedConv] = {}
     winograd_weights: dict[int, Value] = {}     # id(dense weight) -> its transformed one
+    released: list[Value] = []   # dense weights freed (kept: the dicts above key on id())
     changed = 0
     use_winograd = winograd_preferred() if winograd is None else winograd
     lib: Library | None = None
@@ -92,8 +93,10 @@ def layout(graph: Graph, device: Device, *, direct: bool = True,
         if node.domain == FUSED_DOMAIN and node.op_type == "FusedGemm":
             if direct and lib is None and direct_linear_preferred():
                 lib = Library.load()
+            dense = node.inputs[1]
             changed += _pack_linear(graph, node, packed,
                                     lib if direct and direct_linear_preferred() else None)
+            _release(graph, dense, released)
             continue
         if _direct_pool(node, lib):
             node.attrs["onednn_direct"] = 1   # max pooling through libdnnl too
@@ -119,17 +122,20 @@ def layout(graph: Graph, device: Device, *, direct: bool = True,
         if lib is not None and use_winograd and not in_region \
                 and _winograd_fits(node, weight.const, params):
             _as_winograd(graph, node, weight, winograd_weights, lib)
+            _release(graph, weight, released)
             changed += 1
             continue
         key = (id(weight), params, in_region + plain_input)
         value = packed.get(key)
         if value is None:
             done = _pack_conv(weight.const, params, lib, in_region, plain_input)
-            value = Value(f"{weight.name}.onednn", weight.spec, const=done.tensor)
+            value = Value(_fresh_name(graph, f"{weight.name}.onednn"), weight.spec,
+                          const=done.tensor)
             graph.add_initializer(value)
             packed[key] = value
             packed_as[id(value)] = done
         graph.set_input(node, 1, value)
+        _release(graph, weight, released)
         node.attrs["channels_last"] = 1
         done = packed_as[id(value)]
         packed_for, verified = done.packed_for, done.verified_for
@@ -345,7 +351,8 @@ def _pack_linear(graph: Graph, node: Node, packed: dict[tuple[int, _PackParams, 
             except DnnlError:
                 tensor = None
             if tensor is not None:
-                value = Value(f"{weight.name}.dnnl", weight.spec, const=tensor)
+                value = Value(_fresh_name(graph, f"{weight.name}.dnnl"), weight.spec,
+                              const=tensor)
                 graph.add_initializer(value)
                 packed[key] = value
         if value is not None:
@@ -356,7 +363,7 @@ def _pack_linear(graph: Graph, node: Node, packed: dict[tuple[int, _PackParams, 
     value = packed.get(key)
     if value is None:
         tensor = torch.ops.mkldnn._reorder_linear_weight(w, rows)
-        value = Value(f"{weight.name}.onednn", weight.spec, const=tensor)
+        value = Value(_fresh_name(graph, f"{weight.name}.onednn"), weight.spec, const=tensor)
         graph.add_initializer(value)
         packed[key] = value
     graph.set_input(node, 1, value)
@@ -374,6 +381,31 @@ class _PackParams:
     input_size: tuple[int, ...] | None
 
 
+def _fresh_name(graph: Graph, name: str) -> str:
+    """``name``, or ``name.1``, ``name.2``, ... where the graph has an initializer so
+    called already: one weight packed twice (two convolutions of different strides
+    share it) gives two packed initializers, and the second must not displace the
+    first."""
+    fresh, n = name, 0
+    while fresh in graph.initializers:
+        n += 1
+        fresh = f"{name}.{n}"
+    return fresh
+
+
+def _release(graph: Graph, dense: Value | None, released: list[Value]) -> None:
+    """Free a dense weight as soon as its last reader has its packed (or transformed)
+    one, not when the pass ends: the dense and packed copies of every weight then
+    never coexist, and loading peaks that much lower. The Value is kept in
+    ``released`` (without its tensor) so that no new Value reuses its ``id()``."""
+    if dense is None or dense.uses or dense in graph.outputs \
+            or graph.initializers.get(dense.name) is not dense:
+        return
+    del graph.initializers[dense.name]
+    dense.const = None
+    released.append(dense)
+
+
 def _as_winograd(graph: Graph, node: Node, weight: Value, made: dict[int, Value],
                  lib: Library) -> None:
     """Mark ``node`` ``winograd`` and give it the transformed weight as its constant
@@ -383,7 +415,7 @@ def _as_winograd(graph: Graph, node: Node, weight: Value, made: dict[int, Value]
     value = made.get(id(weight))
     if value is None:
         assert weight.const is not None
-        value = Value(f"{weight.name}.winograd", weight.spec,
+        value = Value(_fresh_name(graph, f"{weight.name}.winograd"), weight.spec,
                       const=transformed(weight.const, lib))
         graph.add_initializer(value)
         made[id(weight)] = value

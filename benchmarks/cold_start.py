@@ -1,0 +1,112 @@
+"""Cold start: loading a model and its first runs, segflow against onnxruntime.
+
+    python benchmarks/cold_start.py                          # ResNet-50, MobileNetV2, BERT-base
+    python benchmarks/cold_start.py --models mobilenet_v2 --repeats 8
+
+What a process pays before its steady run: making the session from the
+serialized model (segflow: import, the graph passes, weight packing and the
+Winograd transform; onnxruntime: its graph optimizations and prepacking), the
+first run (segflow builds its libdnnl primitives, ~0.5 ms of JIT each, and
+records the replay) and the second. Each measurement is a fresh process that
+builds the model, serializes it, then times ``InferenceSession(bytes)``, run 1,
+run 2 and the median of five more; the two runtimes alternate, ``--repeats``
+processes each. Segflow's package cache stays as the environment has it
+(``SEGFLOW_CACHE_DIR``): the native kernels are compiled once per cache, not
+per process, so run it once first to leave that out. Printed: median ms of each
+phase per runtime, and segflow's load + first run over onnxruntime's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+MODELS = ("resnet50", "mobilenet_v2", "bert_base")
+PHASES = ("load", "run1", "run2", "steady")
+
+
+def child(runtime: str, name: str, threads: int) -> dict[str, float]:
+    """In a fresh process: ms for the session and its runs."""
+    from segflow import models
+
+    data = models.build(name).SerializeToString()
+    feeds = models.example_inputs(name, batch_size=1)
+    start = time.perf_counter()
+    if runtime == "onnxruntime":
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        sess: Any = ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
+    else:
+        import segflow
+
+        sess = segflow.InferenceSession(data, intra_op_threads=threads)
+    times = {"load": time.perf_counter() - start}
+    for phase in ("run1", "run2"):
+        start = time.perf_counter()
+        sess.run(None, feeds)
+        times[phase] = time.perf_counter() - start
+    steady = []
+    for _ in range(5):
+        start = time.perf_counter()
+        sess.run(None, feeds)
+        steady.append(time.perf_counter() - start)
+    times["steady"] = statistics.median(steady)
+    return {k: v * 1e3 for k, v in times.items()}
+
+
+def measure(runtime: str, name: str, threads: int) -> dict[str, float]:
+    out = subprocess.run([sys.executable, __file__, "--child", runtime, name,
+                          "--threads", str(threads)],
+                         capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"{runtime} on {name} failed: {out.stderr.strip()[-500:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default=",".join(MODELS),
+                        help="comma-separated built-in models")
+    parser.add_argument("--repeats", type=int, default=4, help="fresh processes per runtime")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--child", nargs=2, metavar=("RUNTIME", "MODEL"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(args.child[0], args.child[1], args.threads)))
+        return 0
+    from segflow import models
+
+    names = args.models.split(",")
+    unknown = [n for n in names if n not in models.available()]
+    if unknown:
+        print(f"cold_start.py: unknown model {unknown[0]!r}; available: "
+              f"{', '.join(models.available())}", file=sys.stderr)
+        return 2
+    print(f"cold start, batch 1, {args.threads} threads, median of {args.repeats} fresh "
+          "processes per runtime; ms")
+    for name in names:
+        rows: dict[str, list[dict[str, float]]] = {"segflow": [], "onnxruntime": []}
+        for _ in range(args.repeats):
+            for runtime in rows:
+                rows[runtime].append(measure(runtime, name, args.threads))
+        medians = {rt: {p: statistics.median(r[p] for r in runs) for p in PHASES}
+                   for rt, runs in rows.items()}
+        for runtime, m in medians.items():
+            print(f"  {name:<13} {runtime:<12} " + "  ".join(f"{p} {m[p]:8.1f}" for p in PHASES))
+        sf, ort = medians["segflow"], medians["onnxruntime"]
+        print(f"  {name:<13} load + run1: segflow / onnxruntime "
+              f"{(sf['load'] + sf['run1']) / (ort['load'] + ort['run1']):.2f}, "
+              f"run1 / steady: segflow {sf['run1'] / sf['steady']:.2f}, "
+              f"onnxruntime {ort['run1'] / ort['steady']:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
