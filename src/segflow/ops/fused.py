@@ -397,57 +397,53 @@ class WeightForInput:
 class TorchPacking:
     """torch's packing of a weight the layout pass kept in libdnnl's
     (:func:`conv_reads_libdnnl_packing`), made from those bytes on first use: only a
-    fallback of the direct convolution (torch's oneDNN op) reads it."""
+    fallback of the direct convolution (torch's oneDNN op) reads it. Subclasses
+    recover the plain weight from another kernel's format (:meth:`dense`)."""
 
-    def __init__(self, spec: _ConvSpec, geo: ConvGeometry, input_size: Sequence[int],
-                 blocked: bool = False, plain_input: bool = False) -> None:
+    def __init__(self, spec: _ConvSpec, geo: ConvGeometry | None,
+                 input_size: Sequence[int] | None, blocked: bool = False,
+                 plain_input: bool = False) -> None:
         self.spec = spec
         self.geo = geo
-        self.input_size = [int(d) for d in input_size]
+        self.input_size = [int(d) for d in input_size] if input_size is not None else None
         self.blocked = blocked          # packed for nChw8c activations
         self.plain_input = plain_input  # ... from a plain NCHW input
-        self.made: tuple[Tensor, Tensor] | None = None     # (libdnnl bytes, torch packing)
+        self.made: tuple[Tensor, Tensor] | None = None     # (the constant, torch packing)
+
+    def dense(self, w: Tensor) -> Tensor:
+        """The plain weight behind the constant ``w``."""
+        lib = Library.load()
+        if lib is None:
+            raise RuntimeError("a weight in libdnnl's packing, and libdnnl is not loaded")
+        assert self.geo is not None and self.input_size is not None
+        dense = lib.unpack_weight(w, self.geo, self.input_size, self.blocked, self.plain_input)
+        # [G, O/G, I/G, kh, kw] for a grouped convolution: torch wants [O, I/G, kh, kw].
+        return dense.reshape(-1, *dense.shape[-1 - self.spec.spatial:])
 
     def __call__(self, w: Tensor) -> Tensor:
         if w.is_mkldnn:
             return w
         made = self.made
         if made is None or made[0] is not w:
-            lib = Library.load()
-            if lib is None:
-                raise RuntimeError("a weight in libdnnl's packing, and libdnnl is not loaded")
-            dense = lib.unpack_weight(w, self.geo, self.input_size, self.blocked,
-                                      self.plain_input)
-            # [G, O/G, I/G, kh, kw] for a grouped convolution: torch wants [O, I/G, kh, kw].
-            dense = dense.reshape(-1, *dense.shape[-1 - self.spec.spatial:])
             spec = self.spec
             made = (w, torch.ops.mkldnn._reorder_convolution_weight(
-                dense, spec.pads, spec.strides, spec.dilations, spec.group, self.input_size))
+                self.dense(w), spec.pads, spec.strides, spec.dilations, spec.group,
+                self.input_size))
             self.made = made
         return made[1]
 
 
-class WinogradPacking:
+class WinogradPacking(TorchPacking):
     """torch's packing of a convolution whose weight constant is the Winograd transform
     (:func:`conv_reads_winograd_weight`), made from ``U`` on first use
     (``winograd.inverse_transform``): only a fallback of the Winograd call reads it,
     and a session that never falls back never holds it."""
 
     def __init__(self, spec: _ConvSpec) -> None:
-        self.spec = spec
-        self.made: tuple[Tensor, Tensor] | None = None     # (U, torch packing)
+        super().__init__(spec, None, None)
 
-    def __call__(self, w: Tensor) -> Tensor:
-        if w.is_mkldnn:
-            return w
-        made = self.made
-        if made is None or made[0] is not w:
-            spec = self.spec
-            made = (w, torch.ops.mkldnn._reorder_convolution_weight(
-                inverse_transform(w), spec.pads, spec.strides, spec.dilations, spec.group,
-                None))
-            self.made = made
-        return made[1]
+    def dense(self, w: Tensor) -> Tensor:
+        return inverse_transform(w)
 
 
 def _weight_for(node: Node, spec: _ConvSpec) -> WeightForInput:
