@@ -751,3 +751,31 @@ def test_a_weight_two_convolutions_share_is_released_after_its_last_reader(
     assert convs[0].inputs[1] is convs[1].inputs[1]
     assert bool(convs[0].attrs.get("winograd")) is (winograd == "1")
     assert not convs[2].attrs.get("winograd")        # stride 2: packed
+
+
+def test_the_preferred_weight_format_is_asked_of_libdnnl_once_per_geometry(
+        monkeypatch: pytest.MonkeyPatch):
+    lib = Library.load()
+    assert lib is not None
+    asked = []
+    convolution = Library.convolution
+
+    def counting(self: Library, *args: Any, **kwargs: Any) -> Any:
+        asked.append(kwargs.get("create", True))
+        return convolution(self, *args, **kwargs)
+
+    monkeypatch.setattr(Library, "convolution", counting)
+    spec = onednn_direct.geometry([24, 40, 3, 3], (1, 1), (1, 1), (1, 1), 1)
+    first = lib.preferred_desc(spec, [1, 40, 13, 11])
+    second = lib.preferred_desc(spec, [1, 40, 13, 11])
+    other = lib.preferred_desc(spec, [2, 40, 13, 11])
+    assert asked == [False, False]              # the second answer was kept
+    assert first.value != second.value          # each caller owns (destroys) its copy
+    assert lib.equal(first, second)
+    lib.destroy([("memory_desc", md) for md in (first, second, other)])
+    # The kept answer outlives the copies: a weight packed with it unpacks exactly.
+    dense = torch.randn(24, 40, 3, 3)
+    packed = lib.preferred_weight(dense, spec, [1, 40, 13, 11])
+    torch.testing.assert_close(lib.unpack_weight(packed, spec, [1, 40, 13, 11]), dense,
+                               atol=0, rtol=0)
+    assert asked == [False, False]
