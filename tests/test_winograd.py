@@ -173,6 +173,15 @@ def test_the_transforms_compute_a_3x3_correlation_of_a_6x6_window():
     torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_the_weight_transform_is_g_g_gt_laid_out_as_36_c_k():
+    # 40 input channels: two whole blocks of 16 and a shorter one.
+    g = torch.randn(24, 40, 3, 3)
+    u = transform_weight(g)
+    assert u.shape == (36, 40, 24) and u.is_contiguous() and u.dtype == torch.float32
+    expected = torch.einsum("ia,kcab,jb->ijck", winograd._G, g.double(), winograd._G)
+    torch.testing.assert_close(u.double(), expected.reshape(36, 40, 24), atol=1e-6, rtol=1e-6)
+
+
 def test_the_inverse_transform_recovers_the_weight():
     g = torch.randn(72, 16, 3, 3) * 3
     u = transform_weight(g)

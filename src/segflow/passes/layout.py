@@ -54,7 +54,7 @@ from segflow.ops.onednn_direct import (
     geometry,
     same_bytes,
 )
-from segflow.ops.winograd import transformed, unfit
+from segflow.ops.winograd import transform_weight, unfit
 from segflow.passes.result import PassResult
 
 # The row count a linear with a dynamic batch (or sequence) is packed for: BERT-base at
@@ -121,7 +121,7 @@ def layout(graph: Graph, device: Device, *, direct: bool = True,
         plain_input = in_region and x is not None and id(x.producer) not in region
         if lib is not None and use_winograd and not in_region \
                 and _winograd_fits(node, weight.const, params):
-            _as_winograd(graph, node, weight, winograd_weights, lib)
+            _as_winograd(graph, node, weight, winograd_weights)
             _release(graph, weight, released)
             changed += 1
             continue
@@ -406,8 +406,7 @@ def _release(graph: Graph, dense: Value | None, released: list[Value]) -> None:
     released.append(dense)
 
 
-def _as_winograd(graph: Graph, node: Node, weight: Value, made: dict[int, Value],
-                 lib: Library) -> None:
+def _as_winograd(graph: Graph, node: Node, weight: Value, made: dict[int, Value]) -> None:
     """Mark ``node`` ``winograd`` and give it the transformed weight as its constant
     (``U``, ``[36, C, K]``: ops/winograd.py), made once per dense weight. Nothing
     packs the dense one for it: its kernel reads ``U`` in place, and a fallback
@@ -416,7 +415,7 @@ def _as_winograd(graph: Graph, node: Node, weight: Value, made: dict[int, Value]
     if value is None:
         assert weight.const is not None
         value = Value(_fresh_name(graph, f"{weight.name}.winograd"), weight.spec,
-                      const=transformed(weight.const, lib))
+                      const=transform_weight(weight.const))
         graph.add_initializer(value)
         made[id(weight)] = value
     graph.set_input(node, 1, value)
