@@ -321,13 +321,12 @@ def _onednn_conv_kernel(node: Node, spec: _ConvSpec, act: Activation, params: li
         native, _ = NativeLibrary.for_session()
         if native is not None:   # else the fallback, over the recovered plain weight
             winograd = Winograd(native, ctx.workspace(), weight.const)
-    conv = DirectConv(
+    return DirectKernel(DirectConv(
         lib, geo, eltwise, after, fallback, MAX_SHAPES, MAX_REPACKS,
         [int(d) for d in verified] if verified else None, ctx.destination(node.outputs[0]),
         ctx.staging(node), fallback_inplace, conv_reads_libdnnl_packing(node),
         bool(node.attrs.get("onednn_blocked")), bool(node.attrs.get("onednn_blocked_input")),
-        winograd)
-    return DirectKernel(conv)
+        winograd))
 
 
 MAX_REPACKS = 2

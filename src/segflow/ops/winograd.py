@@ -125,19 +125,21 @@ def transform_weight(dense: Tensor) -> Tensor:
 def inverse_transform(u: Tensor) -> Tensor:
     """The float32 ``[K, C, 3, 3]`` weight whose :func:`transform_weight` is ``u``
     (``[36, C, K]``): ``g = P U P^T`` with ``P`` the pseudo-inverse of ``G``, in
-    float64, 64 output channels at a time. ``U`` was rounded to float32, so ``g``
-    comes back within a few float32 ulps of the original (``G`` has full column
-    rank: the least-squares inverse over all 36 points is exact up to that
-    rounding). Only a fallback reads it."""
+    float64, as :func:`transform_weight` runs backwards (``(P (x) P) [9, 36]`` over
+    ``U``, 16 input channels at a time, into the weight read as ``[9, C, K]``).
+    ``U`` was rounded to float32, so ``g`` comes back within a few float32 ulps of
+    the original (``G`` has full column rank: the least-squares inverse over all 36
+    points is exact up to that rounding). Only a fallback reads it."""
     points, c, k = u.shape
     if points != _POINTS:
         raise ValueError(f"a Winograd weight has {_POINTS} points, not {points}")
-    pinv = torch.linalg.pinv(_G)                  # [3, 6]
-    back = torch.kron(pinv, pinv).T               # [36, 9]: (i, j) -> (a, b)
+    pinv = torch.linalg.pinv(_G)                          # [3, 6]
+    back = torch.kron(pinv, pinv)                         # [9, 36]: (a, b) <- (i, j)
     out = torch.empty(k, c, 3, 3)
-    for first in range(0, k, 64):
-        block = u[:, :, first:first + 64].permute(2, 1, 0).double()     # [64, C, 36]
-        out[first:first + 64] = (block.reshape(-1, _POINTS) @ back).reshape(-1, c, 3, 3)
+    columns = out.view(k, c, 9).permute(2, 1, 0)          # [9, C, K], strided
+    for first in range(0, c, 16):
+        block = u[:, first:first + 16, :].double().reshape(_POINTS, -1)
+        columns[:, first:first + 16, :] = (back @ block).view(9, -1, k)
     return out
 
 
