@@ -86,3 +86,34 @@ def test_measure_pauses_only_around_onnxruntime(targets: ModuleType,
     events.clear()
     targets.measure(runners, rounds=1, per_round=1, warmup=0, settle=0.0)
     assert events == ["segflow", "onnxruntime", "torch"]
+
+
+def _memory(held: float, held_anon: float, warm: float = 0.0) -> dict[str, float]:
+    return {"held_mib": held, "held_anon_mib": held_anon, "warm_run_peak_mib": warm}
+
+
+def test_memory_verdict_reads_rss_and_private_pages_apart(
+        targets: ModuleType, capsys: pytest.CaptureFixture[str]) -> None:
+    """Code pages a run first touches count in RSS but not in private pages: the
+    target can miss in one reading and pass in the other, and both are printed."""
+    targets._memory_verdict({"segflow": _memory(15.4, 10.5),
+                             "onnxruntime": _memory(13.6, 13.1)})
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [
+        "  run total, RSS: segflow 15.4 against onnxruntime 13.6 MiB (+1.8) MISS",
+        "  run total, private pages: segflow 10.5 against onnxruntime 13.1 MiB (-2.6) PASS"]
+    targets._memory_verdict({"segflow": _memory(10.0, 9.0, warm=2.0),
+                             "onnxruntime": _memory(13.0, 12.0)})
+    assert capsys.readouterr().out.count("PASS") == 2
+    targets._memory_verdict({"torch": _memory(1.0, 1.0), "onnxruntime": _memory(2.0, 2.0)})
+    assert capsys.readouterr().out == ""
+
+
+def test_an_unknown_case_is_a_one_line_error(targets: ModuleType,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        targets.main(["--cases", "resnet50_b1"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown case 'resnet50_b1'" in err and "resnet50@8" in err
+    assert "Traceback" not in err
