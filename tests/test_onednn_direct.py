@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -262,6 +264,23 @@ def test_library_not_found_is_reported(monkeypatch: pytest.MonkeyPatch, tmp_path
     monkeypatch.setenv("SEGFLOW_DNNL_LIBRARY", str(tmp_path / "libdnnl.so.3"))
     lib, why = Library.find()
     assert lib is None and "pip install onednn-cpu-gomp" in why
+
+
+def test_the_system_search_runs_only_when_the_wheels_library_is_absent(
+        monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """``ctypes.util.find_library`` runs ``ldconfig`` and a compiler (~20 ms of a cold
+    start): the library search asks it only after the environment's own file."""
+    asked: list[str] = []
+    monkeypatch.setattr(onednn_direct.ctypes.util, "find_library",
+                        lambda name: asked.append(name) or "libdnnl.so.3")
+    monkeypatch.delenv("SEGFLOW_DNNL_LIBRARY", raising=False)
+    candidates = onednn_direct._library_candidates()
+    assert next(candidates) == str(Path(sys.prefix) / "lib" / "libdnnl.so.3")
+    assert asked == []
+    assert list(candidates)[-1] == "libdnnl.so.3" and asked == ["dnnl"]
+    lib, _ = Library.find()
+    if lib is not None and lib.path.startswith(sys.prefix):
+        assert asked == ["dnnl"]   # found in the environment: no second search
 
 
 def _resnet18_log(env: dict[str, str]) -> tuple[list[str], Any]:

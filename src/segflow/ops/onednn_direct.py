@@ -35,7 +35,7 @@ import site
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -114,18 +114,23 @@ class DnnlError(RuntimeError):
     """A oneDNN C call failed (status code in the message)."""
 
 
-def _library_candidates() -> list[str]:
+def _library_candidates() -> Iterator[str]:
     """Where to look: the named file, else the environment's ``lib/`` (where the wheel
-    puts it), the user base, then the system's library path."""
+    puts it), the user base, then the system's library path. Lazily: the last asks
+    ``ctypes.util.find_library``, which runs ``ldconfig`` and a compiler (tens of
+    milliseconds of a cold start), only when the wheel's file is not there."""
     named = os.environ.get(ENV_DNNL_LIBRARY, "").strip()
     if named:
-        return [named]
+        yield named
+        return
     if not sys.platform.startswith("linux"):
-        return []
-    found = [str(Path(prefix) / "lib" / "libdnnl.so.3")
-             for prefix in (sys.prefix, site.USER_BASE) if prefix]
+        return
+    for prefix in (sys.prefix, site.USER_BASE):
+        if prefix:
+            yield str(Path(prefix) / "lib" / "libdnnl.so.3")
     system = ctypes.util.find_library("dnnl")
-    return found + ([system] if system else [])
+    if system:
+        yield system
 
 
 def _libgomp_copies() -> int:
