@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import onnx
 import pytest
@@ -139,6 +142,25 @@ def test_help_for_every_command(capsys):
             cli.main([command, "--help"])
         assert info.value.code == 0
         assert "usage: segflow" in capsys.readouterr().out
+
+
+def test_help_needs_neither_torch_nor_onnx() -> None:
+    """``segflow --help`` and each command's help build the parser without importing
+    torch or onnx (~3 s on the 2-core CI VM); ``import segflow`` loads them on first
+    use of a name that needs them."""
+    probe = ("import sys\n"
+             "import segflow\n"
+             "from segflow.cli import _build_parser\n"
+             "parser = _build_parser()\n"
+             "parser.format_help()\n"
+             "for command in ('run', 'bench', 'profile', 'cache'):\n"
+             "    parser.parse_known_args([command, '--counters-only'] if command == 'bench'"
+             " else [command])\n"
+             "print(sorted({'torch', 'onnx'} & set(sys.modules)))\n"
+             "print(segflow.InferenceSession.__module__, 'torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         check=True).stdout.splitlines()
+    assert out == ["[]", "segflow.runtime.session True"]
 
 
 def test_train_demo_passes_flags_through(capsys):

@@ -7,6 +7,11 @@
 >>> print(sess.explain())                                         # doctest: +SKIP
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from segflow.errors import (
     ExecutionError,
     InvalidInput,
@@ -15,10 +20,45 @@ from segflow.errors import (
     SegflowError,
     UnsupportedOp,
 )
-from segflow.profiler import profile
-from segflow.runtime.session import InferenceSession, NodeArg, PendingRun
-from segflow.runtime.stats import RunStats
-from segflow.runtime.training import CrossEntropyLoss, GradReq, StepResult, TrainingSession
+
+if TYPE_CHECKING:
+    from segflow.profiler import profile
+    from segflow.runtime.session import InferenceSession, NodeArg, PendingRun
+    from segflow.runtime.stats import RunStats
+    from segflow.runtime.training import (
+        CrossEntropyLoss,
+        GradReq,
+        StepResult,
+        TrainingSession,
+    )
+
+# The public names that need torch and onnx load on first use (PEP 562), so that
+# ``import segflow.errors`` and ``segflow --help`` do not pay their ~3 s import.
+_LAZY = {
+    "profile": "segflow.profiler",
+    "InferenceSession": "segflow.runtime.session",
+    "NodeArg": "segflow.runtime.session",
+    "PendingRun": "segflow.runtime.session",
+    "RunStats": "segflow.runtime.stats",
+    "CrossEntropyLoss": "segflow.runtime.training",
+    "GradReq": "segflow.runtime.training",
+    "StepResult": "segflow.runtime.training",
+    "TrainingSession": "segflow.runtime.training",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'segflow' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __version__ = "0.1.0"
 

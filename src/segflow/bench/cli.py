@@ -11,17 +11,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 from segflow.bench import baseline as gate
-from segflow.bench.report import format_results, plot_results, require_matplotlib
-from segflow.bench.runner import (
-    DEFAULT_MODELS,
-    DEFAULT_MODES,
-    DEFAULT_PEERS,
-    MODES,
-    BenchSettings,
-    resolve_models,
-    run_benchmark,
-    to_record,
-)
+from segflow.bench.modes import DEFAULT_MODELS, DEFAULT_MODES, DEFAULT_PEERS, MODES
 
 DEFAULT_SECONDS = 8.0  # timed seconds per model; keeps the default set under ~2 minutes
 
@@ -58,6 +48,10 @@ def _progress_bar(enabled: bool) -> Iterator[Callable[[str, float], None] | None
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    # The runner and report need torch and onnx: imported here, not to build --help.
+    from segflow.bench.report import format_results, plot_results, require_matplotlib
+    from segflow.bench.runner import BenchSettings, resolve_models, run_benchmark, to_record
+
     if args.plot:
         require_matplotlib()
     max_slowdown = gate.parse_tolerance(args.max_slowdown)

@@ -40,36 +40,12 @@ import numpy as np
 import onnx
 
 from segflow.bench.memory import memory_kind, peak_extra_mib
+from segflow.bench.modes import DEFAULT_MODELS, DEFAULT_MODES, DEFAULT_PEERS, MODES
 from segflow.bench.peers import ModelSource, PeerUnavailable, prepare_peer
 from segflow.errors import SegflowError
 from segflow.ir.types import Device
 
-DEFAULT_MODELS = ("resnet50", "mobilenet_v2", "bert_base", "mlp_chain")
-DEFAULT_MODES = ("bulk", "nobulk")
-DEFAULT_PEERS = ("onnxruntime", "torch")
 RECORD_SCHEMA = 1
-
-
-@dataclass(frozen=True, slots=True)
-class ModeSpec:
-    """A segflow configuration to benchmark. None fields follow the defaults/environment."""
-
-    name: str
-    bulk: bool | None
-    engine: str | None
-    doc: str
-
-
-# "bulk" is deliberately the *default* configuration, not bulk=True: a change that
-# turns bulking off by default (or SEGFLOW_BULK_INFERENCE=0) must show in its counters.
-MODES: Mapping[str, ModeSpec] = {
-    m.name: m for m in (
-        ModeSpec("bulk", None, None, "default settings (bulk unless SEGFLOW_BULK_INFERENCE=0)"),
-        ModeSpec("nobulk", False, None, "bulking off: one engine task per node"),
-        ModeSpec("inline", None, "inline", "default settings on the inline engine"),
-        ModeSpec("inline-nobulk", False, "inline", "bulking off on the inline engine"),
-    )
-}
 
 
 class VariantKind(enum.Enum):
