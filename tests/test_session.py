@@ -174,6 +174,34 @@ def test_symbolic_dimension_disagreement(bert):
     expect_invalid(bert, feeds, "attention_mask", "'seq'")
 
 
+def test_checks_hold_after_a_run_accepted_the_same_dtypes_and_shapes(bert):
+    """numpy feeds with the dtypes and shapes the last checked run accepted skip the
+    per-dim checks (a small model's fixed cost); anything else is checked in full."""
+    expected = bert.run(None, good_feeds())
+    assert bert._validate(good_feeds())[1] == {"batch": 1, "seq": 8}
+    for got, want in zip(bert.run(None, good_feeds()), expected):
+        np.testing.assert_array_equal(got, want)
+    bad = good_feeds()
+    bad["attention_mask"] = np.ones((1, 9), np.int64)
+    expect_invalid(bert, bad, "attention_mask", "'seq'")
+    bad = good_feeds()
+    bad["input_ids"] = bad["input_ids"].astype(np.int32)
+    expect_invalid(bert, bad, "input_ids", "int32", "int64")
+    bad = good_feeds()
+    del bad["attention_mask"]
+    expect_invalid(bert, bad, "missing input", "attention_mask")
+    bad = good_feeds()
+    bad["input_idz"] = bad.pop("input_ids")
+    expect_invalid(bert, bad, "input_idz")
+    listed = good_feeds()
+    listed["input_ids"] = listed["input_ids"].tolist()   # not an array: the full checks
+    np.testing.assert_array_equal(bert.run(None, listed)[0], expected[0])
+    longer = models.example_inputs("bert_tiny", seq_len=12)
+    assert bert._validate(longer)[1] == {"batch": 1, "seq": 12}
+    assert bert.run(None, longer)[0].shape[1] == 12
+    assert bert._validate(good_feeds())[1] == {"batch": 1, "seq": 8}
+
+
 def test_unknown_output_name(bert):
     with pytest.raises(segflow.InvalidInput, match="hidden"):
         bert.run(["hidden"], good_feeds())

@@ -15,7 +15,7 @@ import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import onnx
@@ -168,6 +168,9 @@ class InferenceSession:
                                 if t is not None}
         # Looked up on every run: built once.
         self._inputs_by_name = {v.name: v for v in self.graph.inputs}
+        # The (dtype, shape) of each numpy feed, in input order, and the symbolic dims
+        # they bound, as the last fully checked run accepted them (_validate).
+        self._accepted: tuple[list[tuple[np.dtype, tuple[int, ...]]], dict[str, int]] | None = None
         self._output_names = [v.name for v in self.graph.outputs]
         self._all_outputs = tuple(range(len(self.graph.outputs)))
         # run() hands back numpy arrays, so its tensors never meet autograd: on the host
@@ -242,7 +245,9 @@ class InferenceSession:
         On the host (inline engine) the kernels run under ``torch.inference_mode``:
         nothing of the run can reach autograd, so torch skips that dispatch layer.
         """
-        return self.run_async(output_names, feeds).result()
+        wanted, tensors, outputs, wait = self._start(output_names, feeds)
+        wait()
+        return self._arrays(wanted, tensors, outputs)
 
     def run_async(self, output_names: Sequence[str] | None,
                   feeds: Mapping[str, Any]) -> PendingRun:
@@ -255,13 +260,20 @@ class InferenceSession:
         device busy. Where nothing runs asynchronously (host devices, profiled runs)
         the run is complete when this returns.
         """
+        wanted, tensors, outputs, wait = self._start(output_names, feeds)
+        return PendingRun(self, wanted, tensors, outputs, wait, self._local.stats)
+
+    def _start(self, output_names: Sequence[str] | None, feeds: Mapping[str, Any]
+               ) -> tuple[Sequence[int], list[Tensor], list[Tensor], Callable[[], None]]:
+        """What :meth:`run` and :meth:`run_async` share: check the feeds, start the run,
+        keep its stats for this thread; the outputs are ready once ``wait()`` returns."""
         tensors, dims = self._validate(feeds)
         wanted = self._output_indices(output_names)
         with self._numpy_run_mode():
             outputs, stats, wait = self._executor.start(tensors, active_sink(),
                                                         host_outputs=True, dims=dims)
         self._local.stats = self._sized(stats, dims)
-        return PendingRun(self, wanted, tensors, outputs, wait, self._local.stats)
+        return wanted, tensors, outputs, wait
 
     def _arrays(self, wanted: Sequence[int], tensors: Sequence[Tensor],
                 outputs: Sequence[Tensor]) -> list[np.ndarray]:
@@ -334,6 +346,15 @@ class InferenceSession:
             if name not in expected:
                 raise InvalidInput(f"unknown input name {name!r}; the model's inputs are "
                                    f"{', '.join(expected) or '(none)'}")
+        accepted = self._accepted
+        if accepted is not None and len(feeds) == len(expected):
+            # The common case: numpy feeds of the dtypes and shapes the last run accepted
+            # (all of them checked then, symbolic dims included): no per-dim checks again.
+            arrays = [feeds.get(name) for name in expected]
+            if all(type(a) is np.ndarray for a in arrays):
+                checked = cast("list[np.ndarray]", arrays)
+                if accepted[0] == [(a.dtype, a.shape) for a in checked]:
+                    return [_as_tensor(a) for a in checked], dict(accepted[1])
         symbols: dict[str, tuple[int, str]] = {}
         tensors = []
         for value in self.graph.inputs:
@@ -341,7 +362,11 @@ class InferenceSession:
                 raise InvalidInput(f"missing input {value.name!r} "
                                    f"(expected {value.spec.describe()})")
             tensors.append(self._check_feed(value, feeds[value.name], symbols))
-        return tensors, {name: size for name, (size, _) in symbols.items()}
+        dims = {name: size for name, (size, _) in symbols.items()}
+        fed = [feeds[name] for name in expected]
+        self._accepted = (([(a.dtype, a.shape) for a in fed], dims)
+                          if all(type(a) is np.ndarray for a in fed) else None)
+        return tensors, dims
 
     def _check_feed(self, value: Value, data: Any, symbols: dict[str, tuple[int, str]]) -> Tensor:
         spec = value.spec
@@ -366,16 +391,11 @@ class InferenceSession:
                                    f"({spec.describe()})")
             for axis, (want, have) in enumerate(zip(spec.shape, shape)):
                 _check_dim(value.name, axis, want, have, spec, symbols)
-        if tensor is None:
-            if not array.flags.writeable or not array.flags.c_contiguous:
-                # torch.from_numpy needs a writeable array without negative strides.
-                array = np.array(array, order="C")
-            tensor = torch.from_numpy(array)
         # The executor uploads feeds to the device (pinned memory, copy stream).
-        return tensor
+        return tensor if tensor is not None else _as_tensor(array)
 
     def _to_numpy(self, value: Value, tensor: Tensor, aliased: bool) -> np.ndarray:
-        t = tensor.detach()
+        t = tensor.detach() if tensor.requires_grad else tensor
         if t.dtype == torch.bfloat16:
             t = t.float()
         if not t.is_cpu:
@@ -412,6 +432,15 @@ def _check_dim(name: str, axis: int, want: Dim, have: int, spec: TensorSpec,
         elif seen[0] != have:
             raise InvalidInput(f"input {name!r} has dimension {have} at axis {axis} "
                                f"('{want}'), but input {seen[1]!r} set '{want}' = {seen[0]}")
+
+
+def _as_tensor(array: np.ndarray) -> Tensor:
+    """A feed array as a tensor over the same memory where torch can share it."""
+    flags = array.flags
+    if not flags.writeable or not flags.c_contiguous:
+        # torch.from_numpy needs a writeable array without negative strides.
+        array = np.array(array, order="C")
+    return torch.from_numpy(array)
 
 
 def _storage(tensor: Tensor) -> int:
