@@ -110,6 +110,6 @@ def test_cold_start_times_both_runtimes_in_fresh_processes(capsys) -> None:
         fields = line.split()
         assert fields[:2] == ["bert_tiny", runtime]
         values = dict(zip(fields[2::2], map(float, fields[3::2]), strict=True))
-        assert set(values) == {"load", "run1", "run2", "steady"}
+        assert set(values) == {"import", "load", "run1", "run2", "steady"}
         assert all(v > 0 for v in values.values())
     assert out[3].split()[:4] == ["bert_tiny", "load", "+", "run1:"]
