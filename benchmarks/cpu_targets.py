@@ -16,6 +16,7 @@ would otherwise share the cores with those spinning workers.
     python benchmarks/cpu_targets.py --cases mobilenet_v2 --variants "default;native=off"
     python benchmarks/cpu_targets.py --cases resnet50,resnet50@8 --variants "default;winograd=off"
     python benchmarks/cpu_targets.py --memory               # peak memory, ResNet-50 batch 1
+                                                            # (RSS, and its private pages)
     python benchmarks/cpu_targets.py --memory --cases mobilenet_v2 --variants "default;compile=none"
     python benchmarks/cpu_targets.py --standalone           # each runtime in its own process
 
