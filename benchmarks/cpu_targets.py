@@ -429,16 +429,20 @@ def run_memory(case: Case, runs: int, variants: list[str]) -> dict[str, dict[str
     return results
 
 
+def _run_total(r: Mapping[str, float], held: str = "held_mib") -> float:
+    """What a run takes: what the runtime holds between runs (``held``: all of it, or
+    its private pages) plus what a warm run adds on top."""
+    return r[held] + r["warm_run_peak_mib"]
+
+
 def _memory_verdict(results: Mapping[str, Mapping[str, float]]) -> None:
     """The target (a run's peak memory <= onnxruntime's), read two ways: in RSS, and in
     private pages only, where the code pages each runtime's libraries touch do not count."""
     if "segflow" not in results or "onnxruntime" not in results:
         return
     sf, ort = results["segflow"], results["onnxruntime"]
-    rss = (sf["held_mib"] + sf["warm_run_peak_mib"], ort["held_mib"] + ort["warm_run_peak_mib"])
-    anon = (sf["held_anon_mib"] + sf["warm_run_peak_mib"],
-            ort["held_anon_mib"] + ort["warm_run_peak_mib"])
-    for name, (ours, theirs) in (("RSS", rss), ("private pages", anon)):
+    for name, held in (("RSS", "held_mib"), ("private pages", "held_anon_mib")):
+        ours, theirs = _run_total(sf, held), _run_total(ort, held)
         verdict = "PASS" if ours <= theirs else "MISS"
         print(f"  run total, {name}: segflow {ours:.1f} against onnxruntime {theirs:.1f} MiB "
               f"({ours - theirs:+.1f}) {verdict}")
@@ -493,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         for runtime, r in results.items():
             extra = (f"  planned {r['planned_mib']:.1f}  arena {r['arena_mib']:.1f}"
                      if "planned_mib" in r else "")
-            total = r["held_mib"] + r["warm_run_peak_mib"]
+            total = _run_total(r)
             print(f"  {runtime:<12} loaded {r['loaded_mib']:7.1f} "
                   f"(anon {r['loaded_anon_mib']:6.1f})  load peak {r['load_peak_mib']:7.1f}  "
                   f"cold peak {r['run_peak_mib']:6.1f}  "

@@ -351,10 +351,9 @@ class InferenceSession:
             # The common case: numpy feeds of the dtypes and shapes the last run accepted
             # (all of them checked then, symbolic dims included): no per-dim checks again.
             arrays = [feeds.get(name) for name in expected]
-            if all(type(a) is np.ndarray for a in arrays):
-                checked = cast("list[np.ndarray]", arrays)
-                if accepted[0] == [(a.dtype, a.shape) for a in checked]:
-                    return [_as_tensor(a) for a in checked], dict(accepted[1])
+            if _numpy_signature(arrays) == accepted[0]:
+                return ([_as_tensor(a) for a in cast("list[np.ndarray]", arrays)],
+                        dict(accepted[1]))
         symbols: dict[str, tuple[int, str]] = {}
         tensors = []
         for value in self.graph.inputs:
@@ -363,9 +362,8 @@ class InferenceSession:
                                    f"(expected {value.spec.describe()})")
             tensors.append(self._check_feed(value, feeds[value.name], symbols))
         dims = {name: size for name, (size, _) in symbols.items()}
-        fed = [feeds[name] for name in expected]
-        self._accepted = (([(a.dtype, a.shape) for a in fed], dims)
-                          if all(type(a) is np.ndarray for a in fed) else None)
+        signature = _numpy_signature([feeds[name] for name in expected])
+        self._accepted = (signature, dims) if signature is not None else None
         return tensors, dims
 
     def _check_feed(self, value: Value, data: Any, symbols: dict[str, tuple[int, str]]) -> Tensor:
@@ -432,6 +430,13 @@ def _check_dim(name: str, axis: int, want: Dim, have: int, spec: TensorSpec,
         elif seen[0] != have:
             raise InvalidInput(f"input {name!r} has dimension {have} at axis {axis} "
                                f"('{want}'), but input {seen[1]!r} set '{want}' = {seen[0]}")
+
+
+def _numpy_signature(feeds: Sequence[Any]) -> list[tuple[np.dtype, tuple[int, ...]]] | None:
+    """Each feed's (dtype, shape) where every one is a plain numpy array, else None."""
+    if not all(type(a) is np.ndarray for a in feeds):
+        return None
+    return [(a.dtype, a.shape) for a in feeds]
 
 
 def _as_tensor(array: np.ndarray) -> Tensor:
