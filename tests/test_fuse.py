@@ -1,4 +1,5 @@
-"""Tests for passes/fuse.py: each rule's changed and unchanged case, numerics vs onnxruntime."""
+"""Tests for passes/fuse/: each rule's changed and unchanged case, its switch, numerics vs
+onnxruntime."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import segflow
 from segflow import models
 from segflow.frontend.onnx_import import import_model
 from segflow.ops import fused
-from segflow.passes.fuse import RULES, fuse, run_rules
+from segflow.passes.fuse import RULE_NAMES, RULES, fuse, run_rules
 
 ATOL, RTOL = 1e-4, 1e-3
 RNG = np.random.default_rng(0)
@@ -85,6 +86,52 @@ def test_every_rule_is_named_and_selectable():
     with pytest.raises(ValueError, match="unknown fuse rules"):
         run_rules(import_model(_model([helper.make_node("Relu", ["x"], ["y"])],
                                       {"x": [2]}, ["y"])), ["nope"])
+
+
+def _noop_model():
+    nodes = [helper.make_node("Identity", ["x"], ["a"]),
+             helper.make_node("Conv", ["a", "w"], ["b"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["b"], ["out"])]
+    return _model(nodes, {"x": [1, 2, 5, 5]}, ["out"], {"w": _rand(3, 2, 3, 3)}), \
+        {"x": _rand(1, 2, 5, 5)}
+
+
+def _resnet():
+    build = {"num_classes": 10, "image_size": 32}
+    feeds = models.example_inputs("resnet18", batch_size=2, **build)
+    return models.build("resnet18", **build), feeds
+
+
+def _bert():
+    return models.build("bert_tiny"), models.example_inputs("bert_tiny", batch_size=2, seq_len=16)
+
+
+# rule -> (model and feeds, the op the rule rewrites away: gone with the rule on, kept off)
+_RULE_CASES = {
+    "noops": (_noop_model, "Identity"),
+    "batchnorm": (_resnet, "BatchNormalization"),
+    "linear": (_bert, "MatMul"),
+    "gelu": (_bert, "Erf"),
+    "conv": (_resnet, "Conv"),
+    "activation": (_resnet, "Relu"),
+    "attention": (_bert, "Softmax"),
+}
+
+
+def test_every_rule_has_a_switch_case():
+    assert sorted(_RULE_CASES) == sorted(RULE_NAMES)
+
+
+@pytest.mark.parametrize("rule", RULE_NAMES)
+def test_each_rule_switched_off_leaves_its_pattern_and_the_results(rule):
+    make, op_type = _RULE_CASES[rule]
+    model, feeds = make()
+    on = _check(model, feeds)
+    off = _check(model, feeds, optimize={f"fuse.{rule}": False})
+    assert not any(n.op_type == op_type for n in on.graph.nodes)
+    assert any(n.op_type == op_type for n in off.graph.nodes)
+    assert f"rules off: {rule}" in off.explain()
+    assert "rules off" not in on.explain()
 
 
 # -- no-ops ------------------------------------------------------------------------------
@@ -356,6 +403,15 @@ def test_fuse_can_be_switched_off_by_environment(monkeypatch):
     sess = segflow.InferenceSession(models.build("mlp_chain", layers=2))
     assert [n.op_type for n in sess.graph.nodes] == ["Gemm", "Relu", "Gemm", "Relu"]
     assert "fuse: off" in sess.explain()
+
+
+def test_fuse_rules_can_be_switched_off_by_environment(monkeypatch):
+    monkeypatch.setenv("SEGFLOW_NO_FUSE", "activation,batchnorm")
+    model, feeds = _resnet()
+    sess = _check(model, feeds)
+    kinds = Counter(n.op_type for n in sess.graph.nodes)
+    assert kinds["BatchNormalization"] == 20 and kinds["FusedConv"] == 20 and kinds["Relu"] > 0
+    assert "rules off: batchnorm, activation" in sess.explain()
 
 
 def test_fused_model_still_serializes_through_onnx_checker():

@@ -175,3 +175,37 @@ def test_optimized_and_plain_sessions_agree_on_every_builder_model():
         plain = segflow.InferenceSession(model, optimize=False, compile="none").run(None, feeds)
         for a, b in zip(fast, plain):
             np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-3)
+
+
+def test_fuse_rules_switch_off_by_name_from_the_api_or_the_environment():
+    api = OptimizeOptions.resolve({"fuse.batchnorm": False, "fuse.gelu": True}, env={})
+    assert api.fuse and api.fuse_off == {"batchnorm"}
+    env = {"SEGFLOW_NO_FUSE": "conv, batchnorm"}
+    from_env = OptimizeOptions.resolve(env=env)
+    assert from_env.fuse and from_env.fuse_off == {"batchnorm", "conv"}
+    assert from_env.as_record()["fuse_off"] == "batchnorm,conv"      # in the rules' order
+    # API rule switches replace the environment's list; other API keys leave it.
+    assert OptimizeOptions.resolve({"fuse.conv": False}, env=env).fuse_off == {"conv"}
+    assert OptimizeOptions.resolve({"fuse.batchnorm": True}, env=env).fuse_off == set()
+    assert OptimizeOptions.resolve({"layout": False}, env=env).fuse_off == {"batchnorm", "conv"}
+    # 1 still turns the whole pass off, 0 leaves it all on.
+    assert not OptimizeOptions.resolve(env={"SEGFLOW_NO_FUSE": "1"}).fuse
+    zero = OptimizeOptions.resolve(env={"SEGFLOW_NO_FUSE": "0"})
+    assert zero.fuse and zero.fuse_off == set()
+
+
+def test_unknown_fuse_rules_are_one_line_errors():
+    with pytest.raises(InvalidSetting, match=r"unknown passes \['fuse.bn'\]; known: .*fuse.<rule>"):
+        OptimizeOptions.resolve({"fuse.bn": False}, env={})
+    with pytest.raises(InvalidSetting,
+                       match=r"^SEGFLOW_NO_FUSE='bn,conv': unknown fuse rules \['bn'\]; expected"):
+        OptimizeOptions.resolve(env={"SEGFLOW_NO_FUSE": "bn,conv"})
+
+
+def test_log_line_names_the_rules_switched_off():
+    graph = import_model(models.build("resnet18", num_classes=10, image_size=32))
+    options = OptimizeOptions.resolve({"fuse.batchnorm": False}, compile="codegen", env={})
+    log = optimize(graph, options, device=CPU)
+    assert log[1].startswith("fuse: 69 -> ") and log[1].endswith("; rules off: batchnorm")
+    assert "batchnorm 20" not in log[1]
+    assert sum(1 for n in graph.nodes if n.op_type == "BatchNormalization") == 20

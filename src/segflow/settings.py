@@ -27,7 +27,7 @@ ENV_DEBUG = "SEGFLOW_DEBUG"
 # Inference optimization (segflow.passes.pipeline): API values win over these.
 ENV_OPTIMIZE = "SEGFLOW_OPTIMIZE"                  # 0: run the graph as imported
 ENV_NO_FOLD = "SEGFLOW_NO_FOLD"                    # 1: skip constant folding
-ENV_NO_FUSE = "SEGFLOW_NO_FUSE"                    # 1: skip fusion / no-op elimination
+ENV_NO_FUSE = "SEGFLOW_NO_FUSE"                    # 1: skip fusion; rule names: those rules
 ENV_NO_LAYOUT = "SEGFLOW_NO_LAYOUT"                # 1: keep dense NCHW convolution weights
 ENV_NO_MEMORY_PLAN = "SEGFLOW_NO_MEMORY_PLAN"      # 1: no memory plan, no in-place ops
 ENV_COMPILE = "SEGFLOW_COMPILE"                    # auto | codegen | onednn | inductor | none

@@ -7,9 +7,11 @@
 Every pass can be switched off, from the API (``optimize=False`` or
 ``optimize={"fuse": False}``) or the environment (``SEGFLOW_OPTIMIZE=0``,
 ``SEGFLOW_NO_FOLD``, ``SEGFLOW_NO_FUSE``, ``SEGFLOW_NO_DENSE_CHAIN``,
-``SEGFLOW_NO_LAYOUT``, ``SEGFLOW_NO_MEMORY_PLAN``); the API wins. Each pass adds one line to the log
-that ``explain()`` prints, e.g. ``fuse: 175 -> 57 nodes (batchnorm 53, conv 53,
-activation 49, linear 1)``.
+``SEGFLOW_NO_LAYOUT``, ``SEGFLOW_NO_MEMORY_PLAN``); the API wins. So can each of the
+fuse pass's rules (``passes/fuse/``): ``optimize={"fuse.batchnorm": False}``, or
+``SEGFLOW_NO_FUSE=batchnorm,conv`` (rule names in place of ``1``). Each pass adds
+one line to the log that ``explain()`` prints, e.g. ``fuse: 175 -> 57 nodes
+(batchnorm 53, conv 53, activation 49, linear 1)``.
 
 >>> log = optimize(graph, OptimizeOptions.resolve(True))   # doctest: +SKIP
 """
@@ -36,7 +38,7 @@ from segflow.ops.onednn_direct import Library
 from segflow.ops.registry import OpRegistry
 from segflow.passes.dense_chain import chain_dense
 from segflow.passes.fold_constants import fold_constants
-from segflow.passes.fuse import run_rules
+from segflow.passes.fuse import RULE_NAMES, run_rules
 from segflow.passes.layout import POOLS, layout
 from segflow.passes.plan_memory import MemoryPlan, plan_memory
 from segflow.settings import (
@@ -95,6 +97,8 @@ class OptimizeOptions:
     dense_chain: bool = True
     layout: bool = True
     plan_memory: bool = True
+    # The fuse rules switched off (names from passes.fuse.RULE_NAMES).
+    fuse_off: frozenset[str] = frozenset()
     compile: CompileMode = CompileMode.AUTO
     intra_op_threads: int | None = None
     # Prepacked convolutions call libdnnl directly when it is installed (ops/onednn_direct.py).
@@ -116,23 +120,32 @@ class OptimizeOptions:
         """API values first, then ``SEGFLOW_*`` variables, then the defaults (all on)."""
         env = os.environ if env is None else env
         explicit: Mapping[str, bool] = {}
+        rules_off: set[str] = set()
         if isinstance(optimize, Mapping):
-            unknown = sorted(set(optimize) - set(PASSES))
+            rule_keys = {f"fuse.{rule}": rule for rule in RULE_NAMES}
+            unknown = sorted(set(optimize) - set(PASSES) - set(rule_keys))
             if unknown:
-                raise InvalidSetting(f"optimize: unknown passes {unknown}; "
-                                     f"known: {', '.join(PASSES)}")
-            explicit = optimize
+                raise InvalidSetting(f"optimize: unknown passes {unknown}; known: "
+                                     f"{', '.join(PASSES)}, and fuse.<rule> for a fuse rule "
+                                     f"({', '.join(RULE_NAMES)})")
+            explicit = {k: v for k, v in optimize.items() if k in PASSES}
+            rules_off = {rule_keys[k] for k, v in optimize.items() if k in rule_keys and not v}
             enabled = True
         elif optimize is None:
             enabled = _env_bool(env, ENV_OPTIMIZE, True)
         else:
             enabled = bool(optimize)
         switches = {}
+        env_rules_off = _fuse_rules_off(env)
         for name in PASSES:
             if name in explicit:
                 switches[name] = bool(explicit[name])
+            elif name == "fuse" and env_rules_off:
+                switches[name] = enabled      # some rules off, the pass itself on
             else:
                 switches[name] = enabled and not _env_bool(env, _PASS_ENV[name], False)
+        if not (isinstance(optimize, Mapping) and any(k.startswith("fuse.") for k in optimize)):
+            rules_off = env_rules_off
         if compile is not None:
             mode = CompileMode.parse(compile)
         else:
@@ -151,16 +164,30 @@ class OptimizeOptions:
                     if env.get(ENV_WINOGRAD, "").strip() else None)
         return cls(compile=mode, intra_op_threads=threads, onednn_direct=direct, arena=arena,
                    onednn_blocked=blocked, onednn_replay=replay, winograd=winograd,
-                   **switches)
+                   fuse_off=frozenset(rules_off), **switches)
 
     def as_record(self) -> dict[str, object]:
         """The options in force, for RunStats settings and benchmark records."""
         return {"fold_constants": self.fold_constants, "fuse": self.fuse,
+                "fuse_off": ",".join(r for r in RULE_NAMES if r in self.fuse_off),
                 "dense_chain": self.dense_chain, "layout": self.layout,
                 "plan_memory": self.plan_memory, "compile": self.compile.resolve().value,
                 "onednn_direct": self.onednn_direct, "onednn_blocked": self.onednn_blocked,
                 "arena": self.arena, "onednn_replay": self.onednn_replay,
                 "winograd": "auto" if self.winograd is None else self.winograd}
+
+
+def _fuse_rules_off(env: Mapping[str, str]) -> set[str]:
+    """The fuse rules ``SEGFLOW_NO_FUSE`` names (comma-separated); none for 0/1 or unset."""
+    raw = env.get(ENV_NO_FUSE, "").strip()
+    if raw.lower() in ("", "0", "1", "true", "false", "yes", "no", "on", "off"):
+        return set()
+    names = {name.strip() for name in raw.split(",") if name.strip()}
+    unknown = sorted(names - set(RULE_NAMES))
+    if unknown:
+        raise InvalidSetting(f"{ENV_NO_FUSE}={raw!r}: unknown fuse rules {unknown}; expected 0, "
+                             f"1 or rule names from {', '.join(RULE_NAMES)}")
+    return names
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,9 +239,11 @@ def run_pipeline(graph: Graph, options: OptimizeOptions, *, registry: OpRegistry
         log.append("fuse: skipped (custom placement names the imported nodes)")
     elif options.fuse:
         start = len(graph.nodes)
-        counts = run_rules(graph)
+        counts = run_rules(graph, [r for r in RULE_NAMES if r not in options.fuse_off])
         done = ", ".join(f"{name} {n}" for name, n in counts.items() if n)
-        log.append(f"fuse: {start} -> {len(graph.nodes)} nodes ({done or 'nothing to fuse'})")
+        off = [r for r in RULE_NAMES if r in options.fuse_off]
+        log.append(f"fuse: {start} -> {len(graph.nodes)} nodes ({done or 'nothing to fuse'})"
+                   + (f"; rules off: {', '.join(off)}" if off else ""))
     else:
         log.append("fuse: off")
     log.append(_dense_chain(graph, options, device))

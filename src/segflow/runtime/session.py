@@ -105,10 +105,12 @@ class InferenceSession:
         cuda_graphs: on CUDA, capture eligible bulk segments as CUDA graphs and replay them.
         stream_backend: the device stream backend (tests pass a fake one; default CUDA).
         optimize: run the optimization passes (True/False, or ``{"fuse": False, ...}`` per
-            pass; None: ``SEGFLOW_OPTIMIZE`` and ``SEGFLOW_NO_*``, default all on).
+            pass, ``{"fuse.batchnorm": False}`` per fuse rule; None: ``SEGFLOW_OPTIMIZE``
+            and ``SEGFLOW_NO_*``, default all on).
         compile: segment backend, ``"auto"`` | ``"codegen"`` | ``"onednn"`` | ``"inductor"``
-            | ``"none"`` (None: ``SEGFLOW_COMPILE``, default auto: onednn for CPU graphs with
-            depthwise convolutions, else codegen; ``compile_report`` says which ran).
+            | ``"none"`` (None: ``SEGFLOW_COMPILE``, default auto: codegen, or onednn for a
+            CPU graph with depthwise convolutions where libdnnl's direct path is off or
+            missing; ``compile_report`` says which ran).
         intra_op_threads: torch intra-op threads (process-wide; None: ``SEGFLOW_INTRA_OP_THREADS``,
             else torch's default from ``OMP_NUM_THREADS`` / the core count).
         host_memory: on CPU, ``"retain"`` keeps a run's freed activation memory in the

@@ -1,0 +1,79 @@
+"""Fusion and no-op elimination for inference graphs: the ``fuse`` pass.
+
+Each rule is its own module and can be switched off by name
+(``optimize={"fuse.batchnorm": False}``, ``SEGFLOW_NO_FUSE=batchnorm,conv``).
+They run in this order, each over the whole graph:
+
+1. ``noops`` (:mod:`.noops`): drop Identity, inference Dropout, Cast to the same
+   type, Reshape/Flatten/Squeeze/Unsqueeze whose static output shape equals the
+   input's, identity Transposes; merge Transpose pairs.
+2. ``batchnorm`` (:mod:`.batchnorm`): fold an inference BatchNormalization into the
+   Conv or Gemm before it (new weight and bias constants).
+3. ``linear`` (:mod:`.linear`): Gemm, and MatMul (+ Add of a bias) with a constant
+   2-D weight, become ``segflow.FusedGemm`` (weight stored once in ``[N, K]`` layout).
+4. ``gelu`` (:mod:`.gelu`): the exporter's erf pattern ``x * 0.5 * (1 + erf(x / sqrt 2))``
+   becomes one Gelu.
+5. ``conv`` (:mod:`.conv`): Conv with a constant weight becomes ``segflow.FusedConv``;
+   a following same-shape Add becomes its residual input.
+6. ``activation`` (:mod:`.activation`): a Relu / Clip / LeakyRelu / Sigmoid / Tanh /
+   HardSigmoid / HardSwish / Gelu after a fused Conv or Gemm becomes its post-op.
+7. ``attention`` (:mod:`.attention`): ``softmax(Q @ Kt * s + M) @ V`` becomes
+   ``segflow.Attention``.
+
+The order matters where rules build on each other: ``batchnorm`` folds into the
+plain Conv/Gemm that ``conv``/``linear`` then fuse, and ``activation`` only finds
+the fused nodes those two made. With a rule off, the nodes it would have taken
+stay as they are and the later rules match around them (a Conv followed by a
+BatchNormalization and a Relu stays three nodes when ``batchnorm`` is off).
+
+A fused node takes the place of the last node it absorbs, so every input it
+reads is computed before it, and keeps that node's output value name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+
+from segflow.ir.graph import Graph
+from segflow.ops.fused import FUSED_DOMAIN
+from segflow.passes._rewrite import remove_dead
+from segflow.passes.fuse.activation import fuse_activation
+from segflow.passes.fuse.attention import fuse_attention
+from segflow.passes.fuse.batchnorm import fuse_batchnorm
+from segflow.passes.fuse.conv import fuse_conv
+from segflow.passes.fuse.gelu import fuse_gelu
+from segflow.passes.fuse.linear import fuse_linear
+from segflow.passes.fuse.noops import fuse_noops
+from segflow.passes.result import PassResult
+
+Rule = Callable[[Graph], int]
+
+RULES: tuple[tuple[str, Rule], ...] = (
+    ("noops", fuse_noops),
+    ("batchnorm", fuse_batchnorm),
+    ("linear", fuse_linear),
+    ("gelu", fuse_gelu),
+    ("conv", fuse_conv),
+    ("activation", fuse_activation),
+    ("attention", fuse_attention),
+)
+RULE_NAMES: tuple[str, ...] = tuple(name for name, _ in RULES)
+
+
+def fuse(graph: Graph, rules: Collection[str] | None = None) -> PassResult:
+    """Apply the fusion rules (all, or those named in ``rules``) to ``graph`` in place."""
+    counts = run_rules(graph, rules)
+    return PassResult(graph, any(counts.values()))
+
+
+def run_rules(graph: Graph, rules: Collection[str] | None = None) -> dict[str, int]:
+    """Apply the rules in order (all, or those named in ``rules``); returns how many
+    rewrites each made (for the pass log)."""
+    unknown = set(rules or ()) - set(RULE_NAMES)
+    if unknown:
+        raise ValueError(f"unknown fuse rules {sorted(unknown)}; known: {', '.join(RULE_NAMES)}")
+    counts = {name: rule(graph) for name, rule in RULES if rules is None or name in rules}
+    if any(counts.values()):
+        remove_dead(graph)
+        graph.opsets.setdefault(FUSED_DOMAIN, 1)
+    return counts

@@ -1,0 +1,44 @@
+"""What the fuse rules match with: node and value predicates shared by the rules."""
+
+from __future__ import annotations
+
+import torch
+
+from segflow.ir.graph import Graph, Node, Value
+from segflow.ir.types import DType
+
+
+def is_op(node: Node | None, op_type: str) -> bool:
+    """``node`` is a default-domain ``op_type`` node."""
+    return node is not None and node.domain == "" and node.op_type == op_type
+
+
+def only_consumer(graph: Graph, value: Value) -> Node | None:
+    """The single node reading ``value`` (once), if ``value`` is not a graph output."""
+    if value in graph.outputs or len(value.uses) != 1:
+        return None
+    node = value.uses[0]
+    return node if sum(1 for v in node.inputs if v is value) == 1 else None
+
+
+def is_float32(value: Value | None) -> bool:
+    """``value`` is known to be float32."""
+    return value is not None and value.spec.dtype is DType.FLOAT32
+
+
+def const_tensor(value: Value | None) -> torch.Tensor | None:
+    """``value``'s constant as a plain (not oneDNN-packed) tensor, or None."""
+    if value is None or value.const is None or value.const.is_mkldnn:
+        return None
+    return value.const
+
+
+def close_to(value: float | None, target: float) -> bool:
+    """``value`` is ``target`` within a relative 1e-4 (exporters round constants)."""
+    return value is not None and abs(value - target) <= 1e-4 * abs(target)
+
+
+def other_input(node: Node, value: Value) -> Value | None:
+    """The other operand of a binary ``node`` that reads ``value``."""
+    a, b = node.inputs[0], node.inputs[1]
+    return b if a is value else a

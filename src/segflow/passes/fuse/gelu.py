@@ -1,0 +1,71 @@
+"""Rule ``gelu``: the exporters' erf pattern ``x * 0.5 * (1 + erf(x / sqrt 2))``,
+in any association of its multiplications, becomes one Gelu node.
+"""
+
+from __future__ import annotations
+
+import math
+
+from segflow.ir.graph import Graph, Node, Value
+from segflow.passes._rewrite import const_scalar, replace_nodes
+from segflow.passes.fuse._match import close_to, is_op, only_consumer, other_input
+
+
+def fuse_gelu(graph: Graph) -> int:
+    """``x * 0.5 * (1 + erf(x / sqrt2))`` (any association of the muls) -> Gelu."""
+    count = 0
+    for erf in list(graph.nodes):
+        if erf.graph is not graph or not is_op(erf, "Erf"):
+            continue
+        scaled = erf.inputs[0]
+        pre = scaled.producer if scaled is not None else None
+        if pre is None or only_consumer(graph, scaled) is not erf:  # type: ignore[arg-type]
+            continue
+        x = pre.inputs[0]
+        if is_op(pre, "Div") and close_to(const_scalar(pre.inputs[1]), math.sqrt(2.0)):
+            pass
+        elif is_op(pre, "Mul") and x is not None and close_to(
+                const_scalar(other_input(pre, x) if x.const is None else pre.inputs[0]),
+                1 / math.sqrt(2.0)):
+            x = pre.inputs[0] if pre.inputs[0] is not None and pre.inputs[0].const is None \
+                else pre.inputs[1]
+        else:
+            continue
+        match = _gelu_tail(graph, erf, x)
+        if match is None or x is None:
+            continue
+        last, absorbed = match
+        gelu = Node("Gelu", [x], [Value(last.outputs[0].name)], {"approximate": "none"},
+                    name=erf.name, opset=erf.opset)
+        replace_nodes(graph, last, [pre, erf, *absorbed], gelu)
+        count += 1
+    return count
+
+
+def _gelu_tail(graph: Graph, erf: Node, x: Value | None) -> tuple[Node, list[Node]] | None:
+    """Match ``+1``, ``* x`` and ``* 0.5`` after the Erf; returns (last node, the others)."""
+    add = only_consumer(graph, erf.outputs[0])
+    if not is_op(add, "Add") or x is None:
+        return None
+    assert add is not None
+    if not close_to(const_scalar(other_input(add, erf.outputs[0])), 1.0):
+        return None
+    mul1 = only_consumer(graph, add.outputs[0])
+    if not is_op(mul1, "Mul"):
+        return None
+    assert mul1 is not None
+    partner = other_input(mul1, add.outputs[0])
+    if partner is x:
+        # (x * (1 + erf)) * 0.5
+        mul2 = only_consumer(graph, mul1.outputs[0])
+        if is_op(mul2, "Mul") and close_to(const_scalar(other_input(mul2, mul1.outputs[0])), 0.5):  # type: ignore[arg-type]
+            assert mul2 is not None
+            return mul2, [add, mul1]
+        return None
+    # (x * 0.5) * (1 + erf)
+    half = partner.producer if partner is not None else None
+    if (is_op(half, "Mul") and half is not None and x in half.inputs
+            and close_to(const_scalar(other_input(half, x)), 0.5)
+            and only_consumer(graph, half.outputs[0]) is mul1):
+        return mul1, [add, half]
+    return None

@@ -1,0 +1,87 @@
+"""Rule ``linear``: Gemm, and MatMul (+ Add of a bias) with a constant 2-D weight,
+become ``segflow.FusedGemm``.
+
+The weight is stored once in ``[N, K]`` layout (torch's ``linear``), the bias as
+an ``[N]`` vector. Left alone: ``transA``, ``alpha != 1``, a ``C`` that is not
+a bias along the last axis, a computed weight.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from segflow.ir.graph import Graph, Node, Value
+from segflow.ops.fused import FUSED_DOMAIN
+from segflow.passes._rewrite import new_const, replace_nodes
+from segflow.passes.fuse._match import const_tensor, is_float32, is_op, only_consumer
+
+
+def _bias_vector(value: Value | None, n: int, scale: float = 1.0) -> torch.Tensor | None:
+    """A bias broadcast along the last axis as an ``[n]`` tensor, if it is one."""
+    c = const_tensor(value)
+    if c is None or not c.is_floating_point():
+        return None
+    if c.numel() == 1:
+        return (c.reshape(1) * scale).expand(n).contiguous()
+    if c.shape[-1] == n and c.numel() == n:
+        return (c.reshape(n) * scale).contiguous()
+    return None
+
+
+def fuse_linear(graph: Graph) -> int:
+    count = 0
+    for node in list(graph.nodes):
+        if node.graph is not graph:
+            continue
+        if is_op(node, "Gemm"):
+            count += _gemm_to_fused(graph, node)
+        elif is_op(node, "MatMul"):
+            count += _matmul_to_fused(graph, node)
+    return count
+
+
+def _gemm_to_fused(graph: Graph, gemm: Node) -> bool:
+    b = const_tensor(gemm.inputs[1])
+    x = gemm.inputs[0]
+    if (b is None or b.dim() != 2 or b.dtype != torch.float32 or not is_float32(x)
+            or gemm.attrs.get("transA", 0) or float(gemm.attrs.get("alpha", 1.0)) != 1.0):
+        return False
+    w = b if gemm.attrs.get("transB", 0) else b.t()
+    n = w.shape[0]
+    c_value = gemm.inputs[2] if len(gemm.inputs) > 2 else None
+    bias = None
+    if c_value is not None:
+        bias = _bias_vector(c_value, n, float(gemm.attrs.get("beta", 1.0)))
+        if bias is None:
+            return False
+    inputs: list[Value | None] = [x, new_const(graph, f"{gemm.name}.weight_nk", w.contiguous())]
+    if bias is not None:
+        inputs.append(new_const(graph, f"{gemm.name}.bias", bias))
+    fused = Node("FusedGemm", inputs, [Value(gemm.outputs[0].name)], {}, name=gemm.name,
+                 domain=FUSED_DOMAIN, opset=1)
+    replace_nodes(graph, gemm, [], fused)
+    return True
+
+
+def _matmul_to_fused(graph: Graph, mm: Node) -> bool:
+    x = mm.inputs[0]
+    b = const_tensor(mm.inputs[1])
+    if (b is None or b.dim() != 2 or b.dtype != torch.float32 or not is_float32(x)
+            or x is None or x.spec.rank is None or x.spec.rank < 2):
+        return False
+    n = b.shape[1]
+    anchor, absorbed, bias = mm, [], None
+    consumer = only_consumer(graph, mm.outputs[0])
+    if is_op(consumer, "Add"):
+        assert consumer is not None
+        other = consumer.inputs[1] if consumer.inputs[0] is mm.outputs[0] else consumer.inputs[0]
+        bias = _bias_vector(other, n)
+        if bias is not None:
+            anchor, absorbed = consumer, [mm]
+    inputs: list[Value | None] = [x, new_const(graph, f"{mm.name}.weight_nk", b.t().contiguous())]
+    if bias is not None:
+        inputs.append(new_const(graph, f"{anchor.name}.bias", bias))
+    fused = Node("FusedGemm", inputs, [Value(anchor.outputs[0].name)], {}, name=mm.name,
+                 domain=FUSED_DOMAIN, opset=1)
+    replace_nodes(graph, anchor, absorbed, fused)
+    return True
