@@ -202,6 +202,27 @@ def test_checks_hold_after_a_run_accepted_the_same_dtypes_and_shapes(bert):
     assert bert._validate(good_feeds())[1] == {"batch": 1, "seq": 8}
 
 
+def test_a_none_feed_is_named(bert):
+    bad = good_feeds()
+    bad["input_ids"] = None
+    expect_invalid(bert, bad, "'input_ids' is None", "expected an array")
+
+
+def test_an_empty_batch_runs_through_every_convolution_path():
+    """Batch 0 is a valid ONNX input: onnxruntime returns empty outputs, and so must the
+    direct, blocked and Winograd convolutions (Winograd has no tiles to transform)."""
+    build = {"num_classes": 10, "image_size": 32}
+    for name in ("resnet18", "mobilenet_v2"):
+        model = models.build(name, **build)
+        full = models.example_inputs(name, batch_size=2, **build)
+        empty = {k: v[:0] for k, v in full.items()}
+        sess = segflow.InferenceSession(model)
+        for feeds in (empty, full, empty):
+            for got, want in zip(sess.run(None, feeds), ort_run(model, feeds)):
+                assert got.shape == want.shape
+                np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-3)
+
+
 def test_unknown_output_name(bert):
     with pytest.raises(segflow.InvalidInput, match="hidden"):
         bert.run(["hidden"], good_feeds())

@@ -214,6 +214,8 @@ class Winograd:
         why = unfit(spec, int(x.shape[1]), op.eltwise)
         if why is None and (x.dim() != 4 or x.dtype != torch.float32):
             why = "not a float32 image"
+        if why is None and x.numel() == 0:
+            why = "an empty input"          # no tiles to transform; the fallback's empty output
         if why is None and op.after is not None:
             why = "an activation after the kernel"
         if why is None and w is not self.weight:

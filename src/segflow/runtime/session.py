@@ -373,6 +373,9 @@ class InferenceSession:
         if isinstance(data, Tensor):
             tensor = data
             got = DType.from_torch(data.dtype)
+        elif data is None:
+            raise InvalidInput(f"input {value.name!r} is None; expected an array "
+                               f"({spec.describe()})")
         else:
             array = np.asarray(data)
             if array.dtype.kind in "OUS":  # object, unicode, bytes
