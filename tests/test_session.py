@@ -223,6 +223,21 @@ def test_an_empty_batch_runs_through_every_convolution_path():
                 np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-3)
 
 
+def test_an_index_out_of_range_names_it(bert):
+    """A token id past the vocabulary: one line naming the node, the index and the range
+    (torch's own message says only 'index out of range in self')."""
+    bad = good_feeds()
+    bad["input_ids"][0, 2] = 10**6
+    with pytest.raises(segflow.ExecutionError) as info:
+        bert.run(None, bad)
+    message = str(info.value)
+    assert "embeddings.word_embeddings" in message and "\n" not in message
+    assert "Gather index 1000000 is out of range for axis 0 of size 1000" in message
+    assert "(1 of 8 indices outside [-1000, 1000))" in message
+    good = bert.run(None, good_feeds())   # the session still runs
+    assert good[0].shape[:2] == (1, 8)
+
+
 def test_unknown_output_name(bert):
     with pytest.raises(segflow.InvalidInput, match="hidden"):
         bert.run(["hidden"], good_feeds())

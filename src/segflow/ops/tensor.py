@@ -137,13 +137,27 @@ def _gather(node: Node, ctx: BindContext) -> Kernel:
         x, idx = inputs[0], inputs[1]
         assert x is not None and idx is not None
         a = axis + x.dim() if axis < 0 else axis
+        given = idx
         idx = idx.to(torch.int64)
         idx = torch.where(idx < 0, idx + x.shape[a], idx)
-        if idx.dim() == 0:
-            return [x.select(a, int(idx))]
-        out = x.index_select(a, idx.reshape(-1))
+        try:
+            if idx.dim() == 0:
+                return [x.select(a, int(idx))]
+            out = x.index_select(a, idx.reshape(-1))
+        except IndexError:
+            raise _out_of_range(given, x.shape[a], a) from None
         return [out.reshape(*x.shape[:a], *idx.shape, *x.shape[a + 1:])]
     return kernel
+
+
+def _out_of_range(idx: Tensor, size: int, axis: int) -> IndexError:
+    """The error for Gather indices outside ``[-size, size)``, naming the first of them
+    (computed only once torch has refused them: the run's path does no extra pass)."""
+    idx = idx.to(torch.int64).reshape(-1)
+    bad = idx[(idx < -size) | (idx >= size)]
+    first = int(bad[0]) if bad.numel() else "?"
+    return IndexError(f"Gather index {first} is out of range for axis {axis} of size {size} "
+                      f"({bad.numel()} of {idx.numel()} indices outside [{-size}, {size}))")
 
 
 def _unsqueeze(node: Node, ctx: BindContext) -> Kernel:
