@@ -115,3 +115,38 @@ def test_shape_inference_runs_without_the_weight_data():
                                       numpy_helper.to_array(tensor))
     # The caller's model is untouched.
     assert all(len(t.raw_data) > INFERENCE_DATA_LIMIT for t in big.values())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "int8", "int16", "int32",
+                                   "int64", "uint8", "uint16", "uint32", "uint64", "bool"])
+def test_initializers_read_from_raw_data_equal_onnx_own_reading(dtype):
+    """_tensor reads raw_data in one copy; what it returns must be numpy_helper's array."""
+    import numpy as np
+    from onnx import helper, numpy_helper
+
+    from segflow.frontend.onnx_import import _data_bytes, _tensor
+
+    rng = np.random.default_rng(0)
+    array = (rng.standard_normal((3, 5, 2)) * 50).astype(dtype)
+    raw = numpy_helper.from_array(array, "w")
+    assert raw.HasField("raw_data") and _data_bytes(raw) == array.nbytes
+    got = _tensor(raw)
+    np.testing.assert_array_equal(got.numpy(), numpy_helper.to_array(raw))
+    assert got.numpy().flags.writeable and got.shape == (3, 5, 2)
+    if dtype in ("float32", "int32", "int64"):      # typed fields: the general path
+        typed = helper.make_tensor("w", raw.data_type, [3, 5, 2], array.reshape(-1).tolist())
+        assert not typed.HasField("raw_data")
+        np.testing.assert_array_equal(_tensor(typed).numpy(), array)
+
+
+def test_raw_data_of_the_wrong_length_is_an_invalid_model():
+    import numpy as np
+    from onnx import numpy_helper
+
+    from segflow.errors import InvalidModel
+    from segflow.frontend.onnx_import import _tensor
+
+    tensor = numpy_helper.from_array(np.zeros((4, 4), np.float32), "w")
+    tensor.raw_data = tensor.raw_data[:-4]
+    with pytest.raises(InvalidModel, match="cannot read tensor 'w'"):
+        _tensor(tensor)

@@ -64,7 +64,11 @@ def _bn_into_conv(graph: Graph, conv: Node, bn: Node, scale: torch.Tensor,
     if has_bias and bias is None:
         return False
     shape = [-1] + [1] * (weight.dim() - 1)
-    new_w = (weight.double() * scale.reshape(shape)).to(weight.dtype)
+    # A float32 weight is scaled in float32 (one rounding more than float64, under an
+    # ulp; ResNet-50's 25M weights in float64 took ~0.1 s of its load); narrower
+    # weights in float64, where a rounded scale would cost precision.
+    wide = torch.float32 if weight.dtype == torch.float32 else torch.float64
+    new_w = (weight.to(wide) * scale.to(wide).reshape(shape)).to(weight.dtype)
     old_b = bias.double() if bias is not None else torch.zeros_like(scale)
     new_b = (old_b * scale + shift).to(weight.dtype)
     w_value = new_const(graph, f"{conv.name}.weight_bn", new_w.contiguous())
