@@ -150,3 +150,20 @@ def test_raw_data_of_the_wrong_length_is_an_invalid_model():
     tensor.raw_data = tensor.raw_data[:-4]
     with pytest.raises(InvalidModel, match="cannot read tensor 'w'"):
         _tensor(tensor)
+
+
+def test_an_input_that_is_also_an_output_keeps_the_shapes_after_it():
+    """onnx's inference, given an output declared without a shape under the input's
+    name, lost the input's shape and every shape computed from it."""
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"]), helper.make_node("Flatten", ["y"], ["z"])],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 4])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, None),
+         helper.make_tensor_value_info("z", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    imported = import_model(model)
+    relu = next(n for n in imported.nodes if n.op_type == "Relu")
+    assert relu.outputs[0].spec.shape == ("N", 3, 4)
+    assert [v.name for v in imported.outputs] == ["x", "z"]

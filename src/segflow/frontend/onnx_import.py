@@ -97,7 +97,10 @@ def _with_inferred_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
     graph.name = source.name
     graph.node.extend(source.node)
     graph.input.extend(source.input)
-    graph.output.extend(source.output)
+    # An output that is a graph input is declared as that input: declared without a
+    # shape, it made onnx forget the input's shape, and every shape computed from it.
+    inputs = {v.name: v for v in source.input}
+    graph.output.extend(inputs.get(v.name, v) for v in source.output)
     graph.value_info.extend(source.value_info)
     graph.sparse_initializer.extend(source.sparse_initializer)
     for tensor in source.initializer:
