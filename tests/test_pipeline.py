@@ -209,3 +209,32 @@ def test_log_line_names_the_rules_switched_off():
     assert log[1].startswith("fuse: 69 -> ") and log[1].endswith("; rules off: batchnorm")
     assert "batchnorm 20" not in log[1]
     assert sum(1 for n in graph.nodes if n.op_type == "BatchNormalization") == 20
+
+
+def test_layout_choices_from_the_api_win_over_the_environment():
+    env = {"SEGFLOW_WINOGRAD": "1", "SEGFLOW_ONEDNN_DIRECT": "1", "SEGFLOW_ONEDNN_BLOCKED": "0"}
+    from_env = OptimizeOptions.resolve(env=env)
+    assert (from_env.winograd, from_env.onednn_direct, from_env.onednn_blocked) == (
+        True, True, False)
+    api = OptimizeOptions.resolve({"layout.winograd": False, "layout.direct": False,
+                                   "layout.blocked": True}, env=env)
+    assert (api.winograd, api.onednn_direct, api.onednn_blocked) == (False, False, True)
+    assert api.layout and api.as_record()["winograd"] is False
+    # Unset in the API: the environment's, or the measured default (None) without one.
+    assert OptimizeOptions.resolve({"layout.direct": False}, env={}).winograd is None
+
+
+def test_winograd_switched_off_from_the_api_runs_no_winograd_convolution():
+    from segflow.ops.native_library import NativeLibrary
+    from segflow.ops.onednn_direct import Library
+
+    model = models.build("resnet18", num_classes=10, image_size=32)
+    feeds = models.example_inputs("resnet18", batch_size=2, num_classes=10, image_size=32)
+    on = segflow.InferenceSession(model, optimize={"layout.winograd": True})
+    off = segflow.InferenceSession(model, optimize={"layout.winograd": False})
+    winograd = [sum(1 for n in s.graph.nodes if n.attrs.get("winograd")) for s in (on, off)]
+    assert winograd[1] == 0
+    if Library.load() is not None and NativeLibrary.for_session()[0] is not None:
+        assert winograd[0] > 0
+    np.testing.assert_allclose(on.run(None, feeds)[0], off.run(None, feeds)[0],
+                               atol=1e-4, rtol=1e-3)

@@ -9,9 +9,11 @@ Every pass can be switched off, from the API (``optimize=False`` or
 ``SEGFLOW_NO_FOLD``, ``SEGFLOW_NO_FUSE``, ``SEGFLOW_NO_DENSE_CHAIN``,
 ``SEGFLOW_NO_LAYOUT``, ``SEGFLOW_NO_MEMORY_PLAN``); the API wins. So can each of the
 fuse pass's rules (``passes/fuse/``): ``optimize={"fuse.batchnorm": False}``, or
-``SEGFLOW_NO_FUSE=batchnorm,conv`` (rule names in place of ``1``). Each pass adds
-one line to the log that ``explain()`` prints, e.g. ``fuse: 175 -> 57 nodes
-(batchnorm 53, conv 53, activation 49, linear 1)``.
+``SEGFLOW_NO_FUSE=batchnorm,conv`` (rule names in place of ``1``), and the layout
+pass's choices: ``optimize={"layout.winograd": False}`` (also ``layout.direct``,
+``layout.blocked``; ``SEGFLOW_WINOGRAD``, ``SEGFLOW_ONEDNN_DIRECT``,
+``SEGFLOW_ONEDNN_BLOCKED``). Each pass adds one line to the log that ``explain()``
+prints, e.g. ``fuse: 175 -> 57 nodes (batchnorm 53, conv 53, activation 49, linear 1)``.
 
 >>> log = optimize(graph, OptimizeOptions.resolve(True))   # doctest: +SKIP
 """
@@ -61,6 +63,10 @@ from segflow.settings import (
 )
 
 PASSES = ("fold_constants", "fuse", "dense_chain", "layout", "plan_memory")
+# ``optimize`` keys for the layout pass's choices -> the OptimizeOptions field each sets
+# (their environment variables: SEGFLOW_ONEDNN_DIRECT, _ONEDNN_BLOCKED, SEGFLOW_WINOGRAD).
+LAYOUT_CHOICES = {"layout.direct": "onednn_direct", "layout.blocked": "onednn_blocked",
+                  "layout.winograd": "winograd"}
 _PASS_ENV = {"fold_constants": ENV_NO_FOLD, "fuse": ENV_NO_FUSE,
              "dense_chain": ENV_NO_DENSE_CHAIN, "layout": ENV_NO_LAYOUT,
              "plan_memory": ENV_NO_MEMORY_PLAN}
@@ -121,15 +127,19 @@ class OptimizeOptions:
         env = os.environ if env is None else env
         explicit: Mapping[str, bool] = {}
         rules_off: set[str] = set()
+        choices: dict[str, bool] = {}     # OptimizeOptions field -> the API's value
         if isinstance(optimize, Mapping):
             rule_keys = {f"fuse.{rule}": rule for rule in RULE_NAMES}
-            unknown = sorted(set(optimize) - set(PASSES) - set(rule_keys))
+            unknown = sorted(set(optimize) - set(PASSES) - set(rule_keys) - set(LAYOUT_CHOICES))
             if unknown:
                 raise InvalidSetting(f"optimize: unknown passes {unknown}; known: "
-                                     f"{', '.join(PASSES)}, and fuse.<rule> for a fuse rule "
-                                     f"({', '.join(RULE_NAMES)})")
+                                     f"{', '.join(PASSES)}, fuse.<rule> for a fuse rule "
+                                     f"({', '.join(RULE_NAMES)}) and "
+                                     f"{', '.join(LAYOUT_CHOICES)}")
             explicit = {k: v for k, v in optimize.items() if k in PASSES}
             rules_off = {rule_keys[k] for k, v in optimize.items() if k in rule_keys and not v}
+            choices = {LAYOUT_CHOICES[k]: bool(v) for k, v in optimize.items()
+                       if k in LAYOUT_CHOICES}
             enabled = True
         elif optimize is None:
             enabled = _env_bool(env, ENV_OPTIMIZE, True)
@@ -156,12 +166,13 @@ class OptimizeOptions:
             threads = _env_int(env, ENV_INTRA_OP_THREADS, 1)
         if threads is not None and threads < 1:
             raise InvalidSetting(f"intra_op_threads={threads}: expected a positive integer")
-        direct = _env_bool(env, ENV_ONEDNN_DIRECT, True)
+        direct = choices.get("onednn_direct", _env_bool(env, ENV_ONEDNN_DIRECT, True))
         arena = _env_bool(env, ENV_ARENA, True)
-        blocked = _env_bool(env, ENV_ONEDNN_BLOCKED, True)
+        blocked = choices.get("onednn_blocked", _env_bool(env, ENV_ONEDNN_BLOCKED, True))
         replay = _env_bool(env, ENV_ONEDNN_REPLAY, True)
         winograd = (_env_bool(env, ENV_WINOGRAD, True)
                     if env.get(ENV_WINOGRAD, "").strip() else None)
+        winograd = choices.get("winograd", winograd)
         return cls(compile=mode, intra_op_threads=threads, onednn_direct=direct, arena=arena,
                    onednn_blocked=blocked, onednn_replay=replay, winograd=winograd,
                    fuse_off=frozenset(rules_off), **switches)

@@ -105,8 +105,10 @@ class InferenceSession:
         cuda_graphs: on CUDA, capture eligible bulk segments as CUDA graphs and replay them.
         stream_backend: the device stream backend (tests pass a fake one; default CUDA).
         optimize: run the optimization passes (True/False, or ``{"fuse": False, ...}`` per
-            pass, ``{"fuse.batchnorm": False}`` per fuse rule; None: ``SEGFLOW_OPTIMIZE``
-            and ``SEGFLOW_NO_*``, default all on).
+            pass, ``{"fuse.batchnorm": False}`` per fuse rule, ``{"layout.winograd": False}``
+            (also ``layout.direct``, ``layout.blocked``) for the layout pass's choices;
+            None: ``SEGFLOW_OPTIMIZE``, ``SEGFLOW_NO_*`` and the choices' variables, default
+            all on, Winograd where measured faster).
         compile: segment backend, ``"auto"`` | ``"codegen"`` | ``"onednn"`` | ``"inductor"``
             | ``"none"`` (None: ``SEGFLOW_COMPILE``, default auto: codegen, or onednn for a
             CPU graph with depthwise convolutions where libdnnl's direct path is off or
