@@ -25,6 +25,7 @@ Peers: onnxruntime with default session options (CPU provider), torch eager
 with its defaults unless ``--variants`` says otherwise (``key=value`` pairs
 joined by ``,``: ``compile``, ``engine``, ``threads``, pass switches
 ``fold_constants``/``fuse``/``dense_chain``/``layout``/``plan_memory`` = on|off,
+``fuse.<rule>`` = on|off for one fuse rule (``fuse.batchnorm=off``),
 ``direct`` = on|off for convolutions through libdnnl or torch's oneDNN op,
 ``blocked`` = on|off for a depthwise region on nChw8c activations or NHWC, and
 ``arena`` = on|off for their outputs in a planned block per run or from malloc,
@@ -88,7 +89,8 @@ def _segflow_kwargs(variant: str) -> tuple[dict[str, Any], dict[str, str]]:
         if item == "default":
             continue
         key, _, value = item.partition("=")
-        if key in ("fold_constants", "fuse", "dense_chain", "layout", "plan_memory"):
+        if key in ("fold_constants", "fuse", "dense_chain", "layout", "plan_memory") \
+                or key.startswith("fuse."):   # a pass, or one fuse rule (fuse.batchnorm)
             passes[key] = value not in ("off", "0", "false")
         elif key == "threads":
             kwargs["intra_op_threads"] = int(value)

@@ -117,3 +117,11 @@ def test_an_unknown_case_is_a_one_line_error(targets: ModuleType,
     err = capsys.readouterr().err
     assert "unknown case 'resnet50_b1'" in err and "resnet50@8" in err
     assert "Traceback" not in err
+
+
+def test_variants_name_passes_fuse_rules_and_switches(targets: ModuleType) -> None:
+    kwargs, env = targets._segflow_kwargs("default,fuse.batchnorm=off,layout=on,winograd=off")
+    assert kwargs == {"optimize": {"fuse.batchnorm": False, "layout": True}}
+    assert env == {"SEGFLOW_WINOGRAD": "0"}
+    with pytest.raises(SystemExit, match="unknown variant key 'bogus'"):
+        targets._segflow_kwargs("bogus=on")
