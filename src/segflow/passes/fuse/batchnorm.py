@@ -2,8 +2,9 @@
 before it.
 
 ``BN(conv(x, W, b)) = conv(x, W * s, b * s + t)`` per output channel, with
-``s = gamma / sqrt(var + eps)`` and ``t = beta - mean * s``, computed in float64
-and stored in the weight's dtype as new constants. Left alone: training-mode
+``s = gamma / sqrt(var + eps)`` and ``t = beta - mean * s`` computed in float64;
+the new weight (``W * s``, in float32 for a float32 weight) and bias are stored in
+the weight's dtype as new constants. Left alone: training-mode
 BatchNormalization, one whose running statistics are read, and one whose input
 has other readers.
 """
