@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from segflow.ir.graph import Graph, Node, Value
 from segflow.ir.types import DType
+
+
+def live_nodes(graph: Graph, op_type: str | None = None) -> Iterator[Node]:
+    """The graph's nodes as they were when the rule started, skipping those a rewrite
+    has since absorbed; only default-domain ``op_type`` ones when it is given."""
+    for node in list(graph.nodes):
+        if node.graph is graph and (op_type is None or is_op(node, op_type)):
+            yield node
 
 
 def is_op(node: Node | None, op_type: str) -> bool:

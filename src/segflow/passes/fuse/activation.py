@@ -13,7 +13,7 @@ import math
 from segflow.ir.graph import Graph, Node, Value
 from segflow.ops.fused import FUSED_DOMAIN
 from segflow.passes._rewrite import const_scalar, replace_nodes
-from segflow.passes.fuse._match import only_consumer
+from segflow.passes.fuse._match import live_nodes, only_consumer
 
 
 def _activation(node: Node) -> tuple[str, list[float]] | None:
@@ -51,8 +51,8 @@ def _activation(node: Node) -> tuple[str, list[float]] | None:
 
 def fuse_activation(graph: Graph) -> int:
     count = 0
-    for node in list(graph.nodes):
-        if node.graph is not graph or node.domain != FUSED_DOMAIN:
+    for node in live_nodes(graph):
+        if node.domain != FUSED_DOMAIN:
             continue
         if node.op_type not in ("FusedConv", "FusedGemm") or node.attrs.get("activation"):
             continue

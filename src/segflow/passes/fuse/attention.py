@@ -11,14 +11,12 @@ from __future__ import annotations
 from segflow.ir.graph import Graph, Node, Value
 from segflow.ops.fused import FUSED_DOMAIN
 from segflow.passes._rewrite import const_scalar, replace_nodes
-from segflow.passes.fuse._match import is_float32, is_op, only_consumer
+from segflow.passes.fuse._match import is_float32, is_op, live_nodes, only_consumer
 
 
 def fuse_attention(graph: Graph) -> int:
     count = 0
-    for softmax in list(graph.nodes):
-        if softmax.graph is not graph or not is_op(softmax, "Softmax"):
-            continue
+    for softmax in live_nodes(graph, "Softmax"):
         match = _attention_match(graph, softmax)
         if match is None:
             continue

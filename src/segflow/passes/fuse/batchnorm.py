@@ -15,7 +15,7 @@ import torch
 
 from segflow.ir.graph import Graph, Node, Value
 from segflow.passes._rewrite import new_const, replace_nodes
-from segflow.passes.fuse._match import const_tensor, is_op, only_consumer
+from segflow.passes.fuse._match import const_tensor, is_op, live_nodes, only_consumer
 
 
 def _bn_affine(bn: Node) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -35,9 +35,7 @@ def _bn_affine(bn: Node) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 def fuse_batchnorm(graph: Graph) -> int:
     count = 0
-    for bn in list(graph.nodes):
-        if bn.graph is not graph or not is_op(bn, "BatchNormalization"):
-            continue
+    for bn in live_nodes(graph, "BatchNormalization"):
         y = bn.inputs[0]
         producer = y.producer if y is not None else None
         if y is None or producer is None or only_consumer(graph, y) is not bn:

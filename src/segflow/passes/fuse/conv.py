@@ -11,7 +11,7 @@ from __future__ import annotations
 from segflow.ir.graph import Graph, Node, Value
 from segflow.ops.fused import FUSED_DOMAIN
 from segflow.passes._rewrite import replace_nodes
-from segflow.passes.fuse._match import const_tensor, is_op, only_consumer, other_input
+from segflow.passes.fuse._match import const_tensor, is_op, live_nodes, only_consumer, other_input
 
 
 def _explicit_pads(conv: Node) -> list[int] | None:
@@ -37,9 +37,7 @@ def _explicit_pads(conv: Node) -> list[int] | None:
 
 def fuse_conv(graph: Graph) -> int:
     count = 0
-    for conv in list(graph.nodes):
-        if conv.graph is not graph or not is_op(conv, "Conv"):
-            continue
+    for conv in live_nodes(graph, "Conv"):
         weight = conv.inputs[1]
         if const_tensor(weight) is None or weight is None or weight.spec.rank not in (3, 4, 5):
             continue

@@ -8,15 +8,13 @@ import math
 
 from segflow.ir.graph import Graph, Node, Value
 from segflow.passes._rewrite import const_scalar, replace_nodes
-from segflow.passes.fuse._match import close_to, is_op, only_consumer, other_input
+from segflow.passes.fuse._match import close_to, is_op, live_nodes, only_consumer, other_input
 
 
 def fuse_gelu(graph: Graph) -> int:
     """``x * 0.5 * (1 + erf(x / sqrt2))`` (any association of the muls) -> Gelu."""
     count = 0
-    for erf in list(graph.nodes):
-        if erf.graph is not graph or not is_op(erf, "Erf"):
-            continue
+    for erf in live_nodes(graph, "Erf"):
         scaled = erf.inputs[0]
         pre = scaled.producer if scaled is not None else None
         if pre is None or only_consumer(graph, scaled) is not erf:  # type: ignore[arg-type]

@@ -13,7 +13,7 @@ import torch
 from segflow.ir.graph import Graph, Node, Value
 from segflow.ops.fused import FUSED_DOMAIN
 from segflow.passes._rewrite import new_const, replace_nodes
-from segflow.passes.fuse._match import const_tensor, is_float32, is_op, only_consumer
+from segflow.passes.fuse._match import const_tensor, is_float32, is_op, live_nodes, only_consumer
 
 
 def _bias_vector(value: Value | None, n: int, scale: float = 1.0) -> torch.Tensor | None:
@@ -30,9 +30,7 @@ def _bias_vector(value: Value | None, n: int, scale: float = 1.0) -> torch.Tenso
 
 def fuse_linear(graph: Graph) -> int:
     count = 0
-    for node in list(graph.nodes):
-        if node.graph is not graph:
-            continue
+    for node in live_nodes(graph):
         if is_op(node, "Gemm"):
             count += _gemm_to_fused(graph, node)
         elif is_op(node, "MatMul"):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from segflow.ir.graph import Graph, Node, Value
 from segflow.passes._rewrite import bypass, can_bypass, replace_nodes
-from segflow.passes.fuse._match import is_op, only_consumer
+from segflow.passes.fuse._match import is_op, live_nodes, only_consumer
 
 _VIEW_OPS = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze"})
 
@@ -67,9 +67,7 @@ def _merge_transposes(graph: Graph, node: Node) -> bool:
 
 def fuse_noops(graph: Graph) -> int:
     count = 0
-    for node in list(graph.nodes):
-        if node.graph is not graph:
-            continue
+    for node in live_nodes(graph):
         source = _noop_source(node)
         if source is not None and can_bypass(graph, node, source):
             bypass(graph, node, source)
