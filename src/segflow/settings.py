@@ -62,14 +62,19 @@ def parse_choice(kind: type[_Choice], value: object, source: str) -> _Choice:
         raise InvalidSetting(f"{source}={value!r}: expected one of {choices}") from None
 
 
+# The words a boolean variable may be set to.
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
+
+
 def _env_bool(env: Mapping[str, str], name: str, default: bool) -> bool:
     raw = env.get(name)
     if raw is None or raw.strip() == "":
         return default
     text = raw.strip().lower()
-    if text in ("1", "true", "yes", "on"):
+    if text in TRUE_WORDS:
         return True
-    if text in ("0", "false", "no", "off"):
+    if text in FALSE_WORDS:
         return False
     raise InvalidSetting(f"{name}={raw!r}: expected 0 or 1")
 

@@ -57,6 +57,8 @@ from segflow.settings import (
     ENV_ONEDNN_REPLAY,
     ENV_OPTIMIZE,
     ENV_WINOGRAD,
+    FALSE_WORDS,
+    TRUE_WORDS,
     _env_bool,
     _env_int,
     parse_choice,
@@ -191,8 +193,8 @@ class OptimizeOptions:
 def _fuse_rules_off(env: Mapping[str, str]) -> set[str]:
     """The fuse rules ``SEGFLOW_NO_FUSE`` names (comma-separated); none for 0/1 or unset."""
     raw = env.get(ENV_NO_FUSE, "").strip()
-    if raw.lower() in ("", "0", "1", "true", "false", "yes", "no", "on", "off"):
-        return set()
+    if raw == "" or raw.lower() in TRUE_WORDS + FALSE_WORDS:
+        return set()          # the whole pass's switch (_env_bool reads it)
     names = {name.strip() for name in raw.split(",") if name.strip()}
     unknown = sorted(names - set(RULE_NAMES))
     if unknown:
