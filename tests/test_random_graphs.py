@@ -1,4 +1,5 @@
-"""Random small CNN graphs through the whole inference pipeline, against onnxruntime.
+"""Random small graphs through the whole inference pipeline, against onnxruntime:
+CNNs with a linear head, and attention patterns.
 
 Each seed builds a graph from the patterns the passes rewrite, wired at random so
 that the rules meet the cases they must leave alone: a convolution (plain,
@@ -9,7 +10,9 @@ head of global pooling and linear layers (Gemm or MatMul+Add, with Relu, Tanh,
 Sigmoid or the exporters' erf GELU). The batch is symbolic and each session runs
 batch 1, then 3, then 1 again, so a layout, a packed weight or a replay recorded
 for one batch must not serve another. segflow runs with its defaults (codegen,
-libdnnl where it loads) and with ``compile="none"`` (per-node kernels).
+libdnnl where it loads) and with ``compile="none"`` (per-node kernels). The
+attention patterns (:func:`_attention_model`) vary what the attention rule
+matches: where K is transposed, the scale, the mask's shape and side.
 """
 
 from __future__ import annotations
@@ -167,3 +170,83 @@ def test_the_random_graphs_exercise_every_fuse_rule_but_attention():
         fired |= {rule for rule in ("noops", "batchnorm", "linear", "gelu", "conv",
                                     "activation") if f"{rule} " in fuse_line}
     assert fired == {"noops", "batchnorm", "linear", "gelu", "conv", "activation"}
+
+
+ATTENTION_SEEDS = range(40)
+
+
+def _attention_model(seed: int) -> tuple[ModelProto, dict[str, np.ndarray]]:
+    """``softmax(Q @ Kt * s + M) @ V`` with what varies in exported models: K given
+    transposed or transposed in the graph, the scale a Div, a Mul or absent, the mask
+    absent, a constant, or an input of shape [b,1,1,T], [1,1,S,T], [S,T] or
+    [b,H,S,T] on either side of the Add, the softmax axis -1 or 3, keys longer than
+    queries, and the probabilities sometimes a graph output too."""
+    rng, data = random.Random(seed), np.random.default_rng(seed)
+    batch, heads, s, d = rng.choice([1, 2]), rng.choice([1, 2, 4]), rng.choice([3, 8, 17]), \
+        rng.choice([4, 8, 16])
+    t = rng.choice([s, s + 2])
+    nodes, inits = [], []
+
+    def const(name: str, array: np.ndarray) -> str:
+        inits.append(numpy_helper.from_array(np.asarray(array, np.float32), name))
+        return name
+
+    kt_given = rng.random() < 0.5
+    shapes = {"q": ["b", heads, s, d], "k": ["b", heads, d, t] if kt_given else ["b", heads, t, d],
+              "v": ["b", heads, t, d]}
+    kt = "k"
+    if not kt_given:
+        nodes.append(helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]))
+        kt = "kt"
+    nodes.append(helper.make_node("MatMul", ["q", kt], ["scores"]))
+    last = "scores"
+    scale = rng.choice(["div", "mul", None])
+    if scale is not None:
+        op, factor = ("Div", d ** 0.5) if scale == "div" else ("Mul", d ** -0.5)
+        nodes.append(helper.make_node(op, [last, const("scale", factor)], ["scaled"]))
+        last = "scaled"
+    mask = rng.choice([None, "const", "b11t", "11st", "st", "bhst"])
+    if mask == "const":
+        operand = const("mask", data.standard_normal((1, 1, s, t)) * 2)
+    elif mask is not None:
+        shapes["m"] = {"b11t": ["b", 1, 1, t], "11st": [1, 1, s, t], "st": [s, t],
+                       "bhst": ["b", heads, s, t]}[mask]
+        operand = "m"
+    if mask is not None:
+        pair = [last, operand]
+        rng.shuffle(pair)
+        nodes.append(helper.make_node("Add", pair, ["masked"]))
+        last = "masked"
+    nodes.append(helper.make_node("Softmax", [last], ["p"], axis=rng.choice([-1, 3])))
+    nodes.append(helper.make_node("MatMul", ["p", "v"], ["out"]))
+    outputs = ["out"] + (["p"] if rng.random() < 0.2 else [])
+    graph = helper.make_graph(
+        nodes, f"attention{seed}",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n, shape in shapes.items()],
+        [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outputs], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    feeds = {n: (data.standard_normal([batch if dim == "b" else dim for dim in shape])
+                 * (2 if n == "m" else 1)).astype(np.float32) for n, shape in shapes.items()}
+    return model, feeds
+
+
+@pytest.mark.parametrize("seed", ATTENTION_SEEDS)
+def test_random_attention_pattern_matches_onnxruntime(seed):
+    model, feeds = _attention_model(seed)
+    want = ort.InferenceSession(model.SerializeToString(),
+                                providers=["CPUExecutionProvider"]).run(None, feeds)
+    for sess in (segflow.InferenceSession(model), segflow.InferenceSession(model, compile="none")):
+        for _ in range(2):
+            for got, expected in zip(sess.run(None, feeds), want):
+                np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-3)
+
+
+def test_the_random_attention_patterns_mostly_fuse():
+    """Most seeds must become one Attention node (36 of 40 when written; the rest are
+    shapes the rule leaves alone on purpose), or the test above would only exercise
+    the plain ops."""
+    fused = sum(any(n.op_type == "Attention" for n in
+                    segflow.InferenceSession(_attention_model(seed)[0]).graph.nodes)
+                for seed in ATTENTION_SEEDS)
+    assert fused >= 3 * len(ATTENTION_SEEDS) // 4, fused
