@@ -118,7 +118,8 @@ def test_shape_inference_runs_without_the_weight_data():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "int8", "int16", "int32",
-                                   "int64", "uint8", "uint16", "uint32", "uint64", "bool"])
+                                   "int64", "uint8", "uint16", "uint32", "uint64", "bool",
+                                   "complex64"])
 def test_initializers_read_from_raw_data_equal_onnx_own_reading(dtype):
     """_tensor reads raw_data in one copy; what it returns must be numpy_helper's array."""
     import numpy as np

@@ -29,15 +29,6 @@ from segflow.ops.registry import OpRegistry, default_registry
 # Initializers with more data bytes than this go to shape inference without their data.
 INFERENCE_DATA_LIMIT = 4096
 
-_TP = onnx.TensorProto
-# Element types whose raw_data is read straight into a tensor: its numpy dtype.
-_RAW_DTYPES: dict[int, np.dtype[Any]] = {
-    code: np.dtype(name) for code, name in (
-        (_TP.FLOAT, "float32"), (_TP.DOUBLE, "float64"), (_TP.FLOAT16, "float16"),
-        (_TP.INT8, "int8"), (_TP.INT16, "int16"), (_TP.INT32, "int32"), (_TP.INT64, "int64"),
-        (_TP.UINT8, "uint8"), (_TP.UINT16, "uint16"), (_TP.UINT32, "uint32"),
-        (_TP.UINT64, "uint64"), (_TP.BOOL, "bool"))}
-
 
 def load_model(model: str | os.PathLike[str] | bytes | onnx.ModelProto) -> onnx.ModelProto:
     """Read a model file (with its external data) or pass a ModelProto through."""
@@ -252,21 +243,31 @@ def _constant_value(np_: onnx.NodeProto) -> torch.Tensor:
     raise InvalidModel(f"Constant node {np_.name!r} has no value attribute")
 
 
+def _raw_dtype(code: int) -> np.dtype[Any] | None:
+    """The numpy dtype whose bytes are an element type's ``raw_data`` (DType's), or
+    None for strings and the types numpy lacks (bfloat16, float8, int4, ...)."""
+    try:
+        dtype = DType.from_onnx(code)
+        return None if dtype is DType.STRING else dtype.numpy
+    except ValueError:
+        return None
+
+
 def _data_bytes(tp: onnx.TensorProto) -> int:
     """The bytes of ``tp``'s elements, from its dims and type (8 an element for a type
-    not in ``_RAW_DTYPES``): reading ``raw_data`` to measure it would copy it
-    (BERT-base: 420 MB, ~0.1 s)."""
+    :func:`_raw_dtype` does not size): reading ``raw_data`` to measure it would copy
+    it (BERT-base: 420 MB, ~0.1 s)."""
     numel = 1
     for d in tp.dims:
         numel *= int(d)
-    dtype = _RAW_DTYPES.get(tp.data_type)
+    dtype = _raw_dtype(tp.data_type)
     return numel * (dtype.itemsize if dtype is not None else 8)
 
 
 def _tensor(tp: onnx.TensorProto) -> torch.Tensor:
-    dtype = _RAW_DTYPES.get(tp.data_type)
+    dtype = _raw_dtype(tp.data_type)
     if dtype is not None and tp.HasField("raw_data") and sys.byteorder == "little" \
-            and tp.data_location != _TP.EXTERNAL:
+            and tp.data_location != onnx.TensorProto.EXTERNAL:
         # The common case in one copy, where numpy_helper.to_array and a copy after it
         # made two (BERT-base's initializers with their pages mapped: 0.27 -> 0.14 s; in
         # a fresh process the new pages' faults make both ~0.28 s).

@@ -52,9 +52,8 @@ def _activation(node: Node) -> tuple[str, list[float]] | None:
 def fuse_activation(graph: Graph) -> int:
     count = 0
     for node in live_nodes(graph):
-        if node.domain != FUSED_DOMAIN:
-            continue
-        if node.op_type not in ("FusedConv", "FusedGemm") or node.attrs.get("activation"):
+        if node.domain != FUSED_DOMAIN or node.op_type not in ("FusedConv", "FusedGemm") \
+                or node.attrs.get("activation"):
             continue
         consumer = only_consumer(graph, node.outputs[0])
         act = _activation(consumer) if consumer is not None else None
