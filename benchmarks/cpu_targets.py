@@ -108,6 +108,8 @@ def _segflow_kwargs(variant: str) -> tuple[dict[str, Any], dict[str, str]]:
             env["SEGFLOW_NATIVE"] = "0" if value in ("off", "0", "false") else "1"
         elif key == "winograd":  # 3x3 convolutions as Winograd F(4x4,3x3) (on) or direct
             env["SEGFLOW_WINOGRAD"] = "0" if value in ("off", "0", "false") else "1"
+        elif key == "native_linear":  # large linears: segflow's packed kernel (on) or libdnnl
+            env["SEGFLOW_NATIVE_LINEAR"] = "0" if value in ("off", "0", "false") else "1"
         else:
             raise SystemExit(f"unknown variant key {key!r} in {variant!r}")
     if passes:

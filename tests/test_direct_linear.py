@@ -3,8 +3,9 @@ product, with the weight packed once by the layout pass in the library's own for
 
 Numerics are checked against ``F.linear`` on the dense weight (float32, atol/rtol 1e-4)
 and, at session level, against onnxruntime. Whether the layout pass chooses this path
-depends on the CPU (``fused.direct_linear_preferred``: not on AVX-512); the tests that
-need one choice or the other set it.
+depends on the CPU (``fused.direct_linear_preferred``: not on AVX-512) and on the
+native linear (``SEGFLOW_NATIVE_LINEAR``, off here); the tests that need one choice or
+the other set it.
 """
 
 from __future__ import annotations
@@ -25,6 +26,13 @@ LIB = Library.load()
 pytestmark = pytest.mark.skipif(LIB is None, reason=f"libdnnl {Library.probe()[1]}")
 ATOL = RTOL = 1e-4
 RNG = np.random.default_rng(0)
+
+
+@pytest.fixture(autouse=True)
+def _no_native_linears(monkeypatch):
+    """Sessions here pack for libdnnl: segflow's own linear kernel, preferred where the
+    native library loads, is tests/test_native_linear.py's."""
+    monkeypatch.setenv("SEGFLOW_NATIVE_LINEAR", "0")
 
 
 def _op(w: torch.Tensor, *, rows: int = 128, eltwise: tuple[int, float, float] | None = None,

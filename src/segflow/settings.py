@@ -42,6 +42,7 @@ ENV_ARENA = "SEGFLOW_ARENA"                        # 0: direct convolutions allo
 ENV_ONEDNN_REPLAY = "SEGFLOW_ONEDNN_REPLAY"        # 0: no replayed runs (ops/onednn_replay.py)
 ENV_NO_DENSE_CHAIN = "SEGFLOW_NO_DENSE_CHAIN"      # 1: small dense layers stay one node each
 ENV_NATIVE = "SEGFLOW_NATIVE"                      # 0: never build or load native kernels
+ENV_NATIVE_LINEAR = "SEGFLOW_NATIVE_LINEAR"        # 0: no native linears; 1: on AVX-512 too
 ENV_WINOGRAD = "SEGFLOW_WINOGRAD"                  # 0: 3x3 convs direct; 1: Winograd on AVX-512 too
 
 ENGINES = ("auto", "inline", "threaded")

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from segflow.ir.graph import Node
 from segflow.ops._common import torch_pad
 from segflow.ops.native_library import NativeLibrary
+from segflow.ops.native_linear import NativeLinear, NativeLinearKernel, clamp_of
 from segflow.ops.onednn_direct import (
     ConvGeometry,
     DirectConv,
@@ -260,9 +261,10 @@ def conv_reads_winograd_weight(node: Node) -> bool:
 
 def reads_libdnnl_packing(node: Node) -> bool:
     """Whether this node's weight constant is a kernel's own format (libdnnl's packing,
-    or the Winograd transform), not the weight's values in its shape."""
-    return (linear_calls_libdnnl(node) or conv_reads_libdnnl_packing(node)
-            or conv_reads_winograd_weight(node))
+    the Winograd transform or the native linear's panels), not the weight's values in
+    its shape."""
+    return (linear_calls_libdnnl(node) or linear_calls_native(node)
+            or conv_reads_libdnnl_packing(node) or conv_reads_winograd_weight(node))
 
 
 def _fused_conv(node: Node, ctx: BindContext) -> Kernel:
@@ -533,6 +535,32 @@ def linear_calls_libdnnl(node: Node) -> bool:
     return bool(node.attrs.get("onednn_direct_linear"))
 
 
+def linear_calls_native(node: Node) -> bool:
+    """True when the layout pass packed this FusedGemm's weight into the panels of
+    ``ops/native/gemm.c`` (``native_linear``): only :class:`NativeLinear` reads it."""
+    return bool(node.attrs.get("native_linear"))
+
+
+def _native_linear(node: Node) -> NativeLinear:
+    library, why = NativeLibrary.probe()
+    weight = node.inputs[1]
+    if library is None:   # packed by this process's layout pass, so it loaded then
+        raise RuntimeError(f"{node.label}: its weight is packed for native kernels, which {why}")
+    assert weight is not None and weight.spec.shape is not None
+    out_features, in_features = (int(d) for d in weight.spec.shape)  # type: ignore[arg-type]
+    act, params = activation_of(node)
+    clamp = clamp_of(act.name, params)
+    finish = act.inplace or act.apply
+    after: Callable[[Tensor], Tensor] | None = None
+    if act.name and clamp is None:
+        def after(y: Tensor) -> Tensor:
+            return finish(y, params)
+
+    def apply(y: Tensor) -> Tensor:
+        return act.apply(y, params)
+    return NativeLinear(library, in_features, out_features, clamp, after, apply)
+
+
 def _direct_linear(node: Node) -> DirectLinear:
     lib = Library.load()
     weight = node.inputs[1]
@@ -601,6 +629,8 @@ def _linear_callable(node: Node, device: torch.device) -> Callable[..., Tensor]:
 
 
 def _fused_gemm(node: Node, ctx: BindContext) -> Kernel:
+    if linear_calls_native(node):
+        return NativeLinearKernel(_native_linear(node))
     if linear_calls_libdnnl(node):
         return DirectKernel(_direct_linear(node))
     fn = _linear_callable(node, ctx.device)
@@ -660,9 +690,9 @@ def inline_fused(node: Node, device: torch.device, inplace_input: int | None,
     if node.op_type == "FusedConv":
         return _inline_conv(node, inplace_input, args, kernel)
     if node.op_type == "FusedGemm":
-        if isinstance(kernel, DirectKernel):   # the kernel's own op (one set of primitives)
+        if isinstance(kernel, DirectKernel | NativeLinearKernel):   # the kernel's own op
             return Inline(f"{{fn}}({args})", {"fn": kernel.op})
-        if linear_calls_libdnnl(node):
+        if linear_calls_libdnnl(node) or linear_calls_native(node):
             return None
         return _inline_gemm(node, device, consts)
     if node.op_type == "Attention":
@@ -762,7 +792,7 @@ def traceable_fused(node: Node) -> Inline | None:
             return act.apply(y, params)
         return Inline(f"{{fn}}({args})", {"fn": conv_fn})
     if node.op_type == "FusedGemm":
-        if linear_uses_onednn(node):
+        if linear_uses_onednn(node) or linear_calls_native(node):
             return None
         act, params = activation_of(node)
 

@@ -21,7 +21,11 @@ stride-1 3x3 convolution outside that region, with channels in multiples of 8
 and no activation, or ReLU, LeakyReLU or Clip, is marked ``winograd``: it runs as Winograd
 F(4x4, 3x3) on CPUs without AVX-512 (``ops/winograd.py``; ``SEGFLOW_WINOGRAD=0``
 turns it off, ``=1`` on everywhere), and its weight constant becomes the
-transformed one (``[36, C, K]``) instead of a packed one. Measured
+transformed one (``[36, C, K]``) instead of a packed one. A large linear
+(``FusedGemm``) gets its weight packed once too: into the panels of segflow's own
+kernel where the native library loads on a CPU without AVX-512 (``native_linear``,
+``ops/native_linear.py``; ``SEGFLOW_NATIVE_LINEAR=0`` turns it off, ``=1`` on
+everywhere), else for libdnnl's inner product or torch's oneDNN matmul. Measured
 on ResNet-50 / MobileNetV2 at batch 1 (see benchmarks/cpu_targets.py): torch's
 NCHW ``conv2d`` is several times slower, and its 3-channel stem conv alone costs
 more than oneDNN's whole network.
@@ -47,6 +51,8 @@ from segflow.ops.fused import (
     winograd_preferred,
 )
 from segflow.ops.native_library import NativeLibrary
+from segflow.ops.native_linear import native_linear_preferred
+from segflow.ops.native_linear import pack as native_pack
 from segflow.ops.onednn_direct import (
     BLOCK,
     DnnlError,
@@ -65,13 +71,16 @@ DIRECT_LINEAR_ROWS = 128
 
 
 def layout(graph: Graph, device: Device, *, direct: bool = True,
-           blocked: bool = True, winograd: bool | None = None) -> PassResult:
-    """Prepack FusedConv weights for oneDNN on CPU (in place); a no-op elsewhere.
+           blocked: bool = True, winograd: bool | None = None,
+           native_linear: bool | None = None) -> PassResult:
+    """Prepack FusedConv and large FusedGemm weights on CPU (in place); a no-op elsewhere.
 
     ``direct``: mark the packed convolutions to call libdnnl when it loads;
     ``blocked``: and run a depthwise region on nChw8c activations (:func:`_blocked_region`);
     ``winograd``: and run the 3x3 ones that qualify as Winograd (:func:`_winograd_fits`;
-    None: where ``winograd_preferred()``, CPUs without AVX-512).
+    None: where ``winograd_preferred()``, CPUs without AVX-512);
+    ``native_linear``: pack large linears for ``ops/native_linear.py`` where the native
+    library loads (None: where ``native_linear_preferred``).
     """
     if device.kind is not DeviceKind.CPU or not onednn_available():
         return PassResult(graph, False)
@@ -89,11 +98,19 @@ def layout(graph: Graph, device: Device, *, direct: bool = True,
         lib = Library.load()
         if lib is not None:
             region = _blocked_region(graph, lib)
+    native: NativeLibrary | None = None
+    native_known = False     # resolved at the first linear: a graph with none never builds it
     for node in graph.nodes:
         if node.domain == FUSED_DOMAIN and node.op_type == "FusedGemm":
+            if not native_known:
+                native, native_known = _native_for_linears(native_linear), True
+            dense = node.inputs[1]
+            if native is not None and _pack_native(graph, node, packed, native):
+                changed += 1
+                _release(graph, dense, released)
+                continue
             if direct and lib is None and direct_linear_preferred():
                 lib = Library.load()
-            dense = node.inputs[1]
             changed += _pack_linear(graph, node, packed,
                                     lib if direct and direct_linear_preferred() else None)
             _release(graph, dense, released)
@@ -317,6 +334,40 @@ def _pack_conv(dense: torch.Tensor, params: _PackParams, lib: Library | None,
         if same_bytes(candidate, wanted):
             return PackedConv(candidate, other, size, False)
     return PackedConv(wanted, size, size, True)
+
+
+def _native_for_linears(choice: bool | None) -> NativeLibrary | None:
+    """The native library where large linears should be packed for it: on when
+    ``choice`` says so (None: where ``native_linear_preferred``) and it loads."""
+    if choice is False:
+        return None
+    library, _ = NativeLibrary.for_session()
+    if library is None or (choice is None and not native_linear_preferred(library)):
+        return None
+    return library
+
+
+def _pack_native(graph: Graph, node: Node, packed: dict[tuple[int, _PackParams, int], Value],
+                 library: NativeLibrary) -> bool:
+    """Pack a large float32 FusedGemm weight into ``ops/native/gemm.c``'s panels and
+    mark the node ``native_linear``; False where the weight does not qualify."""
+    weight, x = node.inputs[1], node.inputs[0]
+    if weight is None or weight.const is None or weight.const.is_mkldnn or x is None:
+        return False
+    w = weight.const
+    if w.dtype != torch.float32 or w.dim() != 2 or w.numel() < LINEAR_PACK_MIN_WEIGHT \
+            or w.device.type != "cpu":
+        return False
+    key = (id(weight), _PackParams((), (), (), -2, None), 0)
+    value = packed.get(key)
+    if value is None:
+        value = Value(_fresh_name(graph, f"{weight.name}.panels"), weight.spec,
+                      const=native_pack(library, w))
+        graph.add_initializer(value)
+        packed[key] = value
+    graph.set_input(node, 1, value)
+    node.attrs["native_linear"] = 1
+    return True
 
 
 def _pack_linear(graph: Graph, node: Node, packed: dict[tuple[int, _PackParams, int], Value],

@@ -11,9 +11,10 @@ Every pass can be switched off, from the API (``optimize=False`` or
 fuse pass's rules (``passes/fuse/``): ``optimize={"fuse.batchnorm": False}``, or
 ``SEGFLOW_NO_FUSE=batchnorm,conv`` (rule names in place of ``1``), and the layout
 pass's choices: ``optimize={"layout.winograd": False}`` (also ``layout.direct``,
-``layout.blocked``; ``SEGFLOW_WINOGRAD``, ``SEGFLOW_ONEDNN_DIRECT``,
-``SEGFLOW_ONEDNN_BLOCKED``). Each pass adds one line to the log that ``explain()``
-prints, e.g. ``fuse: 175 -> 57 nodes (batchnorm 53, conv 53, activation 49, linear 1)``.
+``layout.blocked``, ``layout.native_linear``; ``SEGFLOW_WINOGRAD``,
+``SEGFLOW_ONEDNN_DIRECT``, ``SEGFLOW_ONEDNN_BLOCKED``, ``SEGFLOW_NATIVE_LINEAR``).
+Each pass adds one line to the log that ``explain()`` prints, e.g.
+``fuse: 175 -> 57 nodes (batchnorm 53, conv 53, activation 49, linear 1)``.
 
 >>> log = optimize(graph, OptimizeOptions.resolve(True))   # doctest: +SKIP
 """
@@ -33,6 +34,7 @@ from segflow.ir.types import Device, DeviceKind, DType
 from segflow.ops.fused import (
     FUSED_DOMAIN,
     linear_calls_libdnnl,
+    linear_calls_native,
     linear_uses_onednn,
     onednn_graph_available,
 )
@@ -47,6 +49,7 @@ from segflow.settings import (
     ENV_ARENA,
     ENV_COMPILE,
     ENV_INTRA_OP_THREADS,
+    ENV_NATIVE_LINEAR,
     ENV_NO_DENSE_CHAIN,
     ENV_NO_FOLD,
     ENV_NO_FUSE,
@@ -68,7 +71,7 @@ PASSES = ("fold_constants", "fuse", "dense_chain", "layout", "plan_memory")
 # ``optimize`` keys for the layout pass's choices -> the OptimizeOptions field each sets
 # (their environment variables: SEGFLOW_ONEDNN_DIRECT, _ONEDNN_BLOCKED, SEGFLOW_WINOGRAD).
 LAYOUT_CHOICES = {"layout.direct": "onednn_direct", "layout.blocked": "onednn_blocked",
-                  "layout.winograd": "winograd"}
+                  "layout.winograd": "winograd", "layout.native_linear": "native_linear"}
 _PASS_ENV = {"fold_constants": ENV_NO_FOLD, "fuse": ENV_NO_FUSE,
              "dense_chain": ENV_NO_DENSE_CHAIN, "layout": ENV_NO_LAYOUT,
              "plan_memory": ENV_NO_MEMORY_PLAN}
@@ -120,6 +123,9 @@ class OptimizeOptions:
     # 3x3 ones run as Winograd F(4x4, 3x3) where they qualify (ops/winograd.py); None:
     # where it was measured faster (fused.winograd_preferred: CPUs without AVX-512).
     winograd: bool | None = None
+    # Large linears run segflow's packed-panel kernel (ops/native_linear.py); None: where
+    # it was measured faster (native_linear_preferred: AVX2 + FMA, no AVX-512).
+    native_linear: bool | None = None
 
     @classmethod
     def resolve(cls, optimize: bool | Mapping[str, bool] | None = None, *,
@@ -175,8 +181,12 @@ class OptimizeOptions:
         winograd = (_env_bool(env, ENV_WINOGRAD, True)
                     if env.get(ENV_WINOGRAD, "").strip() else None)
         winograd = choices.get("winograd", winograd)
+        native_linear = (_env_bool(env, ENV_NATIVE_LINEAR, True)
+                         if env.get(ENV_NATIVE_LINEAR, "").strip() else None)
+        native_linear = choices.get("native_linear", native_linear)
         return cls(compile=mode, intra_op_threads=threads, onednn_direct=direct, arena=arena,
                    onednn_blocked=blocked, onednn_replay=replay, winograd=winograd,
+                   native_linear=native_linear,
                    fuse_off=frozenset(rules_off), **switches)
 
     def as_record(self) -> dict[str, object]:
@@ -187,7 +197,8 @@ class OptimizeOptions:
                 "plan_memory": self.plan_memory, "compile": self.compile.resolve().value,
                 "onednn_direct": self.onednn_direct, "onednn_blocked": self.onednn_blocked,
                 "arena": self.arena, "onednn_replay": self.onednn_replay,
-                "winograd": "auto" if self.winograd is None else self.winograd}
+                "winograd": "auto" if self.winograd is None else self.winograd,
+                "native_linear": "auto" if self.native_linear is None else self.native_linear}
 
 
 def _fuse_rules_off(env: Mapping[str, str]) -> set[str]:
@@ -357,18 +368,24 @@ def _layout(graph: Graph, options: OptimizeOptions, backend: CompileMode,
     if device.kind is not DeviceKind.CPU:
         return "layout: skipped (not a CPU device)"
     packed = layout(graph, device, direct=options.onednn_direct,
-                    blocked=options.onednn_blocked, winograd=options.winograd)
+                    blocked=options.onednn_blocked, winograd=options.winograd,
+                    native_linear=options.native_linear)
     if not packed.modified:
         return "layout: nothing to do (no oneDNN-eligible convolutions or linears)"
     convs = sum(1 for n in graph.nodes if n.attrs.get("channels_last"))
     linears = sum(1 for n in graph.nodes if n.op_type == "FusedGemm" and linear_uses_onednn(n))
     direct_linears = sum(1 for n in graph.nodes if n.op_type == "FusedGemm"
                          and linear_calls_libdnnl(n))
+    native_linears = sum(1 for n in graph.nodes if n.op_type == "FusedGemm"
+                         and linear_calls_native(n))
     parts = [f"{convs} convolutions (channels_last)"] if convs else []
     if linears:
         parts.append(f"{linears} linears" + (f" ({direct_linears} for libdnnl's inner product)"
                                              if direct_linears else ""))
-    text = f"layout: prepacked for oneDNN: {', '.join(parts)}"
+    text = f"layout: prepacked for oneDNN: {', '.join(parts)}" if parts else "layout: prepacked"
+    if native_linears:
+        text += (f"; {native_linears} linear{'s' if native_linears > 1 else ''} packed for the "
+                 f"native kernel (ops/native_linear.py)")
     if convs and options.onednn_direct:
         _, why = Library.probe()
         direct = any(n.attrs.get("onednn_direct") for n in graph.nodes)

@@ -30,6 +30,7 @@ from segflow.engine.streams import StreamBackend
 from segflow.ir.graph import Node, Value
 from segflow.ir.types import Device, DeviceKind
 from segflow.ops.dense_chain import DenseChainKernel
+from segflow.ops.native_linear import NativeLinearKernel
 from segflow.ops.onednn_direct import DirectConv, DirectKernel, ResidualInPlaceKernel
 from segflow.ops.registry import OpRegistry
 from segflow.passes.segment import Segment
@@ -126,6 +127,10 @@ class Executor:
         # Kernels over libdnnl (ops/onednn_direct.py), for explain(): what fell back and why.
         self.direct_ops = [(step.node.label, step.kernel.op) for task in self.tasks
                            for step in task.steps if isinstance(step.kernel, DirectKernel)]
+        # Linears over segflow's packed panels (ops/native_linear.py): how their calls ran.
+        self.native_linears = [(step.node.label, step.kernel.op) for task in self.tasks
+                               for step in task.steps
+                               if isinstance(step.kernel, NativeLinearKernel)]
         # Chains of small dense layers (ops/dense_chain.py): how their calls ran.
         self.chain_ops = [(step.node.label, step.kernel.op) for task in self.tasks
                           for step in task.steps if isinstance(step.kernel, DenseChainKernel)]

@@ -28,6 +28,7 @@ from segflow.frontend.onnx_import import import_model
 from segflow.ir.graph import Value
 from segflow.ir.types import Device, DeviceKind, Dim, DType, TensorSpec
 from segflow.ops.dense_chain import describe_chains
+from segflow.ops.native_linear import describe_native_linears
 from segflow.ops.onednn_direct import describe_direct
 from segflow.ops.onednn_replay import describe_replays
 from segflow.ops.registry import OpRegistry, default_registry
@@ -223,6 +224,7 @@ class InferenceSession:
         and the activation arena."""
         lines = describe_direct(self._executor.direct_ops)
         lines += describe_chains(self._executor.chain_ops)
+        lines += describe_native_linears(self._executor.native_linears)
         lines += describe_replays(self.compile_report.replays)
         arena = self._executor.arena
         if arena is not None:   # the block at the sizes the plan was made for

@@ -1,0 +1,269 @@
+"""Tests for NativeLinear (ops/native_linear.py, ops/native/gemm.c): large linears over
+a weight the layout pass packs into panels of 24 output columns.
+
+Numerics are checked against ``F.linear`` on the dense weight (float32: atol/rtol 1e-4
+for sums of up to ~1000 products of unit-scale values) and, at session level, against
+onnxruntime. The kernel's edges are exercised on purpose: row counts that are not a
+multiple of its 4-row block, output widths that are not a multiple of its 24-column
+panel, and input widths above and between its 384-column blocks. Whether the layout
+pass chooses this path depends on the CPU (``native_linear_preferred``: AVX2 + FMA and
+no AVX-512); the tests that need one choice or the other set it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+import torch.nn.functional as F
+from onnx import TensorProto, helper, numpy_helper
+
+import segflow
+from concurrency import run_in_threads
+from segflow.ops import fused
+from segflow.ops.native_library import NativeLibrary
+from segflow.ops.native_linear import NativeLinear, clamp_of, pack, packed_size, unpack
+
+LIB, WHY = NativeLibrary.probe()
+pytestmark = pytest.mark.skipif(LIB is None, reason=f"native kernels {WHY}")
+ATOL = RTOL = 1e-4
+RNG = np.random.default_rng(0)
+
+
+def _op(w: torch.Tensor, act: str = "", params: tuple[float, ...] = (0.0, 0.0)
+        ) -> tuple[NativeLinear, torch.Tensor]:
+    assert LIB is not None
+    activation = fused.ACTIVATIONS[act]
+    clamp = clamp_of(act, params)
+    after = None
+    if act and clamp is None:
+        def after(y: torch.Tensor) -> torch.Tensor:
+            return activation.apply(y, params)
+    n, k = w.shape
+    op = NativeLinear(LIB, k, n, clamp, after, lambda y: activation.apply(y, params))
+    return op, pack(LIB, w)
+
+
+@pytest.mark.parametrize("n,k", [(1, 1), (23, 5), (24, 384), (25, 385), (48, 800),
+                                 (100, 1000)])
+def test_pack_pads_panels_with_zeros_and_unpacks_to_the_same_bits(n, k):
+    assert LIB is not None
+    w = torch.randn(n, k)
+    packed = pack(LIB, w)
+    panels = math.ceil(n / 24)
+    assert packed.shape == (panels * 24 * k,) == (packed_size(LIB, n, k),)
+    # Panel p, column j holds row 24p + j of W along k; the rows past n are zeros.
+    rows = packed.reshape(panels, k, 24).permute(0, 2, 1).reshape(panels * 24, k)
+    assert torch.equal(rows[:n], w) and not rows[n:].any()
+    assert torch.equal(unpack(LIB, packed, n, k), w)
+    # A strided (transposed) weight packs the same.
+    assert torch.equal(pack(LIB, w.t().contiguous().t()), packed)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 128, 130])
+@pytest.mark.parametrize("n,k", [(1, 3), (23, 64), (24, 384), (50, 385), (1000, 800)])
+def test_matches_f_linear_at_every_edge_of_the_blocking(rows, n, k):
+    w = torch.randn(n, k) / math.sqrt(k)
+    b = torch.randn(n)
+    op, packed = _op(w)
+    x = torch.randn(rows, k)
+    torch.testing.assert_close(op(x, packed, b), F.linear(x, w, b), atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(op(x, packed, None), F.linear(x, w), atol=ATOL, rtol=RTOL)
+    assert op.calls == 2 and op.fallbacks == 0
+
+
+@pytest.mark.parametrize("act,params", [("Relu", (0.0, 0.0)), ("LeakyRelu", (0.1, 0.0)),
+                                        ("Clip", (-0.5, 0.25)), ("Clip", (0.0, math.inf)),
+                                        ("LeakyRelu", (1.5, 0.0)), ("Sigmoid", (0.0, 0.0)),
+                                        ("Gelu", (0.0, 0.0))])
+def test_activations_fused_or_applied_after(act, params):
+    w = torch.randn(72, 800) / math.sqrt(800)
+    b = torch.randn(72)
+    op, packed = _op(w, act, params)
+    x = torch.randn(9, 800)
+    want = fused.ACTIVATIONS[act].apply(F.linear(x, w, b), params)
+    torch.testing.assert_close(op(x, packed, b), want, atol=ATOL, rtol=RTOL)
+    # ReLU, LeakyReLU with a slope in [0, 1] and Clip are the kernel's; the rest run after.
+    assert (op.after is None) == (act in ("Relu", "Clip") or (act == "LeakyRelu"
+                                                              and params[0] <= 1))
+
+
+def test_nan_stays_nan_through_the_fused_activations():
+    w = torch.randn(24, 16)
+    x = torch.randn(4, 16)
+    x[1, 3] = float("nan")
+    for act, params in (("Relu", (0.0, 0.0)), ("LeakyRelu", (0.2, 0.0)), ("Clip", (-1.0, 1.0))):
+        op, packed = _op(w, act, params)
+        y = op(x, packed, None)
+        assert torch.isnan(y[1]).all() and not torch.isnan(y[[0, 2, 3]]).any()
+
+
+def test_inputs_of_any_rank_and_row_stride():
+    w = torch.randn(96, 384) / 20
+    b = torch.randn(96)
+    op, packed = _op(w, "Relu")
+    x3 = torch.randn(2, 33, 384)
+    torch.testing.assert_close(op(x3, packed, b), torch.relu(F.linear(x3, w, b)),
+                               atol=ATOL, rtol=RTOL)
+    wide = torch.randn(10, 500)
+    rows = wide[:, 7:391]             # rows 500 floats apart: read in place
+    torch.testing.assert_close(op(rows, packed, b), torch.relu(F.linear(rows, w, b)),
+                               atol=ATOL, rtol=RTOL)
+    columns = torch.randn(384, 6).t()  # columns not contiguous: copied first
+    torch.testing.assert_close(op(columns, packed, b), torch.relu(F.linear(columns, w, b)),
+                               atol=ATOL, rtol=RTOL)
+    empty = torch.randn(0, 384)
+    assert op(empty, packed, b).shape == (0, 96)
+    assert op.fallbacks == 0
+
+
+def test_the_split_between_threads_does_not_change_a_bit():
+    w = torch.randn(1000, 800) / 30
+    b = torch.randn(1000)
+    op, packed = _op(w)
+    x = torch.randn(130, 800)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = op(x, packed, b)
+        torch.set_num_threads(max(2, threads))
+        many = op(x, packed, b)
+    finally:
+        torch.set_num_threads(threads)
+    # Each output is summed by one thread in the same order, however the panels are split.
+    assert torch.equal(one, many)
+
+
+def test_what_the_kernel_does_not_take_runs_f_linear_over_the_unpacked_weight():
+    w = torch.randn(48, 64) / 8
+    b = torch.randn(48)
+    op, packed = _op(w, "Gelu")
+    x64 = torch.randn(3, 64, dtype=torch.float64)
+    torch.testing.assert_close(op(x64, packed, b), F.gelu(F.linear(x64, w.double(), b.double())))
+    assert op.fallbacks == 1 and op.why_not == {"input torch.float64 on cpu": 1}
+    assert torch.equal(op.dense_weight(packed), w)
+    with pytest.raises(ValueError, match=r"linear expects \[\.\.\., 64\], got \[3, 65\]"):
+        op(torch.randn(3, 65), packed, b)
+
+
+def test_bad_packing_arguments_are_one_line_errors():
+    assert LIB is not None
+    with pytest.raises(ValueError, match="need a 2-D float32 CPU weight"):
+        pack(LIB, torch.randn(4, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"not the packing of a \[24, 4\] weight"):
+        unpack(LIB, torch.randn(95), 24, 4)
+
+
+def _linear_model(k: int, n: int, act: str | None, batch: str | int = "batch"):
+    w = (RNG.standard_normal((k, n)) * 0.05).astype(np.float32)
+    b = RNG.standard_normal(n).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]),
+             helper.make_node("Add", ["m", "b"], ["y" if act else "out"])]
+    if act:
+        nodes.append(helper.make_node(act, ["y"], ["out"]))
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 16, k])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)],
+        initializer=[numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model, w
+
+
+@pytest.fixture
+def preferred(monkeypatch):
+    """This CPU as one the native linear is preferred on (the kernel itself runs on any)."""
+    monkeypatch.setattr(fused, "_cpu_has_avx512", lambda: False)
+    monkeypatch.delenv("SEGFLOW_NATIVE_LINEAR", raising=False)
+    assert LIB is not None
+    if not LIB.dll.segflow_linear_vector_fma():
+        pytest.skip("the native library was built without AVX2 and FMA")
+
+
+@pytest.mark.parametrize("compile_mode", ["codegen", "none"])
+@pytest.mark.parametrize("act", [None, "Relu", "Tanh"])
+def test_session_packs_large_linears_for_the_native_kernel(preferred, compile_mode, act):
+    model, w = _linear_model(768, 1000, act)
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    sess = segflow.InferenceSession(model, compile=compile_mode)
+    (node,) = sess.graph.nodes
+    assert fused.linear_calls_native(node) and not fused.linear_uses_onednn(node)
+    assert fused.reads_libdnnl_packing(node)
+    # The panels are the model's only copy of the weight (1000 columns padded to 1008).
+    consts = [v.const for v in sess.graph.initializers.values() if v.const is not None]
+    assert sum(c.numel() * c.element_size() for c in consts) == 1008 * 768 * 4 + 1000 * 4
+    assert any("1 linear packed for the native kernel" in line for line in sess.plan.pass_log)
+    for batch in (1, 3, 1):
+        x = RNG.standard_normal((batch, 16, 768)).astype(np.float32)
+        np.testing.assert_allclose(sess.run(None, {"x": x})[0], ref.run(None, {"x": x})[0],
+                                   atol=ATOL, rtol=RTOL)
+    assert any(line.startswith("native linears: 1 (") and line.endswith(
+        "3 calls native, 0 through torch") for line in sess.kernel_report())
+    assert sess.last_run_stats.settings["native_linear"] == "auto"
+
+
+@pytest.mark.parametrize("how", ["api", "env"])
+def test_the_switch_sends_linears_to_libdnnl(preferred, monkeypatch, how):
+    model, _ = _linear_model(768, 768, "Relu")
+    if how == "env":
+        monkeypatch.setenv("SEGFLOW_NATIVE_LINEAR", "0")
+        sess = segflow.InferenceSession(model)
+    else:
+        sess = segflow.InferenceSession(model, optimize={"layout.native_linear": False})
+    (node,) = sess.graph.nodes
+    assert not fused.linear_calls_native(node) and fused.linear_calls_libdnnl(node)
+    x = RNG.standard_normal((2, 16, 768)).astype(np.float32)
+    sess.run(None, {"x": x})
+    assert sess.last_run_stats.settings["native_linear"] is False
+
+
+def test_avx512_cpus_keep_libdnnl_unless_told(monkeypatch):
+    model, _ = _linear_model(768, 768, None)
+    monkeypatch.setattr(fused, "_cpu_has_avx512", lambda: True)
+    monkeypatch.delenv("SEGFLOW_NATIVE_LINEAR", raising=False)
+    (node,) = segflow.InferenceSession(model).graph.nodes
+    assert not fused.linear_calls_native(node)
+    monkeypatch.setenv("SEGFLOW_NATIVE_LINEAR", "1")
+    (node,) = segflow.InferenceSession(model).graph.nodes
+    assert fused.linear_calls_native(node)
+
+
+def test_without_native_kernels_linears_go_to_libdnnl(preferred, monkeypatch):
+    monkeypatch.setenv("SEGFLOW_NATIVE", "0")
+    model, _ = _linear_model(768, 768, None)
+    (node,) = segflow.InferenceSession(model).graph.nodes
+    assert not fused.linear_calls_native(node)
+
+
+def test_a_small_linear_stays_dense(preferred):
+    model, _ = _linear_model(64, 64, "Relu")
+    (node,) = segflow.InferenceSession(model).graph.nodes
+    assert not fused.linear_calls_native(node) and not fused.linear_uses_onednn(node)
+
+
+def test_concurrent_runs_of_one_session_match_onnxruntime(preferred):
+    model, _ = _linear_model(768, 1024, "Relu")
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    sess = segflow.InferenceSession(model, engine="threaded")
+    assert fused.linear_calls_native(sess.graph.nodes[0])
+
+    def worker(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        for batch in (1, 2, 3) * 3:
+            x = rng.standard_normal((batch, 16, 768)).astype(np.float32)
+            np.testing.assert_allclose(sess.run(None, {"x": x})[0],
+                                       ref.run(None, {"x": x})[0], atol=ATOL, rtol=RTOL)
+    run_in_threads(worker, 3)
+
+
+def test_a_segment_with_a_native_linear_never_looks_for_an_inductor_package(preferred):
+    from segflow.runtime.compile import uses_cached_package
+
+    model, _ = _linear_model(768, 768, "Relu")
+    sess = segflow.InferenceSession(model)
+    steps = [step for task in sess._executor.tasks for step in task.steps]
+    assert fused.linear_calls_native(steps[0].node)
+    assert not uses_cached_package(steps)
