@@ -11,6 +11,8 @@ import pytest
 
 from segflow import cli, models
 from segflow.ops.fused import direct_linear_preferred
+from segflow.ops.native_library import NativeLibrary
+from segflow.ops.native_linear import native_linear_preferred
 from segflow.ops.onednn_direct import Library
 
 
@@ -27,9 +29,12 @@ def test_run_with_no_arguments_runs_builtin_resnet50(capsys):
     assert "output logits: float32[1, 1000] checksum=" in out
     assert "segments=1 pushes=1 syncs=1" in out
     if Library.load() is not None:   # what the kernels did: libdnnl, fallbacks, the arena
-        # The classifier goes through libdnnl's inner product on CPUs that prefer it.
-        linear = ", 1 linear" if direct_linear_preferred() else ""
+        # The classifier goes through segflow's native linear, else libdnnl's inner
+        # product, on CPUs that prefer them.
+        native = native_linear_preferred(NativeLibrary.probe()[0])
+        linear = ", 1 linear" if direct_linear_preferred() and not native else ""
         assert f"direct kernels (libdnnl): 53 convolutions, 2 poolings{linear}; " in out
+        assert ("native linears: 1 (" in out) == native
         assert "arena: 40 views in 5.0 MiB at batch=1" in out
 
 
