@@ -9,12 +9,13 @@ LeakyReLU (slope 0 to 1) and Clip are applied as the last block of each output i
 stored; other activations run in place after the call.
 
 Why its own kernel: on the 2-core Zen 1 VM this project measures on (AVX2), the
-packed-panel kernel ran BERT-base's 128-row linears at 63-70 GFLOP/s for
-768 -> 768 against 53-56 through libdnnl 3.2's inner product and ~50 through
-onnxruntime's MLAS, and level or ahead at 768 -> 3072 and 3072 -> 768; at one row
-(a classifier's GEMV) it read the weight twice as fast (12 distinct layers back to
-back, cache-cold weights, one process; 2026-12-06). On AVX-512 CPUs libdnnl's
-kernels are twice as wide and this one was not measured, so they keep libdnnl's.
+packed-panel kernel ran BERT-base's 128-row linears at 60-70 GFLOP/s for
+768 -> 768 against 53-56 through libdnnl 3.2's inner product, and 0-8% ahead of
+it at 768 -> 3072 and 3072 -> 768 (12 distinct layers back to back, cache-cold
+weights, one process; 2026-12-06): a whole BERT-base run ~4% faster. At one row
+(a classifier's GEMV, MobileNetV2's 1280 -> 1000) a run was ~0.4 ms shorter. On
+AVX-512 CPUs libdnnl's kernels are twice as wide and this one was not measured, so
+they keep libdnnl's.
 
 Input the kernel does not take (not float32, not on the CPU) runs ``F.linear``
 over the weight unpacked once and kept. The packing is the only copy of the weight

@@ -16,9 +16,10 @@
  * threads.
  *
  * It exists because on a 2-core Zen 1 VM (AVX2, 2026-12-06) BERT-base's 128-row
- * linears ran 10-20% faster this way than through libdnnl 3.2's inner product
- * (brgemm:avx2) and level with onnxruntime's MLAS, where libdnnl was a few percent
- * behind: 768->768 at 63-70 against 53-56 GFLOP/s, on a measured peak of 74.
+ * linears ran faster this way than through libdnnl 3.2's inner product
+ * (brgemm:avx2): 768->768 at 60-70 GFLOP/s against 53-56, 768->3072 and 3072->768
+ * 0-8% ahead; the 72 linears of a run 315-335 ms against 332-367, on a measured
+ * peak of 74 GFLOP/s for the two cores. A whole BERT-base run: ~4% faster.
  *
  * Every output is b[j] + sum over k in order (KC blocks in order, each in order), the
  * sum fused-multiply-added: not bitwise torch's, within float32 rounding of it.
