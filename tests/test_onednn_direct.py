@@ -319,56 +319,54 @@ def test_models_match_onnxruntime_with_direct_calls(name: str, options: dict[str
     ((64, 64, 3, 3), (1, 64, 56, 56)),
     ((32, 1, 3, 3), (1, 32, 28, 28)),         # depthwise
 ])
-def test_layout_keeps_the_torch_packing_libdnnl_reads_in_place(shape, input_size):
+def test_layout_packs_a_direct_convolution_once_in_libdnnl_format(monkeypatch, shape,
+                                                                   input_size):
     torch.manual_seed(8)
     dense = torch.randn(*shape)
     group = input_size[1] // shape[1]
     k = shape[-1]
     params = _PackParams((k // 2, k // 2), (1, 1), (1, 1), group, input_size)
     assert LIB is not None
-    wanted = LIB.preferred_weight(dense, geometry(shape, (1, 1), (k // 2,) * 2, (1, 1), group),
-                                  input_size)
-    packed, packed_for, verified, libdnnl_bytes = _pack_conv(dense, params, LIB)
+    geo = geometry(shape, (1, 1), (k // 2,) * 2, (1, 1), group)
+    wanted = LIB.preferred_weight(dense, geo, input_size)
 
-    def torch_pack(size):
-        return torch.ops.mkldnn._reorder_convolution_weight(
-            dense, [k // 2] * 2, [1, 1], [1, 1], group, None if size is None else list(size))
-
-    candidates = [input_size, (2, *input_size[1:]), None]
-    matching = [c for c in candidates if onednn_direct.same_bytes(torch_pack(c), wanted)]
-    assert verified == input_size
-    if matching:
-        assert onednn_direct.same_bytes(packed, wanted) and packed_for == matching[0]
-        assert not libdnnl_bytes
-        torch.testing.assert_close(packed.to_dense(), dense)
-    else:
-        # No torch packing is libdnnl's format: the weight stays in libdnnl's own.
-        assert libdnnl_bytes and packed_for == input_size and torch.equal(packed, wanted)
-        geo = geometry(shape, (1, 1), (k // 2,) * 2, (1, 1), group)
-        torch.testing.assert_close(LIB.unpack_weight(packed, geo, input_size), dense)
+    def no_torch_packing(*args: Any) -> torch.Tensor:
+        raise AssertionError("packed with torch too")
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.ops.mkldnn, "_reorder_convolution_weight", no_torch_packing)
+        packed, packed_for, verified, libdnnl_bytes = _pack_conv(dense, params, LIB)
+    assert libdnnl_bytes and packed_for == verified == input_size
+    assert torch.equal(packed, wanted)
+    torch.testing.assert_close(LIB.unpack_weight(packed, geo, input_size).reshape(shape),
+                               dense)
+    # Without libdnnl the weight is torch's packing, for torch's oneDNN op.
+    packed, packed_for, verified, libdnnl_bytes = _pack_conv(dense, params, None)
+    assert packed.is_mkldnn and not libdnnl_bytes and verified is None
+    torch.testing.assert_close(packed.to_dense(), dense)
 
 
-def test_a_weight_the_layout_pass_verified_is_read_without_comparing_bytes(
+def test_a_verified_torch_packing_is_read_without_comparing_bytes(
         monkeypatch: pytest.MonkeyPatch):
     torch.manual_seed(9)
-    # ResNet-50's 3x3 convolutions; which formats the two libraries agree on depends on
-    # the CPU (on the AMD EPYC CI machine: all of these).
+    # DirectConv still reads torch's packing in place where told its bytes are libdnnl's
+    # format for a size. ResNet-50's 3x3 convolutions; which formats the two libraries
+    # agree on depends on the CPU (on the AMD EPYC CI machine: all of these).
+    assert LIB is not None
     for channels, side in ((64, 56), (128, 28), (256, 14), (512, 7)):
         dense = torch.randn(channels, channels, 3, 3) * 0.1
         size = (1, channels, side, side)
-        packed, packed_for, verified, libdnnl_bytes = _pack_conv(
-            dense, _PackParams((1, 1), (1, 1), (1, 1), 1, size), LIB)
-        if verified is not None and not libdnnl_bytes:
+        packed = torch.ops.mkldnn._reorder_convolution_weight(
+            dense, [1, 1], [1, 1], [1, 1], 1, list(size))
+        geo = geometry(dense.shape, (1, 1), (1, 1), (1, 1), 1)
+        if onednn_direct.same_bytes(packed, LIB.preferred_weight(dense, geo, size)):
             break
     else:
         pytest.skip("no torch packing of these weights is libdnnl's format on this CPU")
 
     def no_dense_copy(*args: Any) -> torch.Tensor:
-        raise AssertionError("compared bytes although the layout pass verified the weight")
+        raise AssertionError("compared bytes although the weight was verified")
     monkeypatch.setattr(onednn_direct, "_reorder_weight", no_dense_copy)
-    assert LIB is not None
-    conv = DirectConv(LIB, geometry(dense.shape, (1, 1), (1, 1), (1, 1), 1), None, None,
-                      Fallback(), 32, 2, verified)
+    conv = DirectConv(LIB, geo, None, None, Fallback(), 32, 2, list(size))
     x = torch.randn(*size).contiguous(memory_format=torch.channels_last)
     torch.testing.assert_close(conv(x, packed), F.conv2d(x, dense, None, 1, 1),
                                atol=ATOL, rtol=RTOL)
@@ -443,11 +441,9 @@ def test_torch_packing_is_made_once_from_libdnnl_bytes_for_a_fallback():
 
 def test_models_match_onnxruntime_with_every_weight_in_libdnnl_packing(
         monkeypatch: pytest.MonkeyPatch):
-    # Pretend no torch packing is libdnnl's format: every convolution keeps libdnnl's
-    # own packing, reads it in place and holds no copy of its weight. (Without
-    # Winograd, whose convolutions hold its transform instead: tests/test_winograd.py.)
-    from segflow.passes import layout
-    monkeypatch.setattr(layout, "same_bytes", lambda packed, mine: False)
+    # Every direct convolution keeps libdnnl's own packing, reads it in place and holds
+    # no copy of its weight. (Without Winograd, whose convolutions hold its transform
+    # instead: tests/test_winograd.py.)
     monkeypatch.setenv("SEGFLOW_WINOGRAD", "0")
     options = {"image_size": 48}
     model = models.build("resnet18", **options)

@@ -537,8 +537,8 @@ class Library:
 
     def preferred_weight(self, dense: Tensor, spec: ConvGeometry, input_size: Sequence[int],
                          blocked: bool = False, plain_input: bool = False) -> Tensor:
-        """``dense`` packed the way :meth:`preferred_desc` says (bytes). The layout pass
-        compares torch's packing with it."""
+        """``dense`` packed the way :meth:`preferred_desc` says (bytes): the weight
+        constant the layout pass gives a direct convolution."""
         weights_md = self.preferred_desc(spec, input_size, blocked, plain_input)
         try:
             return _reorder_weight(self, dense, weights_md, spec.weight_dims)

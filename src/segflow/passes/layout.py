@@ -11,9 +11,9 @@ are given. When oneDNN's own library is installed (``onednn-cpu-gomp``), each
 packed convolution is marked ``onednn_direct``: its kernel calls libdnnl with a
 primitive built once per input shape, reading the same packed weight
 (``ops/onednn_direct.py``); so is a max or global pooling that reads such a
-convolution's output. Where torch's packing is not the format libdnnl wants
-(torch bundles a newer oneDNN), the weight constant is libdnnl's packing
-instead (bytes, marked ``onednn_direct_packed``), so the model still holds
+convolution's output. The weight constant of a direct convolution is then
+libdnnl's own packing instead of torch's (bytes, marked ``onednn_direct_packed``;
+torch bundles a newer oneDNN whose format can differ), so the model still holds
 one copy. A graph with depthwise convolutions runs its depthwise/1x1 stack on
 oneDNN's blocked ``nChw8c`` activations (``onednn_blocked``; see
 :func:`_blocked_region`, ``SEGFLOW_ONEDNN_BLOCKED=0`` turns it off). A direct
@@ -58,7 +58,6 @@ from segflow.ops.onednn_direct import (
     DnnlError,
     Library,
     geometry,
-    same_bytes,
 )
 from segflow.ops.winograd import transform_weight, unfit
 from segflow.passes.result import PassResult
@@ -294,19 +293,17 @@ def _fits_region(graph: Graph, node: Node, region: set[int]) -> bool:
 def _pack_conv(dense: torch.Tensor, params: _PackParams, lib: Library | None,
                blocked: bool = False, plain_input: bool = False) -> PackedConv:
     """The packed weight, the input size it was packed for, and the input size for
-    which its bytes were found to be libdnnl's format (None: not checked or not).
+    which its bytes are libdnnl's format (None: not libdnnl's).
 
-    torch's oneDNN packs for ``params.input_size``. When the convolution will
-    call libdnnl, whose format choice can differ (torch bundles a newer oneDNN:
-    ResNet-50 at batch 1, the stem and four more), torch's packing for a batch of
-    2 or for no particular size is tried too, and the one whose bytes are
-    libdnnl's is kept, so the kernel reads it in place. When none is, the weight
-    is kept in libdnnl's packing instead (``libdnnl_bytes``): the kernel reads
-    that in place, and torch's packing is made from it only if a fallback ever
-    needs it. Keeping torch's would have the kernel hold a second, own copy (9.1
-    of ResNet-50's 98 MiB of weights on a Zen 3 CPU). A convolution of the
-    blocked region (``blocked``; ``plain_input`` for its NCHW entry) gets
-    libdnnl's packing for that layout directly: torch packs for NHWC only.
+    A convolution that will call libdnnl gets libdnnl's own packing for its input
+    size (``libdnnl_bytes``; for the nChw8c layout with ``blocked``, for its NCHW
+    entry with ``plain_input``): the kernel reads it in place, and torch's packing
+    is made from it only if a fallback ever needs it (``fused.WeightForInput``).
+    Until 2026-12-06 torch's packing was made first and kept where its bytes were
+    libdnnl's format (they differ for some shapes: torch bundles a newer oneDNN),
+    which packed most weights twice at load: ResNet-50's ``_pack_conv`` took ~107
+    ms of a ~500 ms load, ~32 packing once. Without libdnnl, or where it
+    describes no packing, the weight is torch's, for torch's oneDNN op.
     """
     def pack(size: tuple[int, ...] | None) -> torch.Tensor:
         return torch.ops.mkldnn._reorder_convolution_weight(
@@ -314,26 +311,15 @@ def _pack_conv(dense: torch.Tensor, params: _PackParams, lib: Library | None,
             params.groups, None if size is None else list(size))
 
     size = params.input_size
+    if lib is None or size is None:
+        return PackedConv(pack(size), size, None, False)
     geo = geometry(list(dense.shape), params.strides, params.pads, params.dilations,
                    params.groups)
-    if blocked and lib is not None and size is not None:
-        # nChw8c activations: libdnnl's packing for them (torch packs for NHWC only).
-        return PackedConv(lib.preferred_weight(dense, geo, size, True, plain_input), size,
-                          size, True)
-    tensor = pack(size)
-    if lib is None or size is None:
-        return PackedConv(tensor, size, None, False)
     try:
-        wanted = lib.preferred_weight(dense, geo, size)
+        return PackedConv(lib.preferred_weight(dense, geo, size, blocked, plain_input),
+                          size, size, True)
     except DnnlError:
-        return PackedConv(tensor, size, None, False)
-    if same_bytes(tensor, wanted):
-        return PackedConv(tensor, size, size, False)
-    for other in ((2, *size[1:]), None):
-        candidate = pack(other)
-        if same_bytes(candidate, wanted):
-            return PackedConv(candidate, other, size, False)
-    return PackedConv(wanted, size, size, True)
+        return PackedConv(pack(size), size, None, False)
 
 
 def _native_for_linears(choice: bool | None) -> NativeLibrary | None:
