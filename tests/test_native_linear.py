@@ -147,6 +147,14 @@ def test_what_the_kernel_does_not_take_runs_f_linear_over_the_unpacked_weight():
     assert torch.equal(op.dense_weight(packed), w)
     with pytest.raises(ValueError, match=r"linear expects \[\.\.\., 64\], got \[3, 65\]"):
         op(torch.randn(3, 65), packed, b)
+    # A strided bias is read contiguous; a float64 one falls back, and says so.
+    x = torch.randn(3, 64)
+    strided = torch.randn(96)[::2]
+    torch.testing.assert_close(op(x, packed, strided), F.gelu(F.linear(x, w, strided)),
+                               atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(op(x, packed, b.double()), F.gelu(F.linear(x, w, b)),
+                               atol=ATOL, rtol=RTOL)
+    assert op.why_not["bias torch.float64 on cpu"] == 1 and op.calls == 1
 
 
 def test_bad_packing_arguments_are_one_line_errors():

@@ -142,8 +142,10 @@ class NativeLinear:
     def __call__(self, x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
         k = self.in_features
         if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != k \
-                or (b is not None and (b.dtype != torch.float32 or not b.is_contiguous())):
+                or (b is not None and (b.dtype != torch.float32 or b.device.type != "cpu")):
             return self._fallback(x, w, b)
+        if b is not None and not b.is_contiguous():
+            b = b.contiguous()
         x2 = x.reshape(-1, k)
         if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) < k):
             x2 = x2.contiguous()
@@ -164,8 +166,12 @@ class NativeLinear:
             return self._dense
 
     def _fallback(self, x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
-        why = f"input {x.dtype} on {x.device.type}" if x.shape[-1] == self.in_features else \
-            f"input of {x.shape[-1]} features, not {self.in_features}"
+        if x.shape[-1] != self.in_features:
+            why = f"input of {x.shape[-1]} features, not {self.in_features}"
+        elif x.dtype != torch.float32 or x.device.type != "cpu":
+            why = f"input {x.dtype} on {x.device.type}"
+        else:
+            why = f"bias {b.dtype} on {b.device.type}" if b is not None else "?"
         with self._lock:
             self.fallbacks += 1
             self.why_not[why] = self.why_not.get(why, 0) + 1
