@@ -82,7 +82,8 @@ def test_nothing_to_fuse_leaves_the_graph_alone():
 
 def test_every_rule_is_named_and_selectable():
     names = [name for name, _ in RULES]
-    assert names == ["noops", "batchnorm", "linear", "gelu", "conv", "activation", "attention"]
+    assert names == ["noops", "batchnorm", "linear", "gelu", "conv", "activation", "attention",
+                     "layernorm"]
     with pytest.raises(ValueError, match="unknown fuse rules"):
         run_rules(import_model(_model([helper.make_node("Relu", ["x"], ["y"])],
                                       {"x": [2]}, ["y"])), ["nope"])
@@ -106,6 +107,14 @@ def _bert():
     return models.build("bert_tiny"), models.example_inputs("bert_tiny", batch_size=2, seq_len=16)
 
 
+def _residual_layer_norm():
+    nodes = [helper.make_node("Add", ["x", "r"], ["s"]),
+             helper.make_node("LayerNormalization", ["s", "g", "b"], ["out"], epsilon=1e-6)]
+    model = _model(nodes, {"x": ["batch", 8, 32], "r": ["batch", 8, 32]}, ["out"],
+                   {"g": _rand(32), "b": _rand(32)})
+    return model, {"x": _rand(2, 8, 32), "r": _rand(2, 8, 32)}
+
+
 # rule -> (model and feeds, the op the rule rewrites away: gone with the rule on, kept off)
 _RULE_CASES = {
     "noops": (_noop_model, "Identity"),
@@ -115,6 +124,7 @@ _RULE_CASES = {
     "conv": (_resnet, "Conv"),
     "activation": (_resnet, "Relu"),
     "attention": (_bert, "Softmax"),
+    "layernorm": (_residual_layer_norm, "LayerNormalization"),
 }
 
 

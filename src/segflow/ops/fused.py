@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from segflow.ir.graph import Node
 from segflow.ops._common import torch_pad
+from segflow.ops.add_layer_norm import AddLayerNorm, AddLayerNormKernel
 from segflow.ops.native_library import NativeLibrary
 from segflow.ops.native_linear import NativeLinear, NativeLinearKernel, clamp_of
 from segflow.ops.onednn_direct import (
@@ -697,6 +698,8 @@ def inline_fused(node: Node, device: torch.device, inplace_input: int | None,
         return _inline_gemm(node, device, consts)
     if node.op_type == "Attention":
         return Inline(f"{{fn}}({args})", {"fn": _attention_callable(node)})
+    if node.op_type == "AddLayerNorm" and isinstance(kernel, AddLayerNormKernel):
+        return Inline(f"{{fn}}({args})", {"fn": kernel.op})
     return None
 
 
@@ -801,7 +804,21 @@ def traceable_fused(node: Node) -> Inline | None:
         return Inline(f"{{fn}}({args})", {"fn": linear_fn})
     if node.op_type == "Attention":
         return Inline(f"{{fn}}({args})", {"fn": _attention_callable(node)})
+    if node.op_type == "AddLayerNorm":
+        eps = float(node.attrs.get("epsilon", 1e-5))
+
+        def add_layer_norm_fn(a: Tensor, b: Tensor, scale: Tensor,
+                              bias: Tensor | None = None) -> Tensor:
+            s = a + b
+            return F.layer_norm(s, s.shape[-1:], scale, bias, eps)
+        return Inline(f"{{fn}}({args})", {"fn": add_layer_norm_fn})
     return None
+
+
+def _add_layer_norm(node: Node, ctx: BindContext) -> Kernel:
+    library, why = NativeLibrary.for_session() if ctx.device.type == "cpu" else \
+        (None, f"are CPU-only (the node runs on {ctx.device.type})")
+    return AddLayerNormKernel(AddLayerNorm(float(node.attrs.get("epsilon", 1e-5)), library, why))
 
 
 OPS: list[OpDef] = [
@@ -811,4 +828,6 @@ OPS: list[OpDef] = [
           doc="act(X @ W^T + B): Gemm/MatMul+Add with activation, W in [N, K] layout"),
     OpDef("Attention", _attention, domain=FUSED_DOMAIN,
           doc="softmax(Q @ Kt * scale + M) @ V as one scaled-dot-product-attention kernel"),
+    OpDef("AddLayerNorm", _add_layer_norm, domain=FUSED_DOMAIN,
+          doc="LayerNormalization(A + B, Scale, Bias) over the last axis in one kernel"),
 ]

@@ -7,7 +7,8 @@ executes costs 8-10 us a step in Python right after a kernel, well under one in 
 (``replay.c``, ``ops/onednn_replay.py``). And some work a library does, but not as
 fast as it could on the CPUs we measure: a 3x3 convolution as Winograd where libdnnl
 has none for AVX2 (``winograd.c``), a linear over a weight packed in panels
-(``gemm.c``, ``ops/native_linear.py``). For such work segflow ships C source and
+(``gemm.c``, ``ops/native_linear.py``), a residual add and LayerNormalization in
+one pass (``layer_norm.c``, ``ops/add_layer_norm.py``). For such work segflow ships C source and
 builds it with the system C compiler (``$CC``, else ``cc``; ``-O3 -march=native``)
 the first time a process needs it, into one library in ``<cache dir>/native/``
 (see :func:`segflow.settings.cache_dir`), keyed by the sources, the compiler and
@@ -37,8 +38,9 @@ from segflow.settings import ENV_NATIVE, _env_bool, cache_dir
 
 # Compiled together into one library; dense_chain.c defines segflow_native_abi().
 SOURCES = tuple(Path(__file__).with_name("native") / name
-                for name in ("dense_chain.c", "gemm.c", "replay.c", "winograd.c"))
-ABI = 4          # segflow_native_abi() of the sources this module speaks to
+                for name in ("dense_chain.c", "gemm.c", "layer_norm.c", "replay.c",
+                             "winograd.c"))
+ABI = 5          # segflow_native_abi() of the sources this module speaks to
 FLAGS = ("-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 120
 

@@ -41,8 +41,8 @@ FRESH_OUTPUT_OPS = frozenset({
     "LogSoftmax", "LayerNormalization", "BatchNormalization", "InstanceNormalization",
     "MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool", "Concat", "Gelu",
     "LeakyRelu", "HardSigmoid", "HardSwish", "Where", "Equal", "Greater", "Less", "Not",
-    "FusedConv", "FusedGemm", "DenseChain", "Attention", "Clip", "ReduceMean", "ReduceSum",
-    "ReduceMax",
+    "FusedConv", "FusedGemm", "DenseChain", "Attention", "AddLayerNorm", "Clip", "ReduceMean",
+    "ReduceSum", "ReduceMax",
 })
 
 # op type -> input indices the op can overwrite with its output (elementwise ops only).

@@ -29,6 +29,7 @@ from segflow.engine.inline import InlineEngine
 from segflow.engine.streams import StreamBackend
 from segflow.ir.graph import Node, Value
 from segflow.ir.types import Device, DeviceKind
+from segflow.ops.add_layer_norm import AddLayerNormKernel
 from segflow.ops.dense_chain import DenseChainKernel
 from segflow.ops.native_linear import NativeLinearKernel
 from segflow.ops.onednn_direct import DirectConv, DirectKernel, ResidualInPlaceKernel
@@ -131,6 +132,10 @@ class Executor:
         self.native_linears = [(step.node.label, step.kernel.op) for task in self.tasks
                                for step in task.steps
                                if isinstance(step.kernel, NativeLinearKernel)]
+        # Residual adds with their LayerNormalization (ops/add_layer_norm.py): likewise.
+        self.add_layer_norms = [(step.node.label, step.kernel.op) for task in self.tasks
+                                for step in task.steps
+                                if isinstance(step.kernel, AddLayerNormKernel)]
         # Chains of small dense layers (ops/dense_chain.py): how their calls ran.
         self.chain_ops = [(step.node.label, step.kernel.op) for task in self.tasks
                           for step in task.steps if isinstance(step.kernel, DenseChainKernel)]

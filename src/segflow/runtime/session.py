@@ -27,6 +27,7 @@ from segflow.errors import InvalidInput
 from segflow.frontend.onnx_import import import_model
 from segflow.ir.graph import Value
 from segflow.ir.types import Device, DeviceKind, Dim, DType, TensorSpec
+from segflow.ops.add_layer_norm import describe_add_layer_norms
 from segflow.ops.dense_chain import describe_chains
 from segflow.ops.native_linear import describe_native_linears
 from segflow.ops.onednn_direct import describe_direct
@@ -225,6 +226,7 @@ class InferenceSession:
         lines = describe_direct(self._executor.direct_ops)
         lines += describe_chains(self._executor.chain_ops)
         lines += describe_native_linears(self._executor.native_linears)
+        lines += describe_add_layer_norms(self._executor.add_layer_norms)
         lines += describe_replays(self.compile_report.replays)
         arena = self._executor.arena
         if arena is not None:   # the block at the sizes the plan was made for

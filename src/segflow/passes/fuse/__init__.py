@@ -19,6 +19,8 @@ They run in this order, each over the whole graph:
    HardSigmoid / HardSwish / Gelu after a fused Conv or Gemm becomes its post-op.
 7. ``attention`` (:mod:`.attention`): ``softmax(Q @ Kt * s + M) @ V`` becomes
    ``segflow.Attention``.
+8. ``layernorm`` (:mod:`.layernorm`): an Add read only by a LayerNormalization over
+   the last axis becomes ``segflow.AddLayerNorm`` (a transformer's residual add).
 
 The order matters where rules build on each other: ``batchnorm`` folds into the
 plain Conv/Gemm that ``conv``/``linear`` then fuse, and ``activation`` only finds
@@ -42,6 +44,7 @@ from segflow.passes.fuse.attention import fuse_attention
 from segflow.passes.fuse.batchnorm import fuse_batchnorm
 from segflow.passes.fuse.conv import fuse_conv
 from segflow.passes.fuse.gelu import fuse_gelu
+from segflow.passes.fuse.layernorm import fuse_layernorm
 from segflow.passes.fuse.linear import fuse_linear
 from segflow.passes.fuse.noops import fuse_noops
 from segflow.passes.result import PassResult
@@ -56,6 +59,7 @@ RULES: tuple[tuple[str, Rule], ...] = (
     ("conv", fuse_conv),
     ("activation", fuse_activation),
     ("attention", fuse_attention),
+    ("layernorm", fuse_layernorm),
 )
 RULE_NAMES: tuple[str, ...] = tuple(name for name, _ in RULES)
 
