@@ -8,6 +8,8 @@ Each fused op is one kernel: it counts as one node and one kernel in RunStats.
   ``Linear``) layout; ``X`` may have any rank >= 2.
 - ``Attention(Q, Kt, V, M?)``: ``softmax(Q @ Kt * scale + M) @ V`` (``Kt`` is K
   already transposed, as exporters emit it).
+- ``AddLayerNorm(A, B, Scale, Bias?)``: ``LayerNormalization(A + B)`` over the last
+  axis (:mod:`segflow.ops.add_layer_norm`).
 
 Every fused op has a plain-torch path that works on any device. On CPU the
 convolution runs through oneDNN (``torch.ops.mkldnn._convolution_pointwise``)
