@@ -136,25 +136,29 @@ class NativeLinear:
         self._fn = library.dll.segflow_linear
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [ctypes.c_void_p]
-        self._omp = openmp_entry_points() or (None, None, None)
-        self._clamp = (1, *clamp) if clamp is not None else (0, 1.0, -math.inf, math.inf)
+        omp = openmp_entry_points() or (None, None, None)
+        # _Args' fields after the sizes: the activation, the padding, the OpenMP runtime.
+        self._tail = (*((1, *clamp) if clamp is not None else (0, 1.0, -math.inf, math.inf)),
+                      0, *omp)
 
     def __call__(self, x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
         k = self.in_features
-        if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != k \
-                or (b is not None and (b.dtype != torch.float32 or b.device.type != "cpu")):
+        if x.dtype is not torch.float32 or not x.is_cpu or x.shape[-1] != k or (
+                b is not None and (b.dtype is not torch.float32 or not b.is_cpu)):
             return self._fallback(x, w, b)
         if b is not None and not b.is_contiguous():
             b = b.contiguous()
-        x2 = x.reshape(-1, k)
-        if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) < k):
-            x2 = x2.contiguous()
-        y = torch.empty((*x.shape[:-1], self.out_features))
-        act, slope, lo, hi = self._clamp
-        args = _Args(x2.data_ptr(), w.data_ptr(), None if b is None else b.data_ptr(),
-                     y.data_ptr(), x2.shape[0], self.out_features, k,
-                     x2.stride(0) if x2.shape[0] > 1 else k, act, slope, lo, hi, 0, *self._omp)
-        self._fn(ctypes.byref(args))
+        if x.is_contiguous():
+            lda = k
+        elif x.dim() == 2 and x.stride(1) == 1 and x.stride(0) >= k:
+            lda = x.stride(0)           # rows of a wider tensor: read in place
+        else:
+            x = x.contiguous()
+            lda = k
+        y = torch.empty(x.shape[:-1] + (self.out_features,))
+        self._fn(ctypes.byref(_Args(x.data_ptr(), w.data_ptr(), None if b is None else b.data_ptr(),
+                                    y.data_ptr(), x.numel() // k if k else 0, self.out_features,
+                                    k, lda, *self._tail)))
         self.calls += 1
         return y if self.after is None else self.after(y)
 
