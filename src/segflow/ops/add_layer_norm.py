@@ -61,28 +61,36 @@ class AddLayerNorm:
             self._fn = library.dll.segflow_add_layer_norm
             self._fn.restype = ctypes.c_int
             self._fn.argtypes = [ctypes.c_void_p]
-        self._omp = openmp_entry_points() or (None, None, None)
+        # _Args' fields after the sizes: epsilon, the padding, the OpenMP runtime.
+        self._tail = (epsilon, 0, *(openmp_entry_points() or (None, None, None)))
 
     def __call__(self, a: Tensor, b: Tensor, scale: Tensor, bias: Tensor | None = None
                  ) -> Tensor:
-        why = self._why_torch(a, b, scale, bias)
-        if why:
-            with self._lock:
-                self.torch_calls += 1
-                self.why_torch[why] = self.why_torch.get(why, 0) + 1
-            return self.through_torch(a, b, scale, bias)
+        f32 = torch.float32
+        if self._fn is None or a.dtype is not f32 or b.dtype is not f32 or not a.is_cpu \
+                or not b.is_cpu or a.shape != b.shape or a.dim() == 0 \
+                or scale.dtype is not f32 or not scale.is_cpu \
+                or (bias is not None and (bias.dtype is not f32 or not bias.is_cpu)):
+            return self._torch_call(a, b, scale, bias)
+        width = a.shape[-1]
+        if scale.numel() != width or (bias is not None and bias.numel() != width):
+            return self._torch_call(a, b, scale, bias)
         a, b = a.contiguous(), b.contiguous()
         scale = scale.contiguous()
         bias = None if bias is None else bias.contiguous()
         y = torch.empty_like(a)
-        width = a.shape[-1]
-        args = _Args(a.data_ptr(), b.data_ptr(), scale.data_ptr(),
-                     None if bias is None else bias.data_ptr(), y.data_ptr(),
-                     a.numel() // width if width else 0, width, self.epsilon, 0, *self._omp)
-        assert self._fn is not None
-        self._fn(ctypes.byref(args))
+        self._fn(ctypes.byref(_Args(a.data_ptr(), b.data_ptr(), scale.data_ptr(),
+                                    None if bias is None else bias.data_ptr(), y.data_ptr(),
+                                    a.numel() // width if width else 0, width, *self._tail)))
         self.native_calls += 1
         return y
+
+    def _torch_call(self, a: Tensor, b: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:
+        why = self._why_torch(a, b, scale, bias)
+        with self._lock:
+            self.torch_calls += 1
+            self.why_torch[why] = self.why_torch.get(why, 0) + 1
+        return self.through_torch(a, b, scale, bias)
 
     def through_torch(self, a: Tensor, b: Tensor, scale: Tensor, bias: Tensor | None
                       ) -> Tensor:
@@ -98,12 +106,11 @@ class AddLayerNorm:
         tensors = (a, b, scale) if bias is None else (a, b, scale, bias)
         if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
             return "not all float32 on the CPU"
-        if a.shape != b.shape or a.dim() == 0:
+        if a.shape != b.shape:
             return f"the addends' shapes differ ({list(a.shape)} and {list(b.shape)})"
-        width = a.shape[-1]
-        if any(t.numel() != width for t in tensors[2:]):
-            return f"scale or bias not of the last axis' {width} values"
-        return ""
+        if a.dim() == 0:
+            return "scalar addends"
+        return f"scale or bias not of the last axis' {a.shape[-1]} values"
 
 
 class AddLayerNormKernel:
