@@ -1,9 +1,12 @@
-"""A helper for the concurrency tests: run one function on several threads at once."""
+"""Helpers for the concurrency tests: run one function on several threads at once."""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Any
+
+import numpy as np
 
 
 def run_in_threads(work: Callable[[int], object], count: int) -> None:
@@ -25,3 +28,17 @@ def run_in_threads(work: Callable[[int], object], count: int) -> None:
         t.join()
     if errors:
         raise errors[0]
+
+
+def runs_match_in_threads(sess: Any, ref: Any, width: int, *, atol: float, rtol: float,
+                          threads: int = 3) -> None:
+    """Run ``sess`` on ``threads`` threads at once, each over batches 1, 2, 3 (three
+    times) of ``x`` ``[batch, 16, width]``, and compare every result with ``ref``'s
+    (an onnxruntime session)."""
+    def worker(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        for batch in (1, 2, 3) * 3:
+            x = rng.standard_normal((batch, 16, width)).astype(np.float32)
+            np.testing.assert_allclose(sess.run(None, {"x": x})[0],
+                                       ref.run(None, {"x": x})[0], atol=atol, rtol=rtol)
+    run_in_threads(worker, threads)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from onnx import TensorProto, helper, numpy_helper
 
 import segflow
-from concurrency import run_in_threads
+from concurrency import runs_match_in_threads
 from segflow.ops import fused
 from segflow.ops.native_library import NativeLibrary
 from segflow.ops.native_linear import NativeLinear, clamp_of, pack, packed_size, unpack
@@ -257,14 +257,7 @@ def test_concurrent_runs_of_one_session_match_onnxruntime(preferred):
     ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     sess = segflow.InferenceSession(model, engine="threaded")
     assert fused.linear_calls_native(sess.graph.nodes[0])
-
-    def worker(seed: int) -> None:
-        rng = np.random.default_rng(seed)
-        for batch in (1, 2, 3) * 3:
-            x = rng.standard_normal((batch, 16, 768)).astype(np.float32)
-            np.testing.assert_allclose(sess.run(None, {"x": x})[0],
-                                       ref.run(None, {"x": x})[0], atol=ATOL, rtol=RTOL)
-    run_in_threads(worker, 3)
+    runs_match_in_threads(sess, ref, 768, atol=ATOL, rtol=RTOL)
 
 
 def test_a_segment_with_a_native_linear_never_looks_for_an_inductor_package(preferred):

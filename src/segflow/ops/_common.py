@@ -109,3 +109,12 @@ def torch_pad(pads: Sequence[int]) -> list[int]:
     for i in reversed(range(n)):
         out += [pads[i], pads[i + n]]
     return out
+
+
+def through_torch_lines(reasons: Sequence[tuple[str, str, int]], limit: int = 8) -> list[str]:
+    """``explain()`` lines for the calls a native kernel sent through torch:
+    ``(node label, why, calls)`` each, at most ``limit`` of them and a count of the rest."""
+    lines = [f"  through torch: {label}, {n} calls: {why}" for label, why, n in reasons[:limit]]
+    if len(reasons) > limit:
+        lines.append(f"  ... and {len(reasons) - limit} more")
+    return lines

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from segflow.ops._common import through_torch_lines
 from segflow.ops.native_library import NativeLibrary
 from segflow.ops.onednn_direct import openmp_entry_points
 
@@ -139,8 +140,5 @@ def describe_add_layer_norms(ops: Sequence[tuple[str, AddLayerNorm]], limit: int
     through_torch = sum(op.torch_calls for _, op in ops)
     lines = [f"add + layer norm: {len(ops)} node{'s' if len(ops) > 1 else ''}; {native} calls "
              f"native, {through_torch} through torch"]
-    slow = [(label, why, n) for label, op in ops for why, n in op.why_torch.items()]
-    lines += [f"  through torch: {label}, {n} calls: {why}" for label, why, n in slow[:limit]]
-    if len(slow) > limit:
-        lines.append(f"  ... and {len(slow) - limit} more")
-    return lines
+    return lines + through_torch_lines(
+        [(label, why, n) for label, op in ops for why, n in op.why_torch.items()], limit)

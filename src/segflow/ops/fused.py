@@ -553,15 +553,24 @@ def _native_linear(node: Node) -> NativeLinear:
     out_features, in_features = (int(d) for d in weight.spec.shape)  # type: ignore[arg-type]
     act, params = activation_of(node)
     clamp = clamp_of(act.name, params)
+    after, apply = _activation_after(act, params, clamp is not None)
+    return NativeLinear(library, in_features, out_features, clamp, after, apply)
+
+
+def _activation_after(act: Activation, params: list[float], fused: bool
+                      ) -> tuple[Callable[[Tensor], Tensor] | None, Callable[[Tensor], Tensor]]:
+    """``(after, apply)`` for a linear kernel: the activation run in place on its output
+    (None: no activation, or ``fused`` into the kernel), and the activation itself (for
+    its torch fallback)."""
     finish = act.inplace or act.apply
     after: Callable[[Tensor], Tensor] | None = None
-    if act.name and clamp is None:
+    if act.name and not fused:
         def after(y: Tensor) -> Tensor:
             return finish(y, params)
 
     def apply(y: Tensor) -> Tensor:
         return act.apply(y, params)
-    return NativeLinear(library, in_features, out_features, clamp, after, apply)
+    return after, apply
 
 
 def _direct_linear(node: Node) -> DirectLinear:
@@ -571,14 +580,7 @@ def _direct_linear(node: Node) -> DirectLinear:
     out_features, in_features = (int(d) for d in weight.spec.shape)  # type: ignore[arg-type]
     act, params = activation_of(node)
     eltwise = eltwise_of(linear_post_op(act, params))
-    finish = act.inplace or act.apply
-    after: Callable[[Tensor], Tensor] | None = None
-    if act.name and eltwise is None:
-        def after(y: Tensor) -> Tensor:
-            return finish(y, params)
-
-    def apply(y: Tensor) -> Tensor:
-        return act.apply(y, params)
+    after, apply = _activation_after(act, params, eltwise is not None)
     return DirectLinear(lib, in_features, out_features, int(node.attrs["onednn_direct_linear"]),
                         eltwise, after, apply, MAX_SHAPES, MAX_REPACKS)
 

@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from segflow.ops._common import through_torch_lines
 from segflow.ops.native_library import NativeLibrary
 from segflow.ops.onednn_direct import openmp_entry_points
 
@@ -212,8 +213,5 @@ def describe_native_linears(ops: Sequence[tuple[str, NativeLinear]], limit: int 
     fallbacks = sum(op.fallbacks for _, op in ops)
     lines = [f"native linears: {len(ops)} ({ops[0][1].library.describe()}); {calls} calls "
              f"native, {fallbacks} through torch"]
-    slow = [(label, why, n) for label, op in ops for why, n in op.why_not.items()]
-    lines += [f"  through torch: {label}, {n} calls: {why}" for label, why, n in slow[:limit]]
-    if len(slow) > limit:
-        lines.append(f"  ... and {len(slow) - limit} more")
-    return lines
+    return lines + through_torch_lines(
+        [(label, why, n) for label, op in ops for why, n in op.why_not.items()], limit)
