@@ -15,10 +15,10 @@ import onnxruntime as ort
 import pytest
 import torch
 import torch.nn.functional as F
-from onnx import TensorProto, helper, numpy_helper
 
 import segflow
 from concurrency import runs_match_in_threads
+from linear_model import linear_model
 from segflow.ops import fused
 from segflow.ops.onednn_direct import DirectLinear, Library, onednn_eltwise
 
@@ -99,19 +99,7 @@ def test_what_libdnnl_does_not_take_runs_f_linear_over_the_unpacked_weight():
 
 
 def _linear_model(k: int, n: int, act: str | None, batch: str | int = "batch"):
-    w = (RNG.standard_normal((k, n)) * 0.05).astype(np.float32)
-    b = RNG.standard_normal(n).astype(np.float32)
-    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]),
-             helper.make_node("Add", ["m", "b"], ["y" if act else "out"])]
-    if act:
-        nodes.append(helper.make_node(act, ["y"], ["out"]))
-    graph = helper.make_graph(
-        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 16, k])],
-        [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)],
-        initializer=[numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    return model, w
+    return linear_model(RNG, k, n, act, batch)
 
 
 @pytest.mark.parametrize("compile_mode", ["codegen", "none"])

@@ -1,0 +1,25 @@
+"""A helper for the linear-kernel tests: a one-linear ONNX model."""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx import ModelProto, TensorProto, helper, numpy_helper
+
+
+def linear_model(rng: np.random.Generator, k: int, n: int, act: str | None,
+                 batch: str | int = "batch") -> tuple[ModelProto, np.ndarray]:
+    """``act(x @ w + b)`` for ``x`` ``[batch, 16, k]`` (MatMul, Add, then the activation
+    op if any) with a random ``[k, n]`` weight; returns the model and the weight."""
+    w = (rng.standard_normal((k, n)) * 0.05).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]),
+             helper.make_node("Add", ["m", "b"], ["y" if act else "out"])]
+    if act:
+        nodes.append(helper.make_node(act, ["y"], ["out"]))
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 16, k])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)],
+        initializer=[numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model, w
