@@ -93,7 +93,7 @@ class AddLayerNorm:
             self.why_torch[why] = self.why_torch.get(why, 0) + 1
         return self.through_torch(a, b, scale, bias)
 
-    def through_torch(self, a: Tensor, b: Tensor, scale: Tensor, bias: Tensor | None
+    def through_torch(self, a: Tensor, b: Tensor, scale: Tensor, bias: Tensor | None = None
                       ) -> Tensor:
         """The unfused ops: ``F.layer_norm(a + b)`` over the last axis."""
         s = a + b

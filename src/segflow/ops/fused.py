@@ -808,14 +808,9 @@ def traceable_fused(node: Node) -> Inline | None:
         return Inline(f"{{fn}}({args})", {"fn": linear_fn})
     if node.op_type == "Attention":
         return Inline(f"{{fn}}({args})", {"fn": _attention_callable(node)})
-    if node.op_type == "AddLayerNorm":
-        eps = float(node.attrs.get("epsilon", 1e-5))
-
-        def add_layer_norm_fn(a: Tensor, b: Tensor, scale: Tensor,
-                              bias: Tensor | None = None) -> Tensor:
-            s = a + b
-            return F.layer_norm(s, s.shape[-1:], scale, bias, eps)
-        return Inline(f"{{fn}}({args})", {"fn": add_layer_norm_fn})
+    if node.op_type == "AddLayerNorm":   # its unfused ops: a + b, then F.layer_norm
+        unfused = AddLayerNorm(float(node.attrs.get("epsilon", 1e-5)), None, "traced")
+        return Inline(f"{{fn}}({args})", {"fn": unfused.through_torch})
     return None
 
 

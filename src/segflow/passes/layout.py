@@ -301,8 +301,8 @@ def _pack_conv(dense: torch.Tensor, params: _PackParams, lib: Library | None,
     is made from it only if a fallback ever needs it (``fused.WeightForInput``).
     Until 2026-12-06 torch's packing was made first and kept where its bytes were
     libdnnl's format (they differ for some shapes: torch bundles a newer oneDNN),
-    which packed most weights twice at load: ResNet-50's ``_pack_conv`` took ~107
-    ms of a ~500 ms load, ~32 packing once. Without libdnnl, or where it
+    which packed most weights twice at load: ResNet-50's ``_pack_conv`` took
+    112-137 ms of a ~600 ms load, 33-40 packing once. Without libdnnl, or where it
     describes no packing, the weight is torch's, for torch's oneDNN op.
     """
     def pack(size: tuple[int, ...] | None) -> torch.Tensor:
