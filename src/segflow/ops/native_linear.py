@@ -118,8 +118,6 @@ class NativeLinear:
     ``calls`` and ``fallbacks`` count how calls ran, ``why_not`` why any fell back.
     """
 
-    kind = "linear"
-
     def __init__(self, library: NativeLibrary, in_features: int, out_features: int,
                  clamp: tuple[float, float, float] | None,
                  after: Callable[[Tensor], Tensor] | None,
@@ -172,16 +170,15 @@ class NativeLinear:
 
     def _fallback(self, x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
         if x.shape[-1] != self.in_features:
-            why = f"input of {x.shape[-1]} features, not {self.in_features}"
-        elif x.dtype != torch.float32 or x.device.type != "cpu":
+            raise ValueError(f"linear expects [..., {self.in_features}], got {list(x.shape)}")
+        if x.dtype != torch.float32 or x.device.type != "cpu":
             why = f"input {x.dtype} on {x.device.type}"
-        else:
-            why = f"bias {b.dtype} on {b.device.type}" if b is not None else "?"
+        else:   # the input is the kernel's: the bias is what it does not take
+            assert b is not None
+            why = f"bias {b.dtype} on {b.device.type}"
         with self._lock:
             self.fallbacks += 1
             self.why_not[why] = self.why_not.get(why, 0) + 1
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"linear expects [..., {self.in_features}], got {list(x.shape)}")
         weight = self.dense_weight(w).to(x.device, x.dtype)
         bias = None if b is None else b.to(x.device, x.dtype)
         return self.apply(F.linear(x, weight, bias))
