@@ -7,7 +7,9 @@ Each fused op is one kernel: it counts as one node and one kernel in RunStats.
 - ``FusedGemm(X, W, B?)``: ``act(X @ W^T + B)`` with ``W`` in ``[N, K]`` (torch
   ``Linear``) layout; ``X`` may have any rank >= 2.
 - ``Attention(Q, Kt, V, M?)``: ``softmax(Q @ Kt * scale + M) @ V`` (``Kt`` is K
-  already transposed, as exporters emit it).
+  already transposed, as exporters emit it); with a ``heads`` attribute H it reads
+  ``[B, S, H * D]`` activations and writes the heads merged back
+  (:mod:`segflow.ops.native_attention`).
 - ``AddLayerNorm(A, B, Scale, Bias?)``: ``LayerNormalization(A + B)`` over the last
   axis (:mod:`segflow.ops.add_layer_norm`).
 
@@ -34,6 +36,7 @@ import torch.nn.functional as F
 from segflow.ir.graph import Node
 from segflow.ops._common import torch_pad
 from segflow.ops.add_layer_norm import AddLayerNorm, AddLayerNormKernel
+from segflow.ops.native_attention import AttentionKernel, ScaledDotAttention
 from segflow.ops.native_library import NativeLibrary
 from segflow.ops.native_linear import NativeLinear, NativeLinearKernel, clamp_of
 from segflow.ops.onednn_direct import (
@@ -649,35 +652,15 @@ def _fused_gemm(node: Node, ctx: BindContext) -> Kernel:
 
 
 # -- Attention ---------------------------------------------------------------------------
-def _attention_callable(node: Node) -> Callable[..., Tensor]:
-    scale = float(node.attrs["scale"])
-    sdpa = F.scaled_dot_product_attention
-
-    def attention(q: Tensor, kt: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
-        batch = q.shape[:-2]
-        fits = kt.shape[:-2] == batch and v.shape[:-2] == batch
-        if mask is not None:
-            if mask.dim() < 2:
-                mask = mask.reshape((1,) * (2 - mask.dim()) + tuple(mask.shape))
-            scores = (*batch, q.shape[-2], kt.shape[-1])
-            fits = fits and mask.dim() <= len(scores) and all(
-                m in (1, s) for m, s in zip(reversed(mask.shape), reversed(scores)))
-        if not fits:
-            # Broadcasting SDPA does not do (batch dims that differ, a mask that grows the
-            # scores): the ops as the graph wrote them.
-            y = torch.matmul(q, kt) * scale
-            y = y + mask if mask is not None else y
-            return torch.matmul(torch.softmax(y, dim=-1), v)
-        return sdpa(q, kt.transpose(-2, -1), v, attn_mask=mask, scale=scale)
-    return attention
+def _attention_op(node: Node, library: NativeLibrary | None, why: str) -> ScaledDotAttention:
+    return ScaledDotAttention(float(node.attrs["scale"]), int(node.attrs.get("heads", 0)),
+                              library, why)
 
 
 def _attention(node: Node, ctx: BindContext) -> Kernel:
-    fn = _attention_callable(node)
-
-    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
-        return [fn(*inputs)]
-    return kernel
+    library, why = NativeLibrary.for_session() if ctx.device.type == "cpu" else \
+        (None, f"are CPU-only (the node runs on {ctx.device.type})")
+    return AttentionKernel(_attention_op(node, library, why))
 
 
 # -- inline forms for generated code -------------------------------------------------------
@@ -700,8 +683,8 @@ def inline_fused(node: Node, device: torch.device, inplace_input: int | None,
         if linear_calls_libdnnl(node) or linear_calls_native(node):
             return None
         return _inline_gemm(node, device, consts)
-    if node.op_type == "Attention":
-        return Inline(f"{{fn}}({args})", {"fn": _attention_callable(node)})
+    if node.op_type == "Attention" and isinstance(kernel, AttentionKernel):
+        return Inline(f"{{fn}}({args})", {"fn": kernel.op})
     if node.op_type == "AddLayerNorm" and isinstance(kernel, AddLayerNormKernel):
         return Inline(f"{{fn}}({args})", {"fn": kernel.op})
     return None
@@ -806,8 +789,8 @@ def traceable_fused(node: Node) -> Inline | None:
         def linear_fn(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
             return act.apply(F.linear(x, w, b), params)
         return Inline(f"{{fn}}({args})", {"fn": linear_fn})
-    if node.op_type == "Attention":
-        return Inline(f"{{fn}}({args})", {"fn": _attention_callable(node)})
+    if node.op_type == "Attention":   # torch's scaled_dot_product_attention
+        return Inline(f"{{fn}}({args})", {"fn": _attention_op(node, None, "traced").through_torch})
     if node.op_type == "AddLayerNorm":   # its unfused ops: a + b, then F.layer_norm
         unfused = AddLayerNorm(float(node.attrs.get("epsilon", 1e-5)), None, "traced")
         return Inline(f"{{fn}}({args})", {"fn": unfused.through_torch})

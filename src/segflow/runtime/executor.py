@@ -31,6 +31,7 @@ from segflow.ir.graph import Node, Value
 from segflow.ir.types import Device, DeviceKind
 from segflow.ops.add_layer_norm import AddLayerNormKernel
 from segflow.ops.dense_chain import DenseChainKernel
+from segflow.ops.native_attention import AttentionKernel
 from segflow.ops.native_linear import NativeLinearKernel
 from segflow.ops.onednn_direct import DirectConv, DirectKernel, ResidualInPlaceKernel
 from segflow.ops.registry import OpRegistry
@@ -136,6 +137,9 @@ class Executor:
         self.add_layer_norms = [(step.node.label, step.kernel.op) for task in self.tasks
                                 for step in task.steps
                                 if isinstance(step.kernel, AddLayerNormKernel)]
+        # Attention (ops/native_attention.py): likewise.
+        self.attentions = [(step.node.label, step.kernel.op) for task in self.tasks
+                           for step in task.steps if isinstance(step.kernel, AttentionKernel)]
         # Chains of small dense layers (ops/dense_chain.py): how their calls ran.
         self.chain_ops = [(step.node.label, step.kernel.op) for task in self.tasks
                           for step in task.steps if isinstance(step.kernel, DenseChainKernel)]

@@ -29,6 +29,7 @@ from segflow.ir.graph import Value
 from segflow.ir.types import Device, DeviceKind, Dim, DType, TensorSpec
 from segflow.ops.add_layer_norm import describe_add_layer_norms
 from segflow.ops.dense_chain import describe_chains
+from segflow.ops.native_attention import describe_attentions
 from segflow.ops.native_linear import describe_native_linears
 from segflow.ops.onednn_direct import describe_direct
 from segflow.ops.onednn_replay import describe_replays
@@ -227,6 +228,7 @@ class InferenceSession:
         lines += describe_chains(self._executor.chain_ops)
         lines += describe_native_linears(self._executor.native_linears)
         lines += describe_add_layer_norms(self._executor.add_layer_norms)
+        lines += describe_attentions(self._executor.attentions)
         lines += describe_replays(self.compile_report.replays)
         arena = self._executor.arena
         if arena is not None:   # the block at the sizes the plan was made for

@@ -28,14 +28,9 @@
 #include <stdint.h>
 #include <string.h>
 
-#define NR 24              /* output columns per panel: three vectors of eight */
-#define MR 4               /* rows per register block */
+#include "panel.h"         /* NR, MR, v8, panel_fma: the register block */
+
 #define KC 384             /* input columns per pass over a panel */
-
-typedef float v8 __attribute__((vector_size(32), aligned(4)));
-typedef int32_t v8i __attribute__((vector_size(32), aligned(4)));
-
-static inline v8 splat(float a) { return (v8){a, a, a, a, a, a, a, a}; }
 
 /* What ops/native_linear.py's ctypes structure mirrors. */
 typedef struct {
@@ -113,17 +108,7 @@ block(const segflow_linear_t *p, int R, int64_t kc, const float *restrict x, int
     for (int r = 0; r < R; r++)
         for (int v = 0; v < 3; v++)
             acc[r][v] = first ? *(const v8 *)(start + 8 * v) : *(const v8 *)(y + r * ldy + 8 * v);
-    for (int64_t i = 0; i < kc; i++) {
-        v8 b0 = *(const v8 *)(panel), b1 = *(const v8 *)(panel + 8),
-           b2 = *(const v8 *)(panel + 16);
-        panel += NR;
-        for (int r = 0; r < R; r++) {
-            v8 a = splat(x[r * lda + i]);
-            acc[r][0] += a * b0;
-            acc[r][1] += a * b1;
-            acc[r][2] += a * b2;
-        }
-    }
+    panel_fma(R, kc, x, lda, panel, acc);
     for (int r = 0; r < R; r++)
         for (int v = 0; v < 3; v++)
             *(v8 *)(y + r * ldy + 8 * v) = last && p->act ? activate(p, acc[r][v]) : acc[r][v];

@@ -1,9 +1,14 @@
 """Rule ``attention``: ``softmax(Q @ Kt * s + M) @ V`` becomes ``segflow.Attention``.
 
 The scale may be a Mul or a Div by a constant, the mask an Add before the
-softmax. Shapes known not to suit ``scaled_dot_product_attention`` (batch dims
-that differ, a mask that grows the scores) are left alone; symbolic ones pass,
-and the kernel checks at run time.
+softmax. Where Q, K and V are heads split out of ``[B, S, H*D]`` activations
+(Reshape to ``[B, S, H, D]``, Transpose) and the result's heads are merged back the
+same way, those eight nodes are absorbed too: the node gets ``heads`` H, reads the
+activations and writes ``[B, S, H*Dv]`` (no copies to split or merge the heads).
+
+Shapes known not to suit ``scaled_dot_product_attention`` (batch dims that differ,
+a mask that grows the scores) are left alone; symbolic ones pass, and the kernel
+checks at run time.
 """
 
 from __future__ import annotations
@@ -21,12 +26,78 @@ def fuse_attention(graph: Graph) -> int:
         if match is None:
             continue
         q, kt, v, mask, scale, first, absorbed, last = match
+        attrs: dict[str, object] = {"scale": scale}
+        heads = _heads_form(graph, q, kt, v, last)
+        if heads is not None:   # read [B, S, H*D] as it is, write the heads merged back
+            (q, kt, v), attrs["heads"], split, merge = heads
+            absorbed = [*split, *absorbed, last, merge[0]]
+            last = merge[1]
         inputs = [q, kt, v] + ([mask] if mask is not None else [])
-        fused = Node("Attention", inputs, [Value(last.outputs[0].name)], {"scale": scale},
+        fused = Node("Attention", inputs, [Value(last.outputs[0].name)], attrs,
                      name=first.name, domain=FUSED_DOMAIN, opset=1)
         replace_nodes(graph, last, absorbed, fused)
         count += 1
     return count
+
+
+def _heads_form(graph: Graph, q: Value, kt: Value, v: Value, out_mm: Node
+                ) -> tuple[tuple[Value, Value, Value], int, list[Node], list[Node]] | None:
+    """Where Q, Kt and V are heads split out of ``[B, S, H*D]`` activations by Reshape
+    and Transpose, and the result's heads are merged back the same way (how exporters
+    write multi-head attention): the activations, H, the split nodes and the two merge
+    nodes (Transpose, Reshape). None if any part differs."""
+    splits: list[tuple[Value, int, list[Node]]] = []
+    for value, perm in ((q, (0, 2, 1, 3)), (kt, (0, 2, 3, 1)), (v, (0, 2, 1, 3))):
+        split = _split_heads(graph, value, perm)
+        if split is None or (splits and split[1] != splits[0][1]):
+            return None
+        splits.append(split)
+    heads = splits[0][1]
+    merge_t = only_consumer(graph, out_mm.outputs[0])
+    if not is_op(merge_t, "Transpose") or merge_t is None \
+            or tuple(merge_t.attrs.get("perm", ())) != (0, 2, 1, 3):
+        return None
+    merge_r = only_consumer(graph, merge_t.outputs[0])
+    if not is_op(merge_r, "Reshape") or merge_r is None \
+            or merge_r.inputs[0] is not merge_t.outputs[0] \
+            or not _merges_heads(merge_t.outputs[0], merge_r.outputs[0], heads):
+        return None
+    xq, xk, xv = (x for x, _, _ in splits)
+    return (xq, xk, xv), heads, [n for _, _, nodes in splits for n in nodes], [merge_t, merge_r]
+
+
+def _split_heads(graph: Graph, value: Value, perm: tuple[int, ...]
+                 ) -> tuple[Value, int, list[Node]] | None:
+    """``value`` = Transpose(perm)(Reshape(x) to ``[B, S, H, D]``) with x ``[B, S, H*D]``,
+    each read only by the next: (x, H, [reshape, transpose])."""
+    transpose = value.producer
+    if not is_op(transpose, "Transpose") or transpose is None \
+            or tuple(transpose.attrs.get("perm", ())) != perm \
+            or only_consumer(graph, value) is None:
+        return None
+    split = transpose.inputs[0]
+    reshape = split.producer if split is not None else None
+    if not is_op(reshape, "Reshape") or reshape is None or split is None \
+            or only_consumer(graph, split) is not transpose:
+        return None
+    x = reshape.inputs[0]
+    if x is None or not is_float32(x) or not _merges_heads(split, x, None):
+        return None
+    heads = split.spec.shape[2]  # type: ignore[index]
+    assert isinstance(heads, int)   # _merges_heads checked it
+    return x, heads, [reshape, transpose]
+
+
+def _merges_heads(split: Value, merged: Value, heads: int | None) -> bool:
+    """``split`` is ``[B, S, H, D]`` and ``merged`` ``[B, S, H*D]`` (the same B and S,
+    known H and D; H is ``heads`` when given)."""
+    a, b = split.spec.shape, merged.spec.shape
+    if a is None or b is None or len(a) != 4 or len(b) != 3:
+        return False
+    h, d = a[2], a[3]
+    return (all(isinstance(dim, int | str) for dim in (*a[:2], *b[:2])) and a[:2] == b[:2]
+            and isinstance(h, int) and isinstance(d, int) and b[2] == h * d
+            and (heads is None or h == heads))
 
 
 def _attention_match(graph: Graph, softmax: Node):  # type: ignore[no-untyped-def]

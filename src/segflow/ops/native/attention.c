@@ -1,0 +1,286 @@
+/* segflow native kernels: scaled dot-product attention, float32.
+ *
+ * segflow_attention computes, for every batch b and head h,
+ *   Y[b,h] = softmax(Q[b,h] K[b,h]^T * scale + M[b,h]) V[b,h]
+ * with Q [sq][d], K [sk][d], V [sk][dv], Y [sq][dv] and the additive mask M
+ * [sq][sk] (NULL: none) all read through strides, so that heads can be read in
+ * place out of [batch, seq, heads * d] activations (the layout a transformer's
+ * linears write) and Y written straight into that layout. Q and Y rows must be
+ * contiguous (column stride 1); K, V and M may have any strides (a broadcast
+ * dimension has stride 0, except M's key dimension, stride 1).
+ *
+ * Per (b, h): K is packed into panels of 16 keys ([d][16] each, panel.h's narrow
+ * block) and V into panels of 16 output columns ([sk][16]); then for every 6 query
+ * rows the scores are the register block over K's panels, the softmax is taken in
+ * place on those rows (one pass for the maximum, one for exp and the sum, the rows'
+ * exps interleaved), and the output is the register block of the probabilities over
+ * V's panels, scaled by 1 / sum. The scores of 6 rows sit in L1; K's and V's
+ * packings in L2. The OpenMP threads libdnnl uses (ops/native_attention.py passes
+ * libgomp's entry points) claim the (b, h) pairs one at a time; with few pairs, each
+ * pair's query rows are split too.
+ *
+ * It exists because torch's CPU flash attention took ~1.4 ms a layer of BERT-base
+ * (12 heads, 128 x 64) where onnxruntime took ~1.2 (2-core Zen 1 VM, 2026-12-06).
+ *
+ * Numerics: exp is a polynomial after range reduction (within 1e-7 relative over
+ * the softmax's range); every sum is fused-multiply-added in order. A row
+ * whose scores are all -inf (fully masked) gives NaN, as the unfused ops do.
+ */
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "panel.h"
+
+/* What ops/native_attention.py's ctypes structure mirrors. Strides are in floats,
+ * in the order batch, head, row, column. */
+typedef struct {
+    const float *q, *k, *v, *mask;   /* mask may be NULL */
+    float *y;
+    int64_t batch, heads, sq, sk, d, dv;
+    int64_t qs[4], ks[4], vs[4], ms[4], ys[4];
+    float scale;
+    int32_t pad_;
+    void (*parallel)(void (*fn)(void *), void *data, unsigned threads, unsigned flags);
+    int (*thread_num)(void);
+    int (*num_threads)(void);
+    float *scratch;                  /* scratch_threads x segflow_attention_scratch() */
+    int64_t scratch_threads;
+    int64_t next;                    /* the next unclaimed work unit */
+    int32_t status;                  /* 1: a thread found no scratch of its own */
+    int32_t pad2_;
+} segflow_attention_t;
+
+static inline v8 select8(v8 a, v8 b, v8i take) {
+    return (v8)(((v8i)a & ~take) | ((v8i)b & take));
+}
+
+/* e^x, lanewise, for x <= 0 (a softmax's): x = n ln2 + r with |r| <= ln2 / 2 (n from
+ * the rounding constant's low bits, r in two steps), e^r by Cephes' expf polynomial,
+ * 2^n through the exponent bits. Within 1e-7 relative of exp; 0 below -87.3 (and for
+ * -inf); NaN stays NaN (p is NaN). */
+static inline v8 exp8(v8 x) {
+    const v8 round = splat(12582912.0f);   /* 1.5 * 2^23 */
+    const v8i under = (v8i)(x < splat(-87.3365f));
+    const v8 t = x * splat(1.44269504088896341f) + round;
+    const v8 n = t - round;
+    v8 r = x - n * splat(0.693359375f);
+    r = r - n * splat(-2.12194440e-4f);
+    v8 p = splat(1.9875691500e-4f);
+    p = p * r + splat(1.3981999507e-3f);
+    p = p * r + splat(8.3334519073e-3f);
+    p = p * r + splat(4.1665795894e-2f);
+    p = p * r + splat(1.6666665459e-1f);
+    p = p * r + splat(5.0000001201e-1f);
+    p = p * (r * r) + r + splat(1.0f);
+    const v8i two_n = ((v8i)t - (v8i)round + 127) << 23;
+    return (v8)((v8i)(p * (v8)two_n) & ~under);
+}
+
+typedef struct {
+    float *kp, *vp, *s, *tile;   /* K's and V's panels, MR_NARROW rows of scores, one block */
+    int64_t skp, dvp;            /* sk and dv rounded up to NARROW */
+    int64_t packed;              /* the (b, h) pair the panels hold; -1: none */
+} scratch_t;
+
+/* K [sk][d] -> panels [skp / 16][d][16]; V [sk][dv] -> panels [dvp / 16][sk][16];
+ * zero-padded. Each loop reads its source along the stride that is 1. */
+static void pack(const segflow_attention_t *p, scratch_t *w, int64_t b, int64_t h) {
+    const float *k = p->k + b * p->ks[0] + h * p->ks[1];
+    const float *v = p->v + b * p->vs[0] + h * p->vs[1];
+    const int64_t d = p->d, sk = p->sk, dv = p->dv;
+    for (int64_t key0 = 0; key0 < w->skp; key0 += NARROW) {
+        float *panel = w->kp + key0 * d;
+        const int64_t keys = sk - key0 < NARROW ? sk - key0 : NARROW;
+        if (keys < NARROW)
+            memset(panel, 0, (size_t)(d * NARROW) * sizeof(float));
+        if (p->ks[3] == 1) {         /* rows of K: a transpose, 16 rows at a time */
+            for (int64_t i = 0; i < d; i++)
+                for (int64_t j = 0; j < keys; j++)
+                    panel[i * NARROW + j] = k[(key0 + j) * p->ks[2] + i];
+        } else {                     /* columns of K (K^T's rows): copies */
+            for (int64_t i = 0; i < d; i++)
+                for (int64_t j = 0; j < keys; j++)
+                    panel[i * NARROW + j] = k[(key0 + j) * p->ks[2] + i * p->ks[3]];
+        }
+    }
+    for (int64_t col0 = 0; col0 < w->dvp; col0 += NARROW) {
+        float *panel = w->vp + col0 * sk;
+        const int64_t cols = dv - col0 < NARROW ? dv - col0 : NARROW;
+        for (int64_t key = 0; key < sk; key++) {
+            const float *row = v + key * p->vs[2] + col0 * p->vs[3];
+            float *out = panel + key * NARROW;
+            if (cols == NARROW && p->vs[3] == 1) {
+                *(v8 *)out = *(const v8 *)row;
+                *(v8 *)(out + 8) = *(const v8 *)(row + 8);
+            } else {
+                for (int64_t j = 0; j < NARROW; j++)
+                    out[j] = j < cols ? row[j * p->vs[3]] : 0.0f;
+            }
+        }
+    }
+    w->packed = b * p->heads + h;
+}
+
+/* softmax(s * scale + mask) of R rows of sk scores (ld floats apart), in place; inv[r]
+ * is 1 / row r's sum. The rows' exps are interleaved: R independent chains. A NaN
+ * score is never a row's maximum, but its exp is NaN and so is the row's sum: the
+ * whole row comes out NaN, as through torch; so does a row of -inf scores. */
+static inline __attribute__((always_inline)) void
+softmax_rows(const segflow_attention_t *p, int R, float *s, int64_t ld,
+             const float *const mask[MR_NARROW], float inv[MR_NARROW]) {
+    const int64_t n = p->sk, nv = n / 8 * 8;
+    const v8 scale = splat(p->scale);
+    v8 top[MR_NARROW], acc[MR_NARROW];
+    float tail[MR_NARROW];
+    for (int r = 0; r < R; r++) {
+        float *row = s + r * ld;
+        const float *m = mask[r];
+        float t = -INFINITY;
+        v8 mx = splat(-INFINITY);
+        for (int64_t i = 0; i < nv; i += 8) {
+            v8 x = *(v8 *)(row + i) * scale;
+            if (m)
+                x += *(const v8 *)(m + i);
+            *(v8 *)(row + i) = x;
+            mx = select8(mx, x, (v8i)(x > mx));
+        }
+        for (int64_t i = nv; i < n; i++) {
+            row[i] = row[i] * p->scale + (m ? m[i] : 0.0f);
+            t = row[i] > t ? row[i] : t;
+        }
+        for (int l = 0; l < 8; l++)
+            t = mx[l] > t ? mx[l] : t;
+        top[r] = splat(t);
+        acc[r] = splat(0.0f);
+        tail[r] = 0.0f;
+    }
+    for (int64_t i = 0; i < nv; i += 8)
+        for (int r = 0; r < R; r++) {
+            v8 e = exp8(*(v8 *)(s + r * ld + i) - top[r]);
+            *(v8 *)(s + r * ld + i) = e;
+            acc[r] += e;
+        }
+    for (int r = 0; r < R; r++) {
+        float *row = s + r * ld;
+        for (int64_t i = nv; i < n; i++) {
+            v8 e = exp8(splat(row[i]) - top[r]);
+            row[i] = e[0];
+            tail[r] += e[0];
+        }
+        const v8 a = acc[r];
+        inv[r] = 1.0f / (tail[r] + ((a[0] + a[4]) + (a[1] + a[5])) +
+                         ((a[2] + a[6]) + (a[3] + a[7])));
+    }
+}
+
+/* Query rows [r, r + R) of pair (b, h), K and V packed in w. */
+static inline __attribute__((always_inline)) void
+rows_block(const segflow_attention_t *p, scratch_t *w, int R, int64_t b, int64_t h, int64_t r) {
+    const float *q = p->q + b * p->qs[0] + h * p->qs[1] + r * p->qs[2];
+    for (int64_t key0 = 0; key0 < w->skp; key0 += NARROW) {      /* scores = Q K^T */
+        v8 acc[MR_NARROW][2] = {{{0}}};
+        narrow_panel_fma(R, p->d, q, p->qs[2], w->kp + key0 * p->d, acc);
+        for (int i = 0; i < R; i++)
+            for (int v = 0; v < 2; v++)
+                *(v8 *)(w->s + i * w->skp + key0 + 8 * v) = acc[i][v];
+    }
+    float inv[MR_NARROW];
+    const float *mask[MR_NARROW];
+    for (int i = 0; i < R; i++)
+        mask[i] = p->mask ? p->mask + b * p->ms[0] + h * p->ms[1] + (r + i) * p->ms[2] : NULL;
+    softmax_rows(p, R, w->s, w->skp, mask, inv);
+    float *y = p->y + b * p->ys[0] + h * p->ys[1] + r * p->ys[2];
+    for (int64_t col0 = 0; col0 < w->dvp; col0 += NARROW) {      /* Y = P V / sum */
+        v8 acc[MR_NARROW][2] = {{{0}}};
+        narrow_panel_fma(R, p->sk, w->s, w->skp, w->vp + col0 * p->sk, acc);
+        const int64_t cols = p->dv - col0 < NARROW ? p->dv - col0 : NARROW;
+        for (int i = 0; i < R; i++) {
+            const v8 scale = splat(inv[i]);
+            float *out = y + i * p->ys[2] + col0;
+            if (cols == NARROW) {
+                *(v8 *)out = acc[i][0] * scale;
+                *(v8 *)(out + 8) = acc[i][1] * scale;
+            } else {
+                *(v8 *)w->tile = acc[i][0] * scale;
+                *(v8 *)(w->tile + 8) = acc[i][1] * scale;
+                memcpy(out, w->tile, (size_t)cols * sizeof(float));
+            }
+        }
+    }
+}
+
+/* The last rows of a pair, fewer than MR_NARROW: a generic copy of the block (its
+ * accumulators in memory), which keeps the build small (an inlined copy per row
+ * count doubled its compile time, 0.9 to 1.8 s) for a block that is rare. */
+static __attribute__((noinline)) void
+last_rows(const segflow_attention_t *p, scratch_t *w, int R, int64_t b, int64_t h, int64_t r) {
+    rows_block(p, w, R, b, h, r);
+}
+
+/* Unit u is pair u / split's share u % split of the query rows. */
+static void unit(const segflow_attention_t *p, scratch_t *w, int64_t u, int64_t split) {
+    const int64_t pair = u / split, share = u % split;
+    const int64_t b = pair / p->heads, h = pair % p->heads;
+    if (w->packed != pair)
+        pack(p, w, b, h);
+    const int64_t blocks = (p->sq + MR_NARROW - 1) / MR_NARROW;
+    const int64_t end = blocks * (share + 1) / split * MR_NARROW;
+    for (int64_t r = blocks * share / split * MR_NARROW; r < end && r < p->sq;
+         r += MR_NARROW) {
+        if (p->sq - r >= MR_NARROW)
+            rows_block(p, w, MR_NARROW, b, h, r);
+        else
+            last_rows(p, w, (int)(p->sq - r), b, h, r);
+    }
+}
+
+/* Floats of scratch each thread needs: K's and V's panels, 6 rows of scores, one
+ * output block. The caller passes threads x this many (no allocation here). */
+int64_t segflow_attention_scratch(int64_t sk, int64_t d, int64_t dv) {
+    const int64_t skp = (sk + NARROW - 1) / NARROW * NARROW;
+    const int64_t dvp = (dv + NARROW - 1) / NARROW * NARROW;
+    return skp * d + dvp * sk + MR_NARROW * skp + NARROW;
+}
+
+/* Each thread claims units until none are left: the threads of a VM's vCPUs do not
+ * run at one speed (one of this VM's two ran 25% slower), so an even split in
+ * advance waits for the slowest. At least 4 units a thread where the rows allow it. */
+static void work(void *data) {
+    segflow_attention_t *p = data;
+    const int64_t threads = p->num_threads ? p->num_threads() : 1;
+    const int64_t pairs = p->batch * p->heads;
+    const int64_t blocks = (p->sq + MR_NARROW - 1) / MR_NARROW;
+    int64_t split = (4 * threads + pairs - 1) / pairs;
+    split = split < blocks ? split : blocks;
+    scratch_t w;
+    w.skp = (p->sk + NARROW - 1) / NARROW * NARROW;
+    w.dvp = (p->dv + NARROW - 1) / NARROW * NARROW;
+    w.packed = -1;
+    const int64_t t = p->thread_num ? p->thread_num() : 0;
+    if (t >= p->scratch_threads) {      /* more threads than the caller made room for */
+        p->status = 1;
+        return;
+    }
+    w.kp = p->scratch + t * segflow_attention_scratch(p->sk, p->d, p->dv);
+    w.vp = w.kp + w.skp * p->d;
+    w.s = w.vp + w.dvp * p->sk;
+    w.tile = w.s + MR_NARROW * w.skp;
+    for (int64_t u; (u = __atomic_fetch_add(&p->next, 1, __ATOMIC_RELAXED)) < pairs * split;)
+        unit(p, &w, u, split);
+}
+
+/* Run it on at most scratch_threads threads; 0 (1 only if a thread found no scratch).
+ * Under ~64k multiply-adds it stays on this thread: waking the pool costs more. */
+int segflow_attention(segflow_attention_t *p) {
+    p->status = 0;
+    p->next = 0;
+    if (p->batch <= 0 || p->heads <= 0 || p->sq <= 0 || p->sk <= 0 || p->dv <= 0)
+        return 0;
+    if (p->parallel && p->batch * p->heads * p->sq * p->sk * (p->d + p->dv) >= 65536)
+        p->parallel(work, p, (unsigned)p->scratch_threads, 0);
+    else
+        work(p);
+    return p->status;
+}
