@@ -47,7 +47,8 @@ class _Args(ctypes.Structure):
                 ("k", ctypes.c_int64), ("lda", ctypes.c_int64), ("act", ctypes.c_int64),
                 ("slope", ctypes.c_float), ("lo", ctypes.c_float), ("hi", ctypes.c_float),
                 ("pad_", ctypes.c_int32), ("parallel", ctypes.c_void_p),
-                ("thread_num", ctypes.c_void_p), ("num_threads", ctypes.c_void_p)]
+                ("thread_num", ctypes.c_void_p), ("num_threads", ctypes.c_void_p),
+                ("next", ctypes.c_int64)]
 
 
 def native_linear_preferred(library: NativeLibrary | None) -> bool:
@@ -136,9 +137,10 @@ class NativeLinear:
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [ctypes.c_void_p]
         omp = openmp_entry_points() or (None, None, None)
-        # _Args' fields after the sizes: the activation, the padding, the OpenMP runtime.
+        # _Args' fields after the sizes: the activation, the padding, the OpenMP runtime,
+        # the kernel's chunk counter.
         self._tail = (*((1, *clamp) if clamp is not None else (0, 1.0, -math.inf, math.inf)),
-                      0, *omp)
+                      0, *omp, 0)
 
     def __call__(self, x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
         k = self.in_features
