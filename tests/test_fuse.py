@@ -83,7 +83,7 @@ def test_nothing_to_fuse_leaves_the_graph_alone():
 def test_every_rule_is_named_and_selectable():
     names = [name for name, _ in RULES]
     assert names == ["noops", "batchnorm", "linear", "gelu", "conv", "activation", "attention",
-                     "layernorm"]
+                     "layernorm", "siblings"]
     with pytest.raises(ValueError, match="unknown fuse rules"):
         run_rules(import_model(_model([helper.make_node("Relu", ["x"], ["y"])],
                                       {"x": [2]}, ["y"])), ["nope"])
@@ -115,7 +115,29 @@ def _residual_layer_norm():
     return model, {"x": _rand(2, 8, 32), "r": _rand(2, 8, 32)}
 
 
-# rule -> (model and feeds, the op the rule rewrites away: gone with the rule on, kept off)
+def _sibling_linears(acts=("Relu", "Relu"), bias=(True, True), graph_output=False):
+    """Two MatMul (+ bias Add) + activation over one input, summed."""
+    nodes, inits = [], {}
+    for i, (act, has_bias) in enumerate(zip(acts, bias)):
+        inits[f"w{i}"] = _rand(16, 8 + 4 * i, scale=0.3)
+        nodes.append(helper.make_node("MatMul", ["x", f"w{i}"], [f"m{i}"]))
+        last = f"m{i}"
+        if has_bias:
+            inits[f"b{i}"] = _rand(8 + 4 * i)
+            nodes.append(helper.make_node("Add", [last, f"b{i}"], [f"a{i}"]))
+            last = f"a{i}"
+        nodes.append(helper.make_node(act, [last], [f"y{i}"]))
+    nodes += [helper.make_node("ReduceSum", [f"y{i}", "axes"], [f"s{i}"], keepdims=1)
+              for i in range(len(acts))]
+    nodes.append(helper.make_node("Add", ["s0", "s1"], ["out"]))
+    inits["axes"] = np.array([-1], np.int64)
+    outputs = ["out", "y0"] if graph_output else ["out"]
+    model = _model(nodes, {"x": ["batch", 5, 16]}, outputs, inits)
+    return model, {"x": _rand(3, 5, 16)}
+
+
+# rule -> (model and feeds, the op the rule rewrites away: gone with the rule on, kept off;
+# "+Op": an op the rule adds, there with the rule on, not off)
 _RULE_CASES = {
     "noops": (_noop_model, "Identity"),
     "batchnorm": (_resnet, "BatchNormalization"),
@@ -125,6 +147,7 @@ _RULE_CASES = {
     "activation": (_resnet, "Relu"),
     "attention": (_bert, "Softmax"),
     "layernorm": (_residual_layer_norm, "LayerNormalization"),
+    "siblings": (_sibling_linears, "+Split"),
 }
 
 
@@ -138,8 +161,9 @@ def test_each_rule_switched_off_leaves_its_pattern_and_the_results(rule):
     model, feeds = make()
     on = _check(model, feeds)
     off = _check(model, feeds, optimize={f"fuse.{rule}": False})
-    assert not any(n.op_type == op_type for n in on.graph.nodes)
-    assert any(n.op_type == op_type for n in off.graph.nodes)
+    without, present = (off, on) if op_type.startswith("+") else (on, off)
+    assert not any(n.op_type == op_type.lstrip("+") for n in without.graph.nodes)
+    assert any(n.op_type == op_type.lstrip("+") for n in present.graph.nodes)
     assert f"rules off: {rule}" in off.explain()
     assert "rules off" not in on.explain()
 
@@ -386,6 +410,42 @@ def test_attention_with_a_growing_mask_is_left_alone():
                            "mask": [2, 2, 3, 3]}, ["out"])
     _, result = _fused(model, ["attention"])
     assert not result.modified
+
+
+# -- sibling linears ------------------------------------------------------------------------
+def test_sibling_linears_become_one_linear_and_a_split_of_views():
+    model, feeds = _sibling_linears()
+    sess = _check(model, feeds, compile="none")
+    gemms = [n for n in sess.graph.nodes if n.op_type == "FusedGemm"]
+    assert len(gemms) == 1 and gemms[0].attrs["activation"] == "Relu"
+    assert gemms[0].outputs[0].spec.shape == ("batch", 5, 20)
+    split = next(n for n in sess.graph.nodes if n.op_type == "Split")
+    assert [v.name for v in split.outputs] == ["y0", "y1"]
+    assert split.inputs[1].const.tolist() == [8, 12]
+    _check(model, feeds, compile="codegen")
+
+
+@pytest.mark.parametrize("case", ["activations differ", "one has no bias", "a graph output"])
+def test_sibling_linears_that_differ_stay_apart(case):
+    if case == "activations differ":
+        model, feeds = _sibling_linears(acts=("Relu", "Sigmoid"))
+    elif case == "one has no bias":
+        model, feeds = _sibling_linears(bias=(True, False))
+    else:
+        model, feeds = _sibling_linears(graph_output=True)
+    sess = _check(model, feeds)
+    assert [n.op_type for n in sess.graph.nodes].count("FusedGemm") == 2
+    assert "Split" not in [n.op_type for n in sess.graph.nodes]
+
+
+def test_bert_merges_each_layers_query_key_and_value():
+    model, feeds = _bert()
+    sess = _check(model, feeds)
+    splits = [n for n in sess.graph.nodes if n.op_type == "Split"]
+    assert len(splits) == 2
+    attention = [n for n in sess.graph.nodes if n.op_type == "Attention"]
+    assert all(n.inputs[i] is split.outputs[i] for n, split in zip(attention, splits)
+               for i in range(3))
 
 
 # -- every builder model stays correct ------------------------------------------------------

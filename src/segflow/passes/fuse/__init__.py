@@ -21,6 +21,9 @@ They run in this order, each over the whole graph:
    ``segflow.Attention``.
 8. ``layernorm`` (:mod:`.layernorm`): an Add read only by a LayerNormalization over
    the last axis becomes ``segflow.AddLayerNorm`` (a transformer's residual add).
+9. ``siblings`` (:mod:`.siblings`): FusedGemms reading the same input (a
+   transformer's query, key and value projections) become one FusedGemm over their
+   stacked weights and a Split into views.
 
 The order matters where rules build on each other: ``batchnorm`` folds into the
 plain Conv/Gemm that ``conv``/``linear`` then fuse, and ``activation`` only finds
@@ -47,6 +50,7 @@ from segflow.passes.fuse.gelu import fuse_gelu
 from segflow.passes.fuse.layernorm import fuse_layernorm
 from segflow.passes.fuse.linear import fuse_linear
 from segflow.passes.fuse.noops import fuse_noops
+from segflow.passes.fuse.siblings import fuse_siblings
 from segflow.passes.result import PassResult
 
 Rule = Callable[[Graph], int]
@@ -60,6 +64,7 @@ RULES: tuple[tuple[str, Rule], ...] = (
     ("activation", fuse_activation),
     ("attention", fuse_attention),
     ("layernorm", fuse_layernorm),
+    ("siblings", fuse_siblings),
 )
 RULE_NAMES: tuple[str, ...] = tuple(name for name, _ in RULES)
 
