@@ -39,22 +39,8 @@ from segflow.ops.onednn_direct import openmp_entry_points
 
 Tensor = torch.Tensor
 
-_Strides = ctypes.c_int64 * 4
-
-
-class _Args(ctypes.Structure):
-    """``segflow_attention_t`` of ``ops/native/attention.c``."""
-
-    _fields_ = [("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p),
-                ("mask", ctypes.c_void_p), ("y", ctypes.c_void_p),
-                ("batch", ctypes.c_int64), ("heads", ctypes.c_int64), ("sq", ctypes.c_int64),
-                ("sk", ctypes.c_int64), ("d", ctypes.c_int64), ("dv", ctypes.c_int64),
-                ("qs", _Strides), ("ks", _Strides), ("vs", _Strides), ("ms", _Strides),
-                ("ys", _Strides), ("scale", ctypes.c_float), ("pad_", ctypes.c_int32),
-                ("parallel", ctypes.c_void_p), ("thread_num", ctypes.c_void_p),
-                ("num_threads", ctypes.c_void_p), ("scratch", ctypes.c_void_p),
-                ("scratch_threads", ctypes.c_int64), ("next", ctypes.c_int64),
-                ("status", ctypes.c_int32), ("pad2_", ctypes.c_int32)]
+_Sizes = ctypes.c_int64 * 27      # segflow_attention's sizes (ops/native/attention.c)
+_Geometry = tuple[tuple[int, ...], ...]   # (shape, strides) of Q, K, V as [B, H, S, D]
 
 
 class ScaledDotAttention:
@@ -81,7 +67,7 @@ class ScaledDotAttention:
         if library is not None:
             self._fn = library.dll.segflow_attention
             self._fn.restype = ctypes.c_int
-            self._fn.argtypes = [ctypes.c_void_p]
+            self._fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_float] + [ctypes.c_void_p] * 3
             self._scratch_floats = library.dll.segflow_attention_scratch
             self._scratch_floats.restype = ctypes.c_int64
             self._scratch_floats.argtypes = [ctypes.c_int64] * 3
@@ -89,85 +75,77 @@ class ScaledDotAttention:
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None
                  ) -> Tensor:
-        if self.heads:
-            split = self._split_heads(q, k, v)
-            if isinstance(split, str):
-                return self._torch_call(split, q, k, v, mask)
-            qh, kh, vh = split
-        else:
-            qh, kh, vh = q, k.transpose(-2, -1), v
-        why = self._why_not_native(qh, kh, vh, mask)
+        if q.stride(-1) != 1:
+            q = q.contiguous()   # the kernel broadcasts Q's rows from contiguous memory
+        why, geometry = self._geometry(q, k, v, mask)
         if why:
             return self._torch_call(why, q, k, v, mask)
-        return self._native(qh, kh, vh, mask)
+        return self._native(q, k, v, mask, geometry)
 
     # -- the native path ----------------------------------------------------------------
-    def _split_heads(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor] | str:
-        """``[B, S, H*D]`` -> ``[B, H, S, D]`` views, or why they cannot be made."""
-        h = self.heads
-        if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-            return f"inputs of rank {q.dim()}, {k.dim()}, {v.dim()}, not 3"
-        if q.shape[-1] % h or k.shape[-1] % h or v.shape[-1] % h:
-            return f"widths {q.shape[-1]}, {k.shape[-1]}, {v.shape[-1]} not split by {h} heads"
-        return tuple(t.unflatten(-1, (h, t.shape[-1] // h)).transpose(1, 2)  # type: ignore[return-value]
-                     for t in (q, k, v))
-
-    def _why_not_native(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> str:
+    def _geometry(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
+                  ) -> tuple[str, _Geometry]:
+        """Q, K (untransposed) and V as ``[B, H, S, D]`` shapes and strides, worked out
+        from the tensors' own (no views made); or why the native path does not take
+        them."""
         if self._fn is None:
-            return "native kernels " + self.why_native
-        tensors = (q, k, v) if mask is None else (q, k, v, mask)
-        if any(t.dtype is not torch.float32 or not t.is_cpu for t in tensors):
-            return "not all float32 on the CPU"
-        if q.dim() not in (3, 4) or k.dim() != q.dim() or v.dim() != q.dim():
-            return f"ranks {q.dim()}, {k.dim()}, {v.dim()} (3 or 4 run native)"
-        if k.shape[:-1] != v.shape[:-1] or q.shape[:-2] != k.shape[:-2] \
-                or q.shape[-1] != k.shape[-1]:
-            return (f"shapes {list(q.shape)}, {list(k.shape)}, {list(v.shape)} do not pair "
-                    "up batch for batch")
-        if 0 in q.shape[:-1] or k.shape[-2] == 0:
-            return "empty queries or keys"
+            return "native kernels " + self.why_native, ()
+        f32 = torch.float32
+        if q.dtype is not f32 or k.dtype is not f32 or v.dtype is not f32 \
+                or not (q.is_cpu and k.is_cpu and v.is_cpu) \
+                or (mask is not None and (mask.dtype is not f32 or not mask.is_cpu)):
+            return "not all float32 on the CPU", ()
+        h = self.heads
+        if h:
+            if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+                return f"inputs of rank {q.dim()}, {k.dim()}, {v.dim()}, not 3", ()
+            if q.shape[2] % h or k.shape[2] % h or v.shape[2] % h:
+                return (f"widths {q.shape[2]}, {k.shape[2]}, {v.shape[2]} not split by "
+                        f"{h} heads"), ()
+            (qn, qs), (kn, ks), (vn, vs) = (_heads(t, h) for t in (q, k, v))
+        else:
+            if q.dim() not in (3, 4) or k.dim() != q.dim() or v.dim() != q.dim():
+                return f"ranks {q.dim()}, {k.dim()}, {v.dim()} (3 or 4 run native)", ()
+            (qn, qs), (kn, ks), (vn, vs) = _four(q), _four(k, transposed=True), _four(v)
+        if kn[:3] != vn[:3] or qn[:2] != kn[:2] or qn[3] != kn[3]:
+            shapes = ", ".join(str(list(n if q.dim() == 4 or h else n[:1] + n[2:]))
+                               for n in (qn, kn, vn))
+            return f"shapes {shapes} do not pair up batch for batch", ()
+        if 0 in qn[:3] or kn[2] == 0:
+            return "empty queries or keys", ()
         if mask is not None:
-            scores = (*q.shape[:-1], k.shape[-2])
+            scores = (*qn[:3], kn[2]) if h or q.dim() == 4 else (qn[0], qn[2], kn[2])
             if mask.dim() > len(scores) or any(
                     m not in (1, s) for m, s in zip(reversed(mask.shape), reversed(scores))):
-                return f"a mask {list(mask.shape)} that does not broadcast to {list(scores)}"
-        return ""
+                return f"a mask {list(mask.shape)} that does not broadcast to {list(scores)}", ()
+        return "", (qn, qs, kn, ks, vn, vs)
 
-    def _native(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
-        three = q.dim() == 3
-        if three:                      # one head
-            q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
-        batch, heads, sq, d = q.shape
-        sk, dv = k.shape[2], v.shape[3]
-        if q.stride(-1) != 1:
-            q = q.contiguous()
+    def _native(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
+                geometry: _Geometry) -> Tensor:
+        qn, qs, kn, ks, vn, vs = geometry
+        batch, heads, sq, d = qn
+        sk, dv = kn[2], vn[3]
         # The result in [B, Sq, H, Dv] memory: for the heads form that is [B, Sq, H * Dv].
         out = torch.empty((batch, sq, heads * dv), dtype=torch.float32)
-        y = out.view(batch, sq, heads, dv).transpose(1, 2)
-        m = None
-        if mask is not None:   # [B, H, Sq, Sk] through strides (0 where it broadcasts)
-            rank = 3 if three else 4
-            m = mask.reshape((1,) * (rank - mask.dim()) + tuple(mask.shape))
-            m = (m.unsqueeze(1) if three else m).expand(batch, heads, sq, sk)
-            if m.stride(-1) != 1:
-                m = m.contiguous()
+        ys = (sq * heads * dv, dv, heads * dv, 1)
+        ms: tuple[int, ...] = (0, 0, 0, 0)
+        if mask is not None:
+            mask, ms = _mask_strides(mask, (batch, heads, sq, sk), heads_dim=bool(self.heads)
+                                     or q.dim() == 4)
         # Each thread's packed K and V and a few rows of scores; at most this many threads.
         threads = torch.get_num_threads() if self._openmp[0] else 1
         scratch = torch.empty(threads * self._scratch_floats(sk, d, dv),  # type: ignore[misc]
                               dtype=torch.float32)
-        args = _Args(q.data_ptr(), k.data_ptr(), v.data_ptr(),
-                     None if m is None else m.data_ptr(), y.data_ptr(),
-                     batch, heads, sq, sk, d, dv,
-                     _Strides(*q.stride()), _Strides(*k.stride()), _Strides(*v.stride()),
-                     _Strides(*(m.stride() if m is not None else (0, 0, 0, 0))),
-                     _Strides(*y.stride()), self.scale, 0, *self._openmp,
-                     scratch.data_ptr(), threads, 0, 0, 0)
-        if self._fn(ctypes.byref(args)) != 0:   # type: ignore[misc]
+        sizes = _Sizes(batch, heads, sq, sk, d, dv, *qs, *ks, *vs, *ms, *ys, threads)
+        if self._fn(q.data_ptr(), k.data_ptr(), v.data_ptr(),  # type: ignore[misc]
+                    None if mask is None else mask.data_ptr(), out.data_ptr(),
+                    scratch.data_ptr(), sizes, self.scale, *self._openmp) != 0:
             raise RuntimeError("attention: a thread of the native kernel found no scratch")
         self.native_calls += 1
         if self.heads:
             return out
-        return y.squeeze(1) if three else y
+        y = out.view(batch, sq, heads, dv).transpose(1, 2)
+        return y if q.dim() == 4 else y.squeeze(1)
 
     # -- through torch ------------------------------------------------------------------
     def _torch_call(self, why: str, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
@@ -204,6 +182,42 @@ class ScaledDotAttention:
             y = y + mask if mask is not None else y
             return torch.matmul(torch.softmax(y, dim=-1), v)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+
+
+def _heads(t: Tensor, h: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``[B, S, H*D]`` read as ``[B, H, S, D]``: shape and strides."""
+    b, s, c = t.shape
+    sb, ss, sc = t.stride()
+    return (b, h, s, c // h), (sb, (c // h) * sc, ss, sc)
+
+
+def _four(t: Tensor, transposed: bool = False) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A 4-D (or 3-D: one head) tensor as ``[B, H, S, D]``; ``transposed``: it is
+    ``[B, H, D, S]`` (K as the graph's MatMul read it)."""
+    shape, strides = tuple(t.shape), tuple(t.stride())
+    if t.dim() == 3:
+        shape, strides = (shape[0], 1, *shape[1:]), (strides[0], 0, *strides[1:])
+    if transposed:
+        shape = (*shape[:2], shape[3], shape[2])
+        strides = (*strides[:2], strides[3], strides[2])
+    return shape, strides
+
+
+def _mask_strides(mask: Tensor, scores: tuple[int, int, int, int], heads_dim: bool
+                  ) -> tuple[Tensor, tuple[int, ...]]:
+    """The mask and its strides as ``[B, H, Sq, Sk]`` (0 where it broadcasts). Its last
+    dimension must be read contiguously; a mask broadcast along the keys, or strided
+    there, is expanded into a contiguous copy first. ``heads_dim``: the mask
+    broadcasts to 4-D scores (else to ``[B, Sq, Sk]``, one head)."""
+    rank = 4 if heads_dim else 3
+    shape = (1,) * (rank - mask.dim()) + tuple(mask.shape)
+    strides = (0,) * (rank - mask.dim()) + tuple(mask.stride())
+    if not heads_dim:
+        shape, strides = (shape[0], 1, *shape[1:]), (strides[0], 0, *strides[1:])
+    if scores[3] > 1 and (shape[3] != scores[3] or strides[3] != 1):
+        mask = mask.reshape(shape).expand(scores).contiguous()
+        shape, strides = scores, tuple(mask.stride())
+    return mask, tuple(0 if n == 1 else st for n, st in zip(shape, strides))
 
 
 class AttentionKernel:

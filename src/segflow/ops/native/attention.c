@@ -33,23 +33,21 @@
 
 #include "panel.h"
 
-/* What ops/native_attention.py's ctypes structure mirrors. Strides are in floats,
- * in the order batch, head, row, column. */
+/* One call's arguments (segflow_attention fills it). Strides are in floats, in the
+ * order batch, head, row, column. */
 typedef struct {
     const float *q, *k, *v, *mask;   /* mask may be NULL */
     float *y;
+    float *scratch;                  /* scratch_threads x segflow_attention_scratch() */
     int64_t batch, heads, sq, sk, d, dv;
     int64_t qs[4], ks[4], vs[4], ms[4], ys[4];
+    int64_t scratch_threads;
     float scale;
-    int32_t pad_;
+    int32_t status;                  /* 1: a thread found no scratch of its own */
+    int64_t next;                    /* the next unclaimed work unit */
     void (*parallel)(void (*fn)(void *), void *data, unsigned threads, unsigned flags);
     int (*thread_num)(void);
     int (*num_threads)(void);
-    float *scratch;                  /* scratch_threads x segflow_attention_scratch() */
-    int64_t scratch_threads;
-    int64_t next;                    /* the next unclaimed work unit */
-    int32_t status;                  /* 1: a thread found no scratch of its own */
-    int32_t pad2_;
 } segflow_attention_t;
 
 static inline v8 select8(v8 a, v8 b, v8i take) {
@@ -271,16 +269,29 @@ static void work(void *data) {
         unit(p, &w, u, split);
 }
 
-/* Run it on at most scratch_threads threads; 0 (1 only if a thread found no scratch).
- * Under ~64k multiply-adds it stays on this thread: waking the pool costs more. */
-int segflow_attention(segflow_attention_t *p) {
-    p->status = 0;
-    p->next = 0;
-    if (p->batch <= 0 || p->heads <= 0 || p->sq <= 0 || p->sk <= 0 || p->dv <= 0)
+/* Run it; 0 (1 only if a thread found no scratch). `sizes` holds 27 numbers: batch,
+ * heads, sq, sk, d, dv; the strides of Q, K, V, the mask and Y (4 each); the threads
+ * the scratch has room for (at most that many run). Under ~64k multiply-adds it
+ * stays on this thread: waking the pool costs more. */
+int segflow_attention(const float *q, const float *k, const float *v, const float *mask,
+                      float *y, float *scratch, const int64_t *sizes, float scale,
+                      void (*parallel)(void (*)(void *), void *, unsigned, unsigned),
+                      int (*thread_num)(void), int (*num_threads)(void)) {
+    segflow_attention_t p = {q, k, v, mask, y, scratch, sizes[0], sizes[1], sizes[2],
+                             sizes[3], sizes[4], sizes[5], {0}, {0}, {0}, {0}, {0},
+                             sizes[26], scale, 0, 0, parallel, thread_num, num_threads};
+    for (int i = 0; i < 4; i++) {
+        p.qs[i] = sizes[6 + i];
+        p.ks[i] = sizes[10 + i];
+        p.vs[i] = sizes[14 + i];
+        p.ms[i] = sizes[18 + i];
+        p.ys[i] = sizes[22 + i];
+    }
+    if (p.batch <= 0 || p.heads <= 0 || p.sq <= 0 || p.sk <= 0 || p.dv <= 0)
         return 0;
-    if (p->parallel && p->batch * p->heads * p->sq * p->sk * (p->d + p->dv) >= 65536)
-        p->parallel(work, p, (unsigned)p->scratch_threads, 0);
+    if (parallel && p.batch * p.heads * p.sq * p.sk * (p.d + p.dv) >= 65536)
+        parallel(work, &p, (unsigned)p.scratch_threads, 0);
     else
-        work(p);
-    return p->status;
+        work(&p);
+    return p.status;
 }
