@@ -18,13 +18,12 @@ rounding (~1e-6 relative on BERT-base's rows).
 from __future__ import annotations
 
 import ctypes
-import threading
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
-from segflow.ops._common import through_torch_lines
+from segflow.ops._common import NativeOrTorch, OpKernel, describe_native_calls
 from segflow.ops.native_library import NativeLibrary
 from segflow.ops.onednn_direct import openmp_entry_points
 
@@ -41,7 +40,7 @@ class _Args(ctypes.Structure):
                 ("num_threads", ctypes.c_void_p)]
 
 
-class AddLayerNorm:
+class AddLayerNorm(NativeOrTorch):
     """``fn(a, b, scale, bias=None) -> layer_norm(a + b)`` over the last axis.
 
     ``library`` is the native library (None: always torch); ``why_native`` says why
@@ -50,13 +49,8 @@ class AddLayerNorm:
     """
 
     def __init__(self, epsilon: float, library: NativeLibrary | None, why_native: str) -> None:
+        super().__init__(library, why_native)
         self.epsilon = epsilon
-        self.library = library
-        self.why_native = why_native
-        self.native_calls = 0
-        self.torch_calls = 0
-        self.why_torch: dict[str, int] = {}
-        self._lock = threading.Lock()
         self._fn = None
         if library is not None:
             self._fn = library.dll.segflow_add_layer_norm
@@ -87,10 +81,7 @@ class AddLayerNorm:
         return y
 
     def _torch_call(self, a: Tensor, b: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:
-        why = self._why_torch(a, b, scale, bias)
-        with self._lock:
-            self.torch_calls += 1
-            self.why_torch[why] = self.why_torch.get(why, 0) + 1
+        self.count_torch_call(self._why_torch(a, b, scale, bias))
         return self.through_torch(a, b, scale, bias)
 
     def through_torch(self, a: Tensor, b: Tensor, scale: Tensor, bias: Tensor | None = None
@@ -114,31 +105,15 @@ class AddLayerNorm:
         return f"scale or bias not of the last axis' {a.shape[-1]} values"
 
 
-class AddLayerNormKernel:
-    """An AddLayerNorm node's kernel: ``kernel(inputs) -> [op(a, b, scale, bias)]``. The
-    op stays reachable, so generated code calls it directly and ``explain()`` can count
-    its calls."""
+class AddLayerNormKernel(OpKernel):
+    """An AddLayerNorm node's kernel: ``kernel(inputs) -> [op(a, b, scale, bias)]``."""
 
-    __slots__ = ("op",)
-
-    def __init__(self, op: AddLayerNorm) -> None:
-        self.op = op
-
-    def __call__(self, inputs: Sequence[Tensor | None]) -> list[Tensor]:
-        a, b, scale = inputs[0], inputs[1], inputs[2]
-        assert a is not None and b is not None and scale is not None
-        return [self.op(a, b, scale, inputs[3] if len(inputs) > 3 else None)]
+    __slots__ = ()
+    op: AddLayerNorm
 
 
 def describe_add_layer_norms(ops: Sequence[tuple[str, AddLayerNorm]], limit: int = 8
                              ) -> list[str]:
     """``explain()`` lines: how many AddLayerNorm nodes, how their calls ran and why any
     went through torch."""
-    if not ops:
-        return []
-    native = sum(op.native_calls for _, op in ops)
-    through_torch = sum(op.torch_calls for _, op in ops)
-    lines = [f"add + layer norm: {len(ops)} node{'s' if len(ops) > 1 else ''}; {native} calls "
-             f"native, {through_torch} through torch"]
-    return lines + through_torch_lines(
-        [(label, why, n) for label, op in ops for why, n in op.why_torch.items()], limit)
+    return describe_native_calls("add + layer norm", ops, "", limit)

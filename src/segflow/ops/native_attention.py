@@ -27,13 +27,12 @@ polynomial within 2 ulp; ~1e-6 relative on BERT-base's heads).
 from __future__ import annotations
 
 import ctypes
-import threading
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
-from segflow.ops._common import through_torch_lines
+from segflow.ops._common import NativeOrTorch, OpKernel, describe_native_calls
 from segflow.ops.native_library import NativeLibrary
 from segflow.ops.onednn_direct import openmp_entry_points
 
@@ -43,7 +42,7 @@ _Sizes = ctypes.c_int64 * 27      # segflow_attention's sizes (ops/native/attent
 _Geometry = tuple[tuple[int, ...], ...]   # (shape, strides) of Q, K, V as [B, H, S, D]
 
 
-class ScaledDotAttention:
+class ScaledDotAttention(NativeOrTorch):
     """``fn(q, k, v, mask=None)``: a ``segflow.Attention`` node's computation.
 
     ``heads`` 0: ``k`` is K transposed (``[..., D, Sk]``); ``heads`` H: all three are
@@ -54,14 +53,9 @@ class ScaledDotAttention:
 
     def __init__(self, scale: float, heads: int, library: NativeLibrary | None,
                  why_native: str) -> None:
+        super().__init__(library, why_native)
         self.scale = scale
         self.heads = heads
-        self.library = library
-        self.why_native = why_native
-        self.native_calls = 0
-        self.torch_calls = 0
-        self.why_torch: dict[str, int] = {}
-        self._lock = threading.Lock()
         self._fn = None
         self._scratch_floats = None
         if library is not None:
@@ -150,9 +144,7 @@ class ScaledDotAttention:
     # -- through torch ------------------------------------------------------------------
     def _torch_call(self, why: str, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
                     ) -> Tensor:
-        with self._lock:
-            self.torch_calls += 1
-            self.why_torch[why] = self.why_torch.get(why, 0) + 1
+        self.count_torch_call(why)
         return self.through_torch(q, k, v, mask)
 
     def through_torch(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None
@@ -220,32 +212,17 @@ def _mask_strides(mask: Tensor, scores: tuple[int, int, int, int], heads_dim: bo
     return mask, tuple(0 if n == 1 else st for n, st in zip(shape, strides))
 
 
-class AttentionKernel:
-    """An Attention node's kernel: ``kernel(inputs) -> [op(q, k, v, mask)]``. The op stays
-    reachable, so generated code calls it directly and ``explain()`` can count its calls."""
+class AttentionKernel(OpKernel):
+    """An Attention node's kernel: ``kernel(inputs) -> [op(q, k, v, mask)]``."""
 
-    __slots__ = ("op",)
-
-    def __init__(self, op: ScaledDotAttention) -> None:
-        self.op = op
-
-    def __call__(self, inputs: Sequence[Tensor | None]) -> list[Tensor]:
-        q, k, v = inputs[0], inputs[1], inputs[2]
-        assert q is not None and k is not None and v is not None
-        return [self.op(q, k, v, inputs[3] if len(inputs) > 3 else None)]
+    __slots__ = ()
+    op: ScaledDotAttention
 
 
 def describe_attentions(ops: Sequence[tuple[str, ScaledDotAttention]], limit: int = 8
                         ) -> list[str]:
     """``explain()`` lines: how many Attention nodes, in which form, how their calls ran
     and why any went through torch."""
-    if not ops:
-        return []
-    native = sum(op.native_calls for _, op in ops)
-    through_torch = sum(op.torch_calls for _, op in ops)
     split = sum(1 for _, op in ops if op.heads)
-    form = f" ({split} reading heads in place)" if split else ""
-    lines = [f"attention: {len(ops)} node{'s' if len(ops) > 1 else ''}{form}; {native} calls "
-             f"native, {through_torch} through torch"]
-    return lines + through_torch_lines(
-        [(label, why, n) for label, op in ops for why, n in op.why_torch.items()], limit)
+    return describe_native_calls("attention", ops,
+                                 f" ({split} reading heads in place)" if split else "", limit)
