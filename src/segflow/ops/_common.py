@@ -134,6 +134,11 @@ class NativeOrTorch:
         self.why_torch: dict[str, int] = {}
         self._lock = threading.Lock()
 
+    def count_native_call(self) -> None:
+        """Count a call that ran native code."""
+        with self._lock:
+            self.native_calls += 1
+
     def count_torch_call(self, why: str) -> None:
         """Count a call that goes through torch, and why (threads may share the op)."""
         with self._lock:

@@ -77,7 +77,7 @@ class AddLayerNorm(NativeOrTorch):
         self._fn(ctypes.byref(_Args(a.data_ptr(), b.data_ptr(), scale.data_ptr(),
                                     None if bias is None else bias.data_ptr(), y.data_ptr(),
                                     a.numel() // width if width else 0, width, *self._tail)))
-        self.native_calls += 1
+        self.count_native_call()
         return y
 
     def _torch_call(self, a: Tensor, b: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:

@@ -135,7 +135,7 @@ class ScaledDotAttention(NativeOrTorch):
                     None if mask is None else mask.data_ptr(), out.data_ptr(),
                     scratch.data_ptr(), sizes, self.scale, *self._openmp) != 0:
             raise RuntimeError("attention: a thread of the native kernel found no scratch")
-        self.native_calls += 1
+        self.count_native_call()
         if self.heads:
             return out
         y = out.view(batch, sq, heads, dv).transpose(1, 2)

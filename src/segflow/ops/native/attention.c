@@ -83,7 +83,8 @@ typedef struct {
 } scratch_t;
 
 /* K [sk][d] -> panels [skp / 16][d][16]; V [sk][dv] -> panels [dvp / 16][sk][16];
- * zero-padded. Each loop reads its source along the stride that is 1. */
+ * zero-padded. K is transposed 16 keys at a time (each panel written in order, its 16
+ * rows read side by side); V's rows are copied 16 floats at a time. */
 static void pack(const segflow_attention_t *p, scratch_t *w, int64_t b, int64_t h) {
     const float *k = p->k + b * p->ks[0] + h * p->ks[1];
     const float *v = p->v + b * p->vs[0] + h * p->vs[1];
@@ -93,11 +94,11 @@ static void pack(const segflow_attention_t *p, scratch_t *w, int64_t b, int64_t 
         const int64_t keys = sk - key0 < NARROW ? sk - key0 : NARROW;
         if (keys < NARROW)
             memset(panel, 0, (size_t)(d * NARROW) * sizeof(float));
-        if (p->ks[3] == 1) {         /* rows of K: a transpose, 16 rows at a time */
+        if (p->ks[3] == 1) {         /* K's rows contiguous: the usual case */
             for (int64_t i = 0; i < d; i++)
                 for (int64_t j = 0; j < keys; j++)
                     panel[i * NARROW + j] = k[(key0 + j) * p->ks[2] + i];
-        } else {                     /* columns of K (K^T's rows): copies */
+        } else {                     /* K^T's rows contiguous (the 4-D form's Kt) */
             for (int64_t i = 0; i < d; i++)
                 for (int64_t j = 0; j < keys; j++)
                     panel[i * NARROW + j] = k[(key0 + j) * p->ks[2] + i * p->ks[3]];

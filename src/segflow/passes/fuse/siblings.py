@@ -8,7 +8,7 @@ each former output on as a view of the merged one (no copy; the Attention node
 reads its heads through strides). BERT-base's 36 projections of 768 -> 768 ran
 0.9-2.9 ms a run faster as 12 of 768 -> 2304 through the native kernel.
 
-Merged: two or more FusedGemms reading the same float32 input, each with a
+Merged: two or more FusedGemms reading the same float32 input (of known rank), each with a
 constant 2-D float32 weight of the same K, all with a bias or none, the same
 activation, none of whose outputs is a graph output. The merged node sits where the
 first of them was (the input is computed before it), the Split right after it.
@@ -50,7 +50,7 @@ def _sibling_key(graph: Graph, node: Node) -> tuple[int, tuple[object, ...]] | N
     w = const_tensor(node.inputs[1]) if len(node.inputs) > 1 else None
     b = node.inputs[2] if len(node.inputs) > 2 else None
     bias = const_tensor(b)
-    if x is None or not is_float32(x) or w is None or w.dim() != 2 \
+    if x is None or not is_float32(x) or x.spec.rank is None or w is None or w.dim() != 2 \
             or w.dtype is not torch.float32 or node.outputs[0] in graph.outputs:
         return None
     if b is not None and (bias is None or bias.dtype is not torch.float32
