@@ -34,7 +34,7 @@ def test_run_with_no_arguments_runs_builtin_resnet50(capsys):
         native = native_linear_preferred(NativeLibrary.probe()[0])
         linear = ", 1 linear" if direct_linear_preferred() and not native else ""
         assert f"direct kernels (libdnnl): 53 convolutions, 2 poolings{linear}; " in out
-        assert ("native linears: 1 (" in out) == native
+        assert ("native linears: 1 node (" in out) == native
         assert "arena: 40 views in 5.0 MiB at batch=1" in out
 
 

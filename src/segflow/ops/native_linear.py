@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import ctypes
 import math
-import threading
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from segflow.ops._common import through_torch_lines
+from segflow.ops._common import NativeOrTorch, OpKernel, describe_native_calls
 from segflow.ops.native_library import NativeLibrary
 from segflow.ops.onednn_direct import openmp_entry_points
 
@@ -111,28 +110,25 @@ def clamp_of(name: str, params: Sequence[float]) -> tuple[float, float, float] |
     return None
 
 
-class NativeLinear:
+class NativeLinear(NativeOrTorch):
     """``fn(x, w, b) -> act(x @ W^T + b)`` with ``w`` :func:`pack`'s packing of ``W``.
 
     ``clamp`` is the fused activation (:func:`clamp_of`), ``after`` one run in place
     on the output otherwise, ``apply`` the activation for the fallback path.
-    ``calls`` and ``fallbacks`` count how calls ran, ``why_not`` why any fell back.
+    ``native_calls`` and ``torch_calls`` count how calls ran, ``why_torch`` why any fell
+    back (:class:`~segflow.ops._common.NativeOrTorch`).
     """
 
     def __init__(self, library: NativeLibrary, in_features: int, out_features: int,
                  clamp: tuple[float, float, float] | None,
                  after: Callable[[Tensor], Tensor] | None,
                  apply: Callable[[Tensor], Tensor]) -> None:
-        self.library = library
+        super().__init__(library, "")
         self.in_features = in_features
         self.out_features = out_features
         self.after = after
         self.apply = apply
-        self.calls = 0
-        self.fallbacks = 0
-        self.why_not: dict[str, int] = {}
         self._dense: Tensor | None = None
-        self._lock = threading.Lock()
         self._fn = library.dll.segflow_linear
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [ctypes.c_void_p]
@@ -160,7 +156,7 @@ class NativeLinear:
         self._fn(ctypes.byref(_Args(x.data_ptr(), w.data_ptr(), None if b is None else b.data_ptr(),
                                     y.data_ptr(), x.numel() // k if k else 0, self.out_features,
                                     k, lda, *self._tail)))
-        self.calls += 1
+        self.count_native_call()
         return y if self.after is None else self.after(y)
 
     def dense_weight(self, w: Tensor) -> Tensor:
@@ -178,28 +174,17 @@ class NativeLinear:
         else:   # the input is the kernel's: the bias is what it does not take
             assert b is not None
             why = f"bias {b.dtype} on {b.device.type}"
-        with self._lock:
-            self.fallbacks += 1
-            self.why_not[why] = self.why_not.get(why, 0) + 1
+        self.count_torch_call(why)
         weight = self.dense_weight(w).to(x.device, x.dtype)
         bias = None if b is None else b.to(x.device, x.dtype)
         return self.apply(F.linear(x, weight, bias))
 
 
-class NativeLinearKernel:
-    """A ``native_linear`` FusedGemm's kernel: ``kernel(inputs) -> [op(x, w, b)]``. The
-    op stays reachable, so generated code calls it directly and ``explain()`` can say
-    how its calls ran."""
+class NativeLinearKernel(OpKernel):
+    """A ``native_linear`` FusedGemm's kernel: ``kernel(inputs) -> [op(x, w, b)]``."""
 
-    __slots__ = ("op",)
-
-    def __init__(self, op: NativeLinear) -> None:
-        self.op = op
-
-    def __call__(self, inputs: Sequence[Tensor | None]) -> list[Tensor]:
-        x, w = inputs[0], inputs[1]
-        assert x is not None and w is not None
-        return [self.op(x, w, inputs[2] if len(inputs) > 2 else None)]
+    __slots__ = ()
+    op: NativeLinear
 
 
 def describe_native_linears(ops: Sequence[tuple[str, NativeLinear]], limit: int = 8
@@ -208,9 +193,5 @@ def describe_native_linears(ops: Sequence[tuple[str, NativeLinear]], limit: int 
     came from, how their calls ran and why any fell back."""
     if not ops:
         return []
-    calls = sum(op.calls for _, op in ops)
-    fallbacks = sum(op.fallbacks for _, op in ops)
-    lines = [f"native linears: {len(ops)} ({ops[0][1].library.describe()}); {calls} calls "
-             f"native, {fallbacks} through torch"]
-    return lines + through_torch_lines(
-        [(label, why, n) for label, op in ops for why, n in op.why_not.items()], limit)
+    return describe_native_calls("native linears", ops,
+                                 f" ({ops[0][1].library.describe()})", limit)
