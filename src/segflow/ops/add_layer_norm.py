@@ -37,7 +37,7 @@ class _Args(ctypes.Structure):
                 ("beta", ctypes.c_void_p), ("y", ctypes.c_void_p), ("rows", ctypes.c_int64),
                 ("width", ctypes.c_int64), ("eps", ctypes.c_float), ("pad_", ctypes.c_int32),
                 ("parallel", ctypes.c_void_p), ("thread_num", ctypes.c_void_p),
-                ("num_threads", ctypes.c_void_p)]
+                ("num_threads", ctypes.c_void_p), ("next", ctypes.c_int64)]
 
 
 class AddLayerNorm(NativeOrTorch):
@@ -56,8 +56,9 @@ class AddLayerNorm(NativeOrTorch):
             self._fn = library.dll.segflow_add_layer_norm
             self._fn.restype = ctypes.c_int
             self._fn.argtypes = [ctypes.c_void_p]
-        # _Args' fields after the sizes: epsilon, the padding, the OpenMP runtime.
-        self._tail = (epsilon, 0, *(openmp_entry_points() or (None, None, None)))
+        # _Args' fields after the sizes: epsilon, the padding, the OpenMP runtime, the
+        # kernel's chunk counter.
+        self._tail = (epsilon, 0, *(openmp_entry_points() or (None, None, None)), 0)
 
     def __call__(self, a: Tensor, b: Tensor, scale: Tensor, bias: Tensor | None = None
                  ) -> Tensor:

@@ -5,9 +5,9 @@
  * NULL: s = a; beta may be NULL: no shift). a, b and y are row-major [rows][width]
  * (y may be a or b); gamma and beta have `width` floats. A row is summed into y,
  * then its mean and its variance about that mean are taken (two passes over the
- * row while it sits in L1), then it is normalized in place. The rows are split
- * between the OpenMP threads libdnnl uses (ops/add_layer_norm.py passes libgomp's
- * entry points).
+ * row while it sits in L1), then it is normalized in place. The OpenMP threads
+ * libdnnl uses (ops/add_layer_norm.py passes libgomp's entry points) claim the rows
+ * in chunks.
  *
  * It exists because a transformer's residual Add and the LayerNormalization after
  * it are two passes over the activations through torch (each a kernel call that
@@ -37,6 +37,7 @@ typedef struct {
     void (*parallel)(void (*fn)(void *), void *data, unsigned threads, unsigned flags);
     int (*thread_num)(void);
     int (*num_threads)(void);
+    int64_t next;                 /* the next unclaimed chunk of rows */
 } segflow_layer_norm_t;
 
 static void normalize_row(const segflow_layer_norm_t *p, int64_t r) {
@@ -78,18 +79,22 @@ static void normalize_row(const segflow_layer_norm_t *p, int64_t r) {
         y[i] = (y[i] - mean) * rstd * p->gamma[i] + (p->beta ? p->beta[i] : 0.0f);
 }
 
+/* The threads claim chunks of rows (about 8 a thread) until none are left: a split
+ * fixed in advance waits for the slowest thread (as in gemm.c). */
 static void normalize_rows(void *data) {
-    const segflow_layer_norm_t *p = data;
-    const int64_t t = p->thread_num ? p->thread_num() : 0;
+    segflow_layer_norm_t *p = data;
     const int64_t threads = p->num_threads ? p->num_threads() : 1;
-    for (int64_t r = p->rows * t / threads; r < p->rows * (t + 1) / threads; r++)
-        normalize_row(p, r);
+    const int64_t chunk = (p->rows + 8 * threads - 1) / (8 * threads);
+    for (int64_t c; (c = __atomic_fetch_add(&p->next, chunk, __ATOMIC_RELAXED)) < p->rows;)
+        for (int64_t r = c; r < c + chunk && r < p->rows; r++)
+            normalize_row(p, r);
 }
 
 /* Run it; 0. Under 16k elements the rows stay on this thread. */
 int segflow_add_layer_norm(segflow_layer_norm_t *p) {
     if (p->rows <= 0 || p->width <= 0)
         return 0;
+    p->next = 0;
     if (p->parallel && p->rows > 1 && p->rows * p->width >= 16384)
         p->parallel(normalize_rows, p, 0, 0);
     else
