@@ -1,5 +1,5 @@
-"""benchmarks/conv_kernels.py, host_memory.py, grad_mode.py, winograd_shapes.py and
-cold_start.py: parsing and one small run each."""
+"""benchmarks/conv_kernels.py, host_memory.py, grad_mode.py, winograd_shapes.py,
+cold_start.py and node_groups.py: parsing and one small run each."""
 
 from __future__ import annotations
 
@@ -59,7 +59,8 @@ def test_grad_mode_times_run_against_run_tensors_on_one_session() -> None:
     assert q1 <= ratio <= q3 and ratio > 0
 
 
-@pytest.mark.parametrize("name", ["conv_kernels", "host_memory", "grad_mode"])
+@pytest.mark.parametrize("name", ["conv_kernels", "host_memory", "grad_mode",
+                                  "node_groups"])
 def test_probe_help_describes_it(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     probe = _load(name)
     sys_argv = sys.argv
@@ -113,3 +114,46 @@ def test_cold_start_times_both_runtimes_in_fresh_processes(capsys) -> None:
         assert set(values) == {"import", "load", "run1", "run2", "steady"}
         assert all(v > 0 for v in values.values())
     assert out[3].split()[:4] == ["bert_tiny", "load", "+", "run1:"]
+
+
+def test_node_groups_maps_both_profilers_names_to_groups() -> None:
+    probe = _load("node_groups")
+    trace = [{"cat": "Node", "name": "encoder.layer.0.intermediate.dense.matmul_kernel_time",
+              "dur": 3000}, {"cat": "Node", "name": "encoder.layer.1.output.dense_fence_before",
+                             "dur": 7}, {"cat": "Session", "name": "model_run", "dur": 9000},
+             {"cat": "Node", "name": "BiasGelu_token_3_kernel_time", "dur": 500}]
+    spans = probe.ort_spans(trace)
+    assert spans == [("encoder.layer.0.intermediate.dense.matmul", 3.0),
+                     ("BiasGelu_token_3", 0.5)]
+    key = probe.KEYS["bert_base"]
+    spans += [("encoder.layer.1.intermediate.dense.matmul", 5.0)]
+    assert probe.group_times(spans, key, runs=2) == {"intermediate": 4.0, "other": 0.25}
+    # no capture group: the whole match is the group
+    assert probe.group_times([("features.3.conv.1", 2.0)], r"features\.\d+", 1) == {
+        "features.3": 2.0}
+    table = probe.report("bert_base", key, 2, {
+        "segflow": {"groups": {"intermediate": 4.0, "output": 1.0}, "wall_ms": 5.5},
+        "onnxruntime": {"groups": {"intermediate": 3.0, "other": 0.25}, "wall_ms": 3.5}}, top=2)
+    lines = table.splitlines()
+    assert lines[2].split() == ["intermediate", "4.000", "3.000", "+1.000"]
+    assert lines[3].split() == ["output", "1.000", "0.000", "+1.000"]
+    assert lines[4] == "  ... 1 more groups"
+    assert lines[5].split()[-3:] == ["5.000", "3.250", "+1.750"]
+    assert lines[6].split()[-3:] == ["5.500", "3.500", "+2.000"]
+
+
+def test_node_groups_profiles_both_runtimes_in_fresh_processes(capsys) -> None:
+    pytest.importorskip("onnxruntime")
+    probe = _load("node_groups")
+    assert probe.main(["--model", "no_such_model"]) == 2
+    assert "unknown model 'no_such_model'" in capsys.readouterr().err
+    assert probe.main(["--model", "bert_tiny", "--key", "(unclosed"]) == 2
+    assert "--key is not a regular expression" in capsys.readouterr().err
+    assert probe.main(["--model", "bert_tiny", "--runs", "2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("bert_tiny, batch 1, ms a run over 2 profiled runs")
+    groups = {line.split()[0]: [float(v) for v in line.split()[1:3]] for line in out[2:-2]}
+    # both runtimes put time in BERT's four sublayers
+    for group in ("attention.self", "attention.output", "intermediate", "output"):
+        assert groups[group][0] > 0 and groups[group][1] > 0, group
+    assert out[-1].split()[:3] == ["unprofiled", "run", "(median)"]

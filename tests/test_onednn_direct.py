@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -620,7 +621,9 @@ def test_layout_marks_the_pools_after_a_direct_convolution():
     assert not any(n.attrs.get("onednn_direct") for n in graph.nodes)
 
 
-def test_explain_counts_direct_kernels_and_names_each_fallback():
+@pytest.mark.parametrize("prebuild", [True, False])
+def test_explain_counts_direct_kernels_and_names_each_fallback(
+        prebuild: bool, monkeypatch: pytest.MonkeyPatch):
     from onnx import TensorProto, helper, numpy_helper
 
     w = np.random.default_rng(0).standard_normal((8, 8, 3, 3)).astype(np.float32)
@@ -635,9 +638,17 @@ def test_explain_counts_direct_kernels_and_names_each_fallback():
                               [numpy_helper.from_array(w, "w")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
+    monkeypatch.setenv("SEGFLOW_PREBUILD", "1" if prebuild else "0")
     sess = segflow.InferenceSession(model.SerializeToString())
-    assert ("direct kernels (libdnnl): 1 convolution, 1 pooling; no input layout built yet "
-            "(each is built at its first run)") in sess.explain()
+    if prebuild:   # built while loading: the pooling's refusal is known before any run
+        lines = sess.explain().splitlines()
+        at = lines.index("direct kernels (libdnnl): 1 convolution, 1 pooling; 1 input "
+                         "layout built, 1 fell back to torch")
+        assert re.fullmatch(r"  prebuilt: 1 input layout built while loading \(\d+ ms\); "
+                            r"1 kernels left to their first run", lines[at + 1])
+    else:
+        assert ("direct kernels (libdnnl): 1 convolution, 1 pooling; no input layout built "
+                "yet (each is built at its first run)") in sess.explain()
     feeds = {"x": np.random.default_rng(1).standard_normal(shape).astype(np.float32)}
     ref = ort.InferenceSession(model.SerializeToString(),
                                providers=["CPUExecutionProvider"]).run(None, feeds)[0]

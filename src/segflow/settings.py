@@ -40,6 +40,7 @@ ENV_ONEDNN_BLOCKED = "SEGFLOW_ONEDNN_BLOCKED"      # 0: no nChw8c region (passes
 ENV_DNNL_LIBRARY = "SEGFLOW_DNNL_LIBRARY"          # libdnnl path (ops/onednn_direct.py)
 ENV_ARENA = "SEGFLOW_ARENA"                        # 0: direct convolutions allocate outputs
 ENV_ONEDNN_REPLAY = "SEGFLOW_ONEDNN_REPLAY"        # 0: no replayed runs (ops/onednn_replay.py)
+ENV_PREBUILD = "SEGFLOW_PREBUILD"                  # 0: direct kernels built at their first run
 ENV_NO_DENSE_CHAIN = "SEGFLOW_NO_DENSE_CHAIN"      # 1: small dense layers stay one node each
 ENV_NATIVE = "SEGFLOW_NATIVE"                      # 0: never build or load native kernels
 ENV_NATIVE_LINEAR = "SEGFLOW_NATIVE_LINEAR"        # 0: no native linears; 1: on AVX-512 too

@@ -592,6 +592,8 @@ class DirectOp:
         self.destination = destination
         self.calls: dict[tuple[object, ...], _Call | None] = {}
         self.why_not: dict[tuple[object, ...], str] = {}
+        # Of the calls, how many were built while the session loaded (runtime/prebuild.py).
+        self.built_at_load = 0
         self.lock = threading.Lock()
         self._stream: _P | None = None
         # oneDNN objects this op created, destroyed with it (JIT code included).
@@ -658,6 +660,16 @@ class DirectOp:
         if call is None:
             self.why_not[key] = why
         self.calls[key] = call
+        return call
+
+    def _prebuilt(self, key: tuple[object, ...], make: Callable[[], tuple[_Call | None, str]]
+                  ) -> _Call | None:
+        """The call for ``key``, built now (counted in ``built_at_load``) if no run has."""
+        if key in self.calls:
+            return self.calls[key]
+        call = self._build(key, make)
+        if call is not None:
+            self.built_at_load += 1
         return call
 
     def _weight(self, w: Tensor, weights_md: _P) -> int | None:
@@ -777,6 +789,18 @@ class DirectConv(DirectOp):
     def call_for(self, x: Tensor, z: Tensor | None, inplace: bool) -> _Call | None:
         """The primitive built for this input layout (None: none, or it falls back)."""
         return self.calls.get(self._key(x, z, inplace))
+
+    def prebuild(self, x: Tensor, w: Tensor, b: Tensor | None, z: Tensor | None,
+                 inplace: bool) -> tuple[int, ...] | None:
+        """Build the primitive a run calling with these tensors would build, without
+        running it: ``x`` and ``z`` need only the run's sizes, strides and dtype (their
+        values are not read), ``w`` and ``b`` must be the tensors runs pass. The output's
+        sizes, or None where that call would fall back (runtime/prebuild.py)."""
+        call = self._prebuilt(self._key(x, z, inplace),
+                              lambda: self._make_call(x, w, b, z, inplace))
+        if call is None or w is not call.source or b is not call.bias:
+            return None
+        return call.out_shape
 
     @staticmethod
     def _key(x: Tensor, z: Tensor | None, inplace: bool) -> tuple[object, ...]:
@@ -943,6 +967,11 @@ class DirectPool(DirectOp):
     def call_for(self, x: Tensor) -> _Call | None:
         """The primitive built for this input layout (None: none, or it falls back)."""
         return self.calls.get((x.shape, x.stride(), x.dtype))
+
+    def prebuild(self, x: Tensor) -> tuple[int, ...] | None:
+        """Like :meth:`DirectConv.prebuild`: the primitive for ``x``'s layout, built now."""
+        call = self._prebuilt((x.shape, x.stride(), x.dtype), lambda: self._make_call(x))
+        return None if call is None else call.out_shape
 
     def __call__(self, x: Tensor) -> Tensor:
         key = (x.shape, x.stride(), x.dtype)

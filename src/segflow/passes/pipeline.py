@@ -59,6 +59,7 @@ from segflow.settings import (
     ENV_ONEDNN_DIRECT,
     ENV_ONEDNN_REPLAY,
     ENV_OPTIMIZE,
+    ENV_PREBUILD,
     ENV_WINOGRAD,
     FALSE_WORDS,
     TRUE_WORDS,
@@ -120,6 +121,9 @@ class OptimizeOptions:
     arena: bool = True
     # Runs of them are replayed from recorded addresses (ops/onednn_replay.py).
     onednn_replay: bool = True
+    # Their primitives are built while the session loads, for the first run's shapes
+    # (runtime/prebuild.py), rather than by that run.
+    prebuild: bool = True
     # 3x3 ones run as Winograd F(4x4, 3x3) where they qualify (ops/winograd.py); None:
     # where it was measured faster (fused.winograd_preferred: CPUs without AVX-512).
     winograd: bool | None = None
@@ -178,6 +182,7 @@ class OptimizeOptions:
         arena = _env_bool(env, ENV_ARENA, True)
         blocked = choices.get("onednn_blocked", _env_bool(env, ENV_ONEDNN_BLOCKED, True))
         replay = _env_bool(env, ENV_ONEDNN_REPLAY, True)
+        prebuild = _env_bool(env, ENV_PREBUILD, True)
         winograd = (_env_bool(env, ENV_WINOGRAD, True)
                     if env.get(ENV_WINOGRAD, "").strip() else None)
         winograd = choices.get("winograd", winograd)
@@ -185,7 +190,8 @@ class OptimizeOptions:
                          if env.get(ENV_NATIVE_LINEAR, "").strip() else None)
         native_linear = choices.get("native_linear", native_linear)
         return cls(compile=mode, intra_op_threads=threads, onednn_direct=direct, arena=arena,
-                   onednn_blocked=blocked, onednn_replay=replay, winograd=winograd,
+                   onednn_blocked=blocked, onednn_replay=replay, prebuild=prebuild,
+                   winograd=winograd,
                    native_linear=native_linear,
                    fuse_off=frozenset(rules_off), **switches)
 
@@ -197,6 +203,7 @@ class OptimizeOptions:
                 "plan_memory": self.plan_memory, "compile": self.compile.resolve().value,
                 "onednn_direct": self.onednn_direct, "onednn_blocked": self.onednn_blocked,
                 "arena": self.arena, "onednn_replay": self.onednn_replay,
+                "prebuild": self.prebuild,
                 "winograd": "auto" if self.winograd is None else self.winograd,
                 "native_linear": "auto" if self.native_linear is None else self.native_linear}
 

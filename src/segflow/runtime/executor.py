@@ -38,6 +38,7 @@ from segflow.ops.registry import OpRegistry
 from segflow.passes.segment import Segment
 from segflow.profiler.cuda import device_marker
 from segflow.profiler.sink import EventSink
+from segflow.runtime.aot_inductor import AotInductorSegment
 from segflow.runtime.arena import ArenaPool
 from segflow.runtime.binding import (
     BindContext,
@@ -51,7 +52,9 @@ from segflow.runtime.binding import (
 from segflow.runtime.compile import SegmentCompiler, SegmentFn
 from segflow.runtime.completion import HostCompletion, SyncMode, make_completion
 from segflow.runtime.cudagraph import host_data_inputs, host_only_constants, host_values
+from segflow.runtime.onednn_graph import OneDnnGraphSegment
 from segflow.runtime.plan import Plan
+from segflow.runtime.prebuild import PrebuildReport, prebuild
 from segflow.runtime.stats import RunStats
 
 Tensor = torch.Tensor
@@ -178,6 +181,15 @@ class Executor:
         # The host waits of every run: each host-waiting task, and the one for the outputs.
         self.host_syncs = sum(1 for t in self.tasks if t.waits_on_host) \
             + (1 if self.output_tasks else 0)
+
+    def prebuild(self, dims: Mapping[str, int]) -> PrebuildReport:
+        """Build the direct kernels' primitives for a first run at ``dims`` now
+        (runtime/prebuild.py): those of the tasks that run their own steps, generated or
+        interpreted, not another backend's compiled form."""
+        steps = [step for task, fn in zip(self.tasks, self.compiled)
+                 if not isinstance(fn, (AotInductorSegment, OneDnnGraphSegment))
+                 for step in task.steps]
+        return prebuild(steps, self.plan.graph.inputs, self.template, dims)
 
     def _assign_releases(self, outputs: Sequence[Value]) -> None:
         """Release each computed value after its last use when that is provably safe.

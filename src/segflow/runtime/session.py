@@ -169,6 +169,11 @@ class InferenceSession:
                                   stream_backend=stream_backend, compiler=compiler, arena=arena)
         # Compile time (not a setting, not run time): compile_report.compile_time_s.
         self.compile_report = compiler.report
+        # libdnnl's primitives for a first run's layouts, built now rather than by that
+        # run (runtime/prebuild.py); None: SEGFLOW_PREBUILD=0.
+        self.prebuild_report = (self._executor.prebuild(memory.dims if memory is not None
+                                                        else {})
+                                if self.options.prebuild else None)
         # RunStats report the memory plan at the dims each run binds (planned at 1).
         self._memory_plans = plans if memory is not None and memory.dims else None
         self._const_storages = {_storage(t) for t in self._executor.template
@@ -225,6 +230,8 @@ class InferenceSession:
         ran native and why any went through torch; the replayed runs of direct kernels;
         and the activation arena."""
         lines = describe_direct(self._executor.direct_ops)
+        if lines and self.prebuild_report is not None:
+            lines.insert(1, f"  {self.prebuild_report.describe()}")
         lines += describe_chains(self._executor.chain_ops)
         lines += describe_native_linears(self._executor.native_linears)
         lines += describe_add_layer_norms(self._executor.add_layer_norms)

@@ -1,0 +1,103 @@
+"""Direct kernels built while a session loads, not by its first run.
+
+A convolution or pooling called straight into libdnnl (``ops/onednn_direct.py``)
+builds a primitive, JIT code included, for each input layout it meets, the first
+time it meets it. Left to the first run, that made the first run the slow one
+(``benchmarks/cold_start.py``, 2-core VM: MobileNetV2's first run 46.5 ms against
+11.2 for the next ones, ResNet-50's 1.8x a steady run, onnxruntime's 1.15x), and it
+faulted in ~4.7 MiB of libdnnl's own code pages that the memory benchmark then
+charged to runs.
+
+:func:`prebuild` builds them while the session loads, for the layouts a run at the
+memory plan's dims (a symbolic batch at 1) brings: a graph input arrives contiguous,
+and a direct kernel writes its output channels-last, into the run's arena or a
+tensor of its own alike. The stand-ins it passes are ``meta`` tensors: a layout's
+key is its sizes, strides and dtype, and building reads no values. A kernel that
+reads anything else (a torch op's output, a graph input with a symbolic dim other
+than its first) is left to its first run, as is any layout a later run brings
+(batch 8): a layout built here that no run brings costs its build time and its
+code, nothing else. ``SEGFLOW_PREBUILD=0`` leaves every one to its first run.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from segflow.ir.graph import Value
+from segflow.ops.onednn_direct import (
+    DirectConv,
+    DirectKernel,
+    DirectPool,
+    ResidualInPlaceKernel,
+    channels_last_strides,
+)
+from segflow.passes.plan_memory import static_sizes
+from segflow.runtime.binding import Step
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class PrebuildReport:
+    """What :func:`prebuild` did, for explain()."""
+
+    built: int          # primitives built while loading
+    left: int           # direct kernels not built here (layout unknown, or a fallback)
+    seconds: float
+
+    def describe(self) -> str:
+        text = (f"prebuilt: {self.built} input layout{'s' if self.built != 1 else ''} "
+                f"built while loading ({self.seconds * 1e3:.0f} ms)")
+        if self.left:
+            text += f"; {self.left} kernels left to their first run"
+        return text
+
+
+def prebuild(steps: Sequence[Step], graph_inputs: Sequence[Value],
+             template: Sequence[Tensor | None], dims: Mapping[str, int]) -> PrebuildReport:
+    """Build the primitives of ``steps``' direct kernels (steps in the order a run
+    takes them; ``template``: the constants runs pass, by slot) for a run at ``dims``."""
+    start = time.perf_counter()
+    known: dict[int, Tensor] = {}        # id(Value) -> a stand-in with the run's layout
+    for value in graph_inputs:
+        shape = value.spec.shape
+        if shape is None or any(isinstance(d, str) for d in shape[1:]):
+            continue
+        sizes = static_sizes(value, dims)
+        if sizes is not None and value.spec.dtype is not None:
+            known[id(value)] = torch.empty(sizes, dtype=value.spec.dtype.torch, device="meta")
+    built = left = 0
+    for step in steps:
+        kernel = step.kernel
+        if not isinstance(kernel, DirectKernel):
+            continue
+        op, node = kernel.op, step.node
+        if not isinstance(op, (DirectConv, DirectPool)):
+            continue
+        x = known.get(id(node.inputs[0])) if node.inputs and node.inputs[0] is not None \
+            else None
+        out: tuple[int, ...] | None = None
+        if x is not None and isinstance(op, DirectConv):
+            z_value = node.inputs[3] if len(node.inputs) > 3 else None
+            z = known.get(id(z_value)) if z_value is not None else None
+            w = template[step.inputs[1]]
+            b = template[step.inputs[2]] if len(step.inputs) > 2 and node.inputs[2] is not None \
+                else None
+            if w is not None and (z_value is None or z is not None):
+                before = op.built_at_load
+                out = op.prebuild(x, w, b, z, isinstance(kernel, ResidualInPlaceKernel))
+                built += op.built_at_load - before
+        elif x is not None and isinstance(op, DirectPool):
+            before = op.built_at_load
+            out = op.prebuild(x)
+            built += op.built_at_load - before
+        if out is None:
+            left += 1
+            continue
+        known[id(node.outputs[0])] = torch.empty_strided(
+            out, channels_last_strides(out), dtype=torch.float32, device="meta")
+    return PrebuildReport(built, left, time.perf_counter() - start)
