@@ -113,3 +113,30 @@ def test_only_layouts_known_at_load_are_built_there(
     assert sum(op.built_at_load for op in ops) == built
     if not built:
         assert "; 2 kernels left to their first run" in sess.explain()
+
+
+def test_segments_another_backend_compiles_are_not_prebuilt(monkeypatch: pytest.MonkeyPatch):
+    sess = _session("mobilenet_v2", monkeypatch, compile="onednn")
+    assert sess.prebuild_report is not None and sess.prebuild_report.built == 0
+    assert all(not op.calls for op in _direct(sess))
+
+
+def test_a_build_that_raises_at_load_leaves_the_kernel_to_its_run(
+        monkeypatch: pytest.MonkeyPatch):
+    make_call = DirectConv._make_call
+
+    def meta_refused(self: DirectConv, x: Any, *args: Any) -> Any:
+        if x.is_meta:
+            raise RuntimeError("no meta tensors here")
+        return make_call(self, x, *args)
+    monkeypatch.setattr(DirectConv, "_make_call", meta_refused)
+    sess = _session("resnet18", monkeypatch)
+    report = sess.prebuild_report
+    assert report is not None and report.built == 0 and report.left == len(_direct(sess))
+    assert report.failure.endswith("RuntimeError: no meta tensors here")
+    assert "(a build failed: " in sess.explain()
+    feeds = models.example_inputs("resnet18", batch_size=1, **SMALL)
+    np.testing.assert_allclose(sess.run(None, feeds)[0],
+                               _ort(models.build("resnet18", **SMALL), feeds),
+                               atol=1e-4, rtol=1e-3)
+    assert all(len(op.calls) == 1 and op.built_at_load == 0 for op in _direct(sess))

@@ -48,12 +48,15 @@ class PrebuildReport:
     built: int          # primitives built while loading
     left: int           # direct kernels not built here (layout unknown, or a fallback)
     seconds: float
+    failure: str = ""   # the first build that raised (its kernel then left to its run)
 
     def describe(self) -> str:
         text = (f"prebuilt: {self.built} input layout{'s' if self.built != 1 else ''} "
                 f"built while loading ({self.seconds * 1e3:.0f} ms)")
         if self.left:
             text += f"; {self.left} kernels left to their first run"
+        if self.failure:
+            text += f" (a build failed: {self.failure})"
         return text
 
 
@@ -71,6 +74,7 @@ def prebuild(steps: Sequence[Step], graph_inputs: Sequence[Value],
         if sizes is not None and value.spec.dtype is not None:
             known[id(value)] = torch.empty(sizes, dtype=value.spec.dtype.torch, device="meta")
     built = left = 0
+    failure = ""
     for step in steps:
         kernel = step.kernel
         if not isinstance(kernel, DirectKernel):
@@ -81,23 +85,24 @@ def prebuild(steps: Sequence[Step], graph_inputs: Sequence[Value],
         x = known.get(id(node.inputs[0])) if node.inputs and node.inputs[0] is not None \
             else None
         out: tuple[int, ...] | None = None
-        if x is not None and isinstance(op, DirectConv):
-            z_value = node.inputs[3] if len(node.inputs) > 3 else None
-            z = known.get(id(z_value)) if z_value is not None else None
-            w = template[step.inputs[1]]
-            b = template[step.inputs[2]] if len(step.inputs) > 2 and node.inputs[2] is not None \
-                else None
-            if w is not None and (z_value is None or z is not None):
-                before = op.built_at_load
-                out = op.prebuild(x, w, b, z, isinstance(kernel, ResidualInPlaceKernel))
-                built += op.built_at_load - before
-        elif x is not None and isinstance(op, DirectPool):
-            before = op.built_at_load
-            out = op.prebuild(x)
-            built += op.built_at_load - before
+        before = op.built_at_load
+        try:   # a build that raises leaves the kernel to its run, which would raise too
+            if x is not None and isinstance(op, DirectConv):
+                z_value = node.inputs[3] if len(node.inputs) > 3 else None
+                z = known.get(id(z_value)) if z_value is not None else None
+                w = template[step.inputs[1]]
+                b = template[step.inputs[2]] \
+                    if len(step.inputs) > 2 and node.inputs[2] is not None else None
+                if w is not None and (z_value is None or z is not None):
+                    out = op.prebuild(x, w, b, z, isinstance(kernel, ResidualInPlaceKernel))
+            elif x is not None and isinstance(op, DirectPool):
+                out = op.prebuild(x)
+        except Exception as exc:  # noqa: BLE001 - loading must not fail on a speculation
+            failure = failure or f"{node.label}: {type(exc).__name__}: {exc}"
+        built += op.built_at_load - before
         if out is None:
             left += 1
             continue
         known[id(node.outputs[0])] = torch.empty_strided(
             out, channels_last_strides(out), dtype=torch.float32, device="meta")
-    return PrebuildReport(built, left, time.perf_counter() - start)
+    return PrebuildReport(built, left, time.perf_counter() - start, failure)
