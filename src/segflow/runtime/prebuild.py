@@ -86,7 +86,7 @@ def prebuild(steps: Sequence[Step], graph_inputs: Sequence[Value],
             else None
         out: tuple[int, ...] | None = None
         before = op.built_at_load
-        try:   # a build that raises leaves the kernel to its run, which would raise too
+        try:   # a build that raises here leaves the kernel to its run, which builds anew
             if x is not None and isinstance(op, DirectConv):
                 z_value = node.inputs[3] if len(node.inputs) > 3 else None
                 z = known.get(id(z_value)) if z_value is not None else None
