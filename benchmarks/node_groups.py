@@ -2,17 +2,17 @@
 
     python benchmarks/node_groups.py --model mobilenet_v2
     python benchmarks/node_groups.py --model bert_base --runs 10
-    python benchmarks/node_groups.py --model resnet50 --key "(layer\\d+\\.\\d+)"
+    python benchmarks/node_groups.py --model resnet50 --key "(layer\\d+)"
 
 Each runtime runs alone in a fresh process (so neither shares the cores with the
 other's threads), under its own profiler: segflow's ``segflow.profile()`` node
 spans, onnxruntime's ``enable_profiling`` kernel times. Node names are mapped to
-groups by ``--key``, a regular expression searched in each name; its first group
-(or the whole match) is the group, and a name it does not match counts as
-"other". The default key depends on the model (``KEYS``: MobileNetV2's blocks,
-ResNet's stages, BERT's sublayers with the layer index dropped); onnxruntime's
-fused nodes keep the name of one of the nodes they fused, so most land in the
-group their ops came from.
+groups by ``--key``, a regular expression searched in each name: its first capture
+group that matched is the group (a named group: its name; no groups: the whole
+match), and a name it does not match counts as "other". The default key depends
+on the model (``KEYS``: MobileNetV2's blocks, ResNet's blocks and stem, BERT's
+sublayers with the layer index dropped); onnxruntime's fused nodes keep the name
+of one of the nodes they fused, so most land in the group their ops came from.
 
 Printed: per group, ms a run in each runtime and the difference, largest first;
 then the sums, and each runtime's unprofiled median wall time over the same
@@ -38,7 +38,10 @@ from collections.abc import Iterable
 
 KEYS = {
     "mobilenet_v2": r"(features\.\d+|classifier)",
-    "resnet50": r"(layer\d+\.\d+|conv1|fc)",
+    # onnxruntime names ResNet's fused stem after its Relu and MaxPool, segflow after
+    # its Conv: the named group gathers both under "stem".
+    "resnet50": r"^(layer\d+\.\d+)|^(?P<stem>(?:conv1|bn1|relu|maxpool)(?:_nchwc)?)$|^(fc)",
+    "resnet18": r"^(layer\d+\.\d+)|^(?P<stem>(?:conv1|bn1|relu|maxpool)(?:_nchwc)?)$|^(fc)",
     "bert_base": r"encoder\.layer\.\d+\.(attention\.self|attention\.output|intermediate|output)",
     "bert_tiny": r"encoder\.layer\.\d+\.(attention\.self|attention\.output|intermediate|output)",
 }
@@ -47,12 +50,20 @@ RUNTIMES = ("segflow", "onnxruntime")
 
 
 def group_times(spans: Iterable[tuple[str, float]], key: str, runs: int) -> dict[str, float]:
-    """ms a run per group: ``spans`` are (node name, ms) over ``runs`` runs."""
+    """ms a run per group: ``spans`` are (node name, ms) over ``runs`` runs. A name's
+    group is the first capture group of ``key`` that matched (a named one: its name),
+    or the whole match where ``key`` has none; "other" where ``key`` does not match."""
     pattern = re.compile(key)
+    names = {index: name for name, index in pattern.groupindex.items()}
     out: dict[str, float] = defaultdict(float)
     for name, ms in spans:
         match = pattern.search(name)
-        group = "other" if match is None else (match.group(1) if pattern.groups else match[0])
+        group = "other" if match is None else match[0]
+        if match is not None:
+            for index in range(1, pattern.groups + 1):
+                if match.group(index) is not None:
+                    group = names.get(index, match.group(index))
+                    break
         out[group] += ms / runs
     return dict(out)
 

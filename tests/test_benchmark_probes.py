@@ -128,6 +128,12 @@ def test_node_groups_maps_both_profilers_names_to_groups() -> None:
     key = probe.KEYS["bert_base"]
     spans += [("encoder.layer.1.intermediate.dense.matmul", 5.0)]
     assert probe.group_times(spans, key, runs=2) == {"intermediate": 4.0, "other": 0.25}
+    # ResNet's stem: segflow names it after its Conv, onnxruntime after Relu and MaxPool
+    resnet = [("conv1", 1.0), ("relu_nchwc", 2.0), ("maxpool_nchwc", 3.0), ("maxpool", 4.0),
+              ("layer1.0.conv1", 5.0), ("layer1.0.relu1_nchwc", 6.0), ("fc", 7.0),
+              ("avgpool_nchwc", 8.0)]
+    assert probe.group_times(resnet, probe.KEYS["resnet50"], runs=1) == {
+        "stem": 10.0, "layer1.0": 11.0, "fc": 7.0, "other": 8.0}
     # no capture group: the whole match is the group
     assert probe.group_times([("features.3.conv.1", 2.0)], r"features\.\d+", 1) == {
         "features.3": 2.0}
