@@ -36,14 +36,16 @@ import time
 from collections import defaultdict
 from collections.abc import Iterable
 
+# onnxruntime names ResNet's fused stem after its Relu and MaxPool, segflow after its
+# Conv: the named group gathers both under "stem".
+_RESNET = r"^(layer\d+\.\d+)|^(?P<stem>(?:conv1|bn1|relu|maxpool)(?:_nchwc)?)$|^(fc)"
+_BERT = r"encoder\.layer\.\d+\.(attention\.self|attention\.output|intermediate|output)"
 KEYS = {
     "mobilenet_v2": r"(features\.\d+|classifier)",
-    # onnxruntime names ResNet's fused stem after its Relu and MaxPool, segflow after
-    # its Conv: the named group gathers both under "stem".
-    "resnet50": r"^(layer\d+\.\d+)|^(?P<stem>(?:conv1|bn1|relu|maxpool)(?:_nchwc)?)$|^(fc)",
-    "resnet18": r"^(layer\d+\.\d+)|^(?P<stem>(?:conv1|bn1|relu|maxpool)(?:_nchwc)?)$|^(fc)",
-    "bert_base": r"encoder\.layer\.\d+\.(attention\.self|attention\.output|intermediate|output)",
-    "bert_tiny": r"encoder\.layer\.\d+\.(attention\.self|attention\.output|intermediate|output)",
+    "resnet50": _RESNET,
+    "resnet18": _RESNET,
+    "bert_base": _BERT,
+    "bert_tiny": _BERT,
 }
 _DEFAULT_KEY = r"^(.*)$"
 RUNTIMES = ("segflow", "onnxruntime")

@@ -966,15 +966,19 @@ class DirectPool(DirectOp):
 
     def call_for(self, x: Tensor) -> _Call | None:
         """The primitive built for this input layout (None: none, or it falls back)."""
-        return self.calls.get((x.shape, x.stride(), x.dtype))
+        return self.calls.get(self._key(x))
 
     def prebuild(self, x: Tensor) -> tuple[int, ...] | None:
         """Like :meth:`DirectConv.prebuild`: the primitive for ``x``'s layout, built now."""
-        call = self._prebuilt((x.shape, x.stride(), x.dtype), lambda: self._make_call(x))
+        call = self._prebuilt(self._key(x), lambda: self._make_call(x))
         return None if call is None else call.out_shape
 
+    @staticmethod
+    def _key(x: Tensor) -> tuple[object, ...]:
+        return (x.shape, x.stride(), x.dtype)
+
     def __call__(self, x: Tensor) -> Tensor:
-        key = (x.shape, x.stride(), x.dtype)
+        key = self._key(x)
         try:
             call = self.calls[key]
         except KeyError:
