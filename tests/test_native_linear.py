@@ -25,7 +25,7 @@ from concurrency import runs_match_in_threads
 from linear_model import linear_model
 from segflow.ops import fused
 from segflow.ops.native_library import NativeLibrary
-from segflow.ops.native_linear import NativeLinear, clamp_of, pack, packed_size, unpack
+from segflow.ops.native_linear import NativeLinear, kernel_activation, pack, packed_size, unpack
 
 LIB, WHY = NativeLibrary.probe()
 pytestmark = pytest.mark.skipif(LIB is None, reason=f"native kernels {WHY}")
@@ -37,13 +37,13 @@ def _op(w: torch.Tensor, act: str = "", params: tuple[float, ...] = (0.0, 0.0)
         ) -> tuple[NativeLinear, torch.Tensor]:
     assert LIB is not None
     activation = fused.ACTIVATIONS[act]
-    clamp = clamp_of(act, params)
+    kernel_act = kernel_activation(act, params)
     after = None
-    if act and clamp is None:
+    if act and kernel_act is None:
         def after(y: torch.Tensor) -> torch.Tensor:
             return activation.apply(y, params)
     n, k = w.shape
-    op = NativeLinear(LIB, k, n, clamp, after, lambda y: activation.apply(y, params))
+    op = NativeLinear(LIB, k, n, kernel_act, after, lambda y: activation.apply(y, params))
     return op, pack(LIB, w)
 
 
@@ -78,7 +78,7 @@ def test_matches_f_linear_at_every_edge_of_the_blocking(rows, n, k):
 @pytest.mark.parametrize("act,params", [("Relu", (0.0, 0.0)), ("LeakyRelu", (0.1, 0.0)),
                                         ("Clip", (-0.5, 0.25)), ("Clip", (0.0, math.inf)),
                                         ("LeakyRelu", (1.5, 0.0)), ("Sigmoid", (0.0, 0.0)),
-                                        ("Gelu", (0.0, 0.0))])
+                                        ("Gelu", (0.0, 0.0)), ("GeluTanh", (0.0, 0.0))])
 def test_activations_fused_or_applied_after(act, params):
     w = torch.randn(72, 800) / math.sqrt(800)
     b = torch.randn(72)
@@ -86,9 +86,10 @@ def test_activations_fused_or_applied_after(act, params):
     x = torch.randn(9, 800)
     want = fused.ACTIVATIONS[act].apply(F.linear(x, w, b), params)
     torch.testing.assert_close(op(x, packed, b), want, atol=ATOL, rtol=RTOL)
-    # ReLU, LeakyReLU with a slope in [0, 1] and Clip are the kernel's; the rest run after.
-    assert (op.after is None) == (act in ("Relu", "Clip") or (act == "LeakyRelu"
-                                                              and params[0] <= 1))
+    # ReLU, LeakyReLU with a slope in [0, 1], Clip and erf-GELU are the kernel's; the
+    # rest (tanh-GELU too) run after.
+    assert (op.after is None) == (act in ("Relu", "Clip", "Gelu") or (act == "LeakyRelu"
+                                                                      and params[0] <= 1))
 
 
 def test_nan_stays_nan_through_the_fused_activations():
@@ -99,6 +100,26 @@ def test_nan_stays_nan_through_the_fused_activations():
         op, packed = _op(w, act, params)
         y = op(x, packed, None)
         assert torch.isnan(y[1]).all() and not torch.isnan(y[[0, 2, 3]]).any()
+
+
+def test_fused_gelu_is_within_its_stated_bound_of_the_exact_function():
+    # A zero weight makes each output its bias, so the kernel's GELU is applied to
+    # chosen values: a dense sweep over [-12, 12] against float64, and the edges torch
+    # defines: 0 for a large negative x, x for a large positive one, NaN for -inf and NaN.
+    n = 48
+    op, packed = _op(torch.zeros(n, 8), "Gelu")
+    assert op.after is None
+    sweep = torch.linspace(-12.0, 12.0, 96_000)
+    got = torch.cat([op(torch.zeros(1, 8), packed, b)[0] for b in sweep.split(n)])
+    exact = F.gelu(sweep.double())
+    assert (got.double() - exact).abs().max().item() < 1.2e-6
+    special = torch.tensor([-math.inf, math.inf, math.nan, -1e30, 1e30, -1000.0, -6.0,
+                            -5.5, -0.0, 0.0, 1e-30, -1e-30, 5.5, 6.0, 3.4e38]
+                           + [0.0] * (n - 15))
+    got = op(torch.zeros(1, 8), packed, special)[0]
+    torch.testing.assert_close(got, F.gelu(special), atol=2e-7, rtol=1e-6, equal_nan=True)
+    assert got[0].isnan() and got[2].isnan() and got[1] == math.inf
+    assert (got[[3, 5, 6]] == 0.0).all() and got[4] == 1e30 and got[14] == special[14]
 
 
 def test_inputs_of_any_rank_and_row_stride():

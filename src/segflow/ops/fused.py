@@ -38,7 +38,7 @@ from segflow.ops._common import torch_pad
 from segflow.ops.add_layer_norm import AddLayerNorm, AddLayerNormKernel
 from segflow.ops.native_attention import AttentionKernel, ScaledDotAttention
 from segflow.ops.native_library import NativeLibrary
-from segflow.ops.native_linear import NativeLinear, NativeLinearKernel, clamp_of
+from segflow.ops.native_linear import NativeLinear, NativeLinearKernel, kernel_activation
 from segflow.ops.onednn_direct import (
     ConvGeometry,
     DirectConv,
@@ -555,9 +555,9 @@ def _native_linear(node: Node) -> NativeLinear:
     assert weight is not None and weight.spec.shape is not None
     out_features, in_features = (int(d) for d in weight.spec.shape)  # type: ignore[arg-type]
     act, params = activation_of(node)
-    clamp = clamp_of(act.name, params)
-    after, apply = _activation_after(act, params, clamp is not None)
-    return NativeLinear(library, in_features, out_features, clamp, after, apply)
+    kernel_act = kernel_activation(act.name, params)
+    after, apply = _activation_after(act, params, kernel_act is not None)
+    return NativeLinear(library, in_features, out_features, kernel_act, after, apply)
 
 
 def _activation_after(act: Activation, params: list[float], fused: bool

@@ -5,8 +5,9 @@ The layout pass (``passes/layout.py``) packs a large ``FusedGemm`` weight ``W``
 :func:`native_linear_preferred` holds, and marks the node ``native_linear``; its
 kernel is then a :class:`NativeLinear`, which runs ``act(x @ W^T + b)`` in one
 native call split over the OpenMP threads libdnnl and torch share. ReLU,
-LeakyReLU (slope 0 to 1) and Clip are applied as the last block of each output is
-stored; other activations run in place after the call.
+LeakyReLU (slope 0 to 1), Clip and erf-GELU are applied as the last block of each
+output is stored (GELU through the kernel's own erf, within 1.2e-6 of the exact
+function); other activations run in place after the call.
 
 Why its own kernel: on the 2-core Zen 1 VM this project measures on (AVX2), the
 packed-panel kernel ran BERT-base's 128-row linears at 60-70 GFLOP/s for
@@ -98,29 +99,42 @@ def unpack(library: NativeLibrary, packed: Tensor, out_features: int, in_feature
     return dense
 
 
-def clamp_of(name: str, params: Sequence[float]) -> tuple[float, float, float] | None:
-    """``(slope, lo, hi)`` of ``min(max(max(v, slope v), lo), hi)``, the activation the
-    kernel fuses, for a FusedGemm activation; None where it is not one of those."""
+# The kernel's activations (segflow_linear_t.act): a clamp, or erf-GELU.
+ACT_CLAMP = 1
+ACT_GELU = 2
+
+KernelActivation = tuple[int, float, float, float]
+"""``(act, slope, lo, hi)``: the activation ``gemm.c`` applies as it stores each output,
+with the clamp's ``min(max(max(v, slope v), lo), hi)`` parameters."""
+
+
+def kernel_activation(name: str, params: Sequence[float]) -> KernelActivation | None:
+    """The activation the kernel fuses for a FusedGemm activation: ReLU, LeakyReLU with
+    a slope in [0, 1] and Clip as a clamp, erf-GELU (``Gelu``, not its tanh form) as
+    its own; None for any other (run after the kernel)."""
     if name == "Relu":
-        return 0.0, -math.inf, math.inf
+        return ACT_CLAMP, 0.0, -math.inf, math.inf
     if name == "LeakyRelu" and 0.0 <= params[0] <= 1.0:
-        return float(params[0]), -math.inf, math.inf
+        return ACT_CLAMP, float(params[0]), -math.inf, math.inf
     if name == "Clip":
-        return 1.0, float(params[0]), float(params[1])
+        return ACT_CLAMP, 1.0, float(params[0]), float(params[1])
+    if name == "Gelu":
+        return ACT_GELU, 1.0, -math.inf, math.inf
     return None
 
 
 class NativeLinear(NativeOrTorch):
     """``fn(x, w, b) -> act(x @ W^T + b)`` with ``w`` :func:`pack`'s packing of ``W``.
 
-    ``clamp`` is the fused activation (:func:`clamp_of`), ``after`` one run in place
-    on the output otherwise, ``apply`` the activation for the fallback path.
+    ``fused`` is the activation the kernel applies (:func:`kernel_activation`),
+    ``after`` one run in place on the output otherwise, ``apply`` the activation for
+    the fallback path.
     ``native_calls`` and ``torch_calls`` count how calls ran, ``why_torch`` why any fell
     back (:class:`~segflow.ops._common.NativeOrTorch`).
     """
 
     def __init__(self, library: NativeLibrary, in_features: int, out_features: int,
-                 clamp: tuple[float, float, float] | None,
+                 fused: KernelActivation | None,
                  after: Callable[[Tensor], Tensor] | None,
                  apply: Callable[[Tensor], Tensor]) -> None:
         super().__init__(library, "")
@@ -135,8 +149,7 @@ class NativeLinear(NativeOrTorch):
         omp = openmp_entry_points() or (None, None, None)
         # _Args' fields after the sizes: the activation, the padding, the OpenMP runtime,
         # the kernel's chunk counter.
-        self._tail = (*((1, *clamp) if clamp is not None else (0, 1.0, -math.inf, math.inf)),
-                      0, *omp, 0)
+        self._tail = (*(fused or (0, 1.0, -math.inf, math.inf)), 0, *omp, 0)
 
     def __call__(self, x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
         k = self.in_features
