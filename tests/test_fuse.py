@@ -425,6 +425,28 @@ def test_sibling_linears_become_one_linear_and_a_split_of_views():
     _check(model, feeds, compile="codegen")
 
 
+def test_a_matmul_weight_is_kept_as_a_view_of_its_initializer_not_copied():
+    # MatMul stores W^T ([K, N]); FusedGemm reads [N, K]: the fuse pass keeps the
+    # transposed view (no copy of the weights), and siblings join such views along N in
+    # their own layout. The pipeline's end makes every constant contiguous (test_pipeline).
+    k, n = 16, 24
+    w = _rand(k, n)
+    model = _model([helper.make_node("MatMul", ["x", "w"], ["y"])], {"x": [3, k]}, ["y"],
+                   {"w": w})
+    graph, _ = _fused(model)
+    (gemm,) = graph.nodes
+    weight = gemm.inputs[1].const
+    assert weight.shape == (n, k) and not weight.is_contiguous() and weight.t().is_contiguous()
+    assert torch.equal(weight, torch.from_numpy(w).t())
+    model, _ = _sibling_linears()
+    graph, _ = _fused(model)
+    (gemm,) = [node for node in graph.nodes if node.op_type == "FusedGemm"]
+    merged = gemm.inputs[1].const
+    assert merged.shape == (20, 16) and merged.t().is_contiguous()
+    inits = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    assert torch.equal(merged, torch.from_numpy(np.concatenate([inits["w0"], inits["w1"]], 1)).t())
+
+
 @pytest.mark.parametrize("case", ["activations differ", "one has no bias", "a graph output"])
 def test_sibling_linears_that_differ_stay_apart(case):
     if case == "activations differ":

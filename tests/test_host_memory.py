@@ -137,6 +137,7 @@ info = lambda name: helper.make_tensor_value_info(name, TensorProto.FLOAT, [4, n
 graph = helper.make_graph(nodes, "g", [info("x")], [info(x)], inits)
 model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 model.ir_version = 8
+first = segflow.InferenceSession(model)   # maps the modules and libraries a session uses
 before = _resident_bytes()
 sess = segflow.InferenceSession(model)
 grown = _resident_bytes() - before
@@ -151,10 +152,15 @@ def test_loading_gives_the_weights_it_replaced_back_to_the_os() -> None:
     out = subprocess.run([sys.executable, "-c", _LOAD_PROBE], capture_output=True, text=True,
                          check=True, timeout=300)
     probe = json.loads(out.stdout.strip().splitlines()[-1])
-    # The dense weights (32 MiB) were freed and returned: the session holds the packed
-    # ones. (What the load grew the process by also counts the modules and libraries a
-    # first session imports and maps, 25-55 MiB depending on the environment, so it is
-    # not asserted.)
-    assert probe["released"] > 0.8 * probe["weights"], probe
-    assert probe["explain"].startswith("load: returned ") and "MiB freed while loading" in \
-        probe["explain"]
+    # A second session (the first one kept, so that the modules and libraries it mapped,
+    # 25-55 MiB depending on the environment, are not counted, and its memory is not
+    # reused) grows the process by its packed weights (32 MiB) and little else: the
+    # dense ones it packed from were freed, not kept beside them (that would be 64).
+    # Since the fuse pass keeps a MatMul's weight as a view of its initializer, there is
+    # no dense copy to free: the initializers themselves are freed as they are packed,
+    # some straight back to the OS (glibc unmaps large blocks), the rest by the trim
+    # that explain() reports.
+    assert probe["grown"] < 1.25 * probe["weights"], probe
+    if probe["released"] >= 1 << 20:
+        assert probe["explain"].startswith("load: returned ") and \
+            "MiB freed while loading" in probe["explain"], probe

@@ -59,8 +59,13 @@ def test_pack_pads_panels_with_zeros_and_unpacks_to_the_same_bits(n, k):
     rows = packed.reshape(panels, k, 24).permute(0, 2, 1).reshape(panels * 24, k)
     assert torch.equal(rows[:n], w) and not rows[n:].any()
     assert torch.equal(unpack(LIB, packed, n, k), w)
-    # A strided (transposed) weight packs the same.
+    # A strided (transposed) weight packs the same: the transpose of a [K, N] matrix
+    # (a MatMul's weight) is copied from by rows, with or without a row stride past N.
     assert torch.equal(pack(LIB, w.t().contiguous().t()), packed)
+    wider = torch.randn(k, n + 5)
+    wider[:, :n] = w.t()
+    assert torch.equal(pack(LIB, wider[:, :n].t()), packed)
+    assert torch.equal(pack(LIB, w[:, ::2]), pack(LIB, w[:, ::2].contiguous()))
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 128, 130])

@@ -238,3 +238,15 @@ def test_winograd_switched_off_from_the_api_runs_no_winograd_convolution():
         assert winograd[0] > 0
     np.testing.assert_allclose(on.run(None, feeds)[0], off.run(None, feeds)[0],
                                atol=1e-4, rtol=1e-3)
+
+
+@pytest.mark.parametrize("options", [{}, {"layout": False}, {"fuse": False},
+                                     {"native_linear": False}])
+def test_every_constant_leaves_the_pipeline_contiguous(options):
+    # The fuse pass leaves MatMul weights as transposed views; the layout pass packs the
+    # large ones from the view, and whatever is left is made contiguous at the end.
+    graph = import_model(models.build("bert_tiny"))
+    run_pipeline(graph, OptimizeOptions(**options), device=CPU)
+    strided = [v.name for v in graph.initializers.values() if v.const is not None
+               and not v.const.is_mkldnn and not v.const.is_contiguous()]
+    assert strided == []

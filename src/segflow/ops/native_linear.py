@@ -74,14 +74,21 @@ def pack(library: NativeLibrary, dense: Tensor) -> Tensor:
     if dense.dtype != torch.float32 or dense.dim() != 2 or dense.device.type != "cpu":
         raise ValueError(f"pack: need a 2-D float32 CPU weight, got {dense.dtype} "
                          f"{list(dense.shape)} on {dense.device.type}")
-    dense = dense if dense.stride(-1) == 1 else dense.contiguous()
     n, k = (int(d) for d in dense.shape)
     out = torch.empty(packed_size(library, n, k), dtype=torch.float32)
-    fn = library.dll.segflow_linear_pack
+    if dense.stride(-1) != 1 and dense.stride(0) == 1 and dense.stride(1) >= n:
+        # The transpose of a row-major [K, N] (a MatMul's weight, kept as a view by the
+        # fuse pass): panel rows are copied from it, where W's rows would be transposed.
+        fn = library.dll.segflow_linear_pack_kn
+        stride = dense.stride(1)
+    else:
+        dense = dense if dense.stride(-1) == 1 else dense.contiguous()
+        fn = library.dll.segflow_linear_pack
+        stride = dense.stride(0)
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                    ctypes.c_void_p]
-    fn(dense.data_ptr(), n, k, dense.stride(0), out.data_ptr())
+    fn(dense.data_ptr(), n, k, stride, out.data_ptr())
     return out
 
 

@@ -399,7 +399,7 @@ def _pack_linear(graph: Graph, node: Node, packed: dict[tuple[int, _PackParams, 
     key = (id(weight), _PackParams((), (), (), 0, None if rows is None else (rows,)), 0)
     value = packed.get(key)
     if value is None:
-        tensor = torch.ops.mkldnn._reorder_linear_weight(w, rows)
+        tensor = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), rows)
         value = Value(_fresh_name(graph, f"{weight.name}.onednn"), weight.spec, const=tensor)
         graph.add_initializer(value)
         packed[key] = value

@@ -281,6 +281,7 @@ def run_pipeline(graph: Graph, options: OptimizeOptions, *, registry: OpRegistry
     backend, why = choose_backend(graph, options.compile, device,
                                   direct=options.onednn_direct)
     log.append(_layout(graph, options, backend, device))
+    contiguous_constants(graph)
     memory = None
     if options.plan_memory:
         memory = plan_memory(graph)
@@ -289,6 +290,24 @@ def run_pipeline(graph: Graph, options: OptimizeOptions, *, registry: OpRegistry
         log.append("plan_memory: off")
     log.append(f"compile: {backend.value} ({why})")
     return PipelineResult(tuple(log), memory, backend)
+
+
+def contiguous_constants(graph: Graph) -> int:
+    """Make every strided constant of ``graph`` contiguous; returns how many were.
+
+    Passes may leave a constant as a view of another (the fuse pass keeps a MatMul's
+    ``[K, N]`` weight as its ``[N, K]`` transpose, which the layout pass packs
+    without a copy); kernels and backends past the pipeline get plain row-major
+    tensors (oneDNN packed ones are left as they are).
+    """
+    count = 0
+    for value in graph.initializers.values():
+        tensor = value.const
+        if tensor is not None and tensor.layout == torch.strided and not tensor.is_mkldnn \
+                and not tensor.is_contiguous():
+            value.const = tensor.contiguous()
+            count += 1
+    return count
 
 
 def choose_backend(graph: Graph, mode: CompileMode, device: Device | None, *,

@@ -88,6 +88,21 @@ void segflow_linear_pack(const float *w, int64_t n, int64_t k, int64_t ldw, floa
     }
 }
 
+/* The same panels from W's transpose: B [k][n] (rows ldb floats apart, B[i][j] =
+ * W[j][i]), as an ONNX MatMul stores its weight. Each panel row is 24 consecutive
+ * floats of a row of B: a copy, where packing W [n][k] is a transpose. */
+void segflow_linear_pack_kn(const float *b, int64_t n, int64_t k, int64_t ldb, float *out) {
+    for (int64_t p = 0; p < (n + NR - 1) / NR; p++) {
+        float *panel = out + p * k * NR;
+        const int64_t cols = n - p * NR < NR ? n - p * NR : NR;
+        for (int64_t i = 0; i < k; i++) {
+            memcpy(panel + i * NR, b + i * ldb + p * NR, (size_t)cols * sizeof(float));
+            if (cols < NR)
+                memset(panel + i * NR + cols, 0, (size_t)(NR - cols) * sizeof(float));
+        }
+    }
+}
+
 /* The inverse: panels -> W [n][k]. */
 void segflow_linear_unpack(const float *packed, int64_t n, int64_t k, float *w) {
     for (int64_t row = 0; row < n; row++) {

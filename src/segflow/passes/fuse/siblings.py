@@ -66,8 +66,13 @@ def _merge(graph: Graph, nodes: list[Node]) -> None:
     assert x is not None and x.spec.shape is not None
     weights = [const_tensor(n.inputs[1]) for n in nodes]
     widths = [int(w.shape[0]) for w in weights if w is not None]
-    inputs: list[Value | None] = [x, new_const(graph, f"{first.name}.siblings.weight",
-                                               torch.cat(weights, 0).contiguous())]  # type: ignore[arg-type]
+    if all(w is not None and w.t().is_contiguous() for w in weights):
+        # [N, K] views of [K, N] initializers (the linear rule keeps a MatMul's so):
+        # joined along N in their own layout, a copy instead of a transpose.
+        weight = torch.cat([w.t() for w in weights], 1).t()  # type: ignore[union-attr]
+    else:
+        weight = torch.cat(weights, 0).contiguous()  # type: ignore[arg-type]
+    inputs: list[Value | None] = [x, new_const(graph, f"{first.name}.siblings.weight", weight)]
     if len(first.inputs) > 2 and first.inputs[2] is not None:
         biases = [const_tensor(n.inputs[2]) for n in nodes]
         inputs.append(new_const(graph, f"{first.name}.siblings.bias", torch.cat(biases)))  # type: ignore[arg-type]
