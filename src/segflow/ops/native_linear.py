@@ -106,7 +106,8 @@ def unpack(library: NativeLibrary, packed: Tensor, out_features: int, in_feature
     return dense
 
 
-# The kernel's activations (segflow_linear_t.act): a clamp, or erf-GELU.
+# The kernel's activations (gemm.c's act_t): none, a clamp, or erf-GELU.
+ACT_NONE = 0
 ACT_CLAMP = 1
 ACT_GELU = 2
 
@@ -156,7 +157,7 @@ class NativeLinear(NativeOrTorch):
         omp = openmp_entry_points() or (None, None, None)
         # _Args' fields after the sizes: the activation, the padding, the OpenMP runtime,
         # the kernel's chunk counter.
-        self._tail = (*(fused or (0, 1.0, -math.inf, math.inf)), 0, *omp, 0)
+        self._tail = (*(fused or (ACT_NONE, 1.0, -math.inf, math.inf)), 0, *omp, 0)
 
     def __call__(self, x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
         k = self.in_features

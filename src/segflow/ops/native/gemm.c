@@ -40,6 +40,13 @@
 
 #define KC 384             /* input columns per pass over a panel */
 
+/* The activation applied as outputs are stored (ops/native_linear.py ACT_*). */
+typedef enum {
+    ACT_NONE = 0,
+    ACT_CLAMP = 1,           /* min(max(max(v, slope v), lo), hi) */
+    ACT_GELU = 2,            /* erf-GELU (gelu8) */
+} act_t;
+
 /* What ops/native_linear.py's ctypes structure mirrors. */
 typedef struct {
     const float *x;          /* [m][lda] */
@@ -47,7 +54,7 @@ typedef struct {
     const float *bias;       /* n floats, or NULL */
     float *y;                /* [m][n] */
     int64_t m, n, k, lda;
-    int64_t act;             /* 0: none; 1: min(max(max(v, slope v), lo), hi); 2: GELU */
+    int64_t act;             /* an act_t */
     float slope, lo, hi;
     int32_t pad_;
     /* The process's OpenMP runtime (libgomp's entry points); NULL: this thread alone. */
@@ -153,7 +160,7 @@ static inline v8 gelu8(v8 x) {
 /* ReLU, LeakyReLU (0 <= slope <= 1), Clip; NaN stays NaN (every comparison is false).
  * Or GELU. */
 static inline v8 activate(const segflow_linear_t *p, v8 v) {
-    if (p->act == 2)
+    if (p->act == ACT_GELU)
         return gelu8(v);
     const v8 lo = splat(p->lo), hi = splat(p->hi), leaky = v * splat(p->slope);
     v = select(v, leaky, leaky > v);
