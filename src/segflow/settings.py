@@ -45,6 +45,7 @@ ENV_NO_DENSE_CHAIN = "SEGFLOW_NO_DENSE_CHAIN"      # 1: small dense layers stay 
 ENV_NATIVE = "SEGFLOW_NATIVE"                      # 0: never build or load native kernels
 ENV_NATIVE_LINEAR = "SEGFLOW_NATIVE_LINEAR"        # 0: no native linears; 1: on AVX-512 too
 ENV_WINOGRAD = "SEGFLOW_WINOGRAD"                  # 0: 3x3 convs direct; 1: Winograd on AVX-512 too
+ENV_STRASSEN = "SEGFLOW_STRASSEN"                  # 0: native linears never run as Strassen
 
 ENGINES = ("auto", "inline", "threaded")
 

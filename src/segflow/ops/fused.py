@@ -559,7 +559,9 @@ def _native_linear(node: Node) -> NativeLinear:
     act, params = activation_of(node)
     kernel_act = kernel_activation(act.name, params)
     after, apply = _activation_after(act, params, kernel_act is not None)
-    return NativeLinear(library, in_features, out_features, kernel_act, after, apply)
+    wmax = node.attrs.get("strassen_wmax")
+    return NativeLinear(library, in_features, out_features, kernel_act, after, apply,
+                        None if wmax is None else float(wmax))
 
 
 def _activation_after(act: Activation, params: list[float], fused: bool

@@ -40,10 +40,10 @@ from segflow.settings import ENV_NATIVE, _env_bool, cache_dir
 # Compiled together into one library; dense_chain.c defines segflow_native_abi().
 SOURCES = tuple(Path(__file__).with_name("native") / name
                 for name in ("attention.c", "dense_chain.c", "gemm.c", "layer_norm.c",
-                             "replay.c", "winograd.c"))
+                             "replay.c", "strassen.c", "winograd.c"))
 # Included by the sources (part of the build's key, not compiled on their own).
-HEADERS = (Path(__file__).with_name("native") / "panel.h",)
-ABI = 10         # segflow_native_abi() of the sources this module speaks to
+HEADERS = tuple(Path(__file__).with_name("native") / name for name in ("linear.h", "panel.h"))
+ABI = 11         # segflow_native_abi() of the sources this module speaks to
 FLAGS = ("-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 120
 

@@ -25,7 +25,10 @@ transformed one (``[36, C, K]``) instead of a packed one. A large linear
 (``FusedGemm``) gets its weight packed once too: into the panels of segflow's own
 kernel where the native library loads on a CPU without AVX-512 (``native_linear``,
 ``ops/native_linear.py``; ``SEGFLOW_NATIVE_LINEAR=0`` turns it off, ``=1`` on
-everywhere), else for libdnnl's inner product or torch's oneDNN matmul. Measured
+everywhere), else for libdnnl's inner product or torch's oneDNN matmul; a packed
+weight whose paired output columns are alike in scale is also marked
+``strassen_wmax``, and its calls may run as one level of Strassen
+(``ops/native/strassen.c``; ``SEGFLOW_STRASSEN=0`` turns it off). Measured
 on ResNet-50 / MobileNetV2 at batch 1 (see benchmarks/cpu_targets.py): torch's
 NCHW ``conv2d`` is several times slower, and its 3-channel stem conv alone costs
 more than oneDNN's whole network.
@@ -53,6 +56,7 @@ from segflow.ops.fused import (
 from segflow.ops.native_library import NativeLibrary
 from segflow.ops.native_linear import native_linear_preferred
 from segflow.ops.native_linear import pack as native_pack
+from segflow.ops.native_linear import strassen_spread
 from segflow.ops.onednn_direct import (
     BLOCK,
     DnnlError,
@@ -71,7 +75,7 @@ DIRECT_LINEAR_ROWS = 128
 
 def layout(graph: Graph, device: Device, *, direct: bool = True,
            blocked: bool = True, winograd: bool | None = None,
-           native_linear: bool | None = None) -> PassResult:
+           native_linear: bool | None = None, strassen: bool = True) -> PassResult:
     """Prepack FusedConv and large FusedGemm weights on CPU (in place); a no-op elsewhere.
 
     ``direct``: mark the packed convolutions to call libdnnl when it loads;
@@ -79,7 +83,9 @@ def layout(graph: Graph, device: Device, *, direct: bool = True,
     ``winograd``: and run the 3x3 ones that qualify as Winograd (:func:`_winograd_fits`;
     None: where ``winograd_preferred()``, CPUs without AVX-512);
     ``native_linear``: pack large linears for ``ops/native_linear.py`` where the native
-    library loads (None: where ``native_linear_preferred``).
+    library loads (None: where ``native_linear_preferred``);
+    ``strassen``: and let those whose weight allows it run as Strassen (the node's
+    ``strassen_wmax``: :func:`~segflow.ops.native_linear.strassen_spread`).
     """
     if device.kind is not DeviceKind.CPU or not onednn_available():
         return PassResult(graph, False)
@@ -104,7 +110,7 @@ def layout(graph: Graph, device: Device, *, direct: bool = True,
             if not native_known:
                 native, native_known = _native_for_linears(native_linear), True
             dense = node.inputs[1]
-            if native is not None and _pack_native(graph, node, packed, native):
+            if native is not None and _pack_native(graph, node, packed, native, strassen):
                 changed += 1
                 _release(graph, dense, released)
                 continue
@@ -334,9 +340,10 @@ def _native_for_linears(choice: bool | None) -> NativeLibrary | None:
 
 
 def _pack_native(graph: Graph, node: Node, packed: dict[tuple[int, _PackParams, int], Value],
-                 library: NativeLibrary) -> bool:
+                 library: NativeLibrary, strassen: bool) -> bool:
     """Pack a large float32 FusedGemm weight into ``ops/native/gemm.c``'s panels and
-    mark the node ``native_linear``; False where the weight does not qualify."""
+    mark the node ``native_linear`` (and, with ``strassen``, ``strassen_wmax`` where the
+    packing allows Strassen); False where the weight does not qualify."""
     weight, x = node.inputs[1], node.inputs[0]
     if weight is None or weight.const is None or weight.const.is_mkldnn or x is None:
         return False
@@ -353,6 +360,12 @@ def _pack_native(graph: Graph, node: Node, packed: dict[tuple[int, _PackParams, 
         packed[key] = value
     graph.set_input(node, 1, value)
     node.attrs["native_linear"] = 1
+    if strassen:
+        assert value.const is not None
+        n, k = (int(d) for d in w.shape)
+        wmax = strassen_spread(library, value.const, n, k)
+        if wmax is not None:
+            node.attrs["strassen_wmax"] = wmax
     return True
 
 

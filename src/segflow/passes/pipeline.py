@@ -11,8 +11,9 @@ Every pass can be switched off, from the API (``optimize=False`` or
 fuse pass's rules (``passes/fuse/``): ``optimize={"fuse.batchnorm": False}``, or
 ``SEGFLOW_NO_FUSE=batchnorm,conv`` (rule names in place of ``1``), and the layout
 pass's choices: ``optimize={"layout.winograd": False}`` (also ``layout.direct``,
-``layout.blocked``, ``layout.native_linear``; ``SEGFLOW_WINOGRAD``,
-``SEGFLOW_ONEDNN_DIRECT``, ``SEGFLOW_ONEDNN_BLOCKED``, ``SEGFLOW_NATIVE_LINEAR``).
+``layout.blocked``, ``layout.native_linear``, ``layout.strassen``; ``SEGFLOW_WINOGRAD``,
+``SEGFLOW_ONEDNN_DIRECT``, ``SEGFLOW_ONEDNN_BLOCKED``, ``SEGFLOW_NATIVE_LINEAR``,
+``SEGFLOW_STRASSEN``).
 Each pass adds one line to the log that ``explain()`` prints, e.g.
 ``fuse: 175 -> 57 nodes (batchnorm 53, conv 53, activation 49, linear 1)``.
 
@@ -60,6 +61,7 @@ from segflow.settings import (
     ENV_ONEDNN_REPLAY,
     ENV_OPTIMIZE,
     ENV_PREBUILD,
+    ENV_STRASSEN,
     ENV_WINOGRAD,
     FALSE_WORDS,
     TRUE_WORDS,
@@ -70,9 +72,11 @@ from segflow.settings import (
 
 PASSES = ("fold_constants", "fuse", "dense_chain", "layout", "plan_memory")
 # ``optimize`` keys for the layout pass's choices -> the OptimizeOptions field each sets
-# (their environment variables: SEGFLOW_ONEDNN_DIRECT, _ONEDNN_BLOCKED, SEGFLOW_WINOGRAD).
+# (their environment variables: SEGFLOW_ONEDNN_DIRECT, _ONEDNN_BLOCKED, SEGFLOW_WINOGRAD,
+# SEGFLOW_NATIVE_LINEAR, SEGFLOW_STRASSEN).
 LAYOUT_CHOICES = {"layout.direct": "onednn_direct", "layout.blocked": "onednn_blocked",
-                  "layout.winograd": "winograd", "layout.native_linear": "native_linear"}
+                  "layout.winograd": "winograd", "layout.native_linear": "native_linear",
+                  "layout.strassen": "strassen"}
 _PASS_ENV = {"fold_constants": ENV_NO_FOLD, "fuse": ENV_NO_FUSE,
              "dense_chain": ENV_NO_DENSE_CHAIN, "layout": ENV_NO_LAYOUT,
              "plan_memory": ENV_NO_MEMORY_PLAN}
@@ -130,6 +134,9 @@ class OptimizeOptions:
     # Large linears run segflow's packed-panel kernel (ops/native_linear.py); None: where
     # it was measured faster (native_linear_preferred: AVX2 + FMA, no AVX-512).
     native_linear: bool | None = None
+    # ... and as one level of Strassen where their weight and rows allow it
+    # (ops/native/strassen.c).
+    strassen: bool = True
 
     @classmethod
     def resolve(cls, optimize: bool | Mapping[str, bool] | None = None, *,
@@ -189,10 +196,11 @@ class OptimizeOptions:
         native_linear = (_env_bool(env, ENV_NATIVE_LINEAR, True)
                          if env.get(ENV_NATIVE_LINEAR, "").strip() else None)
         native_linear = choices.get("native_linear", native_linear)
+        strassen = choices.get("strassen", _env_bool(env, ENV_STRASSEN, True))
         return cls(compile=mode, intra_op_threads=threads, onednn_direct=direct, arena=arena,
                    onednn_blocked=blocked, onednn_replay=replay, prebuild=prebuild,
                    winograd=winograd,
-                   native_linear=native_linear,
+                   native_linear=native_linear, strassen=strassen,
                    fuse_off=frozenset(rules_off), **switches)
 
     def as_record(self) -> dict[str, object]:
@@ -205,7 +213,8 @@ class OptimizeOptions:
                 "arena": self.arena, "onednn_replay": self.onednn_replay,
                 "prebuild": self.prebuild,
                 "winograd": "auto" if self.winograd is None else self.winograd,
-                "native_linear": "auto" if self.native_linear is None else self.native_linear}
+                "native_linear": "auto" if self.native_linear is None else self.native_linear,
+                "strassen": self.strassen}
 
 
 def _fuse_rules_off(env: Mapping[str, str]) -> set[str]:
@@ -395,7 +404,7 @@ def _layout(graph: Graph, options: OptimizeOptions, backend: CompileMode,
         return "layout: skipped (not a CPU device)"
     packed = layout(graph, device, direct=options.onednn_direct,
                     blocked=options.onednn_blocked, winograd=options.winograd,
-                    native_linear=options.native_linear)
+                    native_linear=options.native_linear, strassen=options.strassen)
     if not packed.modified:
         return "layout: nothing to do (no oneDNN-eligible convolutions or linears)"
     convs = sum(1 for n in graph.nodes if n.attrs.get("channels_last"))

@@ -27,42 +27,19 @@
  * linears chained, 30 alternating rounds: 328.5 against 332.8 ms (2026-12-06).
  *
  * The activation is applied as each output's last KC block is stored: a clamp (ReLU,
- * LeakyReLU, Clip) or erf-GELU (gelu8 below), where it costs no pass over y.
+ * LeakyReLU, Clip) or erf-GELU (linear.h's gelu8), where it costs no pass over y.
  *
  * Every output is b[j] + sum over k in order (KC blocks in order, each in order), the
- * sum fused-multiply-added: not bitwise torch's, within float32 rounding of it.
+ * sum fused-multiply-added: not bitwise torch's, within float32 rounding of it. Large
+ * linears may instead run as one level of Strassen over the same panels (strassen.c),
+ * which sums differently and mixes rows m / 2 apart at rounding level.
  */
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
-#include "panel.h"         /* NR, MR, v8, panel_fma: the register block */
+#include "linear.h"        /* segflow_linear_t, KC, activate; panel.h's register block */
 
-#define KC 384             /* input columns per pass over a panel */
-
-/* The activation applied as outputs are stored (ops/native_linear.py ACT_*). */
-typedef enum {
-    ACT_NONE = 0,
-    ACT_CLAMP = 1,           /* min(max(max(v, slope v), lo), hi) */
-    ACT_GELU = 2,            /* erf-GELU (gelu8) */
-} act_t;
-
-/* What ops/native_linear.py's ctypes structure mirrors. */
-typedef struct {
-    const float *x;          /* [m][lda] */
-    const float *w;          /* the packed weight: ceil(n / NR) panels of [k][NR] */
-    const float *bias;       /* n floats, or NULL */
-    float *y;                /* [m][n] */
-    int64_t m, n, k, lda;
-    int64_t act;             /* an act_t */
-    float slope, lo, hi;
-    int32_t pad_;
-    /* The process's OpenMP runtime (libgomp's entry points); NULL: this thread alone. */
-    void (*parallel)(void (*fn)(void *), void *data, unsigned threads, unsigned flags);
-    int (*thread_num)(void);
-    int (*num_threads)(void);
-    int64_t next;            /* the next unclaimed chunk (work()) */
-} segflow_linear_t;
 
 /* 1 where the build has AVX2 and FMA, the vector width and multiply-add the kernel was
  * measured with (ops/native_linear.py prefers it only then). */
@@ -116,56 +93,6 @@ void segflow_linear_unpack(const float *packed, int64_t n, int64_t k, float *w) 
         const float *panel = packed + row / NR * k * NR + row % NR;
         for (int64_t i = 0; i < k; i++) w[row * k + i] = panel[i * NR];
     }
-}
-
-/* where `take`, b, else a */
-static inline v8 select(v8 a, v8 b, v8i take) { return (v8)(((v8i)a & ~take) | ((v8i)b & take)); }
-
-/* x Phi(x) = x (1 + erf(x / sqrt 2)) / 2, lanewise. erf(x / sqrt 2) is the rational
- * |x| P(x^2) / Q(x^2) on |x| <= 5.5 (P of degree 6, Q of degree 5, fitted for this
- * function: least squares reweighted towards minimax, with the weight |x| since the
- * error is scaled by x / 2, its float32 coefficients rounded one at a time and the
- * rest refitted), capped at 1, and exactly 1 beyond 5.5 (where erf rounds to 1 in
- * float32), so that a large negative x gives 0 as torch does, and -inf NaN as torch
- * does. Within 8.5e-7 of the exact GELU over [-12, 12] in float32 (the tests hold it
- * under 1.2e-6; torch's own vectorized GELU: 3.7e-7), below the ~1e-5 by which a
- * 768-term float32 sum differs from the exact one. 21 vector operations (one a division) per 8 values, against the
- * ~40 of an erf through exp: fused here it cost BERT-base's 12 768 -> 3072 linears
- * 4-6 ms less than torch's gelu_ run after them (107.1 against 111.4 ms, 30 rounds). */
-static inline v8 gelu8(v8 x) {
-    const v8i sign = (v8i)splat(-0.0f);
-    const v8 ax = (v8)((v8i)x & ~sign);
-    const v8 c = select(ax, splat(5.5f), (v8i)(ax > splat(5.5f)));
-    const v8 t = c * c;
-    v8 num = splat(-1.6107423728151105e-10f);
-    num = num * t + splat(1.0981689513300807e-07f);
-    num = num * t + splat(1.7170639694086276e-05f);
-    num = num * t + splat(0.000336903816787526f);
-    num = num * t + splat(0.009606008417904377f);
-    num = num * t + splat(0.06489741057157516f);
-    num = num * t + splat(0.7978846430778503f);
-    v8 den = splat(2.0554402908601332e-06f);
-    den = den * t + splat(8.196599083021283e-05f);
-    den = den * t + splat(0.0019276351667940617f);
-    den = den * t + splat(0.028372740373015404f);
-    den = den * t + splat(0.24800385534763336f);
-    den = den * t + splat(1.0f);
-    v8 g = c * num / den;
-    g = select(g, splat(1.0f), (v8i)(g > splat(1.0f)) | (v8i)(ax >= splat(5.5f)));
-    g = (v8)((v8i)g | ((v8i)x & sign));
-    const v8 h = splat(0.5f) * x;
-    return h + h * g;
-}
-
-/* ReLU, LeakyReLU (0 <= slope <= 1), Clip; NaN stays NaN (every comparison is false).
- * Or GELU. */
-static inline v8 activate(const segflow_linear_t *p, v8 v) {
-    if (p->act == ACT_GELU)
-        return gelu8(v);
-    const v8 lo = splat(p->lo), hi = splat(p->hi), leaky = v * splat(p->slope);
-    v = select(v, leaky, leaky > v);
-    v = select(v, lo, v < lo);
-    return select(v, hi, v > hi);
 }
 
 /* y[0..R-1][0..23] (rows ldy apart) = (first ? start : y) + x[0..R-1][0..kc-1] panel,
@@ -265,7 +192,7 @@ static void part(const segflow_linear_t *p, int64_t p0, int64_t p1, int64_t r0, 
  * 70.7 against 69.5, 768 -> 2304 even; its 48 chained 319.4 against 322.1 ms, and
  * 323.2 against 333.1 in a second run (2026-12-06). GOMP's barrier at the end of the
  * region still waits for every thread to check in. */
-static void work(void *data) {
+void linear_work(void *data) {
     segflow_linear_t *p = data;
     const int64_t threads = p->num_threads ? p->num_threads() : 1;
     const int64_t panels = (p->n + NR - 1) / NR;
@@ -291,14 +218,20 @@ static void work(void *data) {
 }
 
 /* Run one linear; 0 (the status libdnnl's execute would return). Work under
- * ~64k multiply-adds stays on this thread: waking the pool costs more. */
+ * ~64k multiply-adds stays on this thread: waking the pool costs more. With scratch,
+ * and where strassen_fits, as one level of Strassen (strassen.c), which may still
+ * turn to this kernel once it has seen x; p->strassen says which ran. */
 int segflow_linear(segflow_linear_t *p) {
+    p->strassen = 0;
     if (p->m == 0 || p->n == 0)
         return 0;
     p->next = 0;
+    p->arrived = 0;
+    p->refused = 0;
+    void (*body)(void *) = p->scratch && strassen_fits(p) ? strassen_work : linear_work;
     if (p->parallel && p->m * p->n * p->k >= 65536)
-        p->parallel(work, p, 0, 0);
+        p->parallel(body, p, 0, 0);
     else
-        work(p);
+        body(p);
     return 0;
 }

@@ -1,0 +1,318 @@
+/* segflow native kernels: a large linear as one level of Strassen.
+ *
+ * segflow_linear (gemm.c) runs y = act(x W^T + b) this way where strassen_fits and
+ * its caller passed scratch: x, W^T and y are each split into 2 x 2 blocks (rows at
+ * m / 2, inputs at k / 2, outputs at n / 2) and the 8 block products of the classic
+ * algorithm are replaced by Strassen's 7, with A = x, B = W^T (B12: inputs below
+ * k / 2, outputs from n / 2) and C = y:
+ *
+ *   M1 = (A11 + A22) (B11 + B22)    C11 += M1, C22 += M1
+ *   M2 = (A21 + A22) B11            C21 += M2, C22 -= M2
+ *   M3 = A11 (B12 - B22)            C12 += M3, C22 += M3
+ *   M4 = A22 (B21 - B11)            C11 += M4, C21 += M4
+ *   M5 = (A11 + A12) B22            C11 -= M5, C12 += M5
+ *   M6 = (A21 - A11) (B11 + B12)    C22 += M6
+ *   M7 = (A12 - A22) (B21 + B22)    C11 += M7
+ *
+ * 7/8 of the multiply-adds, for sums of blocks:
+ * - A's five sums are made first, each thread a share of the row pairs, into scratch
+ *   ([m / 2][k / 2] each); the threads then wait for each other (a spin on a counter);
+ * - B's five, of one KC block of a pair of panels (outputs j and j + n / 2), into the
+ *   thread's own scratch just before that block's products (5 x 36 KiB, in L2). The
+ *   weight stays as segflow_linear_pack made it, and is read from memory once a run,
+ *   as by the classic kernel: nothing about it is stored twice.
+ * Every product is panel.h's 4 x 24 register block over a KC block, its tile added to
+ * (or subtracted from) the one or two output tiles it belongs to, which start as the
+ * bias; the activation is applied after the last KC block's products. The threads
+ * claim guided chunks of panel pairs, as gemm.c's do of panels.
+ *
+ * It exists because the classic kernel already runs at ~93% of this VM's FMA peak
+ * (2-core Zen 1, AVX2), where only less arithmetic is faster: BERT-base's four linear
+ * shapes at 128 rows, 8 cache-cold weights each, 15 alternating rounds, ran in 0.91
+ * of the classic kernel's time (768 -> 2304 47.5 against 53.0 ms, 768 -> 768 16.1
+ * against 18.4, 768 -> 3072 62.0 against 67.8, 3072 -> 768 62.9 against 67.6), and a
+ * whole BERT-base run 21.6 ms faster (315.5 against 336.3 ms, 16 alternating runs of
+ * two sessions in one process; 2026-12-06). Smaller blocks gained less or lost: 512
+ * and 256 inputs lost at every row count tried (32 to 256 rows), hence strassen_fits.
+ *
+ * Numerics. Each output is still summed in one fixed order, whatever the thread
+ * count, but rows m / 2 apart, and output columns n / 2 apart, enter each other's
+ * rounding errors (in exact arithmetic those terms cancel): Strassen's error is
+ * bounded by whole blocks' magnitudes, not by each output's own terms. Measured
+ * against float64 at 128 x 768 -> 768 (largest error over |x| |W| summed per
+ * output): random data 3.8e-7 against the classic kernel's 3.2e-7; one half of the
+ * rows 1000x the other, 2.7e-4 against 3.1e-7. So it runs only where the blocks are
+ * alike, the weight checked once (segflow_linear_strassen_spread, at load) and x at
+ * every call by the first phase:
+ * - the largest |W| of output columns j and j + n / 2 within SPREAD of each other;
+ * - the largest |x| of rows i and i + m / 2 within SPREAD of each other, every value
+ *   finite (an infinity in one row would make NaN of its partner's outputs), and
+ *   max |x| max |W| k under FAR_FROM_OVERFLOW;
+ * otherwise the call runs the classic kernel, and says so (p->strassen = 0).
+ */
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "linear.h"
+
+#define SPREAD 16.0                 /* paired rows' (columns') largest |.| may differ so */
+#define FAR_FROM_OVERFLOW 1e36      /* max |x| max |W| k must stay under this */
+#define MIN_ROWS 32                 /* fewer rows, and the products are too thin */
+#define MIN_WIDTH 768               /* inputs and outputs, each (see above) */
+
+/* The B sums of one KC block of a panel pair, in a thread's scratch. */
+enum { T1, T3, T4, T6, T7, B_SUMS };   /* B11+B22, B12-B22, B21-B11, B11+B12, B21+B22 */
+
+#if defined(__x86_64__) || defined(__i386__)
+#define RELAX() __builtin_ia32_pause()
+#elif defined(__aarch64__)
+#define RELAX() __asm__ __volatile__("yield")
+#else
+#define RELAX() ((void)0)
+#endif
+
+/* Floats of A's sums, rounded up so that the threads' B sums start 64-byte aligned. */
+static int64_t a_sums_floats(int64_t m, int64_t k) {
+    return (5 * (m / 2) * (k / 2) + 15) / 16 * 16;
+}
+
+/* 1 where a weight of n outputs and k inputs may be run over as Strassen. */
+int segflow_linear_strassen_weight_fits(int64_t n, int64_t k) {
+    return n >= MIN_WIDTH && n % (2 * NR) == 0 && k >= MIN_WIDTH && k % 2 == 0;
+}
+
+/* 1 where a linear of m rows over such a weight may run as Strassen. */
+int segflow_linear_strassen_fits(int64_t m, int64_t n, int64_t k) {
+    return m >= MIN_ROWS && m % (2 * MR) == 0 && segflow_linear_strassen_weight_fits(n, k);
+}
+
+int strassen_fits(const segflow_linear_t *p) {
+    return segflow_linear_strassen_fits(p->m, p->n, p->k) && p->wmax >= 0 &&
+           p->scratch_threads > 0;
+}
+
+/* SPREAD, for ops/native_linear.py to hold the weight's check to. */
+double segflow_linear_strassen_max_spread(void) { return SPREAD; }
+
+/* Floats of scratch a call of m rows and k inputs needs with `threads` threads. */
+int64_t segflow_linear_strassen_scratch(int64_t m, int64_t k, int64_t threads) {
+    return a_sums_floats(m, k) + threads * B_SUMS * KC * NR;
+}
+
+/* The weight's check: the largest ratio between the largest |W| of output columns j
+ * and j + n / 2 over every j (infinity where one is 0 and the other not; NaN where W
+ * holds a NaN), and in *wmax the largest |W|. `packed` is segflow_linear_pack's. */
+double segflow_linear_strassen_spread(const float *packed, int64_t n, int64_t k,
+                                      double *wmax) {
+    *wmax = 0.0;
+    if (n % (2 * NR) != 0)
+        return INFINITY;
+    const v8i sign = (v8i)splat(-0.0f);
+    const int64_t half = n / 2 / NR;
+    double worst = 1.0, top = 0.0;
+    for (int64_t j = 0; j < half; j++) {
+        const float *panel[2] = {packed + j * k * NR, packed + (j + half) * k * NR};
+        float big[2][NR];
+        for (int h = 0; h < 2; h++) {
+            v8 mx[3] = {splat(0.0f), splat(0.0f), splat(0.0f)};
+            v8i nan = {0};
+            for (int64_t i = 0; i < k; i++)
+                for (int v = 0; v < 3; v++) {
+                    const v8 w = *(const v8 *)(panel[h] + i * NR + 8 * v);
+                    const v8 a = (v8)((v8i)w & ~sign);
+                    nan |= (v8i)(w != w);
+                    mx[v] = select_v8(mx[v], a, (v8i)(a > mx[v]));
+                }
+            for (int l = 0; l < 8; l++)
+                if (nan[l]) {
+                    *wmax = NAN;
+                    return NAN;
+                }
+            for (int v = 0; v < 3; v++)
+                for (int l = 0; l < 8; l++)
+                    big[h][8 * v + l] = mx[v][l];
+        }
+        for (int c = 0; c < NR; c++) {
+            const double hi = fmax(big[0][c], big[1][c]), lo = fmin(big[0][c], big[1][c]);
+            const double ratio = lo > 0.0 ? hi / lo : hi > 0.0 ? INFINITY : 1.0;
+            worst = fmax(worst, ratio);
+            top = fmax(top, hi);
+        }
+    }
+    *wmax = top;
+    return worst;
+}
+
+/* The first phase, this thread's share of the row pairs: A's five sums, and whether x
+ * is fit for Strassen (0 sets p->refused). */
+static void a_sums(segflow_linear_t *p, int64_t t, int64_t threads) {
+    const int64_t m2 = p->m / 2, k2 = p->k / 2, lda = p->lda, size = m2 * k2;
+    const int64_t kv = k2 / 8 * 8;
+    const v8i sign = (v8i)splat(-0.0f);
+    float top = 0.0f;
+    int fit = 1;
+    for (int64_t r = m2 * t / threads; r < m2 * (t + 1) / threads && fit; r++) {
+        const float *a11 = p->x + r * lda, *a12 = a11 + k2;
+        const float *a21 = a11 + m2 * lda, *a22 = a21 + k2;
+        float *s1 = p->scratch + r * k2, *s2 = s1 + size, *s5 = s2 + size, *s6 = s5 + size,
+              *s7 = s6 + size;
+        v8 upper = splat(0.0f), lower = splat(0.0f);   /* the largest |.| of rows r, r + m2 */
+        v8i bad = {0};
+        for (int64_t i = 0; i < kv; i += 8) {
+            const v8 v11 = *(const v8 *)(a11 + i), v12 = *(const v8 *)(a12 + i);
+            const v8 v21 = *(const v8 *)(a21 + i), v22 = *(const v8 *)(a22 + i);
+            *(v8 *)(s1 + i) = v11 + v22;
+            *(v8 *)(s2 + i) = v21 + v22;
+            *(v8 *)(s5 + i) = v11 + v12;
+            *(v8 *)(s6 + i) = v21 - v11;
+            *(v8 *)(s7 + i) = v12 - v22;
+            const v8 u1 = (v8)((v8i)v11 & ~sign), u2 = (v8)((v8i)v12 & ~sign);
+            const v8 l1 = (v8)((v8i)v21 & ~sign), l2 = (v8)((v8i)v22 & ~sign);
+            bad |= (v8i)(v11 != v11) | (v8i)(v12 != v12) | (v8i)(v21 != v21) | (v8i)(v22 != v22);
+            upper = select_v8(upper, u1, (v8i)(u1 > upper));
+            upper = select_v8(upper, u2, (v8i)(u2 > upper));
+            lower = select_v8(lower, l1, (v8i)(l1 > lower));
+            lower = select_v8(lower, l2, (v8i)(l2 > lower));
+        }
+        float hi = 0.0f, lo = 0.0f;
+        for (int l = 0; l < 8; l++) {
+            fit &= !bad[l];
+            hi = upper[l] > hi ? upper[l] : hi;
+            lo = lower[l] > lo ? lower[l] : lo;
+        }
+        for (int64_t i = kv; i < k2; i++) {
+            const float v11 = a11[i], v12 = a12[i], v21 = a21[i], v22 = a22[i];
+            s1[i] = v11 + v22;
+            s2[i] = v21 + v22;
+            s5[i] = v11 + v12;
+            s6[i] = v21 - v11;
+            s7[i] = v12 - v22;
+            fit &= v11 == v11 && v12 == v12 && v21 == v21 && v22 == v22;
+            hi = fmaxf(hi, fmaxf(fabsf(v11), fabsf(v12)));
+            lo = fmaxf(lo, fmaxf(fabsf(v21), fabsf(v22)));
+        }
+        const float big = hi > lo ? hi : lo, small = hi > lo ? lo : hi;
+        fit &= big <= (float)SPREAD * small || big == 0.0f;   /* false for infinity */
+        fit &= isfinite(big);
+        top = big > top ? big : top;
+    }
+    if (!fit || (double)top * p->wmax * (double)p->k >= FAR_FROM_OVERFLOW)
+        __atomic_store_n(&p->refused, 1, __ATOMIC_RELAXED);
+}
+
+/* One product's 4 x 24 tile over a KC block, added to c1 (s1 > 0) or subtracted from
+ * it, and likewise to c2 where there is one. */
+static inline __attribute__((always_inline)) void
+product(int64_t kc, const float *a, int64_t lda, const float *panel, float *c1, int s1,
+        float *c2, int s2, int64_t ldy) {
+    v8 acc[MR][3];
+    for (int r = 0; r < MR; r++)
+        for (int v = 0; v < 3; v++)
+            acc[r][v] = splat(0.0f);
+    panel_fma(MR, kc, a, lda, panel, acc);
+    for (int r = 0; r < MR; r++)
+        for (int v = 0; v < 3; v++) {
+            v8 *y1 = (v8 *)(c1 + r * ldy + 8 * v);
+            *y1 = s1 > 0 ? *y1 + acc[r][v] : *y1 - acc[r][v];
+            if (c2 != NULL) {
+                v8 *y2 = (v8 *)(c2 + r * ldy + 8 * v);
+                *y2 = s2 > 0 ? *y2 + acc[r][v] : *y2 - acc[r][v];
+            }
+        }
+}
+
+/* Panel pair j (outputs j NR.. and n / 2 + j NR..), inputs [pc, pc + kc) of each half,
+ * every row pair: B's sums into bs, then the seven products. */
+static void panel_pair(const segflow_linear_t *p, int64_t j, int64_t pc, int64_t kc,
+                       float *bs) {
+    const int64_t k = p->k, k2 = k / 2, m2 = p->m / 2, n = p->n, n2 = n / 2;
+    const int64_t half = n2 / NR, lda = p->lda, size = m2 * k2;
+    const float *b11 = p->w + (j * k + pc) * NR, *b21 = b11 + k2 * NR;
+    const float *b12 = p->w + ((j + half) * k + pc) * NR, *b22 = b12 + k2 * NR;
+    float *t1 = bs + T1 * KC * NR, *t3 = bs + T3 * KC * NR, *t4 = bs + T4 * KC * NR,
+          *t6 = bs + T6 * KC * NR, *t7 = bs + T7 * KC * NR;
+    for (int64_t i = 0; i < kc * NR; i += 8) {
+        const v8 v11 = *(const v8 *)(b11 + i), v12 = *(const v8 *)(b12 + i);
+        const v8 v21 = *(const v8 *)(b21 + i), v22 = *(const v8 *)(b22 + i);
+        *(v8 *)(t1 + i) = v11 + v22;
+        *(v8 *)(t3 + i) = v12 - v22;
+        *(v8 *)(t4 + i) = v21 - v11;
+        *(v8 *)(t6 + i) = v11 + v12;
+        *(v8 *)(t7 + i) = v21 + v22;
+    }
+    const float *s1 = p->scratch + pc, *s2 = s1 + size, *s5 = s2 + size, *s6 = s5 + size,
+                *s7 = s6 + size;
+    const float *a11 = p->x + pc, *a22 = p->x + m2 * lda + k2 + pc;
+    const int first = pc == 0, last = pc + kc == k2;
+    for (int64_t r = 0; r < m2; r += MR) {
+        float *c11 = p->y + r * n + j * NR, *c12 = c11 + n2, *c21 = c11 + m2 * n,
+              *c22 = c21 + n2;
+        if (first) {
+            for (int v = 0; v < 3; v++) {
+                const v8 lo = p->bias ? *(const v8 *)(p->bias + j * NR + 8 * v) : splat(0.0f);
+                const v8 hi = p->bias ? *(const v8 *)(p->bias + n2 + j * NR + 8 * v)
+                                      : splat(0.0f);
+                for (int i = 0; i < MR; i++) {
+                    *(v8 *)(c11 + i * n + 8 * v) = lo;
+                    *(v8 *)(c21 + i * n + 8 * v) = lo;
+                    *(v8 *)(c12 + i * n + 8 * v) = hi;
+                    *(v8 *)(c22 + i * n + 8 * v) = hi;
+                }
+            }
+        }
+        product(kc, s1 + r * k2, k2, t1, c11, 1, c22, 1, n);        /* M1 */
+        product(kc, s2 + r * k2, k2, b11, c21, 1, c22, -1, n);      /* M2 */
+        product(kc, a11 + r * lda, lda, t3, c12, 1, c22, 1, n);     /* M3 */
+        product(kc, a22 + r * lda, lda, t4, c11, 1, c21, 1, n);     /* M4 */
+        product(kc, s5 + r * k2, k2, b22, c11, -1, c12, 1, n);      /* M5 */
+        product(kc, s6 + r * k2, k2, t6, c22, 1, NULL, 0, n);       /* M6 */
+        product(kc, s7 + r * k2, k2, t7, c11, 1, NULL, 0, n);       /* M7 */
+        if (last && p->act) {
+            float *tiles[4] = {c11, c12, c21, c22};
+            for (int q = 0; q < 4; q++)
+                for (int i = 0; i < MR; i++)
+                    for (int v = 0; v < 3; v++) {
+                        v8 *y = (v8 *)(tiles[q] + i * n + 8 * v);
+                        *y = activate(p, *y);
+                    }
+        }
+    }
+}
+
+/* The OpenMP region's body (gemm.c's segflow_linear starts it): the first phase, the
+ * wait, then chunks of panel pairs; or the classic kernel where x is unfit, or where
+ * the scratch has no room for this many threads. */
+void strassen_work(void *data) {
+    segflow_linear_t *p = data;
+    const int64_t threads = p->num_threads ? p->num_threads() : 1;
+    const int64_t t = p->thread_num ? p->thread_num() : 0;
+    if (threads > p->scratch_threads) {
+        linear_work(p);
+        return;
+    }
+    a_sums(p, t, threads);
+    __atomic_add_fetch(&p->arrived, 1, __ATOMIC_ACQ_REL);
+    while (__atomic_load_n(&p->arrived, __ATOMIC_ACQUIRE) < threads)
+        RELAX();
+    if (__atomic_load_n(&p->refused, __ATOMIC_RELAXED)) {
+        linear_work(p);
+        return;
+    }
+    if (t == 0)
+        p->strassen = 1;
+    float *bs = p->scratch + a_sums_floats(p->m, p->k) + t * B_SUMS * KC * NR;
+    const int64_t pairs = p->n / 2 / NR, k2 = p->k / 2;
+    int64_t c = __atomic_load_n(&p->next, __ATOMIC_RELAXED);
+    while (c < pairs) {          /* on a failed exchange c is the counter's new value */
+        int64_t chunk = (pairs - c) / (2 * threads);
+        chunk = chunk < 1 ? 1 : chunk;
+        if (__atomic_compare_exchange_n(&p->next, &c, c + chunk, 0, __ATOMIC_RELAXED,
+                                        __ATOMIC_RELAXED)) {
+            for (int64_t pc = 0; pc < k2; pc += KC)
+                for (int64_t j = c; j < c + chunk; j++)
+                    panel_pair(p, j, pc, k2 - pc < KC ? k2 - pc : KC, bs);
+            c = __atomic_load_n(&p->next, __ATOMIC_RELAXED);
+        }
+    }
+}
