@@ -54,9 +54,8 @@ from segflow.ops.fused import (
     winograd_preferred,
 )
 from segflow.ops.native_library import NativeLibrary
-from segflow.ops.native_linear import native_linear_preferred
+from segflow.ops.native_linear import native_linear_preferred, strassen_spread
 from segflow.ops.native_linear import pack as native_pack
-from segflow.ops.native_linear import strassen_spread
 from segflow.ops.onednn_direct import (
     BLOCK,
     DnnlError,
