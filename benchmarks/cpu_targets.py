@@ -15,6 +15,7 @@ would otherwise share the cores with those spinning workers.
     python benchmarks/cpu_targets.py --cases mobilenet_v2 --variants "default;replay=off"
     python benchmarks/cpu_targets.py --cases mobilenet_v2 --variants "default;native=off"
     python benchmarks/cpu_targets.py --cases resnet50,resnet50@8 --variants "default;winograd=off"
+    python benchmarks/cpu_targets.py --cases bert_base --variants "default;strassen=off"
     python benchmarks/cpu_targets.py --memory               # peak memory, ResNet-50 batch 1
                                                             # (RSS, and its private pages)
     python benchmarks/cpu_targets.py --memory --cases mobilenet_v2 --variants "default;compile=none"
@@ -33,7 +34,9 @@ joined by ``,``: ``compile``, ``engine``, ``threads``, pass switches
 ``native`` = on|off for native kernels: dense chains, the replay's C loop and
 Winograd convolutions, ``winograd`` = on|off for stride-1 3x3 convolutions as
 Winograd F(4x4,3x3) or libdnnl's direct convolution; unset, Winograd applies on
-CPUs without AVX-512).
+CPUs without AVX-512), ``native_linear`` = on|off for large linears through
+segflow's packed kernel, ``strassen`` = on|off for that kernel as one level of
+Strassen where the blocks allow it).
 The default (``compile=auto``) runs a small segment's inductor package when the
 package cache (``SEGFLOW_CACHE_DIR``) already holds one, as after a
 ``compile=inductor`` variant has run; the case line then says "cached inductor
@@ -110,6 +113,8 @@ def _segflow_kwargs(variant: str) -> tuple[dict[str, Any], dict[str, str]]:
             env["SEGFLOW_WINOGRAD"] = "0" if value in ("off", "0", "false") else "1"
         elif key == "native_linear":  # large linears: segflow's packed kernel (on) or libdnnl
             env["SEGFLOW_NATIVE_LINEAR"] = "0" if value in ("off", "0", "false") else "1"
+        elif key == "strassen":  # that kernel as one level of Strassen where it fits (on)
+            env["SEGFLOW_STRASSEN"] = "0" if value in ("off", "0", "false") else "1"
         else:
             raise SystemExit(f"unknown variant key {key!r} in {variant!r}")
     if passes:
