@@ -18,14 +18,16 @@ weights, one process; 2026-12-06): a whole BERT-base run ~4% faster. At one row
 AVX-512 CPUs libdnnl's kernels are twice as wide and this one was not measured, so
 they keep libdnnl's.
 
-Large linears (768 inputs and outputs or more, 32 rows or more) can run as one
-level of Strassen over the same packing (``ops/native/strassen.c``): 7 half-size
-products for 8, BERT-base's linears 0.91 of the classic kernel's time. Its rounding
-errors are bounded by whole blocks rather than by each output's own terms, so the
-layout pass allows it only for a weight whose paired output columns (``j`` and
-``j + N/2``) are alike in scale (:func:`strassen_spread`, marking the node
-``strassen_wmax``), and each call checks that x's paired rows are alike, and
-finite, before it runs so; otherwise that call runs the classic kernel.
+Large linears (768 inputs, an even count, and 768 outputs or more; 32 rows or
+more) can run as one level of Strassen over the same packing
+(``ops/native/strassen.c``): 7 half-size products for 8, BERT-base's linears 0.91
+of the classic kernel's time. Its rounding errors are bounded by whole blocks
+rather than by each output's own terms, so the layout pass allows it only for a
+weight whose paired output columns (``j`` and ``j + n2``, ``n2`` about half) are
+alike in scale (:func:`strassen_spread`, marking the node ``strassen_wmax``), and
+each call checks that x's paired rows are alike, and finite, before it runs so;
+otherwise that call runs the classic kernel. The few rows and outputs past the
+halves' whole blocks are summed classically.
 ``SEGFLOW_STRASSEN=0`` (``optimize={"layout.strassen": False}``) turns it off.
 
 Input the kernel does not take (not float32, not on the CPU) runs ``F.linear``
@@ -60,7 +62,8 @@ class _Args(ctypes.Structure):
                 ("thread_num", ctypes.c_void_p), ("num_threads", ctypes.c_void_p),
                 ("next", ctypes.c_int64), ("scratch", ctypes.c_void_p),
                 ("scratch_threads", ctypes.c_int64), ("wmax", ctypes.c_double),
-                ("arrived", ctypes.c_int64), ("refused", ctypes.c_int32),
+                ("arrived", ctypes.c_int64), ("spare", ctypes.c_int64),
+                ("refused", ctypes.c_int32),
                 ("strassen", ctypes.c_int32)]
 
 
@@ -108,10 +111,11 @@ def pack(library: NativeLibrary, dense: Tensor) -> Tensor:
 def strassen_spread(library: NativeLibrary, packed: Tensor, out_features: int,
                     in_features: int) -> float | None:
     """The largest ``|W|`` of a weight :func:`pack` made, where one level of Strassen may
-    run over it; None where it may not: the shape does not fit (768 or more inputs and
-    outputs, even, the outputs a multiple of 48), or some output column ``j`` and column
-    ``j + N/2`` differ in their largest ``|W|`` by more than the kernel's bound (16x),
-    or the weight holds a NaN."""
+    run over it; None where it may not: the shape does not fit (768 or more inputs, an
+    even count, and 768 or more outputs), or some output column ``j`` and its partner
+    ``j + n2`` (``n2``: half the outputs, rounded down to whole 24-column panels) differ
+    in their largest ``|W|`` by more than the kernel's bound (16x), or the weight
+    holds a NaN."""
     dll = library.dll
     fits = dll.segflow_linear_strassen_weight_fits
     fits.restype = ctypes.c_int

@@ -137,7 +137,7 @@ static void rows(const segflow_linear_t *p, int64_t r0, int64_t r1, int64_t pc, 
 
 /* Panels [p0, p1) for rows [r0, r1). A panel past n's last full one is computed into a
  * row-by-row scratch of NR columns and copied out. */
-static void part(const segflow_linear_t *p, int64_t p0, int64_t p1, int64_t r0, int64_t r1) {
+void linear_part(const segflow_linear_t *p, int64_t p0, int64_t p1, int64_t r0, int64_t r1) {
     static const float zeros[NR];
     const int64_t n = p->n, k = p->k, full = n / NR;
     for (int64_t pc = 0; pc < k || pc == 0; pc += KC) {
@@ -203,7 +203,7 @@ void linear_work(void *data) {
             chunk = chunk < 1 ? 1 : chunk;
             if (__atomic_compare_exchange_n(&p->next, &c, c + chunk, 0, __ATOMIC_RELAXED,
                                             __ATOMIC_RELAXED)) {
-                part(p, c, c + chunk, 0, p->m);
+                linear_part(p, c, c + chunk, 0, p->m);
                 c = __atomic_load_n(&p->next, __ATOMIC_RELAXED);
             }
         }
@@ -212,7 +212,7 @@ void linear_work(void *data) {
         const int64_t chunk = (blocks + 8 * threads - 1) / (8 * threads);
         for (int64_t c; (c = __atomic_fetch_add(&p->next, chunk, __ATOMIC_RELAXED)) < blocks;) {
             const int64_t r1 = (c + chunk) * MR;
-            part(p, 0, panels, c * MR, r1 < p->m ? r1 : p->m);
+            linear_part(p, 0, panels, c * MR, r1 < p->m ? r1 : p->m);
         }
     }
 }
@@ -227,6 +227,7 @@ int segflow_linear(segflow_linear_t *p) {
         return 0;
     p->next = 0;
     p->arrived = 0;
+    p->spare = 0;
     p->refused = 0;
     void (*body)(void *) = p->scratch && strassen_fits(p) ? strassen_work : linear_work;
     if (p->parallel && p->m * p->n * p->k >= 65536)

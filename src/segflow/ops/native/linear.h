@@ -41,6 +41,7 @@ typedef struct {
     int64_t scratch_threads; /* the threads it has room for */
     double wmax;             /* the largest |W| (segflow_linear_strassen_spread) */
     int64_t arrived;         /* threads past the first phase */
+    int64_t spare;           /* the next unclaimed panel past the paired ones */
     int32_t refused;         /* 1 where the first phase found x unfit for it */
     int32_t strassen;        /* out: 1 where the call ran as Strassen */
 } segflow_linear_t;
@@ -95,8 +96,11 @@ static inline v8 activate(const segflow_linear_t *p, v8 v) {
     return select_v8(v, hi, v > hi);
 }
 
-/* gemm.c: the OpenMP region body of the classic kernel (claims chunks of p->next). */
+/* gemm.c: the OpenMP region body of the classic kernel (claims chunks of p->next), and
+ * the classic kernel over panels [p0, p1) and rows [r0, r1). */
 __attribute__((visibility("hidden"))) void linear_work(void *data);
+__attribute__((visibility("hidden"))) void linear_part(const segflow_linear_t *p, int64_t p0,
+                                                       int64_t p1, int64_t r0, int64_t r1);
 /* strassen.c: whether the call can run as Strassen, and its region body. */
 __attribute__((visibility("hidden"))) int strassen_fits(const segflow_linear_t *p);
 __attribute__((visibility("hidden"))) void strassen_work(void *data);

@@ -2,9 +2,11 @@
  *
  * segflow_linear (gemm.c) runs y = act(x W^T + b) this way where strassen_fits and
  * its caller passed scratch: x, W^T and y are each split into 2 x 2 blocks (rows at
- * m / 2, inputs at k / 2, outputs at n / 2) and the 8 block products of the classic
+ * m2, inputs at k / 2, outputs at n2) and the 8 block products of the classic
  * algorithm are replaced by Strassen's 7, with A = x, B = W^T (B12: inputs below
- * k / 2, outputs from n / 2) and C = y:
+ * k / 2, outputs from n2) and C = y. m2 is m / 2 rounded down to the register
+ * block's 4 rows and n2 is n / 2 rounded down to whole 24-column panels; the rows
+ * past 2 m2 (up to 7) and the outputs past 2 n2 (up to 47) run the classic kernel:
  *
  *   M1 = (A11 + A22) (B11 + B22)    C11 += M1, C22 += M1
  *   M2 = (A21 + A22) B11            C21 += M2, C22 -= M2
@@ -16,15 +18,17 @@
  *
  * 7/8 of the multiply-adds, for sums of blocks:
  * - A's five sums are made first, each thread a share of the row pairs, into scratch
- *   ([m / 2][k / 2] each); the threads then wait for each other (a spin on a counter);
- * - B's five, of one KC block of a pair of panels (outputs j and j + n / 2), into the
+ *   ([m2][k / 2] each); the threads then wait for each other (a spin on a counter);
+ * - B's five, of one KC block of a pair of panels (outputs j and j + n2), into the
  *   thread's own scratch just before that block's products (5 x 36 KiB, in L2). The
  *   weight stays as segflow_linear_pack made it, and is read from memory once a run,
  *   as by the classic kernel: nothing about it is stored twice.
  * Every product is panel.h's 4 x 24 register block over a KC block, its tile added to
  * (or subtracted from) the one or two output tiles it belongs to, which start as the
  * bias; the activation is applied after the last KC block's products. The threads
- * claim guided chunks of panel pairs, as gemm.c's do of panels.
+ * claim guided chunks of panel pairs, as gemm.c's do of panels, then the panels past
+ * them one at a time. The rows past 2 m2 are summed classically within each panel
+ * pair, while its weight blocks are at hand.
  *
  * It exists because the classic kernel already runs at ~93% of this VM's FMA peak
  * (2-core Zen 1, AVX2), where only less arithmetic is faster: BERT-base's four linear
@@ -36,7 +40,7 @@
  * and 256 inputs lost at every row count tried (32 to 256 rows), hence strassen_fits.
  *
  * Numerics. Each output is still summed in one fixed order, whatever the thread
- * count, but rows m / 2 apart, and output columns n / 2 apart, enter each other's
+ * count, but rows m2 apart, and output columns n2 apart, enter each other's
  * rounding errors (in exact arithmetic those terms cancel): Strassen's error is
  * bounded by whole blocks' magnitudes, not by each output's own terms. Measured
  * against float64 at 128 x 768 -> 768 (largest error over |x| |W| summed per
@@ -44,8 +48,8 @@
  * rows 1000x the other, 2.7e-4 against 3.1e-7. So it runs only where the blocks are
  * alike, the weight checked once (segflow_linear_strassen_spread, at load) and x at
  * every call by the first phase:
- * - the largest |W| of output columns j and j + n / 2 within SPREAD of each other;
- * - the largest |x| of rows i and i + m / 2 within SPREAD of each other, every value
+ * - the largest |W| of output columns j and j + n2 within SPREAD of each other;
+ * - the largest |x| of rows i and i + m2 within SPREAD of each other, every value
  *   finite (an infinity in one row would make NaN of its partner's outputs), and
  *   max |x| max |W| k under FAR_FROM_OVERFLOW;
  * otherwise the call runs the classic kernel, and says so (p->strassen = 0).
@@ -61,6 +65,10 @@
 #define MIN_ROWS 32                 /* fewer rows, and the products are too thin */
 #define MIN_WIDTH 768               /* inputs and outputs, each (see above) */
 
+/* The paired rows' and outputs' halves: m2 rows, n2 outputs (whole panels). */
+static inline int64_t rows_half(int64_t m) { return m / 2 / MR * MR; }
+static inline int64_t outputs_half(int64_t n) { return n / 2 / NR * NR; }
+
 /* The B sums of one KC block of a panel pair, in a thread's scratch. */
 enum { T1, T3, T4, T6, T7, B_SUMS };   /* B11+B22, B12-B22, B21-B11, B11+B12, B21+B22 */
 
@@ -74,17 +82,17 @@ enum { T1, T3, T4, T6, T7, B_SUMS };   /* B11+B22, B12-B22, B21-B11, B11+B12, B2
 
 /* Floats of A's sums, rounded up so that the threads' B sums start 64-byte aligned. */
 static int64_t a_sums_floats(int64_t m, int64_t k) {
-    return (5 * (m / 2) * (k / 2) + 15) / 16 * 16;
+    return (5 * rows_half(m) * (k / 2) + 15) / 16 * 16;
 }
 
 /* 1 where a weight of n outputs and k inputs may be run over as Strassen. */
 int segflow_linear_strassen_weight_fits(int64_t n, int64_t k) {
-    return n >= MIN_WIDTH && n % (2 * NR) == 0 && k >= MIN_WIDTH && k % 2 == 0;
+    return n >= MIN_WIDTH && k >= MIN_WIDTH && k % 2 == 0;
 }
 
 /* 1 where a linear of m rows over such a weight may run as Strassen. */
 int segflow_linear_strassen_fits(int64_t m, int64_t n, int64_t k) {
-    return m >= MIN_ROWS && m % (2 * MR) == 0 && segflow_linear_strassen_weight_fits(n, k);
+    return m >= MIN_ROWS && segflow_linear_strassen_weight_fits(n, k);
 }
 
 int strassen_fits(const segflow_linear_t *p) {
@@ -101,15 +109,14 @@ int64_t segflow_linear_strassen_scratch(int64_t m, int64_t k, int64_t threads) {
 }
 
 /* The weight's check: the largest ratio between the largest |W| of output columns j
- * and j + n / 2 over every j (infinity where one is 0 and the other not; NaN where W
- * holds a NaN), and in *wmax the largest |W|. `packed` is segflow_linear_pack's. */
+ * and j + n2 over every j < n2 (infinity where one is 0 and the other not; NaN where
+ * W holds a NaN), and in *wmax the largest |W| of those columns. `packed` is
+ * segflow_linear_pack's. */
 double segflow_linear_strassen_spread(const float *packed, int64_t n, int64_t k,
                                       double *wmax) {
     *wmax = 0.0;
-    if (n % (2 * NR) != 0)
-        return INFINITY;
     const v8i sign = (v8i)splat(-0.0f);
-    const int64_t half = n / 2 / NR;
+    const int64_t half = outputs_half(n) / NR;
     double worst = 1.0, top = 0.0;
     for (int64_t j = 0; j < half; j++) {
         const float *panel[2] = {packed + j * k * NR, packed + (j + half) * k * NR};
@@ -147,7 +154,7 @@ double segflow_linear_strassen_spread(const float *packed, int64_t n, int64_t k,
 /* The first phase, this thread's share of the row pairs: A's five sums, and whether x
  * is fit for Strassen (0 sets p->refused). */
 static void a_sums(segflow_linear_t *p, int64_t t, int64_t threads) {
-    const int64_t m2 = p->m / 2, k2 = p->k / 2, lda = p->lda, size = m2 * k2;
+    const int64_t m2 = rows_half(p->m), k2 = p->k / 2, lda = p->lda, size = m2 * k2;
     const int64_t kv = k2 / 8 * 8;
     const v8i sign = (v8i)splat(-0.0f);
     float top = 0.0f;
@@ -222,11 +229,52 @@ product(int64_t kc, const float *a, int64_t lda, const float *panel, float *c1, 
         }
 }
 
-/* Panel pair j (outputs j NR.. and n / 2 + j NR..), inputs [pc, pc + kc) of each half,
- * every row pair: B's sums into bs, then the seven products. */
+/* Rows r.. (R of them, past 2 m2) of panel pair j, inputs [pc, pc + kc) of each half,
+ * classically: C1 += x1 B11 + x2 B21, C2 += x1 B12 + x2 B22 (x1, x2: the rows' inputs
+ * in each half; C1, C2: their outputs in each). */
+static inline __attribute__((always_inline)) void
+rows_classic(const segflow_linear_t *p, int R, int64_t r, int64_t j, int64_t pc, int64_t kc,
+             const float *b11, const float *b21, const float *b12, const float *b22) {
+    const int64_t n = p->n, n2 = outputs_half(n), k2 = p->k / 2, lda = p->lda;
+    const float *x1 = p->x + r * lda + pc, *x2 = x1 + k2;
+    float *c[2] = {p->y + r * n + j * NR, p->y + r * n + n2 + j * NR};
+    const float *bias[2] = {p->bias ? p->bias + j * NR : NULL,
+                            p->bias ? p->bias + n2 + j * NR : NULL};
+    const float *panels[2][2] = {{b11, b21}, {b12, b22}};
+    for (int h = 0; h < 2; h++) {
+        v8 acc[MR][3];
+        for (int i = 0; i < R; i++)
+            for (int v = 0; v < 3; v++)
+                acc[i][v] = pc > 0 ? *(const v8 *)(c[h] + i * n + 8 * v)
+                            : bias[h] ? *(const v8 *)(bias[h] + 8 * v) : splat(0.0f);
+        panel_fma(R, kc, x1, lda, panels[h][0], acc);
+        panel_fma(R, kc, x2, lda, panels[h][1], acc);
+        for (int i = 0; i < R; i++)
+            for (int v = 0; v < 3; v++)
+                *(v8 *)(c[h] + i * n + 8 * v) =
+                    pc + kc == k2 && p->act ? activate(p, acc[i][v]) : acc[i][v];
+    }
+}
+
+/* The rows past 2 m2 (fewer than 8) of panel pair j: a copy per row count. */
+static __attribute__((noinline)) void
+leftover_rows(const segflow_linear_t *p, int64_t j, int64_t pc, int64_t kc, const float *b11,
+              const float *b21, const float *b12, const float *b22) {
+    for (int64_t r = 2 * rows_half(p->m); r < p->m; r += MR) {
+        switch (p->m - r < MR ? p->m - r : MR) {
+        case 4: rows_classic(p, 4, r, j, pc, kc, b11, b21, b12, b22); break;
+        case 3: rows_classic(p, 3, r, j, pc, kc, b11, b21, b12, b22); break;
+        case 2: rows_classic(p, 2, r, j, pc, kc, b11, b21, b12, b22); break;
+        default: rows_classic(p, 1, r, j, pc, kc, b11, b21, b12, b22); break;
+        }
+    }
+}
+
+/* Panel pair j (outputs j NR.. and n2 + j NR..), inputs [pc, pc + kc) of each half,
+ * every row pair: B's sums into bs, then the seven products; then the rows past 2 m2. */
 static void panel_pair(const segflow_linear_t *p, int64_t j, int64_t pc, int64_t kc,
                        float *bs) {
-    const int64_t k = p->k, k2 = k / 2, m2 = p->m / 2, n = p->n, n2 = n / 2;
+    const int64_t k = p->k, k2 = k / 2, m2 = rows_half(p->m), n = p->n, n2 = outputs_half(n);
     const int64_t half = n2 / NR, lda = p->lda, size = m2 * k2;
     const float *b11 = p->w + (j * k + pc) * NR, *b21 = b11 + k2 * NR;
     const float *b12 = p->w + ((j + half) * k + pc) * NR, *b22 = b12 + k2 * NR;
@@ -278,6 +326,8 @@ static void panel_pair(const segflow_linear_t *p, int64_t j, int64_t pc, int64_t
                     }
         }
     }
+    if (2 * m2 < p->m)
+        leftover_rows(p, j, pc, kc, b11, b21, b12, b22);
 }
 
 /* The OpenMP region's body (gemm.c's segflow_linear starts it): the first phase, the
@@ -302,7 +352,7 @@ void strassen_work(void *data) {
     if (t == 0)
         p->strassen = 1;
     float *bs = p->scratch + a_sums_floats(p->m, p->k) + t * B_SUMS * KC * NR;
-    const int64_t pairs = p->n / 2 / NR, k2 = p->k / 2;
+    const int64_t pairs = outputs_half(p->n) / NR, k2 = p->k / 2;
     int64_t c = __atomic_load_n(&p->next, __ATOMIC_RELAXED);
     while (c < pairs) {          /* on a failed exchange c is the counter's new value */
         int64_t chunk = (pairs - c) / (2 * threads);
@@ -315,4 +365,8 @@ void strassen_work(void *data) {
             c = __atomic_load_n(&p->next, __ATOMIC_RELAXED);
         }
     }
+    /* The panels past the pairs (outputs from 2 n2), classically, one at a time. */
+    const int64_t panels = (p->n + NR - 1) / NR;
+    for (int64_t q; (q = 2 * pairs + __atomic_fetch_add(&p->spare, 1, __ATOMIC_RELAXED)) < panels;)
+        linear_part(p, q, q + 1, 0, p->m);
 }
