@@ -7,6 +7,20 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import torch
+
+
+def on_one_and_more_threads(fn: Callable[[], Any]) -> tuple[Any, Any]:
+    """``fn()`` with one intra-op thread, then with at least two (the OpenMP pool that
+    torch, libdnnl and the native kernels share); the thread count is restored."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = fn()
+        torch.set_num_threads(max(2, threads))
+        return one, fn()
+    finally:
+        torch.set_num_threads(threads)
 
 
 def run_in_threads(work: Callable[[int], object], count: int) -> None:

@@ -1,6 +1,9 @@
-"""A helper for the linear-kernel tests: a one-linear ONNX model."""
+"""Helpers for the linear-kernel tests: a one-linear ONNX model, and a session of it with
+one layout choice switched off."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 from onnx import ModelProto, TensorProto, helper, numpy_helper
@@ -23,3 +26,15 @@ def linear_model(rng: np.random.Generator, k: int, n: int, act: str | None,
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     return model, w
+
+
+def session_switched_off(model: ModelProto, how: str, monkeypatch: Any, variable: str,
+                         key: str) -> Any:
+    """A session of ``model`` with one layout choice off: through the environment
+    (``how == "env"``: ``variable=0``) or the API (``optimize={key: False}``)."""
+    import segflow
+
+    if how == "env":
+        monkeypatch.setenv(variable, "0")
+        return segflow.InferenceSession(model)
+    return segflow.InferenceSession(model, optimize={key: False})

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 import segflow
-from concurrency import runs_match_in_threads
-from linear_model import linear_model
+from concurrency import on_one_and_more_threads, runs_match_in_threads
+from linear_model import linear_model, session_switched_off
 from segflow.ops import fused
 from segflow.ops.native_library import NativeLibrary
 from segflow.ops.native_linear import NativeLinear, kernel_activation, pack, packed_size, unpack
@@ -151,14 +151,7 @@ def test_the_split_between_threads_does_not_change_a_bit():
     b = torch.randn(1000)
     op, packed = _op(w)
     x = torch.randn(130, 800)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = op(x, packed, b)
-        torch.set_num_threads(max(2, threads))
-        many = op(x, packed, b)
-    finally:
-        torch.set_num_threads(threads)
+    one, many = on_one_and_more_threads(lambda: op(x, packed, b))
     # Each output is summed by one thread in the same order, however the panels are split.
     assert torch.equal(one, many)
 
@@ -230,11 +223,8 @@ def test_session_packs_large_linears_for_the_native_kernel(preferred, compile_mo
 @pytest.mark.parametrize("how", ["api", "env"])
 def test_the_switch_sends_linears_to_libdnnl(preferred, monkeypatch, how):
     model, _ = _linear_model(768, 768, "Relu")
-    if how == "env":
-        monkeypatch.setenv("SEGFLOW_NATIVE_LINEAR", "0")
-        sess = segflow.InferenceSession(model)
-    else:
-        sess = segflow.InferenceSession(model, optimize={"layout.native_linear": False})
+    sess = session_switched_off(model, how, monkeypatch, "SEGFLOW_NATIVE_LINEAR",
+                                "layout.native_linear")
     (node,) = sess.graph.nodes
     assert not fused.linear_calls_native(node) and fused.linear_calls_libdnnl(node)
     x = RNG.standard_normal((2, 16, 768)).astype(np.float32)

@@ -20,7 +20,8 @@ import pytest
 import torch
 
 import segflow
-from linear_model import linear_model
+from concurrency import on_one_and_more_threads
+from linear_model import linear_model, session_switched_off
 from segflow.ops import fused
 from segflow.ops.native_library import NativeLibrary
 from segflow.ops.native_linear import (
@@ -101,14 +102,7 @@ def test_the_split_between_threads_does_not_change_a_bit():
     b = torch.randn(1536)
     op, _, packed = _ops(w, "Gelu")
     x = torch.randn(96, 768)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = op(x, packed, b)
-        torch.set_num_threads(max(2, threads))
-        many = op(x, packed, b)
-    finally:
-        torch.set_num_threads(threads)
+    one, many = on_one_and_more_threads(lambda: op(x, packed, b))
     assert torch.equal(one, many) and op.strassen_calls == 2
 
 
@@ -265,11 +259,7 @@ def test_a_session_marks_runs_and_explains_it(preferred):
 @pytest.mark.parametrize("how", ["api", "env"])
 def test_the_switch_turns_it_off(preferred, monkeypatch, how):
     model, _ = linear_model(RNG, 768, 768, None)
-    if how == "env":
-        monkeypatch.setenv("SEGFLOW_STRASSEN", "0")
-        sess = segflow.InferenceSession(model)
-    else:
-        sess = segflow.InferenceSession(model, optimize={"layout.strassen": False})
+    sess = session_switched_off(model, how, monkeypatch, "SEGFLOW_STRASSEN", "layout.strassen")
     (node,) = sess.graph.nodes
     assert fused.linear_calls_native(node) and "strassen_wmax" not in node.attrs
     sess.run(None, {"x": RNG.standard_normal((2, 16, 768)).astype(np.float32)})

@@ -197,16 +197,8 @@ void linear_work(void *data) {
     const int64_t threads = p->num_threads ? p->num_threads() : 1;
     const int64_t panels = (p->n + NR - 1) / NR;
     if (panels >= threads || p->m < MR * threads) {
-        int64_t c = __atomic_load_n(&p->next, __ATOMIC_RELAXED);
-        while (c < panels) {     /* on a failed exchange c is the counter's new value */
-            int64_t chunk = (panels - c) / (2 * threads);
-            chunk = chunk < 1 ? 1 : chunk;
-            if (__atomic_compare_exchange_n(&p->next, &c, c + chunk, 0, __ATOMIC_RELAXED,
-                                            __ATOMIC_RELAXED)) {
-                linear_part(p, c, c + chunk, 0, p->m);
-                c = __atomic_load_n(&p->next, __ATOMIC_RELAXED);
-            }
-        }
+        for (int64_t c, chunk; (c = claim_guided(&p->next, panels, threads, &chunk)) < panels;)
+            linear_part(p, c, c + chunk, 0, p->m);
     } else {                     /* few panels, many rows: split the rows (whole blocks) */
         const int64_t blocks = (p->m + MR - 1) / MR;
         const int64_t chunk = (blocks + 8 * threads - 1) / (8 * threads);

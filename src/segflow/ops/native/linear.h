@@ -96,6 +96,23 @@ static inline v8 activate(const segflow_linear_t *p, v8 v) {
     return select_v8(v, hi, v > hi);
 }
 
+/* The next guided chunk of `total` units counted by *next: a quarter of what is left
+ * (remaining / (2 threads)), at least one, claimed with a compare-and-swap. Returns its
+ * first unit, its size in *chunk; `total` once none is left. */
+static inline int64_t claim_guided(int64_t *next, int64_t total, int64_t threads,
+                                   int64_t *chunk) {
+    int64_t c = __atomic_load_n(next, __ATOMIC_RELAXED);
+    while (c < total) {          /* on a failed exchange c is the counter's new value */
+        const int64_t n = (total - c) / (2 * threads) > 1 ? (total - c) / (2 * threads) : 1;
+        if (__atomic_compare_exchange_n(next, &c, c + n, 0, __ATOMIC_RELAXED,
+                                        __ATOMIC_RELAXED)) {
+            *chunk = n;
+            return c;
+        }
+    }
+    return total;
+}
+
 /* gemm.c: the OpenMP region body of the classic kernel (claims chunks of p->next), and
  * the classic kernel over panels [p0, p1) and rows [r0, r1). */
 __attribute__((visibility("hidden"))) void linear_work(void *data);

@@ -353,18 +353,10 @@ void strassen_work(void *data) {
         p->strassen = 1;
     float *bs = p->scratch + a_sums_floats(p->m, p->k) + t * B_SUMS * KC * NR;
     const int64_t pairs = outputs_half(p->n) / NR, k2 = p->k / 2;
-    int64_t c = __atomic_load_n(&p->next, __ATOMIC_RELAXED);
-    while (c < pairs) {          /* on a failed exchange c is the counter's new value */
-        int64_t chunk = (pairs - c) / (2 * threads);
-        chunk = chunk < 1 ? 1 : chunk;
-        if (__atomic_compare_exchange_n(&p->next, &c, c + chunk, 0, __ATOMIC_RELAXED,
-                                        __ATOMIC_RELAXED)) {
-            for (int64_t pc = 0; pc < k2; pc += KC)
-                for (int64_t j = c; j < c + chunk; j++)
-                    panel_pair(p, j, pc, k2 - pc < KC ? k2 - pc : KC, bs);
-            c = __atomic_load_n(&p->next, __ATOMIC_RELAXED);
-        }
-    }
+    for (int64_t c, chunk; (c = claim_guided(&p->next, pairs, threads, &chunk)) < pairs;)
+        for (int64_t pc = 0; pc < k2; pc += KC)
+            for (int64_t j = c; j < c + chunk; j++)
+                panel_pair(p, j, pc, k2 - pc < KC ? k2 - pc : KC, bs);
     /* The panels past the pairs (outputs from 2 n2), classically, one at a time. */
     const int64_t panels = (p->n + NR - 1) / NR;
     for (int64_t q; (q = 2 * pairs + __atomic_fetch_add(&p->spare, 1, __ATOMIC_RELAXED)) < panels;)
