@@ -66,6 +66,13 @@ def test_pack_pads_panels_with_zeros_and_unpacks_to_the_same_bits(n, k):
     wider[:, :n] = w.t()
     assert torch.equal(pack(LIB, wider[:, :n].t()), packed)
     assert torch.equal(pack(LIB, w[:, ::2]), pack(LIB, w[:, ::2].contiguous()))
+    # Each output's largest |W|, taken while packing by either path; NaN where it has one.
+    w[n // 2, k // 3] = math.nan
+    want = w.abs().amax(dim=1)
+    for dense in (w, w.t().contiguous().t()):
+        top = torch.empty(n)
+        pack(LIB, dense, top)
+        torch.testing.assert_close(top, want, rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 128, 130])
@@ -180,6 +187,8 @@ def test_bad_packing_arguments_are_one_line_errors():
     assert LIB is not None
     with pytest.raises(ValueError, match="need a 2-D float32 CPU weight"):
         pack(LIB, torch.randn(4, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="top must hold 4 contiguous float32 values"):
+        pack(LIB, torch.randn(4, 4), torch.empty(3))
     with pytest.raises(ValueError, match=r"not the packing of a \[24, 4\] weight"):
         unpack(LIB, torch.randn(95), 24, 4)
 

@@ -45,14 +45,26 @@ def _ops(w: torch.Tensor, act: str = "", params: tuple[float, ...] = (0.0, 0.0),
     outputs in the halves' whole panels (all of them unless told)."""
     assert LIB is not None
     activation = fused.ACTIVATIONS[act]
-    packed = pack(LIB, w)
     n, k = w.shape
-    wmax = strassen_spread(LIB, packed, n, k)
+    packed, wmax = _packed(w)
     assert wmax is not None and wmax == w[:paired].abs().max().item()
     made = [NativeLinear(LIB, k, n, kernel_activation(act, params), None,
                          lambda y: activation.apply(y, params), cap)
             for cap in (wmax, None)]
     return made[0], made[1], packed
+
+
+def _packed(w: torch.Tensor) -> tuple[torch.Tensor, float | None]:
+    """``w`` packed, and its Strassen check (from the outputs' largest ``|W|``, taken
+    while packing, as the layout pass does)."""
+    assert LIB is not None
+    top = torch.empty(w.shape[0])
+    packed = pack(LIB, w, top)
+    return packed, strassen_spread(LIB, top, *w.shape)
+
+
+def _spread(w: torch.Tensor) -> float | None:
+    return _packed(w)[1]
 
 
 def _scaled_error(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
@@ -157,22 +169,22 @@ def test_weights_unlike_in_scale_or_shape_are_not_marked():
     w = torch.randn(768, 768)
     loud = w.clone()
     loud[400] *= 17 * w[16].abs().max() / w[400].abs().max()   # column 400 pairs with 16
-    assert strassen_spread(LIB, pack(LIB, loud), 768, 768) is None
+    assert _spread(loud) is None
     loud[400] *= 15 / 17
-    assert strassen_spread(LIB, pack(LIB, loud), 768, 768) == loud.abs().max().item()
+    assert _spread(loud) == loud.abs().max().item()
     dead = w.clone()
     dead[20] = 0
-    assert strassen_spread(LIB, pack(LIB, dead), 768, 768) is None
+    assert _spread(dead) is None
     nan = w.clone()
     nan[3, 3] = math.nan
-    assert strassen_spread(LIB, pack(LIB, nan), 768, 768) is None
+    assert _spread(nan) is None
     # 768 or more outputs, and 768 or more inputs, an even count.
     for n, k in ((768, 767), (720, 768), (768, 766), (767, 1024)):
-        assert strassen_spread(LIB, pack(LIB, torch.randn(n, k)), n, k) is None, (n, k)
+        assert _spread(torch.randn(n, k)) is None, (n, k)
     # Outputs past the paired panels (792: 24 of them) are not compared.
     odd = torch.randn(792, 768)
     odd[780] *= 100
-    assert strassen_spread(LIB, pack(LIB, odd), 792, 768) == odd[:768].abs().max().item()
+    assert _spread(odd) == odd[:768].abs().max().item()
 
 
 @pytest.mark.parametrize("rows", [1, 24, 31])

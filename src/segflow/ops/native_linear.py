@@ -84,13 +84,18 @@ def packed_size(library: NativeLibrary, out_features: int, in_features: int) -> 
     return int(fn(out_features, in_features))
 
 
-def pack(library: NativeLibrary, dense: Tensor) -> Tensor:
+def pack(library: NativeLibrary, dense: Tensor, top: Tensor | None = None) -> Tensor:
     """``dense`` (``[N, K]`` float32) as :class:`NativeLinear` reads it: 1-D float32,
-    ``ceil(N / 24)`` panels of ``[K, 24]``, the last one padded with zeros."""
+    ``ceil(N / 24)`` panels of ``[K, 24]``, the last one padded with zeros. With
+    ``top`` (``N`` float32 values), each output's largest ``|W|`` is written there as
+    well (NaN where it has one), for :func:`strassen_spread`."""
     if dense.dtype != torch.float32 or dense.dim() != 2 or dense.device.type != "cpu":
         raise ValueError(f"pack: need a 2-D float32 CPU weight, got {dense.dtype} "
                          f"{list(dense.shape)} on {dense.device.type}")
     n, k = (int(d) for d in dense.shape)
+    if top is not None and (top.dtype != torch.float32 or top.numel() != n
+                            or not top.is_contiguous()):
+        raise ValueError(f"pack: top must hold {n} contiguous float32 values")
     out = torch.empty(packed_size(library, n, k), dtype=torch.float32)
     if dense.stride(-1) != 1 and dense.stride(0) == 1 and dense.stride(1) >= n:
         # The transpose of a row-major [K, N] (a MatMul's weight, kept as a view by the
@@ -103,19 +108,19 @@ def pack(library: NativeLibrary, dense: Tensor) -> Tensor:
         stride = dense.stride(0)
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                   ctypes.c_void_p]
-    fn(dense.data_ptr(), n, k, stride, out.data_ptr())
+                   ctypes.c_void_p, ctypes.c_void_p]
+    fn(dense.data_ptr(), n, k, stride, out.data_ptr(), None if top is None else top.data_ptr())
     return out
 
 
-def strassen_spread(library: NativeLibrary, packed: Tensor, out_features: int,
+def strassen_spread(library: NativeLibrary, top: Tensor, out_features: int,
                     in_features: int) -> float | None:
-    """The largest ``|W|`` of a weight :func:`pack` made, where one level of Strassen may
-    run over it; None where it may not: the shape does not fit (768 or more inputs, an
-    even count, and 768 or more outputs), or some output column ``j`` and its partner
-    ``j + n2`` (``n2``: half the outputs, rounded down to whole 24-column panels) differ
-    in their largest ``|W|`` by more than the kernel's bound (16x), or the weight
-    holds a NaN."""
+    """The largest ``|W|`` of the weight whose outputs' largest ``|W|`` :func:`pack`
+    wrote into ``top``, where one level of Strassen may run over it; None where it may
+    not: the shape does not fit (768 or more inputs, an even count, and 768 or more
+    outputs), or some output ``j`` and its partner ``j + n2`` (``n2``: half the outputs,
+    rounded down to whole 24-column panels) differ in their largest ``|W|`` by more
+    than the kernel's bound (16x), or the weight holds a NaN."""
     dll = library.dll
     fits = dll.segflow_linear_strassen_weight_fits
     fits.restype = ctypes.c_int
@@ -124,12 +129,11 @@ def strassen_spread(library: NativeLibrary, packed: Tensor, out_features: int,
         return None
     spread = dll.segflow_linear_strassen_spread
     spread.restype = ctypes.c_double
-    spread.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                       ctypes.POINTER(ctypes.c_double)]
+    spread.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(ctypes.c_double)]
     bound = dll.segflow_linear_strassen_max_spread
     bound.restype = ctypes.c_double
     wmax = ctypes.c_double(0.0)
-    ratio = spread(packed.data_ptr(), out_features, in_features, ctypes.byref(wmax))
+    ratio = spread(top.data_ptr(), out_features, ctypes.byref(wmax))
     if not ratio <= bound() or not math.isfinite(wmax.value):    # NaN compares false
         return None
     return wmax.value

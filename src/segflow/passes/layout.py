@@ -89,6 +89,7 @@ def layout(graph: Graph, device: Device, *, direct: bool = True,
     if device.kind is not DeviceKind.CPU or not onednn_available():
         return PassResult(graph, False)
     packed: dict[tuple[int, _PackParams, int], Value] = {}
+    strassen_wmax: dict[int, float | None] = {}  # id(panels) -> its weight's Strassen check
     packed_as: dict[int, PackedConv] = {}
     winograd_weights: dict[int, Value] = {}     # id(dense weight) -> its transformed one
     released: list[Value] = []   # dense weights freed (kept: the dicts above key on id())
@@ -109,7 +110,8 @@ def layout(graph: Graph, device: Device, *, direct: bool = True,
             if not native_known:
                 native, native_known = _native_for_linears(native_linear), True
             dense = node.inputs[1]
-            if native is not None and _pack_native(graph, node, packed, native, strassen):
+            if native is not None and _pack_native(graph, node, packed, native,
+                                                   strassen_wmax if strassen else None):
                 changed += 1
                 _release(graph, dense, released)
                 continue
@@ -339,10 +341,12 @@ def _native_for_linears(choice: bool | None) -> NativeLibrary | None:
 
 
 def _pack_native(graph: Graph, node: Node, packed: dict[tuple[int, _PackParams, int], Value],
-                 library: NativeLibrary, strassen: bool) -> bool:
+                 library: NativeLibrary, strassen_wmax: dict[int, float | None] | None) -> bool:
     """Pack a large float32 FusedGemm weight into ``ops/native/gemm.c``'s panels and
-    mark the node ``native_linear`` (and, with ``strassen``, ``strassen_wmax`` where the
-    packing allows Strassen); False where the weight does not qualify."""
+    mark the node ``native_linear``; with ``strassen_wmax`` (the check of each packing
+    made, by ``id``), also ``strassen_wmax`` where the weight allows Strassen
+    (:func:`~segflow.ops.native_linear.strassen_spread`, from each output's largest
+    ``|W|``, taken while packing). False where the weight does not qualify."""
     weight, x = node.inputs[1], node.inputs[0]
     if weight is None or weight.const is None or weight.const.is_mkldnn or x is None:
         return False
@@ -350,21 +354,22 @@ def _pack_native(graph: Graph, node: Node, packed: dict[tuple[int, _PackParams, 
     if w.dtype != torch.float32 or w.dim() != 2 or w.numel() < LINEAR_PACK_MIN_WEIGHT \
             or w.device.type != "cpu":
         return False
+    n, k = (int(d) for d in w.shape)
     key = (id(weight), _PackParams((), (), (), -2, None), 0)
     value = packed.get(key)
     if value is None:
+        top = torch.empty(n) if strassen_wmax is not None else None
         value = Value(_fresh_name(graph, f"{weight.name}.panels"), weight.spec,
-                      const=native_pack(library, w))
+                      const=native_pack(library, w, top))
         graph.add_initializer(value)
         packed[key] = value
+        if strassen_wmax is not None and top is not None:
+            strassen_wmax[id(value)] = strassen_spread(library, top, n, k)
     graph.set_input(node, 1, value)
     node.attrs["native_linear"] = 1
-    if strassen:
-        assert value.const is not None
-        n, k = (int(d) for d in w.shape)
-        wmax = strassen_spread(library, value.const, n, k)
-        if wmax is not None:
-            node.attrs["strassen_wmax"] = wmax
+    wmax = strassen_wmax.get(id(value)) if strassen_wmax is not None else None
+    if wmax is not None:
+        node.attrs["strassen_wmax"] = wmax
     return True
 
 

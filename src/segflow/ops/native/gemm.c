@@ -34,6 +34,7 @@
  * linears may instead run as one level of Strassen over the same panels (strassen.c),
  * which sums differently and mixes rows m / 2 apart at rounding level.
  */
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -56,15 +57,30 @@ int64_t segflow_linear_packed_size(int64_t n, int64_t k) {
     return (n + NR - 1) / NR * NR * k;
 }
 
-/* W [n][k] (rows ldw floats apart) -> panels [ceil(n / NR)][k][NR], zero-padded. */
-void segflow_linear_pack(const float *w, int64_t n, int64_t k, int64_t ldw, float *out) {
+/* The largest |.| so far, or NaN from the first NaN on. */
+static inline float top_abs(float top, float v) {
+    const float a = fabsf(v);
+    return v != v ? v : a > top ? a : top;
+}
+
+/* W [n][k] (rows ldw floats apart) -> panels [ceil(n / NR)][k][NR], zero-padded; with
+ * `top` (n floats, or NULL), each output's largest |W| as well (NaN where it has one:
+ * strassen.c's check reads them), while the rows are at hand. */
+void segflow_linear_pack(const float *w, int64_t n, int64_t k, int64_t ldw, float *out,
+                         float *top) {
     for (int64_t p = 0; p < (n + NR - 1) / NR; p++) {
         float *panel = out + p * k * NR;
         for (int64_t j = 0; j < NR; j++) {
             int64_t row = p * NR + j;
             if (row < n) {
                 const float *src = w + row * ldw;
-                for (int64_t i = 0; i < k; i++) panel[i * NR + j] = src[i];
+                float largest = 0.0f;
+                for (int64_t i = 0; i < k; i++) {
+                    panel[i * NR + j] = src[i];
+                    largest = top_abs(largest, src[i]);
+                }
+                if (top)
+                    top[row] = largest;
             } else {
                 for (int64_t i = 0; i < k; i++) panel[i * NR + j] = 0.0f;
             }
@@ -74,16 +90,37 @@ void segflow_linear_pack(const float *w, int64_t n, int64_t k, int64_t ldw, floa
 
 /* The same panels from W's transpose: B [k][n] (rows ldb floats apart, B[i][j] =
  * W[j][i]), as an ONNX MatMul stores its weight. Each panel row is 24 consecutive
- * floats of a row of B: a copy, where packing W [n][k] is a transpose. */
-void segflow_linear_pack_kn(const float *b, int64_t n, int64_t k, int64_t ldb, float *out) {
+ * floats of a row of B: a copy, where packing W [n][k] is a transpose. `top` as
+ * above. */
+void segflow_linear_pack_kn(const float *b, int64_t n, int64_t k, int64_t ldb, float *out,
+                            float *top) {
     for (int64_t p = 0; p < (n + NR - 1) / NR; p++) {
         float *panel = out + p * k * NR;
         const int64_t cols = n - p * NR < NR ? n - p * NR : NR;
+        /* The largest |W| as the bits of |W|: as integers they order as the magnitudes
+         * do, and every NaN is above infinity, so a NaN column ends up NaN. */
+        v8i largest[3] = {{0}, {0}, {0}};
+        const v8i magnitude = (v8i)splat(-0.0f) ^ (v8i){-1, -1, -1, -1, -1, -1, -1, -1};
         for (int64_t i = 0; i < k; i++) {
-            memcpy(panel + i * NR, b + i * ldb + p * NR, (size_t)cols * sizeof(float));
-            if (cols < NR)
-                memset(panel + i * NR + cols, 0, (size_t)(NR - cols) * sizeof(float));
+            const float *src = b + i * ldb + p * NR;
+            float *row = panel + i * NR;
+            if (cols == NR) {    /* three vectors, not a call to memcpy per 96 bytes */
+                for (int v = 0; v < 3; v++)
+                    *(v8 *)(row + 8 * v) = *(const v8 *)(src + 8 * v);
+            } else {
+                memcpy(row, src, (size_t)cols * sizeof(float));
+                memset(row + cols, 0, (size_t)(NR - cols) * sizeof(float));
+            }
+            if (top)             /* over the panel row just written (zeros past n) */
+                for (int v = 0; v < 3; v++) {
+                    const v8i a = *(const v8i *)(row + 8 * v) & magnitude;
+                    const v8i more = a > largest[v];
+                    largest[v] = (largest[v] & ~more) | (a & more);
+                }
         }
+        if (top)
+            for (int64_t c = 0; c < cols; c++)
+                top[p * NR + c] = ((const v8)largest[c / 8])[c % 8];
     }
 }
 

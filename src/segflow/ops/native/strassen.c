@@ -108,46 +108,24 @@ int64_t segflow_linear_strassen_scratch(int64_t m, int64_t k, int64_t threads) {
     return a_sums_floats(m, k) + threads * B_SUMS * KC * NR;
 }
 
-/* The weight's check: the largest ratio between the largest |W| of output columns j
- * and j + n2 over every j < n2 (infinity where one is 0 and the other not; NaN where
- * W holds a NaN), and in *wmax the largest |W| of those columns. `packed` is
- * segflow_linear_pack's. */
-double segflow_linear_strassen_spread(const float *packed, int64_t n, int64_t k,
-                                      double *wmax) {
-    *wmax = 0.0;
-    const v8i sign = (v8i)splat(-0.0f);
-    const int64_t half = outputs_half(n) / NR;
-    double worst = 1.0, top = 0.0;
-    for (int64_t j = 0; j < half; j++) {
-        const float *panel[2] = {packed + j * k * NR, packed + (j + half) * k * NR};
-        float big[2][NR];
-        for (int h = 0; h < 2; h++) {
-            v8 mx[3] = {splat(0.0f), splat(0.0f), splat(0.0f)};
-            v8i nan = {0};
-            for (int64_t i = 0; i < k; i++)
-                for (int v = 0; v < 3; v++) {
-                    const v8 w = *(const v8 *)(panel[h] + i * NR + 8 * v);
-                    const v8 a = (v8)((v8i)w & ~sign);
-                    nan |= (v8i)(w != w);
-                    mx[v] = select_v8(mx[v], a, (v8i)(a > mx[v]));
-                }
-            for (int l = 0; l < 8; l++)
-                if (nan[l]) {
-                    *wmax = NAN;
-                    return NAN;
-                }
-            for (int v = 0; v < 3; v++)
-                for (int l = 0; l < 8; l++)
-                    big[h][8 * v + l] = mx[v][l];
+/* The weight's check, from `top` (each output's largest |W|, as segflow_linear_pack
+ * gives it): the largest ratio between those of outputs j and j + n2 over every j < n2
+ * (infinity where one is 0 and the other not; NaN where W holds a NaN), and in *wmax
+ * the largest of them. */
+double segflow_linear_strassen_spread(const float *top, int64_t n, double *wmax) {
+    double worst = 1.0, largest = 0.0;
+    const int64_t n2 = outputs_half(n);
+    for (int64_t j = 0; j < n2; j++) {
+        const double a = top[j], b = top[j + n2];
+        if (a != a || b != b) {
+            *wmax = NAN;
+            return NAN;
         }
-        for (int c = 0; c < NR; c++) {
-            const double hi = fmax(big[0][c], big[1][c]), lo = fmin(big[0][c], big[1][c]);
-            const double ratio = lo > 0.0 ? hi / lo : hi > 0.0 ? INFINITY : 1.0;
-            worst = fmax(worst, ratio);
-            top = fmax(top, hi);
-        }
+        const double hi = fmax(a, b), lo = fmin(a, b);
+        worst = fmax(worst, lo > 0.0 ? hi / lo : hi > 0.0 ? INFINITY : 1.0);
+        largest = fmax(largest, hi);
     }
-    *wmax = top;
+    *wmax = largest;
     return worst;
 }
 
