@@ -20,7 +20,7 @@ they keep libdnnl's.
 
 Large linears (768 inputs, an even count, and 768 outputs or more; 32 rows or
 more) can run as one level of Strassen over the same packing
-(``ops/native/strassen.c``): 7 half-size products for 8, BERT-base's linears 0.91
+(``ops/native/strassen.c``): 7 half-size products for 8, BERT-base's linears ~0.93
 of the classic kernel's time. Its rounding errors are bounded by whole blocks
 rather than by each output's own terms, so the layout pass allows it only for a
 weight whose paired output columns (``j`` and ``j + n2``, ``n2`` about half) are
