@@ -34,12 +34,11 @@
  * linears may instead run as one level of Strassen over the same panels (strassen.c),
  * which sums differently and mixes rows m / 2 apart at rounding level.
  */
-#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
-#include "linear.h"        /* segflow_linear_t, KC, activate; panel.h's register block */
+#include "linear.h"        /* segflow_linear_t, KC, block; panel.h's register block */
 
 
 /* 1 where the build has AVX2 and FMA, the vector width and multiply-add the kernel was
@@ -57,12 +56,6 @@ int64_t segflow_linear_packed_size(int64_t n, int64_t k) {
     return (n + NR - 1) / NR * NR * k;
 }
 
-/* The largest |.| so far, or NaN from the first NaN on. */
-static inline float top_abs(float top, float v) {
-    const float a = fabsf(v);
-    return v != v ? v : a > top ? a : top;
-}
-
 /* W [n][k] (rows ldw floats apart) -> panels [ceil(n / NR)][k][NR], zero-padded; with
  * `top` (n floats, or NULL), each output's largest |W| as well (NaN where it has one:
  * strassen.c's check reads them), while the rows are at hand. */
@@ -74,13 +67,13 @@ void segflow_linear_pack(const float *w, int64_t n, int64_t k, int64_t ldw, floa
             int64_t row = p * NR + j;
             if (row < n) {
                 const float *src = w + row * ldw;
-                float largest = 0.0f;
+                int32_t largest = 0;
                 for (int64_t i = 0; i < k; i++) {
                     panel[i * NR + j] = src[i];
-                    largest = top_abs(largest, src[i]);
+                    largest = larger_magnitude1(largest, src[i]);
                 }
                 if (top)
-                    top[row] = largest;
+                    top[row] = magnitude_value(largest);
             } else {
                 for (int64_t i = 0; i < k; i++) panel[i * NR + j] = 0.0f;
             }
@@ -97,10 +90,7 @@ void segflow_linear_pack_kn(const float *b, int64_t n, int64_t k, int64_t ldb, f
     for (int64_t p = 0; p < (n + NR - 1) / NR; p++) {
         float *panel = out + p * k * NR;
         const int64_t cols = n - p * NR < NR ? n - p * NR : NR;
-        /* The largest |W| as the bits of |W|: as integers they order as the magnitudes
-         * do, and every NaN is above infinity, so a NaN column ends up NaN. */
-        v8i largest[3] = {{0}, {0}, {0}};
-        const v8i magnitude = (v8i)splat(-0.0f) ^ (v8i){-1, -1, -1, -1, -1, -1, -1, -1};
+        v8i largest[3] = {{0}, {0}, {0}};   /* larger_magnitude's bits */
         for (int64_t i = 0; i < k; i++) {
             const float *src = b + i * ldb + p * NR;
             float *row = panel + i * NR;
@@ -112,15 +102,12 @@ void segflow_linear_pack_kn(const float *b, int64_t n, int64_t k, int64_t ldb, f
                 memset(row + cols, 0, (size_t)(NR - cols) * sizeof(float));
             }
             if (top)             /* over the panel row just written (zeros past n) */
-                for (int v = 0; v < 3; v++) {
-                    const v8i a = *(const v8i *)(row + 8 * v) & magnitude;
-                    const v8i more = a > largest[v];
-                    largest[v] = (largest[v] & ~more) | (a & more);
-                }
+                for (int v = 0; v < 3; v++)
+                    largest[v] = larger_magnitude(largest[v], *(const v8 *)(row + 8 * v));
         }
         if (top)
             for (int64_t c = 0; c < cols; c++)
-                top[p * NR + c] = ((const v8)largest[c / 8])[c % 8];
+                top[p * NR + c] = magnitude_value(largest[c / 8][c % 8]);
     }
 }
 
@@ -130,22 +117,6 @@ void segflow_linear_unpack(const float *packed, int64_t n, int64_t k, float *w) 
         const float *panel = packed + row / NR * k * NR + row % NR;
         for (int64_t i = 0; i < k; i++) w[row * k + i] = panel[i * NR];
     }
-}
-
-/* y[0..R-1][0..23] (rows ldy apart) = (first ? start : y) + x[0..R-1][0..kc-1] panel,
- * activated when last. `start` is 24 floats (the bias) used for every row. */
-static inline __attribute__((always_inline)) void
-block(const segflow_linear_t *p, int R, int64_t kc, const float *restrict x, int64_t lda,
-      const float *restrict panel, float *restrict y, int64_t ldy, const float *start,
-      int first, int last) {
-    v8 acc[MR][3];
-    for (int r = 0; r < R; r++)
-        for (int v = 0; v < 3; v++)
-            acc[r][v] = first ? *(const v8 *)(start + 8 * v) : *(const v8 *)(y + r * ldy + 8 * v);
-    panel_fma(R, kc, x, lda, panel, acc);
-    for (int r = 0; r < R; r++)
-        for (int v = 0; v < 3; v++)
-            *(v8 *)(y + r * ldy + 8 * v) = last && p->act ? activate(p, acc[r][v]) : acc[r][v];
 }
 
 /* Rows [r0, r1) of one panel's KC block, R rows at a time; `next` (next_bytes long, or

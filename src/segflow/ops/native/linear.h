@@ -1,8 +1,10 @@
 /* segflow native kernels: what gemm.c's linear and strassen.c's share.
  *
  * The call's arguments (segflow_linear_t, which ops/native_linear.py mirrors), the
- * activations applied as outputs are stored (act_t, activate(), gelu8()), and the
- * entry points each file offers the other. Both read the weight packed by
+ * activations applied as outputs are stored (act_t, activate(), gelu8()), the
+ * register block's pass over one panel (block()), the largest magnitude of a weight or
+ * of rows (larger_magnitude()), guided chunk claiming, and the entry points each file
+ * offers the other. Both read the weight packed by
  * segflow_linear_pack: panels of NR = 24 output columns, [k][24] each.
  */
 #ifndef SEGFLOW_LINEAR_H
@@ -94,6 +96,42 @@ static inline v8 activate(const segflow_linear_t *p, v8 v) {
     v = select_v8(v, leaky, leaky > v);
     v = select_v8(v, lo, v < lo);
     return select_v8(v, hi, v > hi);
+}
+
+/* y[0..R-1][0..23] (rows ldy apart) = (first ? start : y) + x[0..R-1][0..kc-1] panel,
+ * activated when last. `start` is 24 floats (the bias) used for every row. */
+static inline __attribute__((always_inline)) void
+block(const segflow_linear_t *p, int R, int64_t kc, const float *restrict x, int64_t lda,
+      const float *restrict panel, float *restrict y, int64_t ldy, const float *start,
+      int first, int last) {
+    v8 acc[MR][3];
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < 3; v++)
+            acc[r][v] = first ? *(const v8 *)(start + 8 * v) : *(const v8 *)(y + r * ldy + 8 * v);
+    panel_fma(R, kc, x, lda, panel, acc);
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < 3; v++)
+            *(v8 *)(y + r * ldy + 8 * v) = last && p->act ? activate(p, acc[r][v]) : acc[r][v];
+}
+
+/* The largest magnitude seen, lanewise, kept as the bits of |x|: as integers they order
+ * as the magnitudes do, and every NaN sorts above infinity, so a NaN, once seen, stays
+ * (no separate check for it). magnitude_value turns the bits back into the float. */
+static inline v8i larger_magnitude(v8i top, v8 x) {
+    const v8i a = (v8i)x & ~(v8i)splat(-0.0f);
+    const v8i more = a > top;
+    return (top & ~more) | (a & more);
+}
+
+static inline int32_t larger_magnitude1(int32_t top, float x) {
+    union { float f; int32_t i; } u = {x};
+    const int32_t a = u.i & 0x7fffffff;
+    return a > top ? a : top;
+}
+
+static inline float magnitude_value(int32_t bits) {
+    union { int32_t i; float f; } u = {bits};
+    return u.f;
 }
 
 /* The next guided chunk of `total` units counted by *next: a quarter of what is left

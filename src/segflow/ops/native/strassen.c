@@ -135,7 +135,6 @@ double segflow_linear_strassen_spread(const float *top, int64_t n, double *wmax)
 static void a_sums(segflow_linear_t *p, int64_t t, int64_t threads) {
     const int64_t m2 = rows_half(p->m), k2 = p->k / 2, lda = p->lda, size = m2 * k2;
     const int64_t kv = k2 / 8 * 8;
-    const v8i sign = (v8i)splat(-0.0f);
     float top = 0.0f;
     int fit = 1;
     for (int64_t r = m2 * t / threads; r < m2 * (t + 1) / threads && fit; r++) {
@@ -143,8 +142,7 @@ static void a_sums(segflow_linear_t *p, int64_t t, int64_t threads) {
         const float *a21 = a11 + m2 * lda, *a22 = a21 + k2;
         float *s1 = p->scratch + r * k2, *s2 = s1 + size, *s5 = s2 + size, *s6 = s5 + size,
               *s7 = s6 + size;
-        v8 upper = splat(0.0f), lower = splat(0.0f);   /* the largest |.| of rows r, r + m2 */
-        v8i bad = {0};
+        v8i upper = {0}, lower = {0};   /* the largest magnitudes of rows r, r + m2 */
         for (int64_t i = 0; i < kv; i += 8) {
             const v8 v11 = *(const v8 *)(a11 + i), v12 = *(const v8 *)(a12 + i);
             const v8 v21 = *(const v8 *)(a21 + i), v22 = *(const v8 *)(a22 + i);
@@ -153,17 +151,11 @@ static void a_sums(segflow_linear_t *p, int64_t t, int64_t threads) {
             *(v8 *)(s5 + i) = v11 + v12;
             *(v8 *)(s6 + i) = v21 - v11;
             *(v8 *)(s7 + i) = v12 - v22;
-            const v8 u1 = (v8)((v8i)v11 & ~sign), u2 = (v8)((v8i)v12 & ~sign);
-            const v8 l1 = (v8)((v8i)v21 & ~sign), l2 = (v8)((v8i)v22 & ~sign);
-            bad |= (v8i)(v11 != v11) | (v8i)(v12 != v12) | (v8i)(v21 != v21) | (v8i)(v22 != v22);
-            upper = select_v8(upper, u1, (v8i)(u1 > upper));
-            upper = select_v8(upper, u2, (v8i)(u2 > upper));
-            lower = select_v8(lower, l1, (v8i)(l1 > lower));
-            lower = select_v8(lower, l2, (v8i)(l2 > lower));
+            upper = larger_magnitude(larger_magnitude(upper, v11), v12);
+            lower = larger_magnitude(larger_magnitude(lower, v21), v22);
         }
-        float hi = 0.0f, lo = 0.0f;
+        int32_t hi = 0, lo = 0;
         for (int l = 0; l < 8; l++) {
-            fit &= !bad[l];
             hi = upper[l] > hi ? upper[l] : hi;
             lo = lower[l] > lo ? lower[l] : lo;
         }
@@ -174,13 +166,13 @@ static void a_sums(segflow_linear_t *p, int64_t t, int64_t threads) {
             s5[i] = v11 + v12;
             s6[i] = v21 - v11;
             s7[i] = v12 - v22;
-            fit &= v11 == v11 && v12 == v12 && v21 == v21 && v22 == v22;
-            hi = fmaxf(hi, fmaxf(fabsf(v11), fabsf(v12)));
-            lo = fmaxf(lo, fmaxf(fabsf(v21), fabsf(v22)));
+            hi = larger_magnitude1(larger_magnitude1(hi, v11), v12);
+            lo = larger_magnitude1(larger_magnitude1(lo, v21), v22);
         }
-        const float big = hi > lo ? hi : lo, small = hi > lo ? lo : hi;
-        fit &= big <= (float)SPREAD * small || big == 0.0f;   /* false for infinity */
-        fit &= isfinite(big);
+        /* As bits a NaN is the largest magnitude of all: not finite, so refused. */
+        const float big = magnitude_value(hi > lo ? hi : lo);
+        const float small = magnitude_value(hi > lo ? lo : hi);
+        fit &= isfinite(big) && (big <= (float)SPREAD * small || big == 0.0f);
         top = big > top ? big : top;
     }
     if (!fit || (double)top * p->wmax * (double)p->k >= FAR_FROM_OVERFLOW)
@@ -210,28 +202,21 @@ product(int64_t kc, const float *a, int64_t lda, const float *panel, float *c1, 
 
 /* Rows r.. (R of them, past 2 m2) of panel pair j, inputs [pc, pc + kc) of each half,
  * classically: C1 += x1 B11 + x2 B21, C2 += x1 B12 + x2 B22 (x1, x2: the rows' inputs
- * in each half; C1, C2: their outputs in each). */
+ * in each half; C1, C2: their outputs in each), through linear.h's block(). */
 static inline __attribute__((always_inline)) void
 rows_classic(const segflow_linear_t *p, int R, int64_t r, int64_t j, int64_t pc, int64_t kc,
              const float *b11, const float *b21, const float *b12, const float *b22) {
+    static const float zeros[NR];
     const int64_t n = p->n, n2 = outputs_half(n), k2 = p->k / 2, lda = p->lda;
     const float *x1 = p->x + r * lda + pc, *x2 = x1 + k2;
+    const int first = pc == 0, last = pc + kc == k2;
     float *c[2] = {p->y + r * n + j * NR, p->y + r * n + n2 + j * NR};
-    const float *bias[2] = {p->bias ? p->bias + j * NR : NULL,
-                            p->bias ? p->bias + n2 + j * NR : NULL};
+    const float *start[2] = {p->bias ? p->bias + j * NR : zeros,
+                             p->bias ? p->bias + n2 + j * NR : zeros};
     const float *panels[2][2] = {{b11, b21}, {b12, b22}};
     for (int h = 0; h < 2; h++) {
-        v8 acc[MR][3];
-        for (int i = 0; i < R; i++)
-            for (int v = 0; v < 3; v++)
-                acc[i][v] = pc > 0 ? *(const v8 *)(c[h] + i * n + 8 * v)
-                            : bias[h] ? *(const v8 *)(bias[h] + 8 * v) : splat(0.0f);
-        panel_fma(R, kc, x1, lda, panels[h][0], acc);
-        panel_fma(R, kc, x2, lda, panels[h][1], acc);
-        for (int i = 0; i < R; i++)
-            for (int v = 0; v < 3; v++)
-                *(v8 *)(c[h] + i * n + 8 * v) =
-                    pc + kc == k2 && p->act ? activate(p, acc[i][v]) : acc[i][v];
+        block(p, R, kc, x1, lda, panels[h][0], c[h], n, start[h], first, 0);
+        block(p, R, kc, x2, lda, panels[h][1], c[h], n, start[h], 0, last);
     }
 }
 
