@@ -1,13 +1,14 @@
 """Tests for NativeLinear (ops/native_linear.py, ops/native/gemm.c): large linears over
-a weight the layout pass packs into panels of 24 output columns.
+a weight the layout pass packs into panels of 24 output columns (48 in an AVX-512
+build).
 
 Numerics are checked against ``F.linear`` on the dense weight (float32: atol/rtol 1e-4
 for sums of up to ~1000 products of unit-scale values) and, at session level, against
 onnxruntime. The kernel's edges are exercised on purpose: row counts that are not a
-multiple of its 4-row block, output widths that are not a multiple of its 24-column
-panel, and input widths above and between its 384-column blocks. Whether the layout
-pass chooses this path depends on the CPU (``native_linear_preferred``: AVX2 + FMA and
-no AVX-512); the tests that need one choice or the other set it.
+multiple of its 4- or 8-row block, output widths that are not a multiple of its 24- or
+48-column panel, and input widths above and between its 384-column blocks. Whether the
+layout pass chooses this path depends on the build (``native_linear_preferred``: AVX2
++ FMA); the tests that need one choice or the other set it.
 """
 
 from __future__ import annotations
@@ -25,9 +26,17 @@ from concurrency import on_one_and_more_threads, runs_match_in_threads
 from linear_model import linear_model, session_switched_off
 from segflow.ops import fused
 from segflow.ops.native_library import NativeLibrary
-from segflow.ops.native_linear import NativeLinear, kernel_activation, pack, packed_size, unpack
+from segflow.ops.native_linear import (
+    NativeLinear,
+    kernel_activation,
+    pack,
+    packed_size,
+    panel_width,
+    unpack,
+)
 
 LIB, WHY = NativeLibrary.probe()
+P = panel_width(LIB) if LIB is not None else 24   # output columns per panel
 pytestmark = pytest.mark.skipif(LIB is None, reason=f"native kernels {WHY}")
 ATOL = RTOL = 1e-4
 RNG = np.random.default_rng(0)
@@ -47,16 +56,17 @@ def _op(w: torch.Tensor, act: str = "", params: tuple[float, ...] = (0.0, 0.0)
     return op, pack(LIB, w)
 
 
-@pytest.mark.parametrize("n,k", [(1, 1), (23, 5), (24, 384), (25, 385), (48, 800),
-                                 (100, 1000)])
+@pytest.mark.parametrize("n,k", [(1, 1), (23, 5), (24, 384), (25, 385), (47, 9), (48, 800),
+                                 (49, 383), (100, 1000)])
 def test_pack_pads_panels_with_zeros_and_unpacks_to_the_same_bits(n, k):
     assert LIB is not None
     w = torch.randn(n, k)
     packed = pack(LIB, w)
-    panels = math.ceil(n / 24)
-    assert packed.shape == (panels * 24 * k,) == (packed_size(LIB, n, k),)
-    # Panel p, column j holds row 24p + j of W along k; the rows past n are zeros.
-    rows = packed.reshape(panels, k, 24).permute(0, 2, 1).reshape(panels * 24, k)
+    assert P in (24, 48)
+    panels = math.ceil(n / P)
+    assert packed.shape == (panels * P * k,) == (packed_size(LIB, n, k),)
+    # Panel p, column j holds row P p + j of W along k; the rows past n are zeros.
+    rows = packed.reshape(panels, k, P).permute(0, 2, 1).reshape(panels * P, k)
     assert torch.equal(rows[:n], w) and not rows[n:].any()
     assert torch.equal(unpack(LIB, packed, n, k), w)
     # A strided (transposed) weight packs the same: the transpose of a [K, N] matrix
@@ -75,8 +85,9 @@ def test_pack_pads_panels_with_zeros_and_unpacks_to_the_same_bits(n, k):
         torch.testing.assert_close(top, want, rtol=0, atol=0, equal_nan=True)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 128, 130])
-@pytest.mark.parametrize("n,k", [(1, 3), (23, 64), (24, 384), (50, 385), (1000, 800)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 15, 128, 130])
+@pytest.mark.parametrize("n,k", [(1, 3), (23, 64), (24, 384), (50, 385), (97, 96),
+                                 (1000, 800)])
 def test_matches_f_linear_at_every_edge_of_the_blocking(rows, n, k):
     w = torch.randn(n, k) / math.sqrt(k)
     b = torch.randn(n)
@@ -116,8 +127,8 @@ def test_nan_stays_nan_through_the_fused_activations():
 
 def test_fused_gelu_is_within_its_stated_bound_of_the_exact_function():
     # A zero weight makes each output its bias, so the kernel's GELU is applied to
-    # chosen values: a dense sweep over [-12, 12] against float64, and the edges torch
-    # defines: 0 for a large negative x, x for a large positive one, NaN for -inf and NaN.
+    # chosen values: a dense sweep over [-12, 12] against float64, and the edges: 0 for a
+    # large negative x, x for a large positive one, NaN for -inf and NaN.
     n = 48
     op, packed = _op(torch.zeros(n, 8), "Gelu")
     assert op.after is None
@@ -129,7 +140,10 @@ def test_fused_gelu_is_within_its_stated_bound_of_the_exact_function():
                             -5.5, -0.0, 0.0, 1e-30, -1e-30, 5.5, 6.0, 3.4e38]
                            + [0.0] * (n - 15))
     got = op(torch.zeros(1, 8), packed, special)[0]
-    torch.testing.assert_close(got, F.gelu(special), atol=2e-7, rtol=1e-6, equal_nan=True)
+    # Against the float64 GELU: torch's float32 one is the CPU's (its AVX-512 kernel
+    # gives NaN for +inf and overflows to inf at 3.4e38).
+    torch.testing.assert_close(got, F.gelu(special.double()).float(), atol=2e-7, rtol=1e-6,
+                               equal_nan=True)
     assert got[0].isnan() and got[2].isnan() and got[1] == math.inf
     assert (got[[3, 5, 6]] == 0.0).all() and got[4] == 1e30 and got[14] == special[14]
 
@@ -216,8 +230,10 @@ def test_session_packs_large_linears_for_the_native_kernel(preferred, compile_mo
     (node,) = sess.graph.nodes
     assert fused.linear_calls_native(node) and not fused.linear_uses_onednn(node)
     assert fused.reads_libdnnl_packing(node)
-    # The panels are the model's only copy of the weight (1000 columns padded to 1008).
+    # The panels are the model's only copy of the weight (1000 columns padded to 1008,
+    # 21 panels of 48 or 42 of 24).
     consts = [v.const for v in sess.graph.initializers.values() if v.const is not None]
+    assert math.ceil(1000 / P) * P == 1008
     assert sum(c.numel() * c.element_size() for c in consts) == 1008 * 768 * 4 + 1000 * 4
     assert any("1 linear packed for the native kernel" in line for line in sess.plan.pass_log)
     for batch in (1, 3, 1):
@@ -241,12 +257,14 @@ def test_the_switch_sends_linears_to_libdnnl(preferred, monkeypatch, how):
     assert sess.last_run_stats.settings["native_linear"] is False
 
 
-def test_avx512_cpus_keep_libdnnl_unless_told(monkeypatch):
+def test_by_default_the_build_decides(monkeypatch):
+    # Preferred wherever the library was built with AVX2 and FMA (its 4 x 24 block, or
+    # AVX-512's 8 x 48), whatever else the CPU has; SEGFLOW_NATIVE_LINEAR=1 forces it.
+    assert LIB is not None
     model, _ = _linear_model(768, 768, None)
-    monkeypatch.setattr(fused, "_cpu_has_avx512", lambda: True)
     monkeypatch.delenv("SEGFLOW_NATIVE_LINEAR", raising=False)
     (node,) = segflow.InferenceSession(model).graph.nodes
-    assert not fused.linear_calls_native(node)
+    assert fused.linear_calls_native(node) == bool(LIB.dll.segflow_linear_vector_fma())
     monkeypatch.setenv("SEGFLOW_NATIVE_LINEAR", "1")
     (node,) = segflow.InferenceSession(model).graph.nodes
     assert fused.linear_calls_native(node)

@@ -23,6 +23,7 @@ import segflow
 from concurrency import on_one_and_more_threads
 from linear_model import linear_model, session_switched_off
 from segflow.ops import fused
+from segflow.passes import layout
 from segflow.ops.native_library import NativeLibrary
 from segflow.ops.native_linear import (
     ACT_NONE,
@@ -30,6 +31,8 @@ from segflow.ops.native_linear import (
     _Args,
     kernel_activation,
     pack,
+    panel_width,
+    strassen_preferred,
     strassen_spread,
 )
 from segflow.ops.onednn_direct import openmp_entry_points
@@ -243,13 +246,35 @@ def test_scratch_for_fewer_threads_than_run_means_the_classic_kernel():
 
 @pytest.fixture
 def preferred(monkeypatch):
-    """This CPU as one the native linear is preferred on (the kernel itself runs on any)."""
+    """This build as one the native linear and Strassen are preferred on (the kernels
+    themselves run on any)."""
     monkeypatch.setattr(fused, "_cpu_has_avx512", lambda: False)
+    monkeypatch.setattr(layout, "strassen_preferred", lambda library: True)
     monkeypatch.delenv("SEGFLOW_NATIVE_LINEAR", raising=False)
     monkeypatch.delenv("SEGFLOW_STRASSEN", raising=False)
     assert LIB is not None
     if not LIB.dll.segflow_linear_vector_fma():
         pytest.skip("the native library was built without AVX2 and FMA")
+
+
+def test_by_default_it_runs_where_the_panels_are_the_avx2_builds(monkeypatch):
+    # Measured faster with the AVX2 build's 24-column panels; with AVX-512's 48-column
+    # ones Strassen's sums cost what its products save, so it is off unless told.
+    assert LIB is not None
+    monkeypatch.delenv("SEGFLOW_NATIVE_LINEAR", raising=False)
+    monkeypatch.delenv("SEGFLOW_STRASSEN", raising=False)
+    assert strassen_preferred(LIB) == (panel_width(LIB) == 24)
+    model, _ = linear_model(RNG, 768, 768, None)
+    sess = segflow.InferenceSession(model, optimize={"layout.native_linear": True})
+    (node,) = sess.graph.nodes
+    assert fused.linear_calls_native(node)
+    assert ("strassen_wmax" in node.attrs) == strassen_preferred(LIB)
+    sess.run(None, {"x": RNG.standard_normal((2, 16, 768)).astype(np.float32)})
+    assert sess.last_run_stats.settings["strassen"] == "auto"
+    monkeypatch.setenv("SEGFLOW_STRASSEN", "1")
+    sess = segflow.InferenceSession(model, optimize={"layout.native_linear": True})
+    (node,) = sess.graph.nodes
+    assert "strassen_wmax" in node.attrs
 
 
 def test_a_session_marks_runs_and_explains_it(preferred):
@@ -264,7 +289,7 @@ def test_a_session_marks_runs_and_explains_it(preferred):
                                    atol=1e-4, rtol=1e-4)
     (line,) = [line for line in sess.kernel_report() if "strassen" in line]
     assert "1 of 1 nodes' weights allow it; 2 calls ran so, 0 ran the classic" in line
-    assert sess.last_run_stats.settings["strassen"] is True
+    assert sess.last_run_stats.settings["strassen"] == "auto"
 
 
 @pytest.mark.parametrize("how", ["api", "env"])

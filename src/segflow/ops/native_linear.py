@@ -69,11 +69,27 @@ class _Args(ctypes.Structure):
 
 def native_linear_preferred(library: NativeLibrary | None) -> bool:
     """Whether large linears should run through :class:`NativeLinear`: the native
-    library loads, was built with AVX2 and FMA (the width the kernel was measured
-    at), and the CPU has no AVX-512 (where libdnnl's inner product stays)."""
-    from segflow.ops.fused import _cpu_has_avx512  # fused imports this module
-    return library is not None and bool(library.dll.segflow_linear_vector_fma()) \
-        and not _cpu_has_avx512()
+    library loads and was built with AVX2 and FMA (its AVX2 4 x 24 or AVX-512 8 x 48
+    register block; measured faster than libdnnl with either, see the module
+    docstring)."""
+    return library is not None and bool(library.dll.segflow_linear_vector_fma())
+
+
+def strassen_preferred(library: NativeLibrary) -> bool:
+    """Whether calls should run as Strassen where they may: where the library's panels
+    are the AVX2 build's (24 columns). In an AVX-512 build the classic kernel reads its
+    panel blocks from L1, and Strassen's sums cost what its products save (BERT-base's
+    shapes at 128 rows: 0.93-1.09 of the classic kernel's time)."""
+    return panel_width(library) == 24
+
+
+def panel_width(library: NativeLibrary) -> int:
+    """Output columns per panel of the packing: 48 where the library was built for
+    AVX-512, else 24 (``ops/native/panel.h``)."""
+    fn = library.dll.segflow_linear_panel_width
+    fn.restype = ctypes.c_int64
+    fn.argtypes = []
+    return int(fn())
 
 
 def packed_size(library: NativeLibrary, out_features: int, in_features: int) -> int:
@@ -86,9 +102,9 @@ def packed_size(library: NativeLibrary, out_features: int, in_features: int) -> 
 
 def pack(library: NativeLibrary, dense: Tensor, top: Tensor | None = None) -> Tensor:
     """``dense`` (``[N, K]`` float32) as :class:`NativeLinear` reads it: 1-D float32,
-    ``ceil(N / 24)`` panels of ``[K, 24]``, the last one padded with zeros. With
-    ``top`` (``N`` float32 values), each output's largest ``|W|`` is written there as
-    well (NaN where it has one), for :func:`strassen_spread`."""
+    ``ceil(N / P)`` panels of ``[K, P]`` (``P``: :func:`panel_width`), the last one
+    padded with zeros. With ``top`` (``N`` float32 values), each output's largest
+    ``|W|`` is written there as well (NaN where it has one), for :func:`strassen_spread`."""
     if dense.dtype != torch.float32 or dense.dim() != 2 or dense.device.type != "cpu":
         raise ValueError(f"pack: need a 2-D float32 CPU weight, got {dense.dtype} "
                          f"{list(dense.shape)} on {dense.device.type}")
@@ -119,7 +135,7 @@ def strassen_spread(library: NativeLibrary, top: Tensor, out_features: int,
     wrote into ``top``, where one level of Strassen may run over it; None where it may
     not: the shape does not fit (768 or more inputs, an even count, and 768 or more
     outputs), or some output ``j`` and its partner ``j + n2`` (``n2``: half the outputs,
-    rounded down to whole 24-column panels) differ in their largest ``|W|`` by more
+    rounded down to whole panels) differ in their largest ``|W|`` by more
     than the kernel's bound (16x), or the weight holds a NaN."""
     dll = library.dll
     fits = dll.segflow_linear_strassen_weight_fits

@@ -23,12 +23,13 @@ F(4x4, 3x3) on CPUs without AVX-512 (``ops/winograd.py``; ``SEGFLOW_WINOGRAD=0``
 turns it off, ``=1`` on everywhere), and its weight constant becomes the
 transformed one (``[36, C, K]``) instead of a packed one. A large linear
 (``FusedGemm``) gets its weight packed once too: into the panels of segflow's own
-kernel where the native library loads on a CPU without AVX-512 (``native_linear``,
+kernel where the native library loads, built with AVX2 and FMA (``native_linear``,
 ``ops/native_linear.py``; ``SEGFLOW_NATIVE_LINEAR=0`` turns it off, ``=1`` on
-everywhere), else for libdnnl's inner product or torch's oneDNN matmul; a packed
-weight whose paired output columns are alike in scale is also marked
-``strassen_wmax``, and its calls may run as one level of Strassen
-(``ops/native/strassen.c``; ``SEGFLOW_STRASSEN=0`` turns it off). Measured
+everywhere), else for libdnnl's inner product or torch's oneDNN matmul; where the
+library's panels are the AVX2 build's (``strassen_preferred``), a packed weight whose
+paired output columns are alike in scale is also marked ``strassen_wmax``, and its
+calls may run as one level of Strassen (``ops/native/strassen.c``;
+``SEGFLOW_STRASSEN=0`` turns it off, ``=1`` on everywhere). Measured
 on ResNet-50 / MobileNetV2 at batch 1 (see benchmarks/cpu_targets.py): torch's
 NCHW ``conv2d`` is several times slower, and its 3-channel stem conv alone costs
 more than oneDNN's whole network.
@@ -54,7 +55,11 @@ from segflow.ops.fused import (
     winograd_preferred,
 )
 from segflow.ops.native_library import NativeLibrary
-from segflow.ops.native_linear import native_linear_preferred, strassen_spread
+from segflow.ops.native_linear import (
+    native_linear_preferred,
+    strassen_preferred,
+    strassen_spread,
+)
 from segflow.ops.native_linear import pack as native_pack
 from segflow.ops.onednn_direct import (
     BLOCK,
@@ -74,7 +79,7 @@ DIRECT_LINEAR_ROWS = 128
 
 def layout(graph: Graph, device: Device, *, direct: bool = True,
            blocked: bool = True, winograd: bool | None = None,
-           native_linear: bool | None = None, strassen: bool = True) -> PassResult:
+           native_linear: bool | None = None, strassen: bool | None = None) -> PassResult:
     """Prepack FusedConv and large FusedGemm weights on CPU (in place); a no-op elsewhere.
 
     ``direct``: mark the packed convolutions to call libdnnl when it loads;
@@ -84,7 +89,8 @@ def layout(graph: Graph, device: Device, *, direct: bool = True,
     ``native_linear``: pack large linears for ``ops/native_linear.py`` where the native
     library loads (None: where ``native_linear_preferred``);
     ``strassen``: and let those whose weight allows it run as Strassen (the node's
-    ``strassen_wmax``: :func:`~segflow.ops.native_linear.strassen_spread`).
+    ``strassen_wmax``: :func:`~segflow.ops.native_linear.strassen_spread`; None: where
+    ``strassen_preferred``).
     """
     if device.kind is not DeviceKind.CPU or not onednn_available():
         return PassResult(graph, False)
@@ -110,8 +116,10 @@ def layout(graph: Graph, device: Device, *, direct: bool = True,
             if not native_known:
                 native, native_known = _native_for_linears(native_linear), True
             dense = node.inputs[1]
+            use_strassen = native is not None and (
+                strassen_preferred(native) if strassen is None else strassen)
             if native is not None and _pack_native(graph, node, packed, native,
-                                                   strassen_wmax if strassen else None):
+                                                   strassen_wmax if use_strassen else None):
                 changed += 1
                 _release(graph, dense, released)
                 continue

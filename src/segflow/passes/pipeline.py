@@ -132,11 +132,12 @@ class OptimizeOptions:
     # where it was measured faster (fused.winograd_preferred: CPUs without AVX-512).
     winograd: bool | None = None
     # Large linears run segflow's packed-panel kernel (ops/native_linear.py); None: where
-    # it was measured faster (native_linear_preferred: AVX2 + FMA, no AVX-512).
+    # it was measured faster (native_linear_preferred: a build with AVX2 + FMA).
     native_linear: bool | None = None
     # ... and as one level of Strassen where their weight and rows allow it
-    # (ops/native/strassen.c).
-    strassen: bool = True
+    # (ops/native/strassen.c); None: where it was measured faster (strassen_preferred:
+    # the AVX2 build's 24-column panels).
+    strassen: bool | None = None
 
     @classmethod
     def resolve(cls, optimize: bool | Mapping[str, bool] | None = None, *,
@@ -196,7 +197,9 @@ class OptimizeOptions:
         native_linear = (_env_bool(env, ENV_NATIVE_LINEAR, True)
                          if env.get(ENV_NATIVE_LINEAR, "").strip() else None)
         native_linear = choices.get("native_linear", native_linear)
-        strassen = choices.get("strassen", _env_bool(env, ENV_STRASSEN, True))
+        strassen = (_env_bool(env, ENV_STRASSEN, True)
+                    if env.get(ENV_STRASSEN, "").strip() else None)
+        strassen = choices.get("strassen", strassen)
         return cls(compile=mode, intra_op_threads=threads, onednn_direct=direct, arena=arena,
                    onednn_blocked=blocked, onednn_replay=replay, prebuild=prebuild,
                    winograd=winograd,
@@ -214,7 +217,7 @@ class OptimizeOptions:
                 "prebuild": self.prebuild,
                 "winograd": "auto" if self.winograd is None else self.winograd,
                 "native_linear": "auto" if self.native_linear is None else self.native_linear,
-                "strassen": self.strassen}
+                "strassen": "auto" if self.strassen is None else self.strassen}
 
 
 def _fuse_rules_off(env: Mapping[str, str]) -> set[str]:

@@ -2,32 +2,39 @@
  *
  * segflow_linear computes y = act(x W^T + b) for float32 row-major x [m, k] (rows
  * lda floats apart), W [n, k] and y [m, n]. The weight is packed once, by
- * segflow_linear_pack, into panels of NR = 24 output columns: panel p holds
- * W[24p .. 24p + 23][0 .. k-1] stored k-major ([k][24], the last panel padded with
- * zeros), so the inner loop reads 24 consecutive floats per input column.
+ * segflow_linear_pack, into panels of NR output columns (panel.h: 24 in an AVX2
+ * build, 48 in an AVX-512 one): panel p holds W[NR p .. NR p + NR - 1][0 .. k-1]
+ * stored k-major ([k][NR], the last panel padded with zeros), so the inner loop reads
+ * NR consecutive floats per input column.
  *
- * The kernel is the usual register-blocked one: 4 rows x 24 columns of y live in 12
- * vector accumulators while the loop runs down k, each step loading three vectors of
- * the panel and broadcasting one x value per row: 12 multiply-adds per 7 loads.
- * k is taken KC columns at a time, so that a panel's KC x 24 block (36 KiB) is read
- * from L1/L2 for every 4 rows of x, and the rows' KC columns stay in L2. The OpenMP
- * threads libdnnl uses (ops/native_linear.py passes libgomp's entry points) claim
- * chunks of panels as they go, or of rows where there are fewer panels than threads.
+ * The kernel is the usual register-blocked one: MR rows x NR columns of y (4 x 24, or
+ * 8 x 48) live in 3 MR vector accumulators while the loop runs down k, each step
+ * loading three vectors of the panel and broadcasting one x value per row.
+ * k is taken KC columns at a time (linear.h: 384 with AVX2, 128 with AVX-512), so
+ * that a panel's KC x NR block is read from L1/L2 for every MR rows of x, and the
+ * rows' KC columns stay in L2. A call of fewer than MR rows (a GEMV) reads each panel
+ * whole, in the order it is stored. The OpenMP threads libdnnl uses
+ * (ops/native_linear.py passes libgomp's entry points) claim chunks of panels as they
+ * go, or of rows where there are fewer panels than threads.
  *
  * It exists because on a 2-core Zen 1 VM (AVX2, 2026-12-06) BERT-base's 128-row
  * linears ran faster this way than through libdnnl 3.2's inner product
  * (brgemm:avx2): 768->768 at 60-70 GFLOP/s against 53-56, 768->3072 and 3072->768
  * 0-8% ahead; the 72 linears of a run 315-335 ms against 332-367, on a measured
  * peak of 74 GFLOP/s for the two cores. A whole BERT-base run: ~4% faster.
+ * On a 2-core AVX-512 VM (2026-12-06) the 8 x 48 block over 128-input blocks (24 KiB,
+ * in L1) ran BERT-base's shapes at 128 rows, 8 cache-cold weights each, at 264-293
+ * GFLOP/s on two threads against torch's 235-261; 384-input blocks (73 KiB, read from
+ * L2) ran at ~250.
  *
  * While a panel's KC block is read for the rows of x, the next block the loop will
  * read (the next panel's, or the first panel's next KC block) is prefetched into L2,
- * a slice per 4 rows: the weights of a large model come from DRAM, and the hardware
+ * a slice per MR rows: the weights of a large model come from DRAM, and the hardware
  * prefetcher only starts on a new stream after its first misses. BERT-base's 48
  * linears chained, 30 alternating rounds: 328.5 against 332.8 ms (2026-12-06).
  *
  * The activation is applied as each output's last KC block is stored: a clamp (ReLU,
- * LeakyReLU, Clip) or erf-GELU (linear.h's gelu8), where it costs no pass over y.
+ * LeakyReLU, Clip) or erf-GELU (linear.h's gelu_vf), where it costs no pass over y.
  *
  * Every output is b[j] + sum over k in order (KC blocks in order, each in order), the
  * sum fused-multiply-added: not bitwise torch's, within float32 rounding of it. Large
@@ -50,6 +57,9 @@ int segflow_linear_vector_fma(void) {
     return 0;
 #endif
 }
+
+/* Columns per panel: NR, 48 in an AVX-512 build, else 24 (panel.h). */
+int64_t segflow_linear_panel_width(void) { return NR; }
 
 /* Floats in the packing of an [n, k] weight. */
 int64_t segflow_linear_packed_size(int64_t n, int64_t k) {
@@ -82,7 +92,7 @@ void segflow_linear_pack(const float *w, int64_t n, int64_t k, int64_t ldw, floa
 }
 
 /* The same panels from W's transpose: B [k][n] (rows ldb floats apart, B[i][j] =
- * W[j][i]), as an ONNX MatMul stores its weight. Each panel row is 24 consecutive
+ * W[j][i]), as an ONNX MatMul stores its weight. Each panel row is NR consecutive
  * floats of a row of B: a copy, where packing W [n][k] is a transpose. `top` as
  * above. */
 void segflow_linear_pack_kn(const float *b, int64_t n, int64_t k, int64_t ldb, float *out,
@@ -90,24 +100,24 @@ void segflow_linear_pack_kn(const float *b, int64_t n, int64_t k, int64_t ldb, f
     for (int64_t p = 0; p < (n + NR - 1) / NR; p++) {
         float *panel = out + p * k * NR;
         const int64_t cols = n - p * NR < NR ? n - p * NR : NR;
-        v8i largest[3] = {{0}, {0}, {0}};   /* larger_magnitude's bits */
+        vfi largest[3] = {{0}, {0}, {0}};   /* larger_magnitude's bits */
         for (int64_t i = 0; i < k; i++) {
             const float *src = b + i * ldb + p * NR;
             float *row = panel + i * NR;
             if (cols == NR) {    /* three vectors, not a call to memcpy per 96 bytes */
                 for (int v = 0; v < 3; v++)
-                    *(v8 *)(row + 8 * v) = *(const v8 *)(src + 8 * v);
+                    *(vf *)(row + VW * v) = *(const vf *)(src + VW * v);
             } else {
                 memcpy(row, src, (size_t)cols * sizeof(float));
                 memset(row + cols, 0, (size_t)(NR - cols) * sizeof(float));
             }
             if (top)             /* over the panel row just written (zeros past n) */
                 for (int v = 0; v < 3; v++)
-                    largest[v] = larger_magnitude(largest[v], *(const v8 *)(row + 8 * v));
+                    largest[v] = larger_magnitude(largest[v], *(const vf *)(row + VW * v));
         }
         if (top)
             for (int64_t c = 0; c < cols; c++)
-                top[p * NR + c] = magnitude_value(largest[c / 8][c % 8]);
+                top[p * NR + c] = magnitude_value(largest[c / VW][c % VW]);
     }
 }
 
@@ -135,11 +145,10 @@ static void rows(const segflow_linear_t *p, int64_t r0, int64_t r1, int64_t pc, 
             __builtin_prefetch(next, 0, 2);
         block(p, MR, kc, x + r * p->lda, p->lda, panel, y + r * ldy, ldy, start, first, last);
     }
-    switch (r1 - r) {
-    case 3: block(p, 3, kc, x + r * p->lda, p->lda, panel, y + r * ldy, ldy, start, first, last); break;
-    case 2: block(p, 2, kc, x + r * p->lda, p->lda, panel, y + r * ldy, ldy, start, first, last); break;
-    case 1: block(p, 1, kc, x + r * p->lda, p->lda, panel, y + r * ldy, ldy, start, first, last); break;
-    default: break;
+    if (r < r1) {
+#define REST(R) block(p, R, kc, x + r * p->lda, p->lda, panel, y + r * ldy, ldy, start, first, last)
+        WITH_ROWS(r1 - r, REST);
+#undef REST
     }
 }
 
@@ -148,7 +157,11 @@ static void rows(const segflow_linear_t *p, int64_t r0, int64_t r1, int64_t pc, 
 void linear_part(const segflow_linear_t *p, int64_t p0, int64_t p1, int64_t r0, int64_t r1) {
     static const float zeros[NR];
     const int64_t n = p->n, k = p->k, full = n / NR;
-    for (int64_t pc = 0; pc < k || pc == 0; pc += KC) {
+    if (r1 - r0 < MR) {          /* a few rows (a GEMV): each panel whole, as it is stored */
+        for (int64_t q = p0; q < (p1 < full ? p1 : full); q++)
+            rows(p, r0, r1, 0, k, p->w + q * k * NR, p->y + q * NR, n,
+                 p->bias ? p->bias + q * NR : zeros, NULL, 0);
+    } else for (int64_t pc = 0; pc < k || pc == 0; pc += KC) {
         const int64_t kc = k - pc < KC ? k - pc : KC;
         const int64_t q1 = p1 < full ? p1 : full;
         for (int64_t q = p0; q < q1; q++) {    /* prefetching the block read next */
@@ -173,12 +186,9 @@ void linear_part(const segflow_linear_t *p, int64_t p0, int64_t p1, int64_t r0, 
                 const float *x = q->x + pc + r * q->lda;
                 const float *panel = q->w + (full * k + pc) * NR;
                 const int first = pc == 0, last = pc + kc == k;
-                switch (end - r) {
-                case 4: block(q, 4, kc, x, q->lda, panel, tile, NR, start, first, last); break;
-                case 3: block(q, 3, kc, x, q->lda, panel, tile, NR, start, first, last); break;
-                case 2: block(q, 2, kc, x, q->lda, panel, tile, NR, start, first, last); break;
-                default: block(q, 1, kc, x, q->lda, panel, tile, NR, start, first, last); break;
-                }
+#define TILE(R) block(q, R, kc, x, q->lda, panel, tile, NR, start, first, last)
+                WITH_ROWS(end - r, TILE);
+#undef TILE
             }
             for (int64_t i = r; i < end; i++)
                 memcpy(p->y + i * n + full * NR, tile + (i - r) * NR, (size_t)cols * sizeof(float));

@@ -1,26 +1,31 @@
 /* segflow native kernels: what gemm.c's linear and strassen.c's share.
  *
  * The call's arguments (segflow_linear_t, which ops/native_linear.py mirrors), the
- * activations applied as outputs are stored (act_t, activate(), gelu8()), the
+ * activations applied as outputs are stored (act_t, activate(), gelu_vf()), the
  * register block's pass over one panel (block()), the largest magnitude of a weight or
  * of rows (larger_magnitude()), guided chunk claiming, and the entry points each file
  * offers the other. Both read the weight packed by
- * segflow_linear_pack: panels of NR = 24 output columns, [k][24] each.
+ * segflow_linear_pack: panels of NR output columns (24, or 48 with AVX-512), [k][NR]
+ * each.
  */
 #ifndef SEGFLOW_LINEAR_H
 #define SEGFLOW_LINEAR_H
 
 #include <stdint.h>
 
-#include "panel.h"         /* NR, MR, v8, v8i, splat, panel_fma */
+#include "panel.h"         /* NR, MR, VW, vf, vfi, splat_vf, panel_fma */
 
+#if VW == 16
+#define KC 128             /* input columns per pass over a panel: its block (24 KiB) in L1 */
+#else
 #define KC 384             /* input columns per pass over a panel */
+#endif
 
 /* The activation applied as outputs are stored (ops/native_linear.py ACT_*). */
 typedef enum {
     ACT_NONE = 0,
     ACT_CLAMP = 1,           /* min(max(max(v, slope v), lo), hi) */
-    ACT_GELU = 2,            /* erf-GELU (gelu8) */
+    ACT_GELU = 2,            /* erf-GELU (gelu_vf) */
 } act_t;
 
 /* What ops/native_linear.py's ctypes structure mirrors. */
@@ -49,7 +54,7 @@ typedef struct {
 } segflow_linear_t;
 
 /* where `take`, b, else a */
-static inline v8 select_v8(v8 a, v8 b, v8i take) { return (v8)(((v8i)a & ~take) | ((v8i)b & take)); }
+static inline vf select_vf(vf a, vf b, vfi take) { return (vf)(((vfi)a & ~take) | ((vfi)b & take)); }
 
 /* x Phi(x) = x (1 + erf(x / sqrt 2)) / 2, lanewise. erf(x / sqrt 2) is the rational
  * |x| P(x^2) / Q(x^2) on |x| <= 5.5 (P of degree 6, Q of degree 5, fitted for this
@@ -59,67 +64,86 @@ static inline v8 select_v8(v8 a, v8 b, v8i take) { return (v8)(((v8i)a & ~take) 
  * float32), so that a large negative x gives 0 as torch does, and -inf NaN as torch
  * does. Within 8.5e-7 of the exact GELU over [-12, 12] in float32 (the tests hold it
  * under 1.2e-6; torch's own vectorized GELU: 3.7e-7), below the ~1e-5 by which a
- * 768-term float32 sum differs from the exact one. 21 vector operations (one a division) per 8 values, against the
- * ~40 of an erf through exp: fused here it cost BERT-base's 12 768 -> 3072 linears
+ * 768-term float32 sum differs from the exact one. 21 vector operations (one a
+ * division) per vector, against the ~40 of an erf through exp: fused here it cost BERT-base's 12 768 -> 3072 linears
  * 4-6 ms less than torch's gelu_ run after them (107.1 against 111.4 ms, 30 rounds). */
-static inline v8 gelu8(v8 x) {
-    const v8i sign = (v8i)splat(-0.0f);
-    const v8 ax = (v8)((v8i)x & ~sign);
-    const v8 c = select_v8(ax, splat(5.5f), (v8i)(ax > splat(5.5f)));
-    const v8 t = c * c;
-    v8 num = splat(-1.6107423728151105e-10f);
-    num = num * t + splat(1.0981689513300807e-07f);
-    num = num * t + splat(1.7170639694086276e-05f);
-    num = num * t + splat(0.000336903816787526f);
-    num = num * t + splat(0.009606008417904377f);
-    num = num * t + splat(0.06489741057157516f);
-    num = num * t + splat(0.7978846430778503f);
-    v8 den = splat(2.0554402908601332e-06f);
-    den = den * t + splat(8.196599083021283e-05f);
-    den = den * t + splat(0.0019276351667940617f);
-    den = den * t + splat(0.028372740373015404f);
-    den = den * t + splat(0.24800385534763336f);
-    den = den * t + splat(1.0f);
-    v8 g = c * num / den;
-    g = select_v8(g, splat(1.0f), (v8i)(g > splat(1.0f)) | (v8i)(ax >= splat(5.5f)));
-    g = (v8)((v8i)g | ((v8i)x & sign));
-    const v8 h = splat(0.5f) * x;
+static inline vf gelu_vf(vf x) {
+    const vfi sign = (vfi)splat_vf(-0.0f);
+    const vf ax = (vf)((vfi)x & ~sign);
+    const vf c = select_vf(ax, splat_vf(5.5f), (vfi)(ax > splat_vf(5.5f)));
+    const vf t = c * c;
+    vf num = splat_vf(-1.6107423728151105e-10f);
+    num = num * t + splat_vf(1.0981689513300807e-07f);
+    num = num * t + splat_vf(1.7170639694086276e-05f);
+    num = num * t + splat_vf(0.000336903816787526f);
+    num = num * t + splat_vf(0.009606008417904377f);
+    num = num * t + splat_vf(0.06489741057157516f);
+    num = num * t + splat_vf(0.7978846430778503f);
+    vf den = splat_vf(2.0554402908601332e-06f);
+    den = den * t + splat_vf(8.196599083021283e-05f);
+    den = den * t + splat_vf(0.0019276351667940617f);
+    den = den * t + splat_vf(0.028372740373015404f);
+    den = den * t + splat_vf(0.24800385534763336f);
+    den = den * t + splat_vf(1.0f);
+    vf g = c * num / den;
+    g = select_vf(g, splat_vf(1.0f), (vfi)(g > splat_vf(1.0f)) | (vfi)(ax >= splat_vf(5.5f)));
+    g = (vf)((vfi)g | ((vfi)x & sign));
+    const vf h = splat_vf(0.5f) * x;
     return h + h * g;
 }
 
 /* ReLU, LeakyReLU (0 <= slope <= 1), Clip; NaN stays NaN (every comparison is false).
  * Or GELU. */
-static inline v8 activate(const segflow_linear_t *p, v8 v) {
+static inline vf activate(const segflow_linear_t *p, vf v) {
     if (p->act == ACT_GELU)
-        return gelu8(v);
-    const v8 lo = splat(p->lo), hi = splat(p->hi), leaky = v * splat(p->slope);
-    v = select_v8(v, leaky, leaky > v);
-    v = select_v8(v, lo, v < lo);
-    return select_v8(v, hi, v > hi);
+        return gelu_vf(v);
+    const vf lo = splat_vf(p->lo), hi = splat_vf(p->hi), leaky = v * splat_vf(p->slope);
+    v = select_vf(v, leaky, leaky > v);
+    v = select_vf(v, lo, v < lo);
+    return select_vf(v, hi, v > hi);
 }
 
-/* y[0..R-1][0..23] (rows ldy apart) = (first ? start : y) + x[0..R-1][0..kc-1] panel,
- * activated when last. `start` is 24 floats (the bias) used for every row. */
+/* y[0..R-1][0..NR-1] (rows ldy apart) = (first ? start : y) + x[0..R-1][0..kc-1] panel,
+ * activated when last. `start` is NR floats (the bias) used for every row. */
 static inline __attribute__((always_inline)) void
 block(const segflow_linear_t *p, int R, int64_t kc, const float *restrict x, int64_t lda,
       const float *restrict panel, float *restrict y, int64_t ldy, const float *start,
       int first, int last) {
-    v8 acc[MR][3];
+    vf acc[MR][3];
     for (int r = 0; r < R; r++)
         for (int v = 0; v < 3; v++)
-            acc[r][v] = first ? *(const v8 *)(start + 8 * v) : *(const v8 *)(y + r * ldy + 8 * v);
+            acc[r][v] = first ? *(const vf *)(start + VW * v) : *(const vf *)(y + r * ldy + VW * v);
     panel_fma(R, kc, x, lda, panel, acc);
     for (int r = 0; r < R; r++)
         for (int v = 0; v < 3; v++)
-            *(v8 *)(y + r * ldy + 8 * v) = last && p->act ? activate(p, acc[r][v]) : acc[r][v];
+            *(vf *)(y + r * ldy + VW * v) = last && p->act ? activate(p, acc[r][v]) : acc[r][v];
 }
+
+/* CALL(R) with R the constant 1 .. MR equal to `rows` (1 <= rows <= MR): the register
+ * block's loops unrolled for each row count, as a switch. */
+#if MR == 8
+#define WITH_ROWS(rows, CALL) do {                                                      \
+        switch (rows) {                                                                 \
+        case 8: CALL(8); break; case 7: CALL(7); break; case 6: CALL(6); break;         \
+        case 5: CALL(5); break; case 4: CALL(4); break; case 3: CALL(3); break;         \
+        case 2: CALL(2); break; default: CALL(1); break;                                \
+        }                                                                               \
+    } while (0)
+#else
+#define WITH_ROWS(rows, CALL) do {                                                      \
+        switch (rows) {                                                                 \
+        case 4: CALL(4); break; case 3: CALL(3); break; case 2: CALL(2); break;         \
+        default: CALL(1); break;                                                        \
+        }                                                                               \
+    } while (0)
+#endif
 
 /* The largest magnitude seen, lanewise, kept as the bits of |x|: as integers they order
  * as the magnitudes do, and every NaN sorts above infinity, so a NaN, once seen, stays
  * (no separate check for it). magnitude_value turns the bits back into the float. */
-static inline v8i larger_magnitude(v8i top, v8 x) {
-    const v8i a = (v8i)x & ~(v8i)splat(-0.0f);
-    const v8i more = a > top;
+static inline vfi larger_magnitude(vfi top, vf x) {
+    const vfi a = (vfi)x & ~(vfi)splat_vf(-0.0f);
+    const vfi more = a > top;
     return (top & ~more) | (a & more);
 }
 

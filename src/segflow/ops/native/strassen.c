@@ -3,8 +3,9 @@
  * segflow_linear (gemm.c) runs y = act(x W^T + b) this way where strassen_fits and
  * its caller passed scratch: x, W^T and y are each split into 2 x 2 blocks (rows at
  * m2, inputs at k / 2, outputs at n2; m2 is m / 2 rounded down to the register
- * block's 4 rows, n2 is n / 2 rounded down to whole 24-column panels, and the rows
- * past 2 m2 (up to 7) and the outputs past 2 n2 (up to 47) are summed classically),
+ * block's MR rows, n2 is n / 2 rounded down to whole NR-column panels, and the rows
+ * past 2 m2 (up to 2 MR - 1) and the outputs past 2 n2 (up to 2 NR - 1) are summed
+ * classically),
  * and the 8 block products of the classic algorithm are replaced by Strassen's 7,
  * with A = x, B = W^T (B12: inputs below k / 2, outputs from n2) and C = y:
  *
@@ -19,13 +20,13 @@
  * 7/8 of the multiply-adds, for sums of blocks:
  * - A's five sums are made first, each thread a share of the row pairs, into scratch
  *   ([m2][k / 2] each); the threads then wait for each other (a spin on a counter);
- * - B's five, of one KC block of a pair of panels (outputs j and j + n2), into the
+ * - B's five, of one SKC block of a pair of panels (outputs j and j + n2), into the
  *   thread's own scratch just before that block's products (5 x 36 KiB, in L2). The
  *   weight stays as segflow_linear_pack made it, and is read from memory once a run,
  *   as by the classic kernel: nothing about it is stored twice.
- * Every product is panel.h's 4 x 24 register block over a KC block, its tile added to
+ * Every product is panel.h's register block over an SKC block, its tile added to
  * (or subtracted from) the one or two output tiles it belongs to, which start as the
- * bias; the activation is applied after the last KC block's products. The threads
+ * bias; the activation is applied after the last SKC block's products. The threads
  * claim guided chunks of panel pairs, as gemm.c's do of panels, then the panels past
  * them one at a time. The rows past 2 m2 are summed classically within each panel
  * pair, while its weight blocks are at hand.
@@ -37,8 +38,13 @@
  * against 18.4, 768 -> 3072 62.0 against 67.8, 3072 -> 768 62.9 against 67.6), and a
  * whole BERT-base run 21.6 ms faster (315.5 against 336.3 ms, 16 alternating runs of
  * two sessions in one process; 2026-12-06). This file's version: 0.93-0.94 of the
- * classic kernel's time on those shapes (A's sums ~1%, B's ~3%). Smaller blocks gained less or lost: 512
- * and 256 inputs lost at every row count tried (32 to 256 rows), hence strassen_fits.
+ * classic kernel's time on those shapes (A's sums ~1%, B's ~3%). Smaller blocks
+ * gained less or lost: 512 and 256 inputs lost at every row count tried (32 to 256
+ * rows), hence strassen_fits. In an AVX-512 build (8 x 48 block, 2-core VM,
+ * 2026-12-06) it does not pay: the classic kernel reads its 128-input panel blocks
+ * from L1 at twice the width, and the sums, which run at memory speed, cost what the
+ * products save (0.93-1.09 of the classic kernel's time at 128 and 384 rows), so the
+ * layout pass uses it only with AVX2's panels unless told (strassen_preferred).
  *
  * Numerics. Each output is still summed in one fixed order, whatever the thread
  * count, but rows m2 apart, and output columns n2 apart, enter each other's
@@ -65,12 +71,17 @@
 #define FAR_FROM_OVERFLOW 1e36      /* max |x| max |W| k must stay under this */
 #define MIN_ROWS 32                 /* fewer rows, and the products are too thin */
 #define MIN_WIDTH 768               /* inputs and outputs, each (see above) */
+/* Inputs per block of B's sums and of the products: 384 in either build. An AVX-512
+ * build's classic kernel takes 128 (linear.h's KC); here 128 cost 3-12% more on
+ * BERT-base's shapes (2-core AVX-512 VM, 2026-12-06): each product's tiles are added
+ * into y once a block. */
+#define SKC 384
 
 /* The paired rows' and outputs' halves: m2 rows, n2 outputs (whole panels). */
 static inline int64_t rows_half(int64_t m) { return m / 2 / MR * MR; }
 static inline int64_t outputs_half(int64_t n) { return n / 2 / NR * NR; }
 
-/* The B sums of one KC block of a panel pair, in a thread's scratch. */
+/* The B sums of one SKC block of a panel pair, in a thread's scratch. */
 enum { T1, T3, T4, T6, T7, B_SUMS };   /* B11+B22, B12-B22, B21-B11, B11+B12, B21+B22 */
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -106,7 +117,7 @@ double segflow_linear_strassen_max_spread(void) { return SPREAD; }
 
 /* Floats of scratch a call of m rows and k inputs needs with `threads` threads. */
 int64_t segflow_linear_strassen_scratch(int64_t m, int64_t k, int64_t threads) {
-    return a_sums_floats(m, k) + threads * B_SUMS * KC * NR;
+    return a_sums_floats(m, k) + threads * B_SUMS * SKC * NR;
 }
 
 /* The weight's check, from `top` (each output's largest |W|, as segflow_linear_pack
@@ -134,7 +145,7 @@ double segflow_linear_strassen_spread(const float *top, int64_t n, double *wmax)
  * is fit for Strassen (0 sets p->refused). */
 static void a_sums(segflow_linear_t *p, int64_t t, int64_t threads) {
     const int64_t m2 = rows_half(p->m), k2 = p->k / 2, lda = p->lda, size = m2 * k2;
-    const int64_t kv = k2 / 8 * 8;
+    const int64_t kv = k2 / VW * VW;
     float top = 0.0f;
     int fit = 1;
     for (int64_t r = m2 * t / threads; r < m2 * (t + 1) / threads && fit; r++) {
@@ -142,20 +153,20 @@ static void a_sums(segflow_linear_t *p, int64_t t, int64_t threads) {
         const float *a21 = a11 + m2 * lda, *a22 = a21 + k2;
         float *s1 = p->scratch + r * k2, *s2 = s1 + size, *s5 = s2 + size, *s6 = s5 + size,
               *s7 = s6 + size;
-        v8i upper = {0}, lower = {0};   /* the largest magnitudes of rows r, r + m2 */
-        for (int64_t i = 0; i < kv; i += 8) {
-            const v8 v11 = *(const v8 *)(a11 + i), v12 = *(const v8 *)(a12 + i);
-            const v8 v21 = *(const v8 *)(a21 + i), v22 = *(const v8 *)(a22 + i);
-            *(v8 *)(s1 + i) = v11 + v22;
-            *(v8 *)(s2 + i) = v21 + v22;
-            *(v8 *)(s5 + i) = v11 + v12;
-            *(v8 *)(s6 + i) = v21 - v11;
-            *(v8 *)(s7 + i) = v12 - v22;
+        vfi upper = {0}, lower = {0};   /* the largest magnitudes of rows r, r + m2 */
+        for (int64_t i = 0; i < kv; i += VW) {
+            const vf v11 = *(const vf *)(a11 + i), v12 = *(const vf *)(a12 + i);
+            const vf v21 = *(const vf *)(a21 + i), v22 = *(const vf *)(a22 + i);
+            *(vf *)(s1 + i) = v11 + v22;
+            *(vf *)(s2 + i) = v21 + v22;
+            *(vf *)(s5 + i) = v11 + v12;
+            *(vf *)(s6 + i) = v21 - v11;
+            *(vf *)(s7 + i) = v12 - v22;
             upper = larger_magnitude(larger_magnitude(upper, v11), v12);
             lower = larger_magnitude(larger_magnitude(lower, v21), v22);
         }
         int32_t hi = 0, lo = 0;
-        for (int l = 0; l < 8; l++) {
+        for (int l = 0; l < VW; l++) {
             hi = upper[l] > hi ? upper[l] : hi;
             lo = lower[l] > lo ? lower[l] : lo;
         }
@@ -179,22 +190,22 @@ static void a_sums(segflow_linear_t *p, int64_t t, int64_t threads) {
         __atomic_store_n(&p->refused, 1, __ATOMIC_RELAXED);
 }
 
-/* One product's 4 x 24 tile over a KC block, added to c1 (s1 > 0) or subtracted from
+/* One product's MR x NR tile over an SKC block, added to c1 (s1 > 0) or subtracted from
  * it, and likewise to c2 where there is one. */
 static inline __attribute__((always_inline)) void
 product(int64_t kc, const float *a, int64_t lda, const float *panel, float *c1, int s1,
         float *c2, int s2, int64_t ldy) {
-    v8 acc[MR][3];
+    vf acc[MR][3];
     for (int r = 0; r < MR; r++)
         for (int v = 0; v < 3; v++)
-            acc[r][v] = splat(0.0f);
+            acc[r][v] = splat_vf(0.0f);
     panel_fma(MR, kc, a, lda, panel, acc);
     for (int r = 0; r < MR; r++)
         for (int v = 0; v < 3; v++) {
-            v8 *y1 = (v8 *)(c1 + r * ldy + 8 * v);
+            vf *y1 = (vf *)(c1 + r * ldy + VW * v);
             *y1 = s1 > 0 ? *y1 + acc[r][v] : *y1 - acc[r][v];
             if (c2 != NULL) {
-                v8 *y2 = (v8 *)(c2 + r * ldy + 8 * v);
+                vf *y2 = (vf *)(c2 + r * ldy + VW * v);
                 *y2 = s2 > 0 ? *y2 + acc[r][v] : *y2 - acc[r][v];
             }
         }
@@ -220,17 +231,14 @@ rows_classic(const segflow_linear_t *p, int R, int64_t r, int64_t j, int64_t pc,
     }
 }
 
-/* The rows past 2 m2 (fewer than 8) of panel pair j: a copy per row count. */
+/* The rows past 2 m2 (fewer than 2 MR) of panel pair j: a copy per row count. */
 static __attribute__((noinline)) void
 leftover_rows(const segflow_linear_t *p, int64_t j, int64_t pc, int64_t kc, const float *b11,
               const float *b21, const float *b12, const float *b22) {
     for (int64_t r = 2 * rows_half(p->m); r < p->m; r += MR) {
-        switch (p->m - r < MR ? p->m - r : MR) {
-        case 4: rows_classic(p, 4, r, j, pc, kc, b11, b21, b12, b22); break;
-        case 3: rows_classic(p, 3, r, j, pc, kc, b11, b21, b12, b22); break;
-        case 2: rows_classic(p, 2, r, j, pc, kc, b11, b21, b12, b22); break;
-        default: rows_classic(p, 1, r, j, pc, kc, b11, b21, b12, b22); break;
-        }
+#define ROWS(R) rows_classic(p, R, r, j, pc, kc, b11, b21, b12, b22)
+        WITH_ROWS(p->m - r < MR ? p->m - r : MR, ROWS);
+#undef ROWS
     }
 }
 
@@ -242,16 +250,16 @@ static void panel_pair(const segflow_linear_t *p, int64_t j, int64_t pc, int64_t
     const int64_t half = n2 / NR, lda = p->lda, size = m2 * k2;
     const float *b11 = p->w + (j * k + pc) * NR, *b21 = b11 + k2 * NR;
     const float *b12 = p->w + ((j + half) * k + pc) * NR, *b22 = b12 + k2 * NR;
-    float *t1 = bs + T1 * KC * NR, *t3 = bs + T3 * KC * NR, *t4 = bs + T4 * KC * NR,
-          *t6 = bs + T6 * KC * NR, *t7 = bs + T7 * KC * NR;
-    for (int64_t i = 0; i < kc * NR; i += 8) {
-        const v8 v11 = *(const v8 *)(b11 + i), v12 = *(const v8 *)(b12 + i);
-        const v8 v21 = *(const v8 *)(b21 + i), v22 = *(const v8 *)(b22 + i);
-        *(v8 *)(t1 + i) = v11 + v22;
-        *(v8 *)(t3 + i) = v12 - v22;
-        *(v8 *)(t4 + i) = v21 - v11;
-        *(v8 *)(t6 + i) = v11 + v12;
-        *(v8 *)(t7 + i) = v21 + v22;
+    float *t1 = bs + T1 * SKC * NR, *t3 = bs + T3 * SKC * NR, *t4 = bs + T4 * SKC * NR,
+          *t6 = bs + T6 * SKC * NR, *t7 = bs + T7 * SKC * NR;
+    for (int64_t i = 0; i < kc * NR; i += VW) {
+        const vf v11 = *(const vf *)(b11 + i), v12 = *(const vf *)(b12 + i);
+        const vf v21 = *(const vf *)(b21 + i), v22 = *(const vf *)(b22 + i);
+        *(vf *)(t1 + i) = v11 + v22;
+        *(vf *)(t3 + i) = v12 - v22;
+        *(vf *)(t4 + i) = v21 - v11;
+        *(vf *)(t6 + i) = v11 + v12;
+        *(vf *)(t7 + i) = v21 + v22;
     }
     const float *s1 = p->scratch + pc, *s2 = s1 + size, *s5 = s2 + size, *s6 = s5 + size,
                 *s7 = s6 + size;
@@ -262,14 +270,14 @@ static void panel_pair(const segflow_linear_t *p, int64_t j, int64_t pc, int64_t
               *c22 = c21 + n2;
         if (first) {
             for (int v = 0; v < 3; v++) {
-                const v8 lo = p->bias ? *(const v8 *)(p->bias + j * NR + 8 * v) : splat(0.0f);
-                const v8 hi = p->bias ? *(const v8 *)(p->bias + n2 + j * NR + 8 * v)
-                                      : splat(0.0f);
+                const vf lo = p->bias ? *(const vf *)(p->bias + j * NR + VW * v) : splat_vf(0.0f);
+                const vf hi = p->bias ? *(const vf *)(p->bias + n2 + j * NR + VW * v)
+                                      : splat_vf(0.0f);
                 for (int i = 0; i < MR; i++) {
-                    *(v8 *)(c11 + i * n + 8 * v) = lo;
-                    *(v8 *)(c21 + i * n + 8 * v) = lo;
-                    *(v8 *)(c12 + i * n + 8 * v) = hi;
-                    *(v8 *)(c22 + i * n + 8 * v) = hi;
+                    *(vf *)(c11 + i * n + VW * v) = lo;
+                    *(vf *)(c21 + i * n + VW * v) = lo;
+                    *(vf *)(c12 + i * n + VW * v) = hi;
+                    *(vf *)(c22 + i * n + VW * v) = hi;
                 }
             }
         }
@@ -285,7 +293,7 @@ static void panel_pair(const segflow_linear_t *p, int64_t j, int64_t pc, int64_t
             for (int q = 0; q < 4; q++)
                 for (int i = 0; i < MR; i++)
                     for (int v = 0; v < 3; v++) {
-                        v8 *y = (v8 *)(tiles[q] + i * n + 8 * v);
+                        vf *y = (vf *)(tiles[q] + i * n + VW * v);
                         *y = activate(p, *y);
                     }
         }
@@ -315,12 +323,12 @@ void strassen_work(void *data) {
     }
     if (t == 0)
         p->strassen = 1;
-    float *bs = p->scratch + a_sums_floats(p->m, p->k) + t * B_SUMS * KC * NR;
+    float *bs = p->scratch + a_sums_floats(p->m, p->k) + t * B_SUMS * SKC * NR;
     const int64_t pairs = outputs_half(p->n) / NR, k2 = p->k / 2;
     for (int64_t c, chunk; (c = claim_guided(&p->next, pairs, threads, &chunk)) < pairs;)
-        for (int64_t pc = 0; pc < k2; pc += KC)
+        for (int64_t pc = 0; pc < k2; pc += SKC)
             for (int64_t j = c; j < c + chunk; j++)
-                panel_pair(p, j, pc, k2 - pc < KC ? k2 - pc : KC, bs);
+                panel_pair(p, j, pc, k2 - pc < SKC ? k2 - pc : SKC, bs);
     /* The panels past the pairs (outputs from 2 n2), classically, one at a time. */
     const int64_t panels = (p->n + NR - 1) / NR;
     for (int64_t q; (q = 2 * pairs + __atomic_fetch_add(&p->spare, 1, __ATOMIC_RELAXED)) < panels;)
