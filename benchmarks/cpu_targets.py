@@ -190,10 +190,15 @@ def measure(runners: Mapping[str, Runner], rounds: int, per_round: int, warmup: 
     ``settle`` seconds pass (untimed) between onnxruntime's calls and another
     runtime's: its thread pool spins ~40 ms after a run, and whichever runtime
     follows would share the cores with it (segflow's ResNet-50 batch-1 run took
-    88-95 ms instead of 50 right after one). After the pause the next runtime
-    runs once untimed: a call right after an idle gap can run slow while the
+    88-95 ms instead of 50 right after one). Whenever the runtime changes, the next
+    one runs once untimed: a call right after an idle gap can run slow while the
     cores come back (segflow's MobileNetV2 took 15-17 ms for the first calls
-    after a 0.1 s sleep, 13.6 from the fifth on).
+    after a 0.1 s sleep, 13.6 from the fifth on), and the first call after another
+    runtime's finds its weights gone from the caches. Until 2026-12-06 only the
+    changes to and from onnxruntime had that call, so onnxruntime never had a
+    first call timed and segflow did in two rounds of three (after eager's calls):
+    on a 2-core AVX-512 VM that alone put MobileNetV2 at 1.06-1.14x onnxruntime
+    where 10 calls a round read 1.02.
     """
     names = list(runners)
     for name in names:
@@ -206,9 +211,11 @@ def measure(runners: Mapping[str, Runner], rounds: int, per_round: int, warmup: 
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
             run = runners[name]
-            if settle and name != previous and "onnxruntime" in (name, previous):
-                time.sleep(settle)
-                run()        # untimed: the first call after an idle gap wakes the cores
+            if name != previous:
+                if settle and "onnxruntime" in (name, previous):
+                    time.sleep(settle)
+                run()        # untimed: the first call after another runtime's, or after
+                             # an idle gap, finds the caches (or the cores) cold
             previous = name
             times = []
             for _ in range(per_round):

@@ -110,6 +110,22 @@ def test_rounds_pause_around_onnxruntime_only(monkeypatch: pytest.MonkeyPatch) -
         BenchSettings(settle_s=-1).validate()
 
 
+def test_every_variant_runs_once_untimed_after_another_ones_call() -> None:
+    """Each timed call follows an untimed one of the same variant, whatever ran
+    before (not only around onnxruntime): no variant's timed call is the first after
+    another's, which would find the caches holding the other's weights."""
+    from segflow.bench import runner
+
+    log: list[str] = []
+    active = [runner._Live(name, runner.VariantKind.SEGFLOW, lambda name=name: log.append(name),
+                           own_pool=(name == "b")) for name in "abc"]
+    settings = BenchSettings(runs=3, warmup=0, settle_s=0.0)
+    assert runner._timed_rounds(active, settings, lambda done: None) == 3
+    # Rounds [a b c], [b c a], [c a b], after the warm-up ended with c: every call a pair.
+    assert log == [name for name in "abcbcacab" for _ in range(2)]
+    assert all(len(v.times) == 3 for v in active)
+
+
 def test_missing_peers_are_reported_not_raised(tmp_path: Path,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "m.onnx"

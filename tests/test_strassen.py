@@ -23,7 +23,6 @@ import segflow
 from concurrency import on_one_and_more_threads
 from linear_model import linear_model, session_switched_off
 from segflow.ops import fused
-from segflow.passes import layout
 from segflow.ops.native_library import NativeLibrary
 from segflow.ops.native_linear import (
     ACT_NONE,
@@ -36,6 +35,7 @@ from segflow.ops.native_linear import (
     strassen_spread,
 )
 from segflow.ops.onednn_direct import openmp_entry_points
+from segflow.passes import layout
 
 LIB, WHY = NativeLibrary.probe()
 pytestmark = pytest.mark.skipif(LIB is None, reason=f"native kernels {WHY}")

@@ -14,10 +14,13 @@ variant, and before such a peer, the runner idles ``settle_s`` seconds
 cores with its still-spinning workers (segflow's ResNet-50 batch-1 run took
 88-95 ms instead of 50 there), and onnxruntime likewise after torch's OpenMP
 threads. segflow and torch eager share one OpenMP pool and need no pause.
-After such a pause the variant runs once more untimed before its timed run: on
-the 2-core VM a call right after an idle gap can run slow while the cores come
-back (MobileNetV2 under segflow: 15-17 ms for the first calls after a 0.1 s
-sleep, 13.6 from the fifth on, ad hoc, 2026-12-05).
+Whenever the variant changes, the next one runs once more untimed before its
+timed run: on the 2-core VM a call right after an idle gap can run slow while the
+cores come back (MobileNetV2 under segflow: 15-17 ms for the first calls after a
+0.1 s sleep, 13.6 from the fifth on, ad hoc, 2026-12-05), and the first call after
+another variant's finds its weights gone from the caches. Until 2026-12-06 only
+the changes to and from onnxruntime had that call, so onnxruntime's timed calls
+never were such a first call and every other variant's were.
 
 >>> from segflow.bench.runner import BenchSettings, run_benchmark, resolve_models
 >>> result = run_benchmark(resolve_models(["mlp_chain:layers=4"]), BenchSettings(runs=5))
@@ -336,10 +339,11 @@ def _timed_rounds(active: list[_Live], settings: BenchSettings,
         shift = rounds % len(active)
         for v in active[shift:] + active[:shift]:
             assert v.run is not None
-            if previous is not None and previous is not v and (previous.own_pool or v.own_pool):
-                time.sleep(settings.settle_s)
-                if settings.settle_s:
-                    v.run()     # untimed: the first call after an idle gap wakes the cores
+            if previous is not None and previous is not v:
+                if previous.own_pool or v.own_pool:
+                    time.sleep(settings.settle_s)
+                v.run()         # untimed: the first call after another variant's (or an
+                                # idle gap) finds the caches (or the cores) cold
             t0 = clock()
             v.run()
             v.times.append(clock() - t0)
