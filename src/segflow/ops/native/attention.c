@@ -9,18 +9,21 @@
  * contiguous (column stride 1); K, V and M may have any strides (a broadcast
  * dimension has stride 0, except M's key dimension, stride 1).
  *
- * Per (b, h): K is packed into panels of 16 keys ([d][16] each, panel.h's narrow
- * block) and V into panels of 16 output columns ([sk][16]); then for every 6 query
- * rows the scores are the register block over K's panels, the softmax is taken in
+ * Per (b, h): K is packed into panels of NARROW keys ([d][NARROW] each, panel.h's
+ * narrow block: 16, or 32 with AVX-512) and V into panels of NARROW output columns
+ * ([sk][NARROW]); then for every MR_NARROW query rows (6, or 12 with AVX-512) the
+ * scores are the register block over K's panels, the softmax is taken in
  * place on those rows (one pass for the maximum, one for exp and the sum, the rows'
  * exps interleaved), and the output is the register block of the probabilities over
- * V's panels, scaled by 1 / sum. The scores of 6 rows sit in L1; K's and V's
+ * V's panels, scaled by 1 / sum. The scores of those rows sit in L1; K's and V's
  * packings in L2. The OpenMP threads libdnnl uses (ops/native_attention.py passes
  * libgomp's entry points) claim the (b, h) pairs one at a time; with few pairs, each
  * pair's query rows are split too.
  *
  * It exists because torch's CPU flash attention took ~1.4 ms a layer of BERT-base
  * (12 heads, 128 x 64) where onnxruntime took ~1.2 (2-core Zen 1 VM, 2026-12-06).
+ * On a 2-core AVX-512 VM the AVX-512 block (32 keys a panel, 12 rows) took 392-404 us
+ * a BERT-base layer against 474-493 with the AVX2 one (segflow profile, 2026-12-06).
  *
  * Numerics: exp is a polynomial after range reduction (within 1e-7 relative over
  * the softmax's range); every sum is fused-multiply-added in order. A row
@@ -50,30 +53,41 @@ typedef struct {
     int (*num_threads)(void);
 } segflow_attention_t;
 
-static inline v8 select8(v8 a, v8 b, v8i take) {
-    return (v8)(((v8i)a & ~take) | ((v8i)b & take));
+static inline vf select_vf(vf a, vf b, vfi take) {
+    return (vf)(((vfi)a & ~take) | ((vfi)b & take));
 }
 
 /* e^x, lanewise, for x <= 0 (a softmax's): x = n ln2 + r with |r| <= ln2 / 2 (n from
  * the rounding constant's low bits, r in two steps), e^r by Cephes' expf polynomial,
  * 2^n through the exponent bits. Within 1e-7 relative of exp; 0 below -87.3 (and for
  * -inf); NaN stays NaN (p is NaN). */
-static inline v8 exp8(v8 x) {
-    const v8 round = splat(12582912.0f);   /* 1.5 * 2^23 */
-    const v8i under = (v8i)(x < splat(-87.3365f));
-    const v8 t = x * splat(1.44269504088896341f) + round;
-    const v8 n = t - round;
-    v8 r = x - n * splat(0.693359375f);
-    r = r - n * splat(-2.12194440e-4f);
-    v8 p = splat(1.9875691500e-4f);
-    p = p * r + splat(1.3981999507e-3f);
-    p = p * r + splat(8.3334519073e-3f);
-    p = p * r + splat(4.1665795894e-2f);
-    p = p * r + splat(1.6666665459e-1f);
-    p = p * r + splat(5.0000001201e-1f);
-    p = p * (r * r) + r + splat(1.0f);
-    const v8i two_n = ((v8i)t - (v8i)round + 127) << 23;
-    return (v8)((v8i)(p * (v8)two_n) & ~under);
+static inline vf exp_vf(vf x) {
+    const vf round = splat_vf(12582912.0f);   /* 1.5 * 2^23 */
+    const vfi under = (vfi)(x < splat_vf(-87.3365f));
+    const vf t = x * splat_vf(1.44269504088896341f) + round;
+    const vf n = t - round;
+    vf r = x - n * splat_vf(0.693359375f);
+    r = r - n * splat_vf(-2.12194440e-4f);
+    vf p = splat_vf(1.9875691500e-4f);
+    p = p * r + splat_vf(1.3981999507e-3f);
+    p = p * r + splat_vf(8.3334519073e-3f);
+    p = p * r + splat_vf(4.1665795894e-2f);
+    p = p * r + splat_vf(1.6666665459e-1f);
+    p = p * r + splat_vf(5.0000001201e-1f);
+    p = p * (r * r) + r + splat_vf(1.0f);
+    const vfi two_n = ((vfi)t - (vfi)round + 127) << 23;
+    return (vf)((vfi)(p * (vf)two_n) & ~under);
+}
+
+/* The sum of a vector's lanes, halves added pairwise: lane i + VW / 2 to lane i, and
+ * so on down to one. */
+static inline float sum_lanes(vf a) {
+    float l[VW];
+    *(vf *)l = a;
+    for (int half = VW / 2; half > 0; half /= 2)
+        for (int i = 0; i < half; i++)
+            l[i] += l[i + half];
+    return l[0];
 }
 
 typedef struct {
@@ -82,9 +96,10 @@ typedef struct {
     int64_t packed;              /* the (b, h) pair the panels hold; -1: none */
 } scratch_t;
 
-/* K [sk][d] -> panels [skp / 16][d][16]; V [sk][dv] -> panels [dvp / 16][sk][16];
- * zero-padded. K is transposed 16 keys at a time (each panel written in order, its 16
- * rows read side by side); V's rows are copied 16 floats at a time. */
+/* K [sk][d] -> panels [skp / NARROW][d][NARROW]; V [sk][dv] -> panels
+ * [dvp / NARROW][sk][NARROW]; zero-padded. K is transposed NARROW keys at a time (each
+ * panel written in order, its NARROW rows read side by side); V's rows are copied
+ * NARROW floats at a time. */
 static void pack(const segflow_attention_t *p, scratch_t *w, int64_t b, int64_t h) {
     const float *k = p->k + b * p->ks[0] + h * p->ks[1];
     const float *v = p->v + b * p->vs[0] + h * p->vs[1];
@@ -111,8 +126,8 @@ static void pack(const segflow_attention_t *p, scratch_t *w, int64_t b, int64_t 
             const float *row = v + key * p->vs[2] + col0 * p->vs[3];
             float *out = panel + key * NARROW;
             if (cols == NARROW && p->vs[3] == 1) {
-                *(v8 *)out = *(const v8 *)row;
-                *(v8 *)(out + 8) = *(const v8 *)(row + 8);
+                *(vf *)out = *(const vf *)row;
+                *(vf *)(out + VW) = *(const vf *)(row + VW);
             } else {
                 for (int64_t j = 0; j < NARROW; j++)
                     out[j] = j < cols ? row[j * p->vs[3]] : 0.0f;
@@ -129,48 +144,46 @@ static void pack(const segflow_attention_t *p, scratch_t *w, int64_t b, int64_t 
 static inline __attribute__((always_inline)) void
 softmax_rows(const segflow_attention_t *p, int R, float *s, int64_t ld,
              const float *const mask[MR_NARROW], float inv[MR_NARROW]) {
-    const int64_t n = p->sk, nv = n / 8 * 8;
-    const v8 scale = splat(p->scale);
-    v8 top[MR_NARROW], acc[MR_NARROW];
+    const int64_t n = p->sk, nv = n / VW * VW;
+    const vf scale = splat_vf(p->scale);
+    vf top[MR_NARROW], acc[MR_NARROW];
     float tail[MR_NARROW];
     for (int r = 0; r < R; r++) {
         float *row = s + r * ld;
         const float *m = mask[r];
         float t = -INFINITY;
-        v8 mx = splat(-INFINITY);
-        for (int64_t i = 0; i < nv; i += 8) {
-            v8 x = *(v8 *)(row + i) * scale;
+        vf mx = splat_vf(-INFINITY);
+        for (int64_t i = 0; i < nv; i += VW) {
+            vf x = *(vf *)(row + i) * scale;
             if (m)
-                x += *(const v8 *)(m + i);
-            *(v8 *)(row + i) = x;
-            mx = select8(mx, x, (v8i)(x > mx));
+                x += *(const vf *)(m + i);
+            *(vf *)(row + i) = x;
+            mx = select_vf(mx, x, (vfi)(x > mx));
         }
         for (int64_t i = nv; i < n; i++) {
             row[i] = row[i] * p->scale + (m ? m[i] : 0.0f);
             t = row[i] > t ? row[i] : t;
         }
-        for (int l = 0; l < 8; l++)
+        for (int l = 0; l < VW; l++)
             t = mx[l] > t ? mx[l] : t;
-        top[r] = splat(t);
-        acc[r] = splat(0.0f);
+        top[r] = splat_vf(t);
+        acc[r] = splat_vf(0.0f);
         tail[r] = 0.0f;
     }
-    for (int64_t i = 0; i < nv; i += 8)
+    for (int64_t i = 0; i < nv; i += VW)
         for (int r = 0; r < R; r++) {
-            v8 e = exp8(*(v8 *)(s + r * ld + i) - top[r]);
-            *(v8 *)(s + r * ld + i) = e;
+            vf e = exp_vf(*(vf *)(s + r * ld + i) - top[r]);
+            *(vf *)(s + r * ld + i) = e;
             acc[r] += e;
         }
     for (int r = 0; r < R; r++) {
         float *row = s + r * ld;
         for (int64_t i = nv; i < n; i++) {
-            v8 e = exp8(splat(row[i]) - top[r]);
+            vf e = exp_vf(splat_vf(row[i]) - top[r]);
             row[i] = e[0];
             tail[r] += e[0];
         }
-        const v8 a = acc[r];
-        inv[r] = 1.0f / (tail[r] + ((a[0] + a[4]) + (a[1] + a[5])) +
-                         ((a[2] + a[6]) + (a[3] + a[7])));
+        inv[r] = 1.0f / (tail[r] + sum_lanes(acc[r]));
     }
 }
 
@@ -179,11 +192,11 @@ static inline __attribute__((always_inline)) void
 rows_block(const segflow_attention_t *p, scratch_t *w, int R, int64_t b, int64_t h, int64_t r) {
     const float *q = p->q + b * p->qs[0] + h * p->qs[1] + r * p->qs[2];
     for (int64_t key0 = 0; key0 < w->skp; key0 += NARROW) {      /* scores = Q K^T */
-        v8 acc[MR_NARROW][2] = {{{0}}};
+        vf acc[MR_NARROW][2] = {{{0}}};
         narrow_panel_fma(R, p->d, q, p->qs[2], w->kp + key0 * p->d, acc);
         for (int i = 0; i < R; i++)
             for (int v = 0; v < 2; v++)
-                *(v8 *)(w->s + i * w->skp + key0 + 8 * v) = acc[i][v];
+                *(vf *)(w->s + i * w->skp + key0 + VW * v) = acc[i][v];
     }
     float inv[MR_NARROW];
     const float *mask[MR_NARROW];
@@ -192,18 +205,18 @@ rows_block(const segflow_attention_t *p, scratch_t *w, int R, int64_t b, int64_t
     softmax_rows(p, R, w->s, w->skp, mask, inv);
     float *y = p->y + b * p->ys[0] + h * p->ys[1] + r * p->ys[2];
     for (int64_t col0 = 0; col0 < w->dvp; col0 += NARROW) {      /* Y = P V / sum */
-        v8 acc[MR_NARROW][2] = {{{0}}};
+        vf acc[MR_NARROW][2] = {{{0}}};
         narrow_panel_fma(R, p->sk, w->s, w->skp, w->vp + col0 * p->sk, acc);
         const int64_t cols = p->dv - col0 < NARROW ? p->dv - col0 : NARROW;
         for (int i = 0; i < R; i++) {
-            const v8 scale = splat(inv[i]);
+            const vf scale = splat_vf(inv[i]);
             float *out = y + i * p->ys[2] + col0;
             if (cols == NARROW) {
-                *(v8 *)out = acc[i][0] * scale;
-                *(v8 *)(out + 8) = acc[i][1] * scale;
+                *(vf *)out = acc[i][0] * scale;
+                *(vf *)(out + VW) = acc[i][1] * scale;
             } else {
-                *(v8 *)w->tile = acc[i][0] * scale;
-                *(v8 *)(w->tile + 8) = acc[i][1] * scale;
+                *(vf *)w->tile = acc[i][0] * scale;
+                *(vf *)(w->tile + VW) = acc[i][1] * scale;
                 memcpy(out, w->tile, (size_t)cols * sizeof(float));
             }
         }
@@ -235,8 +248,8 @@ static void unit(const segflow_attention_t *p, scratch_t *w, int64_t u, int64_t 
     }
 }
 
-/* Floats of scratch each thread needs: K's and V's panels, 6 rows of scores, one
- * output block. The caller passes threads x this many (no allocation here). */
+/* Floats of scratch each thread needs: K's and V's panels, MR_NARROW rows of scores,
+ * one output block. The caller passes threads x this many (no allocation here). */
 int64_t segflow_attention_scratch(int64_t sk, int64_t d, int64_t dv) {
     const int64_t skp = (sk + NARROW - 1) / NARROW * NARROW;
     const int64_t dvp = (dv + NARROW - 1) / NARROW * NARROW;

@@ -58,22 +58,26 @@ panel_fma(int R, int64_t kc, const float *restrict x, int64_t lda,
     }
 }
 
-/* The narrow block (eight-float vectors whatever the build): NARROW = 16 columns a
- * panel, MR_NARROW = 6 rows (6 x 2 accumulators, 12 multiply-adds a step); for widths
- * that are multiples of 16 (attention's 64-wide heads, 128 keys), where 24-column
- * panels would waste an eighth of the work on padding. */
-#define NARROW 16
+/* The narrow block: NARROW columns a panel (two vectors: 16 floats with AVX2, 32 with
+ * AVX-512), MR_NARROW rows (6, or 12 with AVX-512: 2 MR_NARROW accumulators); for
+ * widths that are multiples of 16 (attention's 64-wide heads, 128 keys), where
+ * three-vector panels would waste a share of the work on padding. */
+#define NARROW (2 * VW)
+#if VW == 16
+#define MR_NARROW 12
+#else
 #define MR_NARROW 6
+#endif
 
-/* acc[r][0..1] += sum over i < kc of x[r * lda + i] * panel[i][0..15], r < R. */
+/* acc[r][0..1] += sum over i < kc of x[r * lda + i] * panel[i][0..NARROW-1], r < R. */
 static inline __attribute__((always_inline)) void
 narrow_panel_fma(int R, int64_t kc, const float *restrict x, int64_t lda,
-                 const float *restrict panel, v8 acc[MR_NARROW][2]) {
+                 const float *restrict panel, vf acc[MR_NARROW][2]) {
     for (int64_t i = 0; i < kc; i++) {
-        v8 b0 = *(const v8 *)(panel), b1 = *(const v8 *)(panel + 8);
+        vf b0 = *(const vf *)(panel), b1 = *(const vf *)(panel + VW);
         panel += NARROW;
         for (int r = 0; r < R; r++) {
-            v8 a = splat(x[r * lda + i]);
+            vf a = splat_vf(x[r * lda + i]);
             acc[r][0] += a * b0;
             acc[r][1] += a * b1;
         }
