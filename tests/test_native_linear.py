@@ -177,6 +177,22 @@ def test_the_split_between_threads_does_not_change_a_bit():
     assert torch.equal(one, many)
 
 
+@pytest.mark.parametrize("act", ["", "Relu", "Gelu"])
+def test_a_single_row_sums_as_it_would_in_a_batch(act):
+    # One row (a GEMV) reads several panels at once, each whole; a row of a batch goes
+    # through the register block, a 384- or 128-input block at a time. Each output is
+    # still the bias plus its products in input order: the same bits either way.
+    w = torch.randn(1000, 800) / 30
+    b = torch.randn(1000)
+    op, packed = _op(w, act)
+    x = torch.randn(9, 800)
+    for bias in (b, None):
+        batch = op(x, packed, bias)
+        for i in (0, 8):
+            one, many = on_one_and_more_threads(lambda: op(x[i:i + 1], packed, bias))
+            assert torch.equal(one, batch[i:i + 1]) and torch.equal(many, one)
+
+
 def test_what_the_kernel_does_not_take_runs_f_linear_over_the_unpacked_weight():
     w = torch.randn(48, 64) / 8
     b = torch.randn(48)

@@ -12,10 +12,11 @@
  * loading three vectors of the panel and broadcasting one x value per row.
  * k is taken KC columns at a time (linear.h: 384 with AVX2, 128 with AVX-512), so
  * that a panel's KC x NR block is read from L1/L2 for every MR rows of x, and the
- * rows' KC columns stay in L2. A call of fewer than MR rows (a GEMV) reads each panel
- * whole, in the order it is stored. The OpenMP threads libdnnl uses
- * (ops/native_linear.py passes libgomp's entry points) claim chunks of panels as they
- * go, or of rows where there are fewer panels than threads.
+ * rows' KC columns stay in L2. A call of fewer than MR rows reads each panel whole,
+ * in the order it is stored; a single row (a GEMV), GEMV_PANELS panels at once. The
+ * OpenMP threads libdnnl uses (ops/native_linear.py passes libgomp's entry points)
+ * claim chunks of panels as they go, or of rows where there are fewer panels than
+ * threads.
  *
  * It exists because on a 2-core Zen 1 VM (AVX2, 2026-12-06) BERT-base's 128-row
  * linears ran faster this way than through libdnnl 3.2's inner product
@@ -46,6 +47,13 @@
 #include <string.h>
 
 #include "linear.h"        /* segflow_linear_t, KC, block; panel.h's register block */
+
+/* Panels a single row reads at once (a GEMV from memory is bound by the misses in
+ * flight, one sequential stream per panel). 2-core AVX-512 VM, 1280 -> 1000 and
+ * 2048 -> 1000 with 16 weights in turn (cache-cold), two threads: 192 and 313 us with
+ * 4 panels, 190-203 and 314-343 with 2, 3, 6 or 8, 225 and 367 a panel at a time;
+ * torch's 172-177 and 281-296 (2026-12-06). */
+#define GEMV_PANELS 4
 
 
 /* 1 where the build has AVX2 and FMA, the vector width and multiply-add the kernel was
@@ -152,13 +160,39 @@ static void rows(const segflow_linear_t *p, int64_t r0, int64_t r1, int64_t pc, 
     }
 }
 
+/* One row of x times GEMV_PANELS consecutive panels (from panel q), each whole: as
+ * many streams from memory at once, where a panel at a time is one. */
+static void gemv_panels(const segflow_linear_t *p, int64_t r, int64_t q) {
+    static const float zeros[NR];
+    const int64_t k = p->k;
+    const float *x = p->x + r * p->lda, *w = p->w + q * k * NR;
+    vf acc[GEMV_PANELS][3];
+    for (int g = 0; g < GEMV_PANELS; g++)
+        for (int v = 0; v < 3; v++)
+            acc[g][v] = *(const vf *)((p->bias ? p->bias + (q + g) * NR : zeros) + VW * v);
+    for (int64_t i = 0; i < k; i++) {
+        const vf a = splat_vf(x[i]);
+        for (int g = 0; g < GEMV_PANELS; g++)
+            for (int v = 0; v < 3; v++)
+                acc[g][v] += a * *(const vf *)(w + (g * k + i) * NR + VW * v);
+    }
+    float *y = p->y + r * p->n + q * NR;
+    for (int g = 0; g < GEMV_PANELS; g++)
+        for (int v = 0; v < 3; v++)
+            *(vf *)(y + g * NR + VW * v) = p->act ? activate(p, acc[g][v]) : acc[g][v];
+}
+
 /* Panels [p0, p1) for rows [r0, r1). A panel past n's last full one is computed into a
  * row-by-row scratch of NR columns and copied out. */
 void linear_part(const segflow_linear_t *p, int64_t p0, int64_t p1, int64_t r0, int64_t r1) {
     static const float zeros[NR];
     const int64_t n = p->n, k = p->k, full = n / NR;
-    if (r1 - r0 < MR) {          /* a few rows (a GEMV): each panel whole, as it is stored */
-        for (int64_t q = p0; q < (p1 < full ? p1 : full); q++)
+    if (r1 - r0 < MR) {          /* a few rows: each panel whole, as it is stored */
+        const int64_t q1 = p1 < full ? p1 : full;
+        int64_t q = p0;
+        for (; r1 - r0 == 1 && q + GEMV_PANELS <= q1; q += GEMV_PANELS)
+            gemv_panels(p, r0, q);
+        for (; q < q1; q++)
             rows(p, r0, r1, 0, k, p->w + q * k * NR, p->y + q * NR, n,
                  p->bias ? p->bias + q * NR : zeros, NULL, 0);
     } else for (int64_t pc = 0; pc < k || pc == 0; pc += KC) {
