@@ -66,7 +66,9 @@ def test_measure_pauses_only_around_onnxruntime(targets: ModuleType,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """onnxruntime's pool spins after a run: the runtime after it waits ``settle``
     (untimed), and so does onnxruntime after another runtime; no pause elsewhere.
-    After a pause the runtime runs once untimed (the extra call before its round)."""
+    Whenever the runtime changes, the next one runs once untimed before its timed
+    calls (after a pause or not): no runtime's timed call is the first after
+    another's."""
     events: list[str] = []
     monkeypatch.setattr(targets.time, "sleep", lambda s: events.append(f"sleep {s}"))
     runners = {name: (lambda n=name: events.append(n))
@@ -74,18 +76,16 @@ def test_measure_pauses_only_around_onnxruntime(targets: ModuleType,
     samples = targets.measure(runners, rounds=3, per_round=2, warmup=0, settle=0.25)
     assert {name: len(rounds) for name, rounds in samples.items()} == {
         "segflow": 3, "onnxruntime": 3, "torch": 3}
-    # Round orders: [sf, ort, torch], [ort, torch, sf], [torch, sf, ort].
-    assert events == [
-        "segflow", "segflow", "sleep 0.25", "onnxruntime", "onnxruntime", "onnxruntime",
-        "sleep 0.25", "torch", "torch", "torch",
-        "sleep 0.25", "onnxruntime", "onnxruntime", "onnxruntime",
-        "sleep 0.25", "torch", "torch", "torch", "segflow", "segflow",
-        "torch", "torch", "segflow", "segflow",
-        "sleep 0.25", "onnxruntime", "onnxruntime", "onnxruntime"]
+    # Round orders: [sf, ort, torch], [ort, torch, sf], [torch, sf, ort], after torch.
+    sf, ort, torch = ["segflow"] * 3, ["onnxruntime"] * 3, ["torch"] * 3
+    pause = ["sleep 0.25"]
+    assert events == [*sf, *pause, *ort, *pause, *torch,
+                      *pause, *ort, *pause, *torch, *sf,
+                      *torch, *sf, *pause, *ort]
     assert all(len(times) == 2 for rounds in samples.values() for times in rounds)
     events.clear()
     targets.measure(runners, rounds=1, per_round=1, warmup=0, settle=0.0)
-    assert events == ["segflow", "onnxruntime", "torch"]
+    assert events == ["segflow"] * 2 + ["onnxruntime"] * 2 + ["torch"] * 2
 
 
 def _memory(held: float, held_anon: float, warm: float = 0.0) -> dict[str, float]:

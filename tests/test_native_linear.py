@@ -189,7 +189,8 @@ def test_a_single_row_sums_as_it_would_in_a_batch(act):
     for bias in (b, None):
         batch = op(x, packed, bias)
         for i in (0, 8):
-            one, many = on_one_and_more_threads(lambda: op(x[i:i + 1], packed, bias))
+            row = x[i:i + 1]
+            one, many = on_one_and_more_threads(lambda row=row, bias=bias: op(row, packed, bias))
             assert torch.equal(one, batch[i:i + 1]) and torch.equal(many, one)
 
 

@@ -39,6 +39,7 @@ from segflow.ops.add_layer_norm import AddLayerNorm, AddLayerNormKernel
 from segflow.ops.native_attention import AttentionKernel, ScaledDotAttention
 from segflow.ops.native_library import NativeLibrary
 from segflow.ops.native_linear import NativeLinear, NativeLinearKernel, kernel_activation
+from segflow.ops.native_staging import ChannelsLastStaging
 from segflow.ops.onednn_direct import (
     ConvGeometry,
     DirectConv,
@@ -331,12 +332,17 @@ def _onednn_conv_kernel(node: Node, spec: _ConvSpec, act: Activation, params: li
         native, _ = NativeLibrary.for_session()
         if native is not None:   # else the fallback, over the recovered plain weight
             winograd = Winograd(native, ctx.workspace(), weight.const)
+    staging = ctx.staging(node)
+    stage = None
+    if staging is not None:     # an input that may arrive NCHW: copied natively
+        native, _ = NativeLibrary.for_session()
+        stage = ChannelsLastStaging(native) if native is not None else None
     return DirectKernel(DirectConv(
         lib, geo, eltwise, after, fallback, MAX_SHAPES, MAX_REPACKS,
         [int(d) for d in verified] if verified else None, ctx.destination(node.outputs[0]),
-        ctx.staging(node), fallback_inplace, conv_reads_libdnnl_packing(node),
+        staging, fallback_inplace, conv_reads_libdnnl_packing(node),
         bool(node.attrs.get("onednn_blocked")), bool(node.attrs.get("onednn_blocked_input")),
-        winograd))
+        winograd, stage))
 
 
 MAX_REPACKS = 2

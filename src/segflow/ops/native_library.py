@@ -9,7 +9,8 @@ fast as it could on the CPUs we measure: a 3x3 convolution as Winograd where lib
 has none for AVX2 (``winograd.c``), a linear over a weight packed in panels
 (``gemm.c``, ``ops/native_linear.py``), a residual add and LayerNormalization in
 one pass (``layer_norm.c``, ``ops/add_layer_norm.py``), attention reading its heads in
-place (``attention.c``, ``ops/native_attention.py``). For such work segflow ships C source and
+place (``attention.c``, ``ops/native_attention.py``), an NCHW image copied into
+channels-last (``staging.c``, ``ops/native_staging.py``). For such work segflow ships C source and
 builds it with the system C compiler (``$CC``, else ``cc``; ``-O3 -march=native``)
 the first time a process needs it, into one library in ``<cache dir>/native/``
 (see :func:`segflow.settings.cache_dir`), keyed by the sources, the compiler and
@@ -40,10 +41,10 @@ from segflow.settings import ENV_NATIVE, _env_bool, cache_dir
 # Compiled together into one library; dense_chain.c defines segflow_native_abi().
 SOURCES = tuple(Path(__file__).with_name("native") / name
                 for name in ("attention.c", "dense_chain.c", "gemm.c", "layer_norm.c",
-                             "replay.c", "strassen.c", "winograd.c"))
+                             "replay.c", "staging.c", "strassen.c", "winograd.c"))
 # Included by the sources (part of the build's key, not compiled on their own).
 HEADERS = tuple(Path(__file__).with_name("native") / name for name in ("linear.h", "panel.h"))
-ABI = 12         # segflow_native_abi() of the sources this module speaks to
+ABI = 13         # segflow_native_abi() of the sources this module speaks to
 FLAGS = ("-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 120
 

@@ -750,7 +750,8 @@ class DirectConv(DirectOp):
                  staging: Destination | None = None,
                  fallback_inplace: Callable[..., Tensor] | None = None,
                  libdnnl_packed: bool = False, blocked: bool = False,
-                 blocked_input: bool = False, winograd: Winograd | None = None) -> None:
+                 blocked_input: bool = False, winograd: Winograd | None = None,
+                 stage: Callable[[Tensor, Tensor], Tensor] | None = None) -> None:
         super().__init__(lib, fallback, max_shapes, destination)
         if libdnnl_packed and not verified_for:
             raise ValueError("a weight in libdnnl's packing needs the input size it is for")
@@ -762,6 +763,9 @@ class DirectConv(DirectOp):
         self.blocked = blocked
         self.blocked_input = blocked_input
         self.staging = staging
+        # What copies an input into the staging storage (``stage(x, out) -> out``; None:
+        # ``out.copy_(x)``): ops/native_staging.py's native copy where the library loads.
+        self.stage = stage
         self.fallback_inplace = fallback_inplace or fallback
         # The layout pass checked that ``w``'s bytes are this library's format for a
         # channels-last input of this size: a primitive whose weights descriptor equals
@@ -845,7 +849,7 @@ class DirectConv(DirectOp):
         """``x`` in channels-last: into the run's staging storage when it has some."""
         staged = self.staging() if self.staging is not None else None
         if staged is not None and staged.shape == x.shape:
-            return staged.copy_(x)
+            return self.stage(x, staged) if self.stage is not None else staged.copy_(x)
         return x.contiguous(memory_format=layout)
 
     def _make_call(self, x: Tensor, w: Tensor, b: Tensor | None, z: Tensor | None,
