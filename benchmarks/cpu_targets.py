@@ -34,7 +34,8 @@ joined by ``,``: ``compile``, ``engine``, ``threads``, pass switches
 ``native`` = on|off for native kernels: dense chains, the replay's C loop and
 Winograd convolutions, ``winograd`` = on|off for stride-1 3x3 convolutions as
 Winograd F(4x4,3x3) or libdnnl's direct convolution; unset, Winograd applies on
-CPUs without AVX-512), ``native_linear`` = on|off for large linears through
+CPUs without AVX-512, and on AVX-512 ones to outputs of 32 or more 4x4 tiles an
+image), ``native_linear`` = on|off for large linears through
 segflow's packed kernel, ``strassen`` = on|off for that kernel as one level of
 Strassen where the blocks allow it).
 The default (``compile=auto``) runs a small segment's inductor package when the

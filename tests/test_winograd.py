@@ -24,7 +24,7 @@ from onnx import TensorProto, helper, numpy_helper
 import segflow
 from concurrency import run_in_threads
 from segflow import models
-from segflow.ops import winograd
+from segflow.ops import fused, winograd
 from segflow.ops.native_library import NativeLibrary
 from segflow.ops.onednn_direct import DirectConv, Library, geometry
 from segflow.ops.onednn_replay import DirectReplay, _NativeStretch
@@ -274,16 +274,46 @@ def test_unset_it_runs_where_it_was_measured_faster(monkeypatch):
     assert OptimizeOptions.resolve(env={"SEGFLOW_WINOGRAD": "1"}).winograd is True
     model = _model(1, 16, 16, 8, 8, 1, "Relu", False)
     monkeypatch.delenv("SEGFLOW_WINOGRAD")
-    monkeypatch.setattr(layout_pass, "winograd_preferred", lambda: False)   # AVX-512
+    asked: list[int | None] = []
+
+    def preferred(answer: bool):
+        def ask(tiles: int | None) -> bool:
+            asked.append(tiles)
+            return answer
+        return ask
+    monkeypatch.setattr(layout_pass, "winograd_preferred", preferred(False))
     sess = segflow.InferenceSession(model, compile="codegen")
     assert not any(n.attrs.get("winograd") for n in sess.graph.nodes)
-    monkeypatch.setattr(layout_pass, "winograd_preferred", lambda: True)    # AVX2
+    assert 4 in asked           # the 3x3 convolution's 8x8 output: 2 x 2 tiles
+    monkeypatch.setattr(layout_pass, "winograd_preferred", preferred(True))
     sess = segflow.InferenceSession(model, compile="codegen")
     assert sum(1 for n in sess.graph.nodes if n.attrs.get("winograd")) == 1
-    monkeypatch.setattr(layout_pass, "winograd_preferred", lambda: False)
+    monkeypatch.setattr(layout_pass, "winograd_preferred", preferred(False))
     monkeypatch.setenv("SEGFLOW_WINOGRAD", "1")                             # forced
     sess = segflow.InferenceSession(model, compile="codegen")
     assert sum(1 for n in sess.graph.nodes if n.attrs.get("winograd")) == 1
+
+
+@pytest.mark.parametrize("avx512", [False, True])
+def test_by_default_avx512_cpus_take_it_where_an_image_makes_enough_tiles(monkeypatch,
+                                                                          avx512):
+    # Without AVX-512 every convolution that fits; with it, those whose output an image
+    # cuts into 32 or more 4x4 tiles (ResNet-50's 56x56 and 28x28 stages), and none
+    # whose size is not known at load.
+    monkeypatch.delenv("SEGFLOW_WINOGRAD")
+    monkeypatch.setattr(fused, "_cpu_has_avx512", lambda: avx512)
+    assert fused.winograd_preferred(None) is not avx512
+    assert fused.winograd_preferred(31) is not avx512
+    assert fused.winograd_preferred(fused.WINOGRAD_MIN_TILES) is True
+    for size, tiles in ((8, 4), (20, 25), (23, 36), (28, 49)):
+        sess = segflow.InferenceSession(_model(1, 16, 16, size, size, 1, "Relu", False),
+                                        compile="codegen")
+        marked = sum(1 for n in sess.graph.nodes if n.attrs.get("winograd"))
+        assert marked == (not avx512 or tiles >= fused.WINOGRAD_MIN_TILES), size
+    model = _model(1, 16, 16, 28, 28, 1, "Relu", False)
+    model.graph.input[0].type.tensor_type.shape.dim[2].dim_param = "height"
+    sess = segflow.InferenceSession(model, compile="codegen")
+    assert any(n.attrs.get("winograd") for n in sess.graph.nodes) is not avx512
 
 
 def _resnet18() -> tuple[onnx.ModelProto, segflow.InferenceSession]:

@@ -176,12 +176,27 @@ def blocked_layout_preferred() -> bool:
     return not _cpu_has_avx512()
 
 
-def winograd_preferred() -> bool:
-    """Whether 3x3 convolutions run as Winograd unless told (``SEGFLOW_WINOGRAD``):
-    measured faster on a Zen 1 CPU (AVX2; ResNet-50 ~0.85x). On AVX-512 CPUs libdnnl's
-    own kernels are twice as wide and it was not measured, so they keep them unless
-    ``SEGFLOW_WINOGRAD=1``."""
-    return not _cpu_has_avx512()
+# Tiles (4x4 outputs) an image must give a 3x3 convolution for Winograd to be the default
+# on AVX-512 CPUs. Each call reads the whole transformed weight (36 C K floats) for its
+# tiles: with few tiles the transforms and that read cost more than they save.
+# ResNet-50 at batch 1 (2-core AVX-512 VM, segflow profile, 2026-12-06): 196 tiles
+# (56x56) 0.54-0.64 of the direct convolution's time, 49 (28x28) 0.58-0.66, 16 (14x14)
+# 0.96-1.06, 4 (7x7) 2.6-2.7; at batch 8 (8x the tiles) 0.48-0.78 at every size.
+WINOGRAD_MIN_TILES = 32
+
+
+def winograd_preferred(tiles: int | None) -> bool:
+    """Whether a 3x3 convolution runs as Winograd unless told (``SEGFLOW_WINOGRAD``),
+    given the 4x4 tiles one image makes of its output (None: not known at load).
+
+    On CPUs without AVX-512, always: measured faster on a Zen 1 CPU (ResNet-50
+    ~0.85x). On AVX-512 CPUs, where libdnnl's direct kernels are twice as wide, where
+    an image makes at least :data:`WINOGRAD_MIN_TILES` tiles (ResNet-50's 56x56 and
+    28x28 stages, not its 14x14 and 7x7 ones).
+    """
+    if not _cpu_has_avx512():
+        return True
+    return tiles is not None and tiles >= WINOGRAD_MIN_TILES
 
 
 @functools.cache

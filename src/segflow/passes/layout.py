@@ -19,8 +19,9 @@ oneDNN's blocked ``nChw8c`` activations (``onednn_blocked``; see
 :func:`_blocked_region`, ``SEGFLOW_ONEDNN_BLOCKED=0`` turns it off). A direct
 stride-1 3x3 convolution outside that region, with channels in multiples of 8
 and no activation, or ReLU, LeakyReLU or Clip, is marked ``winograd``: it runs as Winograd
-F(4x4, 3x3) on CPUs without AVX-512 (``ops/winograd.py``; ``SEGFLOW_WINOGRAD=0``
-turns it off, ``=1`` on everywhere), and its weight constant becomes the
+F(4x4, 3x3) on CPUs without AVX-512, and on AVX-512 ones where an image makes 32 or
+more 4x4 tiles of its output (``fused.winograd_preferred``, ``ops/winograd.py``;
+``SEGFLOW_WINOGRAD=0`` turns it off, ``=1`` on everywhere), and its weight constant becomes the
 transformed one (``[36, C, K]``) instead of a packed one. A large linear
 (``FusedGemm``) gets its weight packed once too: into the panels of segflow's own
 kernel where the native library loads, built with AVX2 and FMA (``native_linear``,
@@ -37,6 +38,7 @@ more than oneDNN's whole network.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -85,7 +87,8 @@ def layout(graph: Graph, device: Device, *, direct: bool = True,
     ``direct``: mark the packed convolutions to call libdnnl when it loads;
     ``blocked``: and run a depthwise region on nChw8c activations (:func:`_blocked_region`);
     ``winograd``: and run the 3x3 ones that qualify as Winograd (:func:`_winograd_fits`;
-    None: where ``winograd_preferred()``, CPUs without AVX-512);
+    None: where ``winograd_preferred``: on CPUs without AVX-512, and on AVX-512 ones
+    for outputs of 32 or more 4x4 tiles an image);
     ``native_linear``: pack large linears for ``ops/native_linear.py`` where the native
     library loads (None: where ``native_linear_preferred``);
     ``strassen``: and let those whose weight allows it run as Strassen (the node's
@@ -100,7 +103,6 @@ def layout(graph: Graph, device: Device, *, direct: bool = True,
     winograd_weights: dict[int, Value] = {}     # id(dense weight) -> its transformed one
     released: list[Value] = []   # dense weights freed (kept: the dicts above key on id())
     changed = 0
-    use_winograd = winograd_preferred() if winograd is None else winograd
     lib: Library | None = None
     region: set[int] = set()
     convs = [n for n in graph.nodes if n.domain == FUSED_DOMAIN and n.op_type == "FusedConv"]
@@ -150,6 +152,8 @@ def layout(graph: Graph, device: Device, *, direct: bool = True,
         in_region = id(node) in region
         x = node.inputs[0]
         plain_input = in_region and x is not None and id(x.producer) not in region
+        use_winograd = winograd if winograd is not None else \
+            winograd_preferred(_winograd_tiles(node, params))
         if lib is not None and use_winograd and not in_region \
                 and _winograd_fits(node, weight.const, params):
             _as_winograd(graph, node, weight, winograd_weights)
@@ -484,6 +488,18 @@ def _as_winograd(graph: Graph, node: Node, weight: Value, made: dict[int, Value]
     node.attrs["channels_last"] = 1
     node.attrs["onednn_direct"] = 1
     node.attrs["winograd"] = 1
+
+
+def _winograd_tiles(node: Node, params: _PackParams) -> int | None:
+    """The 4x4 output tiles one image makes of a 3x3 stride-1 convolution, from its
+    input's static size (None where that is symbolic or not 2-D)."""
+    x = node.inputs[0]
+    shape = x.spec.shape if x is not None else None
+    if shape is None or len(shape) != 4 or not all(isinstance(d, int) for d in shape[2:]):
+        return None
+    pads = list(params.pads) or [0, 0]
+    out = [int(shape[2 + i]) + 2 * int(pads[i]) - 2 for i in range(2)]  # type: ignore[arg-type]
+    return math.ceil(out[0] / 4) * math.ceil(out[1] / 4)
 
 
 def _winograd_fits(node: Node, weight: torch.Tensor, params: _PackParams) -> bool:

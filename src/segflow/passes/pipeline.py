@@ -129,7 +129,8 @@ class OptimizeOptions:
     # (runtime/prebuild.py), rather than by that run.
     prebuild: bool = True
     # 3x3 ones run as Winograd F(4x4, 3x3) where they qualify (ops/winograd.py); None:
-    # where it was measured faster (fused.winograd_preferred: CPUs without AVX-512).
+    # where it was measured faster (fused.winograd_preferred: CPUs without AVX-512, and
+    # on AVX-512 ones outputs of 32 or more 4x4 tiles an image).
     winograd: bool | None = None
     # Large linears run segflow's packed-panel kernel (ops/native_linear.py); None: where
     # it was measured faster (native_linear_preferred: a build with AVX2 + FMA).
