@@ -132,8 +132,9 @@ ACTIVATIONS: Mapping[str, Activation] = {
 # torch: at 128 x 768 -> 3072 (BERT-base's FFN) erf-GELU adds 1.6-2.0 ms to a 4.4 ms matmul,
 # tanh-GELU 4 ms, while torch's in-place gelu_ over the output takes 0.2-0.4 ms. On AVX-512
 # the fused form was what BERT-base was measured with (0.92x onnxruntime), so it stays there.
-# (Large linears on AVX2 run segflow's own kernel, which applies erf-GELU itself as it stores
-# each output, with its own rational erf: native_linear.kernel_activation.)
+# (Large linears where the native library has AVX2 and FMA run segflow's own kernel, which
+# applies erf-GELU itself as it stores each output, with its own rational erf:
+# native_linear.kernel_activation.)
 _TRANSCENDENTAL = frozenset({"Sigmoid", "Tanh", "Gelu", "GeluTanh"})
 
 

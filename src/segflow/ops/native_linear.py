@@ -14,9 +14,11 @@ packed-panel kernel ran BERT-base's 128-row linears at 60-70 GFLOP/s for
 768 -> 768 against 53-56 through libdnnl 3.2's inner product, and 0-8% ahead of
 it at 768 -> 3072 and 3072 -> 768 (12 distinct layers back to back, cache-cold
 weights, one process; 2026-12-06): a whole BERT-base run ~4% faster. At one row
-(a classifier's GEMV, MobileNetV2's 1280 -> 1000) a run was ~0.4 ms shorter. On
-AVX-512 CPUs libdnnl's kernels are twice as wide and this one was not measured, so
-they keep libdnnl's.
+(a classifier's GEMV, MobileNetV2's 1280 -> 1000) a run was ~0.4 ms shorter. An
+AVX-512 build's block is twice as wide (8 rows x 48 columns, panels of 48): on a
+2-core AVX-512 VM BERT-base's shapes ran at 264-293 GFLOP/s against torch's 235-261
+(cold weights, 2026-12-06), and ResNet-50's 2048 -> 1000 classifier took 326 us of
+C in a run against ~470 through torch before (:func:`panel_width` says which).
 
 Large linears (768 inputs, an even count, and 768 outputs or more; 32 rows or
 more) can run as one level of Strassen over the same packing
@@ -27,8 +29,9 @@ weight whose paired output columns (``j`` and ``j + n2``, ``n2`` about half) are
 alike in scale (:func:`strassen_spread`, marking the node ``strassen_wmax``), and
 each call checks that x's paired rows are alike, and finite, before it runs so;
 otherwise that call runs the classic kernel. The few rows and outputs past the
-halves' whole blocks are summed classically.
-``SEGFLOW_STRASSEN=0`` (``optimize={"layout.strassen": False}``) turns it off.
+halves' whole blocks are summed classically. By default only with the AVX2 build's
+panels (:func:`strassen_preferred`); ``SEGFLOW_STRASSEN=0``
+(``optimize={"layout.strassen": False}``) turns it off, ``=1`` on everywhere.
 
 Input the kernel does not take (not float32, not on the CPU) runs ``F.linear``
 over the weight unpacked once and kept. The packing is the only copy of the weight
