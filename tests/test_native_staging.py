@@ -61,6 +61,8 @@ def test_what_it_does_not_take_goes_through_copy():
             (x[0], torch.empty(3, 8, 8))):                  # not 4-D
         assert torch.equal(stage(source, out), source.to(out.dtype))
     assert stage.native_calls == 0 and stage.torch_calls == 4
+    assert stage.why_torch == {"not a contiguous float32 NCHW input into channels-last "
+                               "storage of its size": 4}
 
 
 @pytest.mark.skipif(Library.load() is None, reason="libdnnl is not installed")
@@ -80,3 +82,6 @@ def test_a_session_stages_its_nchw_feed_natively():
         np.testing.assert_allclose(sess.run(None, {"input": x})[0],
                                    ref.run(None, {"input": x})[0], atol=1e-4, rtol=1e-4)
     assert stagings[0].native_calls >= 3 and stagings[0].torch_calls == 0
+    (line,) = [line for line in sess.kernel_report() if line.startswith("NCHW input")]
+    assert line == (f"NCHW input staged into channels-last: 1 node; "
+                    f"{stagings[0].native_calls} calls native, 0 through torch")

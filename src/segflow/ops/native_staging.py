@@ -15,10 +15,11 @@ copy either way.
 from __future__ import annotations
 
 import ctypes
-import threading
+from collections.abc import Sequence
 
 import torch
 
+from segflow.ops._common import NativeOrTorch, describe_native_calls
 from segflow.ops.native_library import NativeLibrary
 from segflow.ops.onednn_direct import openmp_entry_points
 
@@ -33,32 +34,36 @@ class _Args(ctypes.Structure):
                 ("thread_num", ctypes.c_void_p), ("num_threads", ctypes.c_void_p)]
 
 
-class ChannelsLastStaging:
+class ChannelsLastStaging(NativeOrTorch):
     """``stage(x, out) -> out``: ``out.copy_(x)``, natively where ``x`` is a contiguous
-    float32 NCHW tensor and ``out`` a channels-last one of its size. ``native_calls``
-    and ``torch_calls`` count how copies ran."""
+    float32 NCHW tensor and ``out`` a channels-last one of its size. ``native_calls``,
+    ``torch_calls`` and ``why_torch`` say how copies ran (``explain()``)."""
 
     def __init__(self, library: NativeLibrary) -> None:
+        super().__init__(library, "")
         fn = library.dll.segflow_to_channels_last
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p]
         self._fn = fn
         self._omp = openmp_entry_points() or (None, None, None)
-        self._lock = threading.Lock()
-        self.native_calls = 0
-        self.torch_calls = 0
 
     def __call__(self, x: Tensor, out: Tensor) -> Tensor:
         if (x.dtype is not torch.float32 or out.dtype is not torch.float32 or x.dim() != 4
                 or not x.is_cpu or not out.is_cpu or x.shape != out.shape
                 or not x.is_contiguous()
                 or not out.is_contiguous(memory_format=torch.channels_last)):
-            with self._lock:
-                self.torch_calls += 1
+            self.count_torch_call("not a contiguous float32 NCHW input into channels-last "
+                                  "storage of its size")
             return out.copy_(x)
         n, c, h, w = x.shape
         args = _Args(x.data_ptr(), out.data_ptr(), n, c, h * w, *self._omp)
         self._fn(ctypes.byref(args))
-        with self._lock:
-            self.native_calls += 1
+        self.count_native_call()
         return out
+
+
+def describe_stagings(ops: Sequence[tuple[str, ChannelsLastStaging]], limit: int = 8
+                      ) -> list[str]:
+    """``explain()`` lines for the convolutions that stage an NCHW input natively: how
+    many, how their copies ran and why any went through torch."""
+    return describe_native_calls("NCHW input staged into channels-last", ops, "", limit)

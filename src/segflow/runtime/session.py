@@ -31,7 +31,8 @@ from segflow.ops.add_layer_norm import describe_add_layer_norms
 from segflow.ops.dense_chain import describe_chains
 from segflow.ops.native_attention import describe_attentions
 from segflow.ops.native_linear import describe_native_linears
-from segflow.ops.onednn_direct import describe_direct
+from segflow.ops.native_staging import ChannelsLastStaging, describe_stagings
+from segflow.ops.onednn_direct import DirectConv, describe_direct
 from segflow.ops.onednn_replay import describe_replays
 from segflow.ops.registry import OpRegistry, default_registry
 from segflow.passes.layout import calls_libdnnl, converts_input
@@ -233,6 +234,9 @@ class InferenceSession:
         if lines and self.prebuild_report is not None:
             lines.insert(1, f"  {self.prebuild_report.describe()}")
         lines += describe_chains(self._executor.chain_ops)
+        lines += describe_stagings([(label, op.stage) for label, op in self._executor.direct_ops
+                                    if isinstance(op, DirectConv)
+                                    and isinstance(op.stage, ChannelsLastStaging)])
         lines += describe_native_linears(self._executor.native_linears)
         lines += describe_add_layer_norms(self._executor.add_layer_norms)
         lines += describe_attentions(self._executor.attentions)
