@@ -18,7 +18,7 @@ weights, one process; 2026-12-06): a whole BERT-base run ~4% faster. At one row
 AVX-512 build's block is twice as wide (8 rows x 48 columns, panels of 48): on a
 2-core AVX-512 VM BERT-base's shapes ran at 264-293 GFLOP/s against torch's 235-261
 (cold weights, 2026-12-06), and ResNet-50's 2048 -> 1000 classifier took 326 us of
-C in a run against ~470 through torch before (:func:`panel_width` says which).
+C in a run, onnxruntime's Gemm 325 (:func:`panel_width` says which block a build has).
 
 Large linears (768 inputs, an even count, and 768 outputs or more; 32 rows or
 more) can run as one level of Strassen over the same packing

@@ -113,13 +113,14 @@ def layout(graph: Graph, device: Device, *, direct: bool = True,
             region = _blocked_region(graph, lib)
     native: NativeLibrary | None = None
     native_known = False     # resolved at the first linear: a graph with none never builds it
+    use_strassen = False     # ... and with it whether its linears may run as Strassen
     for node in graph.nodes:
         if node.domain == FUSED_DOMAIN and node.op_type == "FusedGemm":
             if not native_known:
                 native, native_known = _native_for_linears(native_linear), True
+                use_strassen = native is not None and (
+                    strassen_preferred(native) if strassen is None else strassen)
             dense = node.inputs[1]
-            use_strassen = native is not None and (
-                strassen_preferred(native) if strassen is None else strassen)
             if native is not None and _pack_native(graph, node, packed, native,
                                                    strassen_wmax if use_strassen else None):
                 changed += 1
