@@ -11,11 +11,11 @@ import torch
 
 import segflow
 from concurrency import on_one_and_more_threads
+from replays import replays
 from segflow import models
 from segflow.ops.native_library import NativeLibrary
 from segflow.ops.native_staging import ChannelsLastStaging
 from segflow.ops.onednn_direct import Library
-from segflow.ops.onednn_replay import DirectReplay
 
 LIB, WHY = NativeLibrary.probe()
 pytestmark = pytest.mark.skipif(LIB is None, reason=f"native kernels {WHY}")
@@ -69,11 +69,8 @@ def test_what_it_does_not_take_goes_through_copy():
 def test_a_session_stages_its_nchw_feed_natively():
     model = models.build("resnet18", image_size=64)
     sess = segflow.InferenceSession(model, compile="codegen")
-    # The replay's steps (read from the generated segment's closure): the stem stages.
-    replays = [cell.cell_contents for fn in sess._executor.compiled
-               for cell in getattr(fn, "__closure__", None) or ()
-               if isinstance(cell.cell_contents, DirectReplay)]
-    stagings = [step.op.stage for replay in replays for step in replay.steps
+    # The replay's steps: the stem stages.
+    stagings = [step.op.stage for replay in replays(sess) for step in replay.steps
                 if getattr(step.op, "stage", None) is not None]
     assert len(stagings) == 1, "the stem convolution has no native staging"
     x = np.random.default_rng(0).standard_normal((1, 3, 64, 64)).astype(np.float32)

@@ -20,6 +20,7 @@ import torch
 
 import segflow
 from concurrency import run_in_threads
+from replays import replays
 from segflow import models
 from segflow.ops.native_library import NativeLibrary
 from segflow.ops.onednn_direct import DirectOp, DnnlError, Library
@@ -33,22 +34,12 @@ SMALL = {"image_size": 64}
 ATOL, RTOL = 1e-4, 1e-3
 
 
-def _replays(sess: segflow.InferenceSession) -> list[DirectReplay]:
-    """The session's replays, read from its generated segments' closures."""
-    found = []
-    for fn in sess._executor.compiled:
-        for cell in getattr(fn, "__closure__", None) or ():
-            if isinstance(cell.cell_contents, DirectReplay):
-                found.append(cell.cell_contents)
-    return found
-
-
 def _resnet18() -> tuple[Any, segflow.InferenceSession, DirectReplay]:
     """onnxruntime's session, segflow's (codegen), and its one replayed run."""
     model = models.build("resnet18", **SMALL)
     ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     sess = segflow.InferenceSession(model, compile="codegen")
-    (replay,) = _replays(sess)
+    (replay,) = replays(sess)
     return ref, sess, replay
 
 
@@ -88,7 +79,7 @@ def test_replays_from_the_second_run_with_each_new_feed_and_size(name, native):
     model = models.build(name, **SMALL)
     ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     sess = segflow.InferenceSession(model, compile="codegen")
-    (replay,) = _replays(sess)
+    (replay,) = replays(sess)
     if not native:
         replay.native = None           # Python's loop over the executes, not the C one
     assert len(replay.steps) >= 20     # the convolutions (and poolings) in one call
@@ -125,7 +116,7 @@ def test_alternating_sizes_keep_the_first_recording():
     model = models.build("mobilenet_v2", **SMALL)
     ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     sess = segflow.InferenceSession(model, compile="codegen")
-    (replay,) = _replays(sess)
+    (replay,) = replays(sess)
     assert _check(ref, sess, "mobilenet_v2", (1, 2, 1, 2, 1, 2), replay) == [0, 0, 1, 1, 2, 2]
 
 
@@ -133,10 +124,10 @@ def test_the_switch_turns_it_off(monkeypatch):
     model = models.build("mobilenet_v2", **SMALL)
     monkeypatch.setenv("SEGFLOW_ONEDNN_REPLAY", "0")
     sess = segflow.InferenceSession(model, compile="codegen")
-    assert _replays(sess) == []
+    assert replays(sess) == []
     assert sess.run(None, _feeds("mobilenet_v2", 1, 0))[0].shape == (1, 1000)
     monkeypatch.delenv("SEGFLOW_ONEDNN_REPLAY")
-    assert len(_replays(segflow.InferenceSession(model, compile="codegen"))) == 1
+    assert len(replays(segflow.InferenceSession(model, compile="codegen"))) == 1
 
 
 def test_the_native_switch_keeps_the_executes_in_python(monkeypatch):

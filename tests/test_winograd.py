@@ -23,6 +23,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import segflow
 from concurrency import run_in_threads
+from replays import replays
 from segflow import models
 from segflow.ops import fused, winograd
 from segflow.ops.native_library import NativeLibrary
@@ -326,9 +327,7 @@ def _feeds(batch: int, seed: int) -> dict[str, np.ndarray]:
 
 
 def _replay(sess: segflow.InferenceSession) -> DirectReplay:
-    (replay,) = [cell.cell_contents for fn in sess._executor.compiled
-                 for cell in getattr(fn, "__closure__", None) or ()
-                 if isinstance(cell.cell_contents, DirectReplay)]
+    (replay,) = replays(sess)
     return replay
 
 

@@ -53,10 +53,6 @@ typedef struct {
     int (*num_threads)(void);
 } segflow_attention_t;
 
-static inline vf select_vf(vf a, vf b, vfi take) {
-    return (vf)(((vfi)a & ~take) | ((vfi)b & take));
-}
-
 /* e^x, lanewise, for x <= 0 (a softmax's): x = n ln2 + r with |r| <= ln2 / 2 (n from
  * the rounding constant's low bits, r in two steps), e^r by Cephes' expf polynomial,
  * 2^n through the exponent bits. Within 1e-7 relative of exp; 0 below -87.3 (and for

@@ -13,7 +13,7 @@
 
 #include <stdint.h>
 
-#include "panel.h"         /* NR, MR, VW, vf, vfi, splat_vf, panel_fma */
+#include "panel.h"         /* NR, MR, VW, vf, vfi, splat_vf, select_vf, panel_fma */
 
 #if VW == 16
 #define KC 128             /* input columns per pass over a panel: its block (24 KiB) in L1 */
@@ -52,9 +52,6 @@ typedef struct {
     int32_t refused;         /* 1 where the first phase found x unfit for it */
     int32_t strassen;        /* out: 1 where the call ran as Strassen */
 } segflow_linear_t;
-
-/* where `take`, b, else a */
-static inline vf select_vf(vf a, vf b, vfi take) { return (vf)(((vfi)a & ~take) | ((vfi)b & take)); }
 
 /* x Phi(x) = x (1 + erf(x / sqrt 2)) / 2, lanewise. erf(x / sqrt 2) is the rational
  * |x| P(x^2) / Q(x^2) on |x| <= 5.5 (P of degree 6, Q of degree 5, fitted for this

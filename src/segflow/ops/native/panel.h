@@ -41,6 +41,9 @@ static inline vf splat_vf(float a) { return splat(a); }
 #endif
 #define NR (3 * VW)        /* columns per panel: three vectors */
 
+/* where `take`, b, else a */
+static inline vf select_vf(vf a, vf b, vfi take) { return (vf)(((vfi)a & ~take) | ((vfi)b & take)); }
+
 /* acc[r][0..2] += sum over i < kc of x[r * lda + i] * panel[i][0..NR-1], r < R. */
 static inline __attribute__((always_inline)) void
 panel_fma(int R, int64_t kc, const float *restrict x, int64_t lda,
