@@ -308,3 +308,71 @@ def test_cache_cap_comes_from_the_environment():
     assert cache_max_bytes({"SEGFLOW_CACHE_MAX_MB": "3"}) == 3 << 20
     with pytest.raises(InvalidSetting, match="^SEGFLOW_CACHE_MAX_MB='lots': expected a positive"):
         cache_max_bytes({"SEGFLOW_CACHE_MAX_MB": "lots"})
+
+
+def _split_flatten_model(opset: int, sizes: list[int], axis: int = -1, flatten_axis: int = 1,
+                         width: str | int = 6):
+    """x [n, 2, 3, width] -> Relu -> Split(sizes, axis) -> each part Flatten(flatten_axis)."""
+    names = [f"part{i}" for i in range(len(sizes))]
+    split_inputs = ["a"] if opset < 13 else ["a", "sizes"]
+    attrs = {"split": sizes} if opset < 13 else {}
+    nodes = [helper.make_node("Relu", ["x"], ["a"]),
+             helper.make_node("Split", split_inputs, names, axis=axis, **attrs)]
+    nodes += [helper.make_node("Flatten", [name], [f"out{i}"], axis=flatten_axis)
+              for i, name in enumerate(names)]
+    init = [numpy_helper.from_array(np.array(sizes, np.int64), "sizes")] if opset >= 13 else []
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 2, 3, width])],
+        [helper.make_tensor_value_info(f"out{i}", TensorProto.FLOAT, None)
+         for i in range(len(sizes))], initializer=init)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 8
+    return model
+
+
+def _generated_source(sess) -> str:
+    ex = sess._executor
+    return generate(ex.tasks[0].steps, ex.template, set(ex.output_slots), None).source
+
+
+@pytest.mark.parametrize("opset", [11, 13, 18])
+@pytest.mark.parametrize("flatten_axis", [1, -3, 2])
+def test_a_split_of_constant_sizes_and_a_flatten_at_axis_one_are_one_line_each(
+        opset, flatten_axis):
+    model = _split_flatten_model(opset, [1, 3, 2], flatten_axis=flatten_axis)
+    sess = segflow.InferenceSession(model, engine="inline")
+    source = _generated_source(sess)
+    # The Split is unpacked in place, each Flatten at axis 1 a method call (no kernels).
+    assert ".split([1, 3, 2], -1)" in source
+    assert source.count(".flatten(1)") == (3 if flatten_axis in (1, -3) else 0)
+    x = np.random.default_rng(0).standard_normal((2, 2, 3, 6)).astype(np.float32)
+    want = ort.InferenceSession(model.SerializeToString(),
+                                providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    got = sess.run(None, {"x": x})
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape
+        np.testing.assert_array_equal(g, w)
+
+
+def test_a_split_without_constant_sizes_stays_a_kernel():
+    # Sizes from the number of outputs: the kernel computes them from the input's extent.
+    nodes = [helper.make_node("Split", ["x"], ["a", "b"], axis=1),
+             helper.make_node("Add", ["a", "b"], ["out"])]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    sess = segflow.InferenceSession(model, engine="inline")
+    assert ".split(" not in _generated_source(sess)
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    np.testing.assert_array_equal(sess.run(None, {"x": x})[0], x[:, :2] + x[:, 2:])
+
+
+def test_an_inline_split_whose_sizes_do_not_fit_names_the_node():
+    model = _split_flatten_model(13, [1, 3, 2], width="w")
+    sess = segflow.InferenceSession(model, engine="inline")
+    assert ".split([1, 3, 2], -1)" in _generated_source(sess)
+    assert sess.run(None, {"x": np.ones((1, 2, 3, 6), np.float32)})[0].shape == (1, 6)
+    with pytest.raises(ExecutionError, match=r"While executing .*Split\(%a, %sizes\)"):
+        sess.run(None, {"x": np.ones((1, 2, 3, 7), np.float32)})

@@ -277,6 +277,8 @@ def _inline(node: Node, inplace_input: int | None, device: torch.device,
         if traceable:
             return traceable_fused(node)
         return inline_fused(node, device, inplace_input, consts, kernel)
+    if node.domain == "" and node.op_type == "Flatten":
+        return _inline_flatten(node)
     op = _CORE.get(node.op_type)
     if node.domain != "" or op is None or len(node.outputs) != 1:
         return None
@@ -286,6 +288,44 @@ def _inline(node: Node, inplace_input: int | None, device: torch.device,
         return None
     expr = op.inplace.get(inplace_input, op.expr) if inplace_input is not None else op.expr
     return Inline(expr, op.bound)
+
+
+def _inline_split(node: Node, consts: Sequence[Tensor | None]
+                  ) -> tuple[list[int], int] | None:
+    """``(sizes, axis)`` where a Split's sizes are constant (its ``split`` attribute before
+    opset 13, a constant input after) and one per output: generated code then splits in
+    one line (``v1, v2, v3, = x.split(sizes, axis)``, views as the kernel's). The sibling
+    rule's Split after BERT-base's merged query/key/value linear cost ~75 us a call as a
+    kernel in a profiled run (it reads its sizes tensor each call), 12 a run
+    (2-core AVX-512 VM, 2026-12-06). Sizes that do not add up to the input's extent
+    fail in ``split`` at run time, naming the node, as the kernel does."""
+    if node.domain != "" or node.op_type != "Split" or node.inputs[0] is None:
+        return None
+    if node.opset < 13:
+        raw = node.attrs.get("split")
+        sizes = [int(v) for v in raw] if raw is not None else None
+    else:
+        const = consts[1] if len(consts) > 1 else None
+        sizes = [int(v) for v in const.reshape(-1).tolist()] if const is not None else None
+    if not sizes or len(sizes) != len(node.outputs) or min(sizes) < 0:
+        return None
+    return sizes, int(node.attrs.get("axis", 0))
+
+
+def _inline_flatten(node: Node) -> Inline | None:
+    """Flatten at axis 1 of an input of known rank 2 or more: ``x.flatten(1)``, the same
+    ``[d0, d1 * d2 ...]`` view or copy the kernel's reshape makes. A classifier's
+    Flatten after global pooling is one per run, but as a kernel call it cost ~35 us
+    between the pooling and the Gemm in MobileNetV2's run (its Python cold after the
+    convolutions; 2-core AVX-512 VM, 2026-12-06)."""
+    x = node.inputs[0]
+    shape = x.spec.shape if x is not None else None
+    axis = int(node.attrs.get("axis", 1))
+    if shape is None or len(node.outputs) != 1 or len(shape) < 2:
+        return None
+    if axis != 1 and axis != 1 - len(shape):
+        return None
+    return Inline("{in0}.flatten(1)")
 
 
 class _Emitter:
@@ -382,7 +422,13 @@ def generate(steps: Sequence[Step], template: Sequence[Tensor | None], live_out:
                           step.kernel)
                   if len(step.outputs) == 1 and not isinstance(step.kernel, UploadInputs)
                   else None)
-        if inline is not None:
+        split = _inline_split(node, consts) if not isinstance(step.kernel, UploadInputs) \
+            else None
+        if split is not None:
+            sizes, axis = split
+            body.append(f"{''.join(f'v{slot}, ' for slot in step.outputs)}= "
+                        f"{args[0]}.split({sizes}, {axis})")
+        elif inline is not None:
             names = {key: em.bind(obj, "b") for key, obj in inline.bound.items()
                      if "{" + key + "}" in inline.expr}
             expr = inline.expr.format(**{f"in{i}": a for i, a in enumerate(args)}, **names)

@@ -15,8 +15,8 @@
  * rows' KC columns stay in L2. A call of fewer than MR rows reads each panel whole,
  * in the order it is stored; a single row (a GEMV), GEMV_PANELS panels at once. The
  * OpenMP threads libdnnl uses (ops/native_linear.py passes libgomp's entry points)
- * claim chunks of panels as they go, or of rows where there are fewer panels than
- * threads.
+ * claim chunks of panels as they go (a GEMV's GEMV_PANELS at a time), or of rows where
+ * there are fewer panels than threads.
  *
  * It exists because on a 2-core Zen 1 VM (AVX2, 2026-12-06) BERT-base's 128-row
  * linears ran faster this way than through libdnnl 3.2's inner product
@@ -52,8 +52,14 @@
  * flight, one sequential stream per panel). 2-core AVX-512 VM, 1280 -> 1000 and
  * 2048 -> 1000 with 16 weights in turn (cache-cold), two threads: 192 and 313 us with
  * 4 panels, 190-203 and 314-343 with 2, 3, 6 or 8, 225 and 367 a panel at a time;
- * torch's 172-177 and 281-296 (2026-12-06). */
-#define GEMV_PANELS 4
+ * torch's 172-177 and 281-296 (2026-12-06). Claimed 4 at a time (gemv_work) where
+ * they were claimed in guided chunks, 186-194 and 325-350 against torch's 178-188 and
+ * 313-354, where guided chunks ran 201-206 and 332-373 against 188-191 and 306-357
+ * (same probe, alternating builds, 2026-12-06). With the weight in L3 (L2 flushed),
+ * 1280 -> 1000 runs 154-178 us, torch's F.linear 137-155: the same ~20 us apart with
+ * one thread, and a call's Python costs ~5 us more than F.linear's; prefetching 8 to
+ * 64 inputs ahead, or 1 to 3 panels a claim, changed nothing there. */
+#define GEMV_PANELS 4     /* gemv_work's switch counts down from 4 */
 
 
 /* 1 where the build has AVX2 and FMA, the vector width and multiply-add the kernel was
@@ -160,26 +166,56 @@ static void rows(const segflow_linear_t *p, int64_t r0, int64_t r1, int64_t pc, 
     }
 }
 
-/* One row of x times GEMV_PANELS consecutive panels (from panel q), each whole: as
- * many streams from memory at once, where a panel at a time is one. */
-static void gemv_panels(const segflow_linear_t *p, int64_t r, int64_t q) {
-    static const float zeros[NR];
-    const int64_t k = p->k;
+/* Row r of x times G consecutive panels (from panel q; 1 <= G <= GEMV_PANELS), each
+ * whole: as many streams from memory at once, where a panel at a time is one. The
+ * padded last panel (n % NR columns) is summed in full, over the packing's zeros, and
+ * only its columns are stored. */
+static inline __attribute__((always_inline)) void
+gemv_panels(const segflow_linear_t *p, int64_t r, int64_t q, const int G) {
+    const int64_t k = p->k, n = p->n;
     const float *x = p->x + r * p->lda, *w = p->w + q * k * NR;
     vf acc[GEMV_PANELS][3];
-    for (int g = 0; g < GEMV_PANELS; g++)
+    for (int g = 0; g < G; g++) {
+        const int64_t cols = n - (q + g) * NR < NR ? n - (q + g) * NR : NR;
+        float start[NR] = {0};
+        if (p->bias)
+            memcpy(start, p->bias + (q + g) * NR, (size_t)cols * sizeof(float));
         for (int v = 0; v < 3; v++)
-            acc[g][v] = *(const vf *)((p->bias ? p->bias + (q + g) * NR : zeros) + VW * v);
+            acc[g][v] = *(const vf *)(start + VW * v);
+    }
     for (int64_t i = 0; i < k; i++) {
         const vf a = splat_vf(x[i]);
-        for (int g = 0; g < GEMV_PANELS; g++)
+        for (int g = 0; g < G; g++)
             for (int v = 0; v < 3; v++)
                 acc[g][v] += a * *(const vf *)(w + (g * k + i) * NR + VW * v);
     }
-    float *y = p->y + r * p->n + q * NR;
-    for (int g = 0; g < GEMV_PANELS; g++)
+    float *y = p->y + r * n + q * NR;
+    for (int g = 0; g < G; g++) {
+        const int64_t cols = n - (q + g) * NR < NR ? n - (q + g) * NR : NR;
+        float tile[NR];
+        float *out = cols == NR ? y + g * NR : tile;
         for (int v = 0; v < 3; v++)
-            *(vf *)(y + g * NR + VW * v) = p->act ? activate(p, acc[g][v]) : acc[g][v];
+            *(vf *)(out + VW * v) = p->act ? activate(p, acc[g][v]) : acc[g][v];
+        if (cols < NR)
+            memcpy(y + g * NR, tile, (size_t)cols * sizeof(float));
+    }
+}
+
+/* A GEMV's region body: each thread claims GEMV_PANELS panels at a time (the last claim
+ * fewer), so that every claim reads that many streams at once. One row of ResNet-50's
+ * 2048 -> 1000 classifier is 21 panels: claimed in guided chunks, most of a thread's
+ * last panels ran one stream at a time. */
+static void gemv_work(void *data) {
+    segflow_linear_t *p = data;
+    const int64_t panels = (p->n + NR - 1) / NR;
+    for (int64_t q; (q = __atomic_fetch_add(&p->next, GEMV_PANELS, __ATOMIC_RELAXED)) < panels;) {
+        switch (panels - q < GEMV_PANELS ? panels - q : GEMV_PANELS) {
+        case 4: gemv_panels(p, 0, q, 4); break;
+        case 3: gemv_panels(p, 0, q, 3); break;
+        case 2: gemv_panels(p, 0, q, 2); break;
+        default: gemv_panels(p, 0, q, 1); break;
+        }
+    }
 }
 
 /* Panels [p0, p1) for rows [r0, r1). A panel past n's last full one is computed into a
@@ -190,8 +226,6 @@ void linear_part(const segflow_linear_t *p, int64_t p0, int64_t p1, int64_t r0, 
     if (r1 - r0 < MR) {          /* a few rows: each panel whole, as it is stored */
         const int64_t q1 = p1 < full ? p1 : full;
         int64_t q = p0;
-        for (; r1 - r0 == 1 && q + GEMV_PANELS <= q1; q += GEMV_PANELS)
-            gemv_panels(p, r0, q);
         for (; q < q1; q++)
             rows(p, r0, r1, 0, k, p->w + q * k * NR, p->y + q * NR, n,
                  p->bias ? p->bias + q * NR : zeros, NULL, 0);
@@ -273,7 +307,8 @@ int segflow_linear(segflow_linear_t *p) {
     p->arrived = 0;
     p->spare = 0;
     p->refused = 0;
-    void (*body)(void *) = p->scratch && strassen_fits(p) ? strassen_work : linear_work;
+    void (*body)(void *) = p->scratch && strassen_fits(p) ? strassen_work
+                         : p->m == 1 ? gemv_work : linear_work;
     if (p->parallel && p->m * p->n * p->k >= 65536)
         p->parallel(body, p, 0, 0);
     else
