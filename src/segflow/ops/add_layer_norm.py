@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from segflow.ops._common import NativeOrTorch, OpKernel, describe_native_calls
 from segflow.ops.native_library import NativeLibrary
+from segflow.ops.native_replay import Prepared
 from segflow.ops.onednn_direct import openmp_entry_points
 
 Tensor = torch.Tensor
@@ -52,34 +53,56 @@ class AddLayerNorm(NativeOrTorch):
         super().__init__(library, why_native)
         self.epsilon = epsilon
         self._fn = None
+        self._address = 0
         if library is not None:
             self._fn = library.dll.segflow_add_layer_norm
             self._fn.restype = ctypes.c_int
             self._fn.argtypes = [ctypes.c_void_p]
+            self._address = ctypes.cast(self._fn, ctypes.c_void_p).value or 0
         # _Args' fields after the sizes: epsilon, the padding, the OpenMP runtime, the
         # kernel's chunk counter.
         self._tail = (epsilon, 0, *(openmp_entry_points() or (None, None, None)), 0)
 
     def __call__(self, a: Tensor, b: Tensor, scale: Tensor, bias: Tensor | None = None
                  ) -> Tensor:
+        call = self.prepare(a, b, scale, bias)
+        if call is None:
+            return self._torch_call(a, b, scale, bias)
+        self.run_prepared(call)
+        return call.output
+
+    def prepare(self, a: Tensor, b: Tensor, scale: Tensor, bias: Tensor | None = None,
+                out: Tensor | None = None) -> Prepared | None:
+        """The native call for these tensors, ready to run (None: torch's). ``out``:
+        storage for the result where it has the result's shape (else a new tensor).
+        ``fields`` None (not replayable, ``ops/native_replay.py``) where an input had
+        to be copied first."""
         f32 = torch.float32
         if self._fn is None or a.dtype is not f32 or b.dtype is not f32 or not a.is_cpu \
                 or not b.is_cpu or a.shape != b.shape or a.dim() == 0 \
                 or scale.dtype is not f32 or not scale.is_cpu \
                 or (bias is not None and (bias.dtype is not f32 or not bias.is_cpu)):
-            return self._torch_call(a, b, scale, bias)
+            return None
         width = a.shape[-1]
         if scale.numel() != width or (bias is not None and bias.numel() != width):
-            return self._torch_call(a, b, scale, bias)
+            return None
+        given = (a, b, scale, bias)
         a, b = a.contiguous(), b.contiguous()
         scale = scale.contiguous()
         bias = None if bias is None else bias.contiguous()
-        y = torch.empty_like(a)
-        self._fn(ctypes.byref(_Args(a.data_ptr(), b.data_ptr(), scale.data_ptr(),
-                                    None if bias is None else bias.data_ptr(), y.data_ptr(),
-                                    a.numel() // width if width else 0, width, *self._tail)))
+        y = out if out is not None and out.shape == a.shape else torch.empty_like(a)
+        args = _Args(a.data_ptr(), b.data_ptr(), scale.data_ptr(),
+                     None if bias is None else bias.data_ptr(), y.data_ptr(),
+                     a.numel() // width if width else 0, width, *self._tail)
+        copied = any(t is not g for t, g in zip((a, b, scale, bias), given, strict=True))
+        return Prepared(self._address, args, y, None if copied else ((0, "a"), (1, "b")),
+                        (a, b, scale) if bias is None else (a, b, scale, bias), self)
+
+    def run_prepared(self, call: Prepared) -> None:
+        """Run a :meth:`prepare`d call and count it."""
+        assert self._fn is not None
+        self._fn(ctypes.byref(call.args))
         self.count_native_call()
-        return y
 
     def _torch_call(self, a: Tensor, b: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:
         self.count_torch_call(self._why_torch(a, b, scale, bias))

@@ -35,11 +35,26 @@ import torch.nn.functional as F
 
 from segflow.ops._common import NativeOrTorch, OpKernel, describe_native_calls
 from segflow.ops.native_library import NativeLibrary
+from segflow.ops.native_replay import Prepared
 from segflow.ops.onednn_direct import openmp_entry_points
 
 Tensor = torch.Tensor
 
 _Sizes = ctypes.c_int64 * 27      # segflow_attention's sizes (ops/native/attention.c)
+
+
+class _CallArgs(ctypes.Structure):
+    """``segflow_attention_call_t`` of ``ops/native/attention.c``, with the result's
+    tensor, its ``[B, Sq, H, Dv]`` sizes and what its pointers must outlive."""
+
+    _fields_ = [("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p),
+                ("mask", ctypes.c_void_p), ("y", ctypes.c_void_p), ("scratch", ctypes.c_void_p),
+                ("sizes", ctypes.c_void_p), ("scale", ctypes.c_float), ("pad_", ctypes.c_int32),
+                ("parallel", ctypes.c_void_p), ("thread_num", ctypes.c_void_p),
+                ("num_threads", ctypes.c_void_p)]
+    output: torch.Tensor
+    shape: tuple[int, int, int, int]
+    keep: tuple[object, ...]
 _Geometry = tuple[tuple[int, ...], ...]   # (shape, strides) of Q, K, V as [B, H, S, D]
 
 
@@ -58,11 +73,13 @@ class ScaledDotAttention(NativeOrTorch):
         self.scale = scale
         self.heads = heads
         self._fn = None
+        self._address = 0
         self._scratch_floats = None
         if library is not None:
-            self._fn = library.dll.segflow_attention
+            self._fn = library.dll.segflow_attention_call
             self._fn.restype = ctypes.c_int
-            self._fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_float] + [ctypes.c_void_p] * 3
+            self._fn.argtypes = [ctypes.c_void_p]
+            self._address = ctypes.cast(self._fn, ctypes.c_void_p).value or 0
             self._scratch_floats = library.dll.segflow_attention_scratch
             self._scratch_floats.restype = ctypes.c_int64
             self._scratch_floats.argtypes = [ctypes.c_int64] * 3
@@ -76,6 +93,33 @@ class ScaledDotAttention(NativeOrTorch):
         if why:
             return self._torch_call(why, q, k, v, mask)
         return self._native(q, k, v, mask, geometry)
+
+    def prepare(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
+                out: Tensor | None = None) -> Prepared | None:
+        """The native call of the heads form (``heads`` > 0) for these tensors, ready to
+        run (None: another form, or torch's). ``out``: storage for the result where it
+        has the result's shape (else a new tensor). ``fields`` None (not replayable,
+        ``ops/native_replay.py``) where Q had to be copied or the mask is read through
+        a copy."""
+        if not self.heads or self._fn is None:
+            return None
+        given = q
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        why, geometry = self._geometry(q, k, v, mask)
+        if why:
+            return None
+        call = self._call(q, k, v, mask, geometry, out)
+        copied = q is not given or (mask is not None and call.mask != mask.data_ptr())
+        fields = None if copied else ((0, "q"), (1, "k"), (2, "v"), (3, "mask"))
+        return Prepared(self._address, call, call.output, fields, call.keep, self)
+
+    def run_prepared(self, call: Prepared) -> None:
+        """Run a :meth:`prepare`d call and count it."""
+        assert self._fn is not None
+        if self._fn(ctypes.byref(call.args)) != 0:
+            raise RuntimeError("attention: a thread of the native kernel found no scratch")
+        self.count_native_call()
 
     # -- the native path ----------------------------------------------------------------
     def _geometry(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
@@ -117,13 +161,32 @@ class ScaledDotAttention(NativeOrTorch):
 
     def _native(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
                 geometry: _Geometry) -> Tensor:
+        call = self._call(q, k, v, mask, geometry)
+        assert self._fn is not None
+        if self._fn(ctypes.byref(call)) != 0:
+            raise RuntimeError("attention: a thread of the native kernel found no scratch")
+        self.count_native_call()
+        out = call.output
+        if self.heads:
+            return out
+        batch, sq, heads, dv = call.shape
+        y = out.view(batch, sq, heads, dv).transpose(1, 2)
+        return y if q.dim() == 4 else y.squeeze(1)
+
+    def _call(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
+              geometry: _Geometry, out: Tensor | None = None) -> _CallArgs:
+        """The kernel's arguments for these tensors, with the result's storage (``out``
+        where it is ``[B, Sq, H * Dv]``, else new) and the scratch they point at."""
         qn, qs, kn, ks, vn, vs = geometry
         batch, heads, sq, d = qn
         sk, dv = kn[2], vn[3]
         # The result in [B, Sq, H, Dv] memory: for the heads form that is [B, Sq, H * Dv].
-        out = torch.empty((batch, sq, heads * dv), dtype=torch.float32)
+        shape = (batch, sq, heads * dv)
+        if out is None or out.shape != shape or not out.is_contiguous():
+            out = torch.empty(shape, dtype=torch.float32)
         ys = (sq * heads * dv, dv, heads * dv, 1)
         ms: tuple[int, ...] = (0, 0, 0, 0)
+        given = mask
         if mask is not None:
             mask, ms = _mask_strides(mask, (batch, heads, sq, sk), heads_dim=bool(self.heads)
                                      or q.dim() == 4)
@@ -132,15 +195,16 @@ class ScaledDotAttention(NativeOrTorch):
         scratch = torch.empty(threads * self._scratch_floats(sk, d, dv),  # type: ignore[misc]
                               dtype=torch.float32)
         sizes = _Sizes(batch, heads, sq, sk, d, dv, *qs, *ks, *vs, *ms, *ys, threads)
-        if self._fn(q.data_ptr(), k.data_ptr(), v.data_ptr(),  # type: ignore[misc]
-                    None if mask is None else mask.data_ptr(), out.data_ptr(),
-                    scratch.data_ptr(), sizes, self.scale, *self._openmp) != 0:
-            raise RuntimeError("attention: a thread of the native kernel found no scratch")
-        self.count_native_call()
-        if self.heads:
-            return out
-        y = out.view(batch, sq, heads, dv).transpose(1, 2)
-        return y if q.dim() == 4 else y.squeeze(1)
+        call = _CallArgs(q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                         None if mask is None else mask.data_ptr(), out.data_ptr(),
+                         scratch.data_ptr(), ctypes.addressof(sizes), self.scale, 0,
+                         *self._openmp)
+        call.output = out
+        call.shape = (batch, sq, heads, dv)
+        # The mask as the kernel reads it, where that is a copy (the caller holds the rest).
+        copied = mask is not None and given is not None and mask.data_ptr() != given.data_ptr()
+        call.keep = (scratch, sizes, mask) if copied else (scratch, sizes)
+        return call
 
     # -- through torch ------------------------------------------------------------------
     def _torch_call(self, why: str, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None

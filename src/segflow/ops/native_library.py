@@ -44,7 +44,7 @@ SOURCES = tuple(Path(__file__).with_name("native") / name
                              "replay.c", "staging.c", "strassen.c", "winograd.c"))
 # Included by the sources (part of the build's key, not compiled on their own).
 HEADERS = tuple(Path(__file__).with_name("native") / name for name in ("linear.h", "panel.h"))
-ABI = 13         # segflow_native_abi() of the sources this module speaks to
+ABI = 14         # segflow_native_abi() of the sources this module speaks to
 FLAGS = ("-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 120
 

@@ -43,12 +43,14 @@ from __future__ import annotations
 import ctypes
 import math
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 
 from segflow.ops._common import NativeOrTorch, OpKernel, describe_native_calls
 from segflow.ops.native_library import NativeLibrary
+from segflow.ops.native_replay import Prepared
 from segflow.ops.onednn_direct import openmp_entry_points
 
 Tensor = torch.Tensor
@@ -224,6 +226,7 @@ class NativeLinear(NativeOrTorch):
         self._fn = library.dll.segflow_linear
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [ctypes.c_void_p]
+        self._address = ctypes.cast(self._fn, ctypes.c_void_p).value or 0
         omp = openmp_entry_points() or (None, None, None)
         # _Args' fields after the sizes: the activation, the padding, the OpenMP runtime,
         # the kernel's chunk counter.
@@ -242,12 +245,29 @@ class NativeLinear(NativeOrTorch):
             self._scratch.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
 
     def __call__(self, x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+        call = self.prepare(x, w, b)
+        if call is None:
+            return self._fallback(x, w, b)
+        self.run_prepared(call)
+        return call.output if self.after is None else self.after(call.output)
+
+    def prepare(self, x: Tensor, w: Tensor, b: Tensor | None = None,
+                out: Tensor | None = None) -> Prepared | None:
+        """The native call for these tensors, ready to run (None: the fallback's).
+        ``out``: storage for the result where it has the result's shape (else a new
+        tensor). Its pointer fields are the given tensors' addresses unless ``x`` had to
+        be copied first, or an activation runs after the kernel (``fields`` None: not
+        replayable, ``ops/native_replay.py``)."""
         k = self.in_features
         if x.dtype is not torch.float32 or not x.is_cpu or x.shape[-1] != k or (
                 b is not None and (b.dtype is not torch.float32 or not b.is_cpu)):
-            return self._fallback(x, w, b)
+            return None
+        keep: tuple[Tensor, ...] = ()
+        in_place = self.after is None
         if b is not None and not b.is_contiguous():
             b = b.contiguous()
+            keep = (b,)
+            in_place = False
         if x.is_contiguous():
             lda = k
         elif x.dim() == 2 and x.stride(1) == 1 and x.stride(0) >= k:
@@ -255,27 +275,34 @@ class NativeLinear(NativeOrTorch):
         else:
             x = x.contiguous()
             lda = k
-        y = torch.empty(x.shape[:-1] + (self.out_features,))
+            in_place = False
+        shape = x.shape[:-1] + (self.out_features,)
+        y = out if out is not None and out.shape == shape else torch.empty(shape)
         m = x.numel() // k if k else 0
         args = _Args(x.data_ptr(), w.data_ptr(), None if b is None else b.data_ptr(),
                      y.data_ptr(), m, self.out_features, k, lda, *self._tail)
-        if self.strassen_wmax is None or not self._strassen_fits(m):
-            self._fn(ctypes.byref(args))
-            self.count_native_call()
-        else:
+        if self.strassen_wmax is not None and self._strassen_fits(m):
             threads = torch.get_num_threads()
             scratch = torch.empty(int(self._scratch(m, k, threads)))
             args.scratch = scratch.data_ptr()
             args.scratch_threads = threads
             args.wmax = self.strassen_wmax
-            self._fn(ctypes.byref(args))
-            with self._lock:
-                self.native_calls += 1
-                if args.strassen:
-                    self.strassen_calls += 1
-                else:
-                    self.strassen_refused += 1
-        return y if self.after is None else self.after(y)
+            keep += (scratch,)
+        return Prepared(self._address, args, y, ((0, "x"),) if in_place else None, keep, self)
+
+    def run_prepared(self, call: Prepared) -> None:
+        """Run a :meth:`prepare`d call and count it."""
+        args = cast(_Args, call.args)
+        self._fn(ctypes.byref(args))
+        if not args.scratch:
+            self.count_native_call()
+            return
+        with self._lock:
+            self.native_calls += 1
+            if args.strassen:
+                self.strassen_calls += 1
+            else:
+                self.strassen_refused += 1
 
     def _strassen_fits(self, m: int) -> bool:
         fits = self._strassen_rows.get(m)

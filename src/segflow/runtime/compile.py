@@ -48,6 +48,8 @@ from segflow.engine.base import ExecType
 from segflow.errors import ExecutionError, node_failed
 from segflow.ir.graph import Node
 from segflow.ir.types import DType
+from segflow.ops._common import OpKernel
+from segflow.ops.add_layer_norm import AddLayerNorm
 from segflow.ops.dense_chain import inline_chain, traceable_chain
 from segflow.ops.fused import (
     FUSED_DOMAIN,
@@ -57,7 +59,10 @@ from segflow.ops.fused import (
     reads_libdnnl_packing,
     traceable_fused,
 )
+from segflow.ops.native_attention import ScaledDotAttention
 from segflow.ops.native_library import NativeLibrary
+from segflow.ops.native_linear import NativeLinear
+from segflow.ops.native_replay import NativeReplay, NativeStep, Replayable
 from segflow.ops.onednn_direct import DirectConv, DirectKernel, DirectPool
 from segflow.ops.onednn_replay import DirectReplay, ReplayStep
 from segflow.ops.registry import Kernel
@@ -84,6 +89,7 @@ class CompileReport:
     evicted: int = 0                   # older packages deleted to keep the cache under its cap
     fallbacks: list[str] = field(default_factory=list)
     replays: list[DirectReplay] = field(default_factory=list)   # ops/onednn_replay.py
+    native_replays: list[NativeReplay] = field(default_factory=list)   # ops/native_replay.py
 
     @property
     def compile_time_s(self) -> float:
@@ -154,6 +160,7 @@ class SegmentCompiler:
             else:
                 compiled.append(program.fn)
                 self.report.replays.extend(program.replays)
+                self.report.native_replays.extend(program.native_replays)
             self.report.segments += 1
         self.report.build_time_s = time.perf_counter() - start
         return compiled
@@ -225,6 +232,7 @@ class Program:
     constants: tuple[Tensor, ...] = ()  # pure form: passed first, so tracing sees them
     released: tuple[int, ...] = ()   # pure form: input slots no other task reads afterwards
     replays: tuple[DirectReplay, ...] = ()   # the replayed runs of direct kernels it calls
+    native_replays: tuple[NativeReplay, ...] = ()   # and of segflow's own kernels
 
 
 _FLOAT = (DType.FLOAT32, DType.FLOAT64, DType.FLOAT16, DType.BFLOAT16)
@@ -389,12 +397,35 @@ def generate(steps: Sequence[Step], template: Sequence[Tensor | None], live_out:
         return slot_inplace
 
     runs = {} if pure or traceable or not replay else _replay_runs(steps)
+    library = NativeLibrary.for_session()[0] if replay and not (pure or traceable) else None
+    native_runs = {} if library is None else _native_runs(steps, template, produced, live_out)
     replays: list[DirectReplay] = []
+    native_replays: list[NativeReplay] = []
     skip_to = 0
     for index, step in enumerate(steps):
         if index < skip_to:
             continue
         node = step.node
+        if index in native_runs:
+            assert library is not None
+            run = steps[index:native_runs[index]]
+            skip_to = native_runs[index]
+            body.append(f"_i = {index}")
+            read_after = {slot for later in steps[skip_to:] for slot in later.inputs}
+            native, reads, returns = _native_replay_call(run, template, produced,
+                                                         read_after | live_out, library)
+            native_replays.append(native)
+            targets = "".join(f"v{slot}, " for slot in returns)
+            body.append(f"({targets}) = {em.bind(native, 'n')}"
+                        f"({', '.join(ref(s) for s in reads)})")
+            for slot in returns:
+                local.add(slot)
+                if slot in live_out:
+                    body.append(f"env[{slot}] = v{slot}")
+            gone = [f"v{slot}" for later in run for slot in later.release if slot in local]
+            if gone:
+                body.append(f"del {', '.join(dict.fromkeys(gone))}")
+            continue
         if index in runs:
             run = steps[index:runs[index]]
             skip_to = runs[index]
@@ -467,7 +498,7 @@ def generate(steps: Sequence[Step], template: Sequence[Tensor | None], live_out:
         constants = tuple(t for t in (em.bound[name] for name in lifted) if isinstance(t, Tensor))
         return Program(source, _pure_to_env(fn, constants, tuple(loaded), outputs),
                        tuple(loaded), outputs, fn, constants, tuple(cleared))
-    return Program(source, fn, replays=tuple(replays))
+    return Program(source, fn, replays=tuple(replays), native_replays=tuple(native_replays))
 
 
 def _replay_op(step: Step) -> DirectConv | DirectPool | None:
@@ -522,6 +553,84 @@ def _replay_call(run: Sequence[Step], inplace_input: Callable[[Step], int | None
     replay = DirectReplay(replay_steps, n_inputs, [position[s] for s in outputs],
                           native=library, native_why=why)
     return replay, inputs, outputs
+
+
+def _native_op(step: Step) -> Replayable | None:
+    """The native kernel's op a step calls, where a replay can record it (None: another
+    kind of step)."""
+    kernel = step.kernel
+    if len(step.outputs) != 1 or not isinstance(kernel, OpKernel):
+        return None
+    op = kernel.op
+    return op if isinstance(op, NativeLinear | AddLayerNorm | ScaledDotAttention) else None
+
+
+def _split_step(step: Step, template: Sequence[Tensor | None], produced: set[int]
+                ) -> tuple[list[int], int] | None:
+    """A Split of constant sizes (generated code's one line), as ``(sizes, axis)``."""
+    consts = [template[s] if 0 < s < len(template) and s not in produced else None
+              for s in step.inputs]
+    return _inline_split(step.node, consts)
+
+
+def _native_runs(steps: Sequence[Step], template: Sequence[Tensor | None], produced: set[int],
+                 live_out: set[int]) -> dict[int, int]:
+    """``{first: end}`` for each run of consecutive native kernels (and constant-size
+    Splits between them) with two kernels or more. A run ends before a Split any of
+    whose parts is read after it (the parts would be views of the run's storage)."""
+    runs: dict[int, int] = {}
+    index = 0
+    while index < len(steps):
+        end = index
+        while end < len(steps) and (_native_op(steps[end]) is not None or
+                                    _split_step(steps[end], template, produced) is not None):
+            end += 1
+        while end > index:
+            read_after = {s for later in steps[end:] for s in later.inputs} | live_out
+            split = next((i for i in range(index, end) if _native_op(steps[i]) is None
+                          and read_after.intersection(steps[i].outputs)), None)
+            if split is None:
+                break
+            end = split
+        if sum(1 for step in steps[index:end] if _native_op(step) is not None) >= 2:
+            runs[index] = end
+        index = max(end, index + 1)
+    return runs
+
+
+def _native_replay_call(run: Sequence[Step], template: Sequence[Tensor | None],
+                        produced: set[int], read_after: set[int], library: NativeLibrary
+                        ) -> tuple[NativeReplay, list[int], list[int]]:
+    """The replay for ``run``, the slots it reads from outside (its arguments, in
+    order) and the slots it returns (those read after it)."""
+    inputs: list[int] = []
+    position: dict[int, int] = {}       # slot -> value index in the replay
+    made = {slot for step in run for slot in step.outputs}
+    for step in run:
+        for slot in step.inputs:
+            if slot and slot not in made and slot not in position:
+                position[slot] = len(inputs)
+                inputs.append(slot)
+    constants = [i for i, slot in enumerate(inputs)
+                 if slot < len(template) and template[slot] is not None and slot not in produced]
+    native_steps = []
+    for step in run:
+        args = tuple(position[s] if s else None for s in step.inputs)
+        for slot in step.outputs:
+            position[slot] = len(position)
+        outputs = tuple(position[s] for s in step.outputs)
+        op = _native_op(step)
+        if op is None:
+            split = _split_step(step, template, produced)
+            assert split is not None
+            native_steps.append(NativeStep(None, args[:1], outputs, step.node.label,
+                                           tuple(split[0]), split[1]))
+        else:
+            native_steps.append(NativeStep(op, args, outputs, step.node.label))
+    returns = [slot for step in run for slot in step.outputs if slot in read_after]
+    replay = NativeReplay(native_steps, len(inputs), constants,
+                          [position[s] for s in returns], library)
+    return replay, inputs, returns
 
 
 def _assemble(em: _Emitter, body: list[str], loaded: list[int], cleared: list[int],

@@ -31,6 +31,7 @@ from segflow.ops.add_layer_norm import describe_add_layer_norms
 from segflow.ops.dense_chain import describe_chains
 from segflow.ops.native_attention import describe_attentions
 from segflow.ops.native_linear import describe_native_linears
+from segflow.ops.native_replay import describe_native_replays
 from segflow.ops.native_staging import ChannelsLastStaging, describe_stagings
 from segflow.ops.onednn_direct import DirectConv, describe_direct
 from segflow.ops.onednn_replay import describe_replays
@@ -241,6 +242,7 @@ class InferenceSession:
         lines += describe_add_layer_norms(self._executor.add_layer_norms)
         lines += describe_attentions(self._executor.attentions)
         lines += describe_replays(self.compile_report.replays)
+        lines += describe_native_replays(self.compile_report.native_replays)
         arena = self._executor.arena
         if arena is not None:   # the block at the sizes the plan was made for
             lines.append(arena.layout(arena.plans.base.dims).describe())

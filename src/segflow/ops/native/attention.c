@@ -305,3 +305,21 @@ int segflow_attention(const float *q, const float *k, const float *v, const floa
         work(&p);
     return p.status;
 }
+
+/* segflow_attention's arguments as one structure, so that a recorded call is one
+ * pointer (replay.c's segflow_replay_calls; ops/native_attention.py mirrors it). */
+typedef struct {
+    const float *q, *k, *v, *mask;
+    float *y, *scratch;
+    const int64_t *sizes;
+    float scale;
+    int32_t pad_;
+    void (*parallel)(void (*)(void *), void *, unsigned, unsigned);
+    int (*thread_num)(void);
+    int (*num_threads)(void);
+} segflow_attention_call_t;
+
+int segflow_attention_call(const segflow_attention_call_t *a) {
+    return segflow_attention(a->q, a->k, a->v, a->mask, a->y, a->scratch, a->sizes, a->scale,
+                             a->parallel, a->thread_num, a->num_threads);
+}
