@@ -63,6 +63,8 @@ def test_the_encoder_is_one_replayed_run_that_matches_onnxruntime(encoder):
     assert replay.replays == 3
     text = sess.explain()
     assert "replayed runs (native kernels): 1 run, 14 kernels; 3 calls replayed" in text
+    # Its block holds what dies inside the run: far less than every result of the run.
+    assert 0 < replay.block_bytes == sess.arena_bytes < 2 * 32 * 3072 * 4
     # Replayed calls still count as native calls, node by node (8 linears in the run,
     # and the pooler's after it).
     assert re.search(r"native linears: 9 nodes .*; 45 calls native, 0 through torch", text)

@@ -149,6 +149,7 @@ class NativeReplay:
         self._recording: _Recording | None = None
         self._misses = 0
         self.why_not = ""        # why the run is never recorded (a step it cannot replay)
+        self.block_bytes = 0     # the block of the last recording
         self.replays = 0         # calls that replayed (counted for tests and explain)
 
     def __call__(self, *inputs: Tensor | None) -> tuple[Tensor | None, ...]:
@@ -243,6 +244,7 @@ class NativeReplay:
             return None, {}
         placed = place([buffer for buffer, _, _, _ in wanted])
         block = torch.empty(max(b.offset + b.nbytes for b in placed), dtype=torch.uint8)
+        self.block_bytes = block.numel()
         views = {}
         for buffer, (_, slot, shape, dtype) in zip(placed, wanted, strict=True):
             span = block[buffer.offset:buffer.offset + shape.numel() * dtype.itemsize]
@@ -379,9 +381,10 @@ def describe_native_replays(replays: Sequence[NativeReplay]) -> list[str]:
         return []
     kernels = sum(r.kernels for r in replays)
     calls = sum(r.replays for r in replays)
+    held = sum(r.block_bytes for r in replays) / (1 << 20)
     lines = [f"replayed runs (native kernels): {len(replays)} run"
              f"{'s' if len(replays) > 1 else ''}, {kernels} kernels; {calls} calls replayed "
-             f"so far (one C call each)"]
+             f"so far (one C call each; {held:.1f} MiB held for their results between runs)"]
     for r in replays:
         if r.why_not:
             lines.append(f"  {r.kernels} kernels: not replayed ({r.why_not})")

@@ -251,9 +251,11 @@ class InferenceSession:
     @property
     def arena_bytes(self) -> int:
         """Bytes of the planned activation blocks the session keeps between runs
-        (runtime/arena.py; 0 when no kernel writes into one)."""
+        (runtime/arena.py; 0 when no kernel writes into one), and of the blocks its
+        replayed runs of native kernels write their results in (ops/native_replay.py)."""
         arena = self._executor.arena
-        return arena.held_bytes() if arena is not None else 0
+        held = arena.held_bytes() if arena is not None else 0
+        return held + sum(r.block_bytes for r in self.compile_report.native_replays)
 
     @property
     def last_run_stats(self) -> RunStats | None:
