@@ -86,6 +86,23 @@ def test_results_are_new_tensors_at_every_call(encoder):
             np.testing.assert_allclose(out.numpy(), want, atol=ATOL, rtol=0)
 
 
+def test_runs_and_tensor_runs_share_one_recording(encoder):
+    # run() records under inference_mode; run_tensors() replays outside it, and its
+    # results are ordinary tensors.
+    model, oracle = encoder
+    sess = segflow.InferenceSession(model)
+    for seed in range(2):
+        _check(sess, oracle, _feeds(16, seed))
+    feeds = _feeds(16, 5)
+    outs = sess.run_tensors({k: torch.from_numpy(v) for k, v in feeds.items()})
+    assert _replays(sess)[0].replays == 1
+    for out, want in zip(outs, oracle.run(None, feeds), strict=True):
+        assert not out.is_inference()
+        np.testing.assert_allclose(out.numpy(), want, atol=ATOL, rtol=0)
+    _check(sess, oracle, _feeds(16, 6))
+    assert _replays(sess)[0].replays == 2
+
+
 def test_a_new_sequence_length_runs_as_before_until_it_is_recorded(encoder):
     model, oracle = encoder
     sess = segflow.InferenceSession(model)

@@ -243,12 +243,15 @@ class NativeReplay:
         if not wanted:
             return None, {}
         placed = place([buffer for buffer, _, _, _ in wanted])
-        block = torch.empty(max(b.offset + b.nbytes for b in placed), dtype=torch.uint8)
-        self.block_bytes = block.numel()
         views = {}
-        for buffer, (_, slot, shape, dtype) in zip(placed, wanted, strict=True):
-            span = block[buffer.offset:buffer.offset + shape.numel() * dtype.itemsize]
-            views[slot] = span.view(dtype).view(shape)
+        # Ordinary tensors even when this run is under inference_mode (``run``): a later
+        # ``run_tensors`` replays outside it.
+        with torch.inference_mode(False):
+            block = torch.empty(max(b.offset + b.nbytes for b in placed), dtype=torch.uint8)
+            for buffer, (_, slot, shape, dtype) in zip(placed, wanted, strict=True):
+                span = block[buffer.offset:buffer.offset + shape.numel() * dtype.itemsize]
+                views[slot] = span.view(dtype).view(shape)
+        self.block_bytes = block.numel()
         return block, views
 
     def _record(self, inputs: Sequence[Tensor | None],
