@@ -122,13 +122,20 @@ def test_nan_and_fully_masked_rows_come_out_nan_as_through_the_unfused_ops():
 
 
 @needs_native
-def test_large_scores_neither_overflow_nor_underflow():
-    q, k = torch.randn(1, 2, 6, 16) * 30, torch.randn(1, 2, 40, 16) * 30
-    v = torch.randn(1, 2, 40, 16)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_large_scores_neither_overflow_nor_underflow(seed):
+    # Scores of ~1e4 (each a float32 sum of 16 products of ~N(0, 30^2) values) carry
+    # rounding of ~1e4 x 2^-24 x 16 ~ 1e-2 into exp(): the weights, and so the output,
+    # are within ~1e-2 of the float64 reference, not 1e-4: with unseeded data 1.5% of
+    # draws differed by more (2.6e-4, 4e-4), and the test failed at random.
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, 2, 6, 16, generator=gen) * 30
+    k = torch.randn(1, 2, 40, 16, generator=gen) * 30
+    v = torch.randn(1, 2, 40, 16, generator=gen)
     op = ScaledDotAttention(1.0, 0, LIB, WHY)
     got = op(q, k.transpose(-2, -1), v)
     assert torch.isfinite(got).all()
-    torch.testing.assert_close(got, _reference(q, k, v, None, 1.0), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got, _reference(q, k, v, None, 1.0), atol=1e-2, rtol=1e-3)
 
 
 @needs_native

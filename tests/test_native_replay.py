@@ -53,7 +53,8 @@ def _replays(sess) -> list[NativeReplay]:
 
 def test_the_encoder_is_one_replayed_run_that_matches_onnxruntime(encoder):
     model, oracle = encoder
-    sess = segflow.InferenceSession(model)
+    # Query, key and value as one linear and a Split (views replayed as recorded).
+    sess = segflow.InferenceSession(model, optimize={"fuse.siblings": True})
     (replay,) = _replays(sess)
     # 2 layers: query/key/value, attention, output, add + norm, FFN in, FFN out, add + norm.
     assert replay.kernels == 14 and not replay.why_not
@@ -69,6 +70,16 @@ def test_the_encoder_is_one_replayed_run_that_matches_onnxruntime(encoder):
     # and the pooler's after it).
     assert re.search(r"native linears: 9 nodes .*; 45 calls native, 0 through torch", text)
     assert "attention: 2 nodes (2 reading heads in place); 10 calls native" in text
+
+
+def test_the_encoder_with_separate_projections_is_one_replayed_run(encoder):
+    model, oracle = encoder
+    sess = segflow.InferenceSession(model, optimize={"fuse.siblings": False})
+    (replay,) = _replays(sess)
+    assert replay.kernels == 18 and not replay.why_not     # 3 projections a layer
+    for seed in range(4):
+        _check(sess, oracle, _feeds(16, seed, batch=2))
+    assert replay.replays == 2
 
 
 def test_results_are_new_tensors_at_every_call(encoder):

@@ -250,3 +250,31 @@ def test_every_constant_leaves_the_pipeline_contiguous(options):
     strided = [v.name for v in graph.initializers.values() if v.const is not None
                and not v.const.is_mkldnn and not v.const.is_contiguous()]
     assert strided == []
+
+
+@pytest.mark.parametrize("width,merged", [(48, False), (24, True)])
+def test_siblings_packed_for_the_avx512_kernel_stay_apart_unless_named(monkeypatch, width,
+                                                                       merged):
+    # A 768-wide encoder: its query, key and value weights are each packed for the
+    # native kernel. With AVX-512's 48-wide panels they stay three linears; with AVX2's
+    # 24-wide ones (or when fuse.siblings is named on) they become one and a Split.
+    import segflow.passes.pipeline as pipeline
+    from segflow.ops.native_library import NativeLibrary
+    if NativeLibrary.for_session()[0] is None:
+        pytest.skip("no native library")
+    monkeypatch.setattr(pipeline, "panel_width", lambda library: width)
+    model = models.build("bert_tiny", layers=1, hidden=768, heads=12, ffn=3072, vocab=50,
+                         max_positions=16, seq_len=8)
+    for chosen, want in ((None, merged), ({"fuse.siblings": True}, True)):
+        graph = import_model(model)
+        log = optimize(graph, OptimizeOptions.resolve(chosen, env={}), device=CPU)
+        splits = sum(1 for n in graph.nodes if n.op_type == "Split")
+        assert splits == (1 if want else 0)
+        assert ("siblings 1" in log[1]) == want
+        assert log[1].endswith("siblings off (auto): 1 group of linears left separate, the "
+                               "native kernel's 48-wide panels ran BERT-base's query, key "
+                               "and value projections faster as three linears") != want
+    # Small siblings (not packed for the native kernel) are merged either way.
+    graph = import_model(models.build("bert_tiny"))
+    optimize(graph, OptimizeOptions.resolve(None, env={}), device=CPU)
+    assert sum(1 for n in graph.nodes if n.op_type == "Split") == 2

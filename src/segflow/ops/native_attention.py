@@ -112,7 +112,8 @@ class ScaledDotAttention(NativeOrTorch):
         call = self._call(q, k, v, mask, geometry, out)
         copied = q is not given or (mask is not None and call.mask != mask.data_ptr())
         fields = None if copied else ((0, "q"), (1, "k"), (2, "v"), (3, "mask"))
-        return Prepared(self._address, call, call.output, fields, call.keep, self)
+        keep = call.keep if q is given else (*call.keep, q)   # with Q's copy
+        return Prepared(self._address, call, call.output, fields, keep, self)
 
     def run_prepared(self, call: Prepared) -> None:
         """Run a :meth:`prepare`d call and count it."""

@@ -276,6 +276,7 @@ class NativeLinear(NativeOrTorch):
             x = x.contiguous()
             lda = k
             in_place = False
+            keep += (x,)        # the copy the structure points at
         shape = x.shape[:-1] + (self.out_features,)
         y = out if out is not None and out.shape == shape else torch.empty(shape)
         m = x.numel() // k if k else 0

@@ -34,16 +34,20 @@ from segflow.ir.graph import Graph, Node
 from segflow.ir.types import Device, DeviceKind, DType
 from segflow.ops.fused import (
     FUSED_DOMAIN,
+    LINEAR_PACK_MIN_WEIGHT,
     linear_calls_libdnnl,
     linear_calls_native,
     linear_uses_onednn,
     onednn_graph_available,
 )
+from segflow.ops.native_library import NativeLibrary
+from segflow.ops.native_linear import native_linear_preferred, panel_width
 from segflow.ops.onednn_direct import Library
 from segflow.ops.registry import OpRegistry
 from segflow.passes.dense_chain import chain_dense
 from segflow.passes.fold_constants import fold_constants
 from segflow.passes.fuse import RULE_NAMES, run_rules
+from segflow.passes.fuse.siblings import fuse_siblings
 from segflow.passes.layout import POOLS, layout
 from segflow.passes.plan_memory import MemoryPlan, plan_memory
 from segflow.settings import (
@@ -113,8 +117,10 @@ class OptimizeOptions:
     dense_chain: bool = True
     layout: bool = True
     plan_memory: bool = True
-    # The fuse rules switched off (names from passes.fuse.RULE_NAMES).
+    # The fuse rules switched off (names from passes.fuse.RULE_NAMES), and those switched
+    # on by name (``siblings`` is otherwise off where _siblings_off says).
     fuse_off: frozenset[str] = frozenset()
+    fuse_on: frozenset[str] = frozenset()
     compile: CompileMode = CompileMode.AUTO
     intra_op_threads: int | None = None
     # Prepacked convolutions call libdnnl directly when it is installed (ops/onednn_direct.py).
@@ -148,6 +154,7 @@ class OptimizeOptions:
         env = os.environ if env is None else env
         explicit: Mapping[str, bool] = {}
         rules_off: set[str] = set()
+        rules_on: set[str] = set()
         choices: dict[str, bool] = {}     # OptimizeOptions field -> the API's value
         if isinstance(optimize, Mapping):
             rule_keys = {f"fuse.{rule}": rule for rule in RULE_NAMES}
@@ -159,6 +166,7 @@ class OptimizeOptions:
                                      f"{', '.join(LAYOUT_CHOICES)}")
             explicit = {k: v for k, v in optimize.items() if k in PASSES}
             rules_off = {rule_keys[k] for k, v in optimize.items() if k in rule_keys and not v}
+            rules_on = {rule_keys[k] for k, v in optimize.items() if k in rule_keys and v}
             choices = {LAYOUT_CHOICES[k]: bool(v) for k, v in optimize.items()
                        if k in LAYOUT_CHOICES}
             enabled = True
@@ -205,7 +213,7 @@ class OptimizeOptions:
                    onednn_blocked=blocked, onednn_replay=replay, prebuild=prebuild,
                    winograd=winograd,
                    native_linear=native_linear, strassen=strassen,
-                   fuse_off=frozenset(rules_off), **switches)
+                   fuse_off=frozenset(rules_off), fuse_on=frozenset(rules_on), **switches)
 
     def as_record(self) -> dict[str, object]:
         """The options in force, for RunStats settings and benchmark records."""
@@ -283,11 +291,26 @@ def run_pipeline(graph: Graph, options: OptimizeOptions, *, registry: OpRegistry
         log.append("fuse: skipped (custom placement names the imported nodes)")
     elif options.fuse:
         start = len(graph.nodes)
-        counts = run_rules(graph, [r for r in RULE_NAMES if r not in options.fuse_off])
+        rules = [r for r in RULE_NAMES if r not in options.fuse_off]
+        auto_off = (_siblings_off(options, device) if "siblings" in rules and device is not None
+                    else "")
+        if auto_off:
+            rules.remove("siblings")
+        counts = run_rules(graph, rules)
+        left = 0
+        if auto_off:        # siblings whose own weights the native kernel takes stay apart
+            def apart(nodes: list[Node]) -> bool:
+                nonlocal left
+                packed = all(_weight_numel(n) >= LINEAR_PACK_MIN_WEIGHT for n in nodes)
+                left += packed
+                return packed
+            counts["siblings"] = fuse_siblings(graph, apart)
         done = ", ".join(f"{name} {n}" for name, n in counts.items() if n)
         off = [r for r in RULE_NAMES if r in options.fuse_off]
         log.append(f"fuse: {start} -> {len(graph.nodes)} nodes ({done or 'nothing to fuse'})"
-                   + (f"; rules off: {', '.join(off)}" if off else ""))
+                   + (f"; rules off: {', '.join(off)}" if off else "")
+                   + (f"; siblings off (auto): {left} group{'s' if left > 1 else ''} of "
+                      f"linears left separate, {auto_off}" if left else ""))
     else:
         log.append("fuse: off")
     log.append(_dense_chain(graph, options, device))
@@ -392,6 +415,34 @@ def _dense_chain(graph: Graph, options: OptimizeOptions, device: Device | None) 
     return (f"dense_chain: {before} -> {len(graph.nodes)} nodes ({len(chains)} "
             f"chain{'s' if len(chains) > 1 else ''} of {layers} small dense layers, one native "
             "call each)")
+
+
+def _weight_numel(node: Node) -> int:
+    weight = node.inputs[1] if len(node.inputs) > 1 else None
+    return weight.const.numel() if weight is not None and weight.const is not None else 0
+
+
+def _siblings_off(options: OptimizeOptions, device: Device) -> str:
+    """Why linears whose weights are each packed for the native kernel are not merged by
+    the ``siblings`` rule unless it is named on ("" where they are): on CPU, where
+    large linears will run the native kernel built for AVX-512 (48-wide panels).
+    There BERT-base ran 2.4-3% faster with its query, key and value projections as three
+    768 -> 768 linears than as one 768 -> 2304 (a layer's four projections 2.10 ms of
+    C against 2.24, the merged one 1.71 ms against 3 x 0.52), with a run's native kernels
+    replayed (ops/native_replay.py) so that the two extra calls a layer cost no Python
+    (2-core AVX-512 VM, 2026-12-06). With AVX2's 24-wide panels, and for libdnnl's or
+    torch's linears, the rule runs as before."""
+    if "siblings" in options.fuse_on or device.kind is not DeviceKind.CPU \
+            or not options.layout or options.native_linear is False:
+        return ""
+    library, _ = NativeLibrary.for_session()
+    if library is None or (options.native_linear is None
+                           and not native_linear_preferred(library)):
+        return ""
+    if panel_width(library) != 48:
+        return ""
+    return ("the native kernel's 48-wide panels ran BERT-base's query, key and value "
+            "projections faster as three linears")
 
 
 def _layout(graph: Graph, options: OptimizeOptions, backend: CompileMode,

@@ -8,6 +8,10 @@ each former output on as a view of the merged one (no copy; the Attention node
 reads its heads through strides). BERT-base's 36 projections of 768 -> 768 ran
 0.9-2.9 ms a run faster as 12 of 768 -> 2304 through the native kernel.
 
+On CPUs where the native linear kernel is the AVX-512 build's, the pipeline keeps
+siblings whose weights it packs each apart (``passes/pipeline.py``, ``_siblings_off``:
+BERT-base 2.4-3% faster so there), unless ``optimize={"fuse.siblings": True}``.
+
 Merged: two or more FusedGemms reading the same float32 input (of known rank), each with a
 constant 2-D float32 weight of the same K, all with a bias or none, the same
 activation, none of whose outputs is a graph output. The merged node sits where the
@@ -17,6 +21,7 @@ first of them was (the input is computed before it), the Split right after it.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 
@@ -27,18 +32,25 @@ from segflow.passes._rewrite import new_const
 from segflow.passes.fuse._match import const_tensor, is_float32
 
 
-def fuse_siblings(graph: Graph) -> int:
+def fuse_siblings(graph: Graph, apart: Callable[[list[Node]], bool] | None = None) -> int:
+    """Merge each group of siblings; ``apart(nodes)`` True leaves that group as it is
+    (``passes/pipeline.py`` decides so where the kernels run them faster apart)."""
+    count = 0
+    for nodes in sibling_groups(graph):
+        if apart is None or not apart(nodes):
+            _merge(graph, nodes)
+            count += 1
+    return count
+
+
+def sibling_groups(graph: Graph) -> list[list[Node]]:
+    """The groups of two or more FusedGemms the rule would merge, in graph order."""
     groups: dict[tuple[int, tuple[object, ...]], list[Node]] = defaultdict(list)
     for node in list(graph.nodes):
         key = _sibling_key(graph, node)
         if key is not None:
             groups[key].append(node)
-    count = 0
-    for nodes in groups.values():
-        if len(nodes) > 1:
-            _merge(graph, nodes)
-            count += 1
-    return count
+    return [nodes for nodes in groups.values() if len(nodes) > 1]
 
 
 def _sibling_key(graph: Graph, node: Node) -> tuple[int, tuple[object, ...]] | None:
