@@ -94,9 +94,10 @@ class AddLayerNorm(NativeOrTorch):
         args = _Args(a.data_ptr(), b.data_ptr(), scale.data_ptr(),
                      None if bias is None else bias.data_ptr(), y.data_ptr(),
                      a.numel() // width if width else 0, width, *self._tail)
-        copied = any(t is not g for t, g in zip((a, b, scale, bias), given, strict=True))
-        return Prepared(self._address, args, y, None if copied else ((0, "a"), (1, "b")),
-                        (a, b, scale) if bias is None else (a, b, scale, bias), self)
+        copies = tuple(t for t, g in zip((a, b, scale, bias), given, strict=True)
+                       if t is not g)     # what the structure points at that we made
+        return Prepared(self._address, args, y, None if copies else ((0, "a"), (1, "b")),
+                        copies, self)
 
     def run_prepared(self, call: Prepared) -> None:
         """Run a :meth:`prepare`d call and count it."""
