@@ -376,3 +376,28 @@ def test_gather_constant_scalar_index_out_of_range() -> None:
     model = make_model([node], feeds, ["y"], 13, {"k": np.array(3, dtype=np.int64)})
     with pytest.raises(segflow.errors.ExecutionError, match="Gather index 3 is out of range"):
         _run(model, feeds)
+
+
+# -- Gather with computed indices ----------------------------------------------------------
+
+@pytest.mark.parametrize("axis", [0, 1, -1])
+@pytest.mark.parametrize("indices", [[[0, 2], [1, 1]], [[-1, 0], [2, -2]], [-3]])
+@pytest.mark.parametrize("dtype", [np.int64, np.int32])
+def test_gather_fed_indices_negative_or_not(axis: int, indices: list, dtype: type) -> None:
+    # On the CPU the kernel tries index_select first, which refuses negative indices;
+    # those are then wrapped. Either way the same results as onnxruntime.
+    feeds = {"x": RNG.standard_normal((3, 3, 4)).astype(np.float32),
+             "k": np.array(indices, dtype=dtype)}
+    node = helper.make_node("Gather", ["x", "k"], ["y"], axis=axis)
+    assert_matches_ort(make_model([node], feeds, ["y"], 13), feeds)
+
+
+@pytest.mark.parametrize("bad", [3, -4])
+def test_gather_fed_indices_out_of_range_name_the_index(bad: int) -> None:
+    feeds = {"x": RNG.standard_normal((3, 2)).astype(np.float32),
+             "k": np.array([0, bad, -1], dtype=np.int64)}
+    node = helper.make_node("Gather", ["x", "k"], ["y"], axis=0)
+    model = make_model([node], feeds, ["y"], 13)
+    with pytest.raises(segflow.errors.ExecutionError,
+                       match=f"Gather index {bad} is out of range for axis 0 of size 3"):
+        _run(model, feeds)
