@@ -406,17 +406,23 @@ def generate(steps: Sequence[Step], template: Sequence[Tensor | None], live_out:
         if index < skip_to:
             continue
         node = step.node
-        if index in native_runs:
-            assert library is not None
-            run = steps[index:native_runs[index]]
-            skip_to = native_runs[index]
+        if index in native_runs or index in runs:
+            end = native_runs.get(index) or runs[index]
+            run = steps[index:end]
+            skip_to = end
             body.append(f"_i = {index}")
-            read_after = {slot for later in steps[skip_to:] for slot in later.inputs}
-            native, reads, returns = _native_replay_call(run, template, produced,
-                                                         read_after | live_out, library)
-            native_replays.append(native)
+            read_after = {slot for later in steps[end:] for slot in later.inputs} | live_out
+            replay_fn: DirectReplay | NativeReplay
+            if index in native_runs:
+                assert library is not None
+                replay_fn, reads, returns = _native_replay_call(run, template, produced,
+                                                                read_after, library)
+                native_replays.append(replay_fn)
+            else:
+                replay_fn, reads, returns = _replay_call(run, inplace_input, read_after)
+                replays.append(replay_fn)
             targets = "".join(f"v{slot}, " for slot in returns)
-            body.append(f"({targets}) = {em.bind(native, 'n')}"
+            body.append(f"({targets}) = {em.bind(replay_fn, 'r')}"
                         f"({', '.join(ref(s) for s in reads)})")
             for slot in returns:
                 local.add(slot)
@@ -426,26 +432,8 @@ def generate(steps: Sequence[Step], template: Sequence[Tensor | None], live_out:
             if gone:
                 body.append(f"del {', '.join(dict.fromkeys(gone))}")
             continue
-        if index in runs:
-            run = steps[index:runs[index]]
-            skip_to = runs[index]
-            body.append(f"_i = {index}")
-            read_after = {slot for later in steps[skip_to:] for slot in later.inputs}
-            fn, reads, returns = _replay_call(run, inplace_input, read_after | live_out)
-            replays.append(fn)
-            targets = "".join(f"v{slot}, " for slot in returns)
-            body.append(f"({targets}) = {em.bind(fn, 'r')}({', '.join(ref(s) for s in reads)})")
-            for slot in returns:
-                local.add(slot)
-                if slot in live_out:
-                    body.append(f"env[{slot}] = v{slot}")
-            gone = [f"v{slot}" for later in run for slot in later.release if slot in local]
-            if gone:
-                body.append(f"del {', '.join(dict.fromkeys(gone))}")
-            continue
         args = [ref(slot) for slot in step.inputs]
-        consts = [template[s] if 0 < s < len(template) and s not in produced else None
-                  for s in step.inputs]
+        consts = _constants(step, template, produced)
         slot_inplace = inplace_input(step)
         body.append(f"_i = {index}")
         # A kernel that uploads host inputs first is called as it is.
@@ -565,12 +553,17 @@ def _native_op(step: Step) -> Replayable | None:
     return op if isinstance(op, NativeLinear | AddLayerNorm | ScaledDotAttention) else None
 
 
+def _constants(step: Step, template: Sequence[Tensor | None], produced: set[int]
+               ) -> list[Tensor | None]:
+    """The constant behind each of a step's inputs (None: computed, or none)."""
+    return [template[s] if 0 < s < len(template) and s not in produced else None
+            for s in step.inputs]
+
+
 def _split_step(step: Step, template: Sequence[Tensor | None], produced: set[int]
                 ) -> tuple[list[int], int] | None:
     """A Split of constant sizes (generated code's one line), as ``(sizes, axis)``."""
-    consts = [template[s] if 0 < s < len(template) and s not in produced else None
-              for s in step.inputs]
-    return _inline_split(step.node, consts)
+    return _inline_split(step.node, _constants(step, template, produced))
 
 
 def _native_runs(steps: Sequence[Step], template: Sequence[Tensor | None], produced: set[int],
