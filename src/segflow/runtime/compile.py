@@ -512,19 +512,26 @@ def _replay_runs(steps: Sequence[Step]) -> dict[int, int]:
     return runs
 
 
-def _replay_call(run: Sequence[Step], inplace_input: Callable[[Step], int | None],
-                 read_after: set[int]) -> tuple[DirectReplay, list[int], list[int]]:
-    """The replay for ``run``, the slots it reads from outside (its arguments, in
-    order) and the slots it returns (those read after it)."""
+def _run_inputs(run: Sequence[Step]) -> tuple[list[int], dict[int, int]]:
+    """The slots a run reads from outside, in order of first use, and each one's value
+    index in a replay of the run (its position in that list)."""
     inputs: list[int] = []
-    position: dict[int, int] = {}       # slot -> value index in the replay
-    replay_steps = []
+    position: dict[int, int] = {}
     made = {slot for step in run for slot in step.outputs}
     for step in run:
         for slot in step.inputs:
             if slot and slot not in made and slot not in position:
                 position[slot] = len(inputs)
                 inputs.append(slot)
+    return inputs, position
+
+
+def _replay_call(run: Sequence[Step], inplace_input: Callable[[Step], int | None],
+                 read_after: set[int]) -> tuple[DirectReplay, list[int], list[int]]:
+    """The replay for ``run``, the slots it reads from outside (its arguments, in
+    order) and the slots it returns (those read after it)."""
+    inputs, position = _run_inputs(run)
+    replay_steps = []
     n_inputs = len(inputs)
     for offset, step in enumerate(run):
         op = _replay_op(step)
@@ -596,14 +603,7 @@ def _native_replay_call(run: Sequence[Step], template: Sequence[Tensor | None],
                         ) -> tuple[NativeReplay, list[int], list[int]]:
     """The replay for ``run``, the slots it reads from outside (its arguments, in
     order) and the slots it returns (those read after it)."""
-    inputs: list[int] = []
-    position: dict[int, int] = {}       # slot -> value index in the replay
-    made = {slot for step in run for slot in step.outputs}
-    for step in run:
-        for slot in step.inputs:
-            if slot and slot not in made and slot not in position:
-                position[slot] = len(inputs)
-                inputs.append(slot)
+    inputs, position = _run_inputs(run)
     constants = [i for i, slot in enumerate(inputs)
                  if slot < len(template) and template[slot] is not None and slot not in produced]
     native_steps = []
