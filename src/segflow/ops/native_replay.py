@@ -121,6 +121,7 @@ class _Recording:
     threads: int
     ops: list[Replayable]
     labels: list[str]
+    block: Tensor | None        # where the results that die inside the run live
     keep: list[object]
 
 
@@ -149,8 +150,13 @@ class NativeReplay:
         self._recording: _Recording | None = None
         self._misses = 0
         self.why_not = ""        # why the run is never recorded (a step it cannot replay)
-        self.block_bytes = 0     # the block of the last recording
         self.replays = 0         # calls that replayed (counted for tests and explain)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of the block the recording keeps for the run's results (0: none)."""
+        rec = self._recording
+        return rec.block.numel() if rec is not None and rec.block is not None else 0
 
     def __call__(self, *inputs: Tensor | None) -> tuple[Tensor | None, ...]:
         if not self._busy.acquire(blocking=False):
@@ -251,7 +257,6 @@ class NativeReplay:
             for buffer, (_, slot, shape, dtype) in zip(placed, wanted, strict=True):
                 span = block[buffer.offset:buffer.offset + shape.numel() * dtype.itemsize]
                 views[slot] = span.view(dtype).view(shape)
-        self.block_bytes = block.numel()
         return block, views
 
     def _record(self, inputs: Sequence[Tensor | None],
@@ -336,13 +341,13 @@ class NativeReplay:
         for entry, (call, _) in zip(array, calls, strict=True):
             entry.fn = call.fn
             entry.args = ctypes.addressof(call.args)
-        keep: list[object] = [block, *(call.args for call, _ in calls),
+        keep: list[object] = [*(call.args for call, _ in calls),
                               *(k for call, _ in calls for k in call.keep)]
         # The views of the block that later calls' structures point at stay with it.
         keep += [v for i, v in enumerate(values) if i >= self.n_inputs and i not in self.outputs]
         return _Recording(array, ctypes.c_int(0), fed, returned, torch.get_num_threads(),
                           [call.op for call, _ in calls], [step.label for _, step in calls],
-                          keep)
+                          block, keep)
 
     # -- replaying -------------------------------------------------------------------
     def _holds(self, rec: _Recording, inputs: Sequence[Tensor | None]) -> bool:
@@ -372,7 +377,7 @@ class NativeReplay:
             self._recording = None
             raise node_failed(rec.labels[done], RuntimeError(
                 f"native kernel status {rec.status.value}"))
-        for op in rec.ops:
+        for op in rec.ops:        # unlocked: another thread's count may be lost, not a run
             op.native_calls += 1
         self.replays += 1
         return tuple(results.get(i) for i in self.outputs)
