@@ -55,6 +55,8 @@ class _CallArgs(ctypes.Structure):
     output: torch.Tensor
     shape: tuple[int, int, int, int]
     keep: tuple[object, ...]
+
+
 _Geometry = tuple[tuple[int, ...], ...]   # (shape, strides) of Q, K, V as [B, H, S, D]
 
 
@@ -117,8 +119,11 @@ class ScaledDotAttention(NativeOrTorch):
 
     def run_prepared(self, call: Prepared) -> None:
         """Run a :meth:`prepare`d call and count it."""
+        self._run(call.args)
+
+    def _run(self, args: _CallArgs) -> None:
         assert self._fn is not None
-        if self._fn(ctypes.byref(call.args)) != 0:
+        if self._fn(ctypes.byref(args)) != 0:
             raise RuntimeError("attention: a thread of the native kernel found no scratch")
         self.count_native_call()
 
@@ -163,10 +168,7 @@ class ScaledDotAttention(NativeOrTorch):
     def _native(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
                 geometry: _Geometry) -> Tensor:
         call = self._call(q, k, v, mask, geometry)
-        assert self._fn is not None
-        if self._fn(ctypes.byref(call)) != 0:
-            raise RuntimeError("attention: a thread of the native kernel found no scratch")
-        self.count_native_call()
+        self._run(call)
         out = call.output
         if self.heads:
             return out
