@@ -184,7 +184,7 @@ def test_a_step_it_cannot_record_leaves_the_run_as_before():
             torch.nn.functional.linear(x, w1, b1), w2, b2))
         torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-5)
     assert replay.replays == 0
-    assert replay.why_not == "second copies an input before its kernel reads it"
+    assert replay.why_not == "second applies its activation after the kernel"
 
 
 def test_two_linears_replay_with_the_feed_and_results_written_anew():

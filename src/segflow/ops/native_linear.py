@@ -263,7 +263,7 @@ class NativeLinear(NativeOrTorch):
                 b is not None and (b.dtype is not torch.float32 or not b.is_cpu)):
             return None
         keep: tuple[Tensor, ...] = ()
-        in_place = self.after is None
+        in_place = True
         if b is not None and not b.is_contiguous():
             b = b.contiguous()
             keep = (b,)
@@ -289,6 +289,9 @@ class NativeLinear(NativeOrTorch):
             args.scratch_threads = threads
             args.wmax = self.strassen_wmax
             keep += (scratch,)
+        if self.after is not None:
+            return Prepared(self._address, args, y, None, keep, self,
+                            why_not="applies its activation after the kernel")
         return Prepared(self._address, args, y, ((0, "x"),) if in_place else None, keep, self)
 
     def run_prepared(self, call: Prepared) -> None:

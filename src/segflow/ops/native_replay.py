@@ -61,9 +61,10 @@ class Prepared:
     """One kernel call, ready to run: ``fn(&args)`` (``fn``: the C entry point's address).
 
     ``fields`` pair each input position whose address ``args`` holds with the field
-    holding it (None: the call does not read its inputs in place, so it cannot be
-    replayed); ``out_field`` holds ``output``'s address. ``keep``: what the pointers
-    need kept alive (scratch, copies). ``op`` runs and counts it (``run_prepared``).
+    holding it (None: it cannot be replayed, ``why_not`` says why: it copies an input
+    first, or does more than its kernel); ``out_field`` holds ``output``'s address.
+    ``keep``: what the pointers need kept alive (scratch, copies). ``op`` runs and counts
+    it (``run_prepared``).
     """
 
     fn: int
@@ -73,6 +74,7 @@ class Prepared:
     keep: tuple[object, ...]
     op: Replayable
     out_field: str = "y"
+    why_not: str = "copies an input before its kernel reads it"   # where fields is None
 
 
 class Replayable(Protocol):
@@ -306,7 +308,7 @@ class NativeReplay:
         if call is None:
             return "has no native call to record (its fallback runs, or a form it does not record)"
         if call.fields is None:
-            return "copies an input before its kernel reads it"
+            return call.why_not
         if out is not None and call.output is not out:
             return "did not write into the run's storage"
         fields = {position for position, _ in call.fields}
