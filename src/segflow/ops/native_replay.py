@@ -201,11 +201,7 @@ class NativeReplay:
         for step in self.steps[first:]:
             try:
                 if step.op is None:
-                    x = values[step.args[0]]   # type: ignore[index]
-                    assert x is not None
-                    for slot, part in zip(step.outputs, x.split(list(step.sizes), step.axis),
-                                          strict=True):
-                        values[slot] = part
+                    _split(step, values)
                 else:
                     values[step.outputs[0]] = step.op(
                         *[None if a is None else values[a] for a in step.args])
@@ -275,11 +271,7 @@ class NativeReplay:
                     self.why_not = f"{step.label} splits a tensor from outside the run"
                     self._run_from(index, values)
                     return tuple(values[i] for i in self.outputs)
-                x = values[source]
-                assert x is not None
-                for slot, part in zip(step.outputs, x.split(list(step.sizes), step.axis),
-                                      strict=True):
-                    values[slot] = part
+                _split(step, values)
                 continue
             args = [None if a is None else values[a] for a in step.args]
             slot = step.outputs[0]
@@ -383,6 +375,16 @@ class NativeReplay:
             op.native_calls += 1
         self.replays += 1
         return tuple(results.get(i) for i in self.outputs)
+
+
+def _split(step: NativeStep, values: list[Tensor | None]) -> None:
+    """A Split step: its argument's parts, views, into its outputs' values."""
+    source = step.args[0]
+    assert source is not None
+    x = values[source]
+    assert x is not None
+    for slot, part in zip(step.outputs, x.split(list(step.sizes), step.axis), strict=True):
+        values[slot] = part
 
 
 def describe_native_replays(replays: Sequence[NativeReplay]) -> list[str]:
