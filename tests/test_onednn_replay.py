@@ -23,8 +23,9 @@ from concurrency import run_in_threads
 from replays import replays
 from segflow import models
 from segflow.ops.native_library import NativeLibrary
+from segflow.ops.native_linear import NativeLinear
 from segflow.ops.onednn_direct import DirectOp, DnnlError, Library
-from segflow.ops.onednn_replay import DirectReplay, _NativeStretch
+from segflow.ops.onednn_replay import _CLASSIFIER, _VIEW, DirectReplay, _NativeStretch
 
 LIB = Library.load()
 pytestmark = pytest.mark.skipif(LIB is None, reason=f"libdnnl {Library.probe()[1]}")
@@ -92,7 +93,17 @@ def test_replays_from_the_second_run_with_each_new_feed_and_size(name, native):
     assert rec is not None and rec.transient
     assert all(rec.values[i] is None for i in rec.transient)
     assert 0 in rec.transient      # the image, the run's only input that is not a weight
-    executes = [entry for entry in rec.plan if entry[1] is not None]
+    # The classifier after the run (Flatten, native linear) is in the replay too, from
+    # recorded arguments into a new result each call (not kept between calls).
+    # (ResNet-18's 512 x 1000 classifier is below the native linear's packing size.)
+    classifier = isinstance(replay.steps[-1].op, NativeLinear)
+    assert classifier == (NATIVE is not None and name == "mobilenet_v2")
+    tail = [entry[1] for entry in rec.plan[-2:]] if classifier else []
+    assert tail == ([_VIEW, _CLASSIFIER] if classifier else [])
+    if classifier:
+        assert replay.steps[-1].output in rec.transient
+    executes = [entry for entry in rec.plan[:len(rec.plan) - len(tail)]
+                if entry[1] is not None]
     if native:
         # Every execute is in one C call (a stretch): a stem that stages the NCHW feed
         # into channels-last (ResNet-18's, below; MobileNetV2's where its first layers
@@ -100,7 +111,7 @@ def test_replays_from_the_second_run_with_each_new_feed_and_size(name, native):
         staged = [i for i, entry in enumerate(rec.plan) if entry[1] is None]
         assert staged == [0] if name == "resnet18" else staged in ([], [0])
         (stretch,) = [e for e in rec.program if isinstance(e, _NativeStretch)]
-        assert len(stretch.entries) == len(executes) == len(rec.plan) - len(staged)
+        assert len(stretch.entries) == len(executes) == len(rec.plan) - len(staged) - len(tail)
     else:
         assert rec.program == rec.plan
     if name == "resnet18":
@@ -308,3 +319,24 @@ def test_an_error_in_a_python_replayed_step_names_its_node(monkeypatch):
                                                      r"DnnlError: refused for the test$"):
         sess.run(None, _feeds("resnet18", 1, 3))
     assert bad.label and bad.label != replay.steps[0].label
+
+
+@needs_native
+def test_the_classifier_is_replayed_into_a_new_result_every_call():
+    # MobileNetV2's classifier (Flatten, 1280 -> 1000 native linear) runs inside the
+    # replay from recorded arguments; each call's result is its own tensor.
+    model = models.build("mobilenet_v2", **SMALL)
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    sess = segflow.InferenceSession(model, compile="codegen")
+    (replay,) = replays(sess)
+    assert isinstance(replay.steps[-1].op, NativeLinear)
+    kept = []
+    for seed in range(4):
+        feeds = _feeds("mobilenet_v2", 1, seed)
+        (out,) = sess.run_tensors({k: torch.from_numpy(v) for k, v in feeds.items()})
+        kept.append((feeds, out, out.clone()))
+    assert replay.replays == 3
+    for feeds, out, copy in kept:
+        assert torch.equal(out, copy)        # no later call wrote over it
+        np.testing.assert_allclose(out.numpy(), ref.run(None, feeds)[0], atol=ATOL, rtol=RTOL)
+    assert "the classifier's linear native from recorded arguments" in sess.explain()

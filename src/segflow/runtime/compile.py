@@ -396,7 +396,7 @@ def generate(steps: Sequence[Step], template: Sequence[Tensor | None], live_out:
             return None  # another task may still read it: not ours to overwrite
         return slot_inplace
 
-    runs = {} if pure or traceable or not replay else _replay_runs(steps)
+    runs = {} if pure or traceable or not replay else _replay_runs(steps, live_out)
     library = NativeLibrary.for_session()[0] if replay and not (pure or traceable) else None
     native_runs = {} if library is None else _native_runs(steps, template, produced, live_out)
     replays: list[DirectReplay] = []
@@ -497,8 +497,10 @@ def _replay_op(step: Step) -> DirectConv | DirectPool | None:
     return kernel.op if isinstance(kernel.op, DirectConv | DirectPool) else None
 
 
-def _replay_runs(steps: Sequence[Step]) -> dict[int, int]:
-    """``{first: end}`` for each run of two or more consecutive direct-kernel steps."""
+def _replay_runs(steps: Sequence[Step], live_out: set[int]
+                 ) -> dict[int, int]:
+    """``{first: end}`` for each run of two or more consecutive direct-kernel steps, and
+    the classifier after it where there is one (:func:`_classifier_after`)."""
     runs: dict[int, int] = {}
     start = None
     for index in range(len(steps) + 1):
@@ -507,9 +509,30 @@ def _replay_runs(steps: Sequence[Step]) -> dict[int, int]:
             start = index
         elif not direct and start is not None:
             if index - start >= 2:
-                runs[start] = index
+                runs[start] = index + _classifier_after(steps, index, live_out)
             start = None
     return runs
+
+
+def _classifier_after(steps: Sequence[Step], end: int, live_out: set[int]) -> int:
+    """2 where a run of direct kernels ending before ``end`` is followed by a Flatten at
+    axis 1 of its last output and a native linear over that (a classifier after global
+    pooling), read by nothing else: the replay takes both in (``ops/onednn_replay.py``).
+    Else 0."""
+    if end + 1 >= len(steps):
+        return 0
+    flatten, linear = steps[end], steps[end + 1]
+    if flatten.node.domain != "" or flatten.node.op_type != "Flatten" \
+            or _inline_flatten(flatten.node) is None or len(flatten.outputs) != 1 \
+            or flatten.inputs[0] not in steps[end - 1].outputs:
+        return 0
+    op = _native_op(linear)
+    if not isinstance(op, NativeLinear) or linear.inputs[0] != flatten.outputs[0]:
+        return 0
+    viewed = flatten.outputs[0]
+    if viewed in live_out or any(viewed in later.inputs for later in steps[end + 2:]):
+        return 0
+    return 2
 
 
 def _run_inputs(run: Sequence[Step]) -> tuple[list[int], dict[int, int]]:
@@ -534,8 +557,12 @@ def _replay_call(run: Sequence[Step], inplace_input: Callable[[Step], int | None
     replay_steps = []
     n_inputs = len(inputs)
     for offset, step in enumerate(run):
-        op = _replay_op(step)
-        assert op is not None
+        # A direct kernel, or the classifier after the run: its Flatten (None) and linear.
+        op: DirectConv | DirectPool | NativeLinear | None = _replay_op(step)
+        if op is None and step.node.op_type != "Flatten":
+            native = _native_op(step)
+            assert isinstance(native, NativeLinear)
+            op = native
         inplace = isinstance(op, DirectConv) and adds_residual_in_place(step.node,
                                                                        inplace_input(step))
         args = tuple(position[s] if s else None for s in step.inputs)
