@@ -225,8 +225,7 @@ void linear_part(const segflow_linear_t *p, int64_t p0, int64_t p1, int64_t r0, 
     const int64_t n = p->n, k = p->k, full = n / NR;
     if (r1 - r0 < MR) {          /* a few rows: each panel whole, as it is stored */
         const int64_t q1 = p1 < full ? p1 : full;
-        int64_t q = p0;
-        for (; q < q1; q++)
+        for (int64_t q = p0; q < q1; q++)
             rows(p, r0, r1, 0, k, p->w + q * k * NR, p->y + q * NR, n,
                  p->bias ? p->bias + q * NR : zeros, NULL, 0);
     } else for (int64_t pc = 0; pc < k || pc == 0; pc += KC) {
