@@ -68,7 +68,10 @@ def test_what_it_does_not_take_goes_through_copy():
 @pytest.mark.skipif(Library.load() is None, reason="libdnnl is not installed")
 def test_a_session_stages_its_nchw_feed_natively():
     model = models.build("resnet18", image_size=64)
-    sess = segflow.InferenceSession(model, compile="codegen")
+    # (Where the stem is the native stem kernel it reads the feed in place instead:
+    # tests/test_native_stem.py.)
+    sess = segflow.InferenceSession(model, compile="codegen",
+                                    optimize={"layout.native_stem": False})
     # The replay's steps: the stem stages.
     stagings = [step.op.stage for replay in replays(sess) for step in replay.steps
                 if getattr(step.op, "stage", None) is not None]

@@ -35,11 +35,14 @@ SMALL = {"image_size": 64}
 ATOL, RTOL = 1e-4, 1e-3
 
 
-def _resnet18() -> tuple[Any, segflow.InferenceSession, DirectReplay]:
-    """onnxruntime's session, segflow's (codegen), and its one replayed run."""
+def _resnet18(native_stem: bool = False) -> tuple[Any, segflow.InferenceSession, DirectReplay]:
+    """onnxruntime's session, segflow's (codegen), and its one replayed run; its stem
+    staged for libdnnl (a step that runs as before inside the replay), or with
+    ``native_stem`` the native stem kernel (ops/native_stem.py)."""
     model = models.build("resnet18", **SMALL)
     ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    sess = segflow.InferenceSession(model, compile="codegen")
+    sess = segflow.InferenceSession(model, compile="codegen",
+                                    optimize={"layout.native_stem": native_stem})
     (replay,) = replays(sess)
     return ref, sess, replay
 
@@ -104,17 +107,23 @@ def test_replays_from_the_second_run_with_each_new_feed_and_size(name, native):
         assert replay.steps[-1].output in rec.transient
     executes = [entry for entry in rec.plan[:len(rec.plan) - len(tail)]
                 if entry[1] is not None]
+    # A stem that stages the NCHW feed into channels-last runs as before; the native stem
+    # kernel (AVX-512 CPUs) reads it in place, an execute like the others.
+    stem_native = any(n.attrs.get("native_stem") for n in sess.graph.nodes)
     if native:
         # Every execute is in one C call (a stretch): a stem that stages the NCHW feed
-        # into channels-last (ResNet-18's, below; MobileNetV2's where its first layers
-        # are not a blocked region) runs before the stretch.
+        # (ResNet-18's, below, unless native; MobileNetV2's unless native or its first
+        # layers are a blocked region) runs before the stretch.
         staged = [i for i, entry in enumerate(rec.plan) if entry[1] is None]
-        assert staged == [0] if name == "resnet18" else staged in ([], [0])
+        if name == "resnet18":
+            assert staged == ([] if stem_native else [0])
+        else:
+            assert staged in ([], [0]) and not (stem_native and staged)
         (stretch,) = [e for e in rec.program if isinstance(e, _NativeStretch)]
         assert len(stretch.entries) == len(executes) == len(rec.plan) - len(staged) - len(tail)
     else:
         assert rec.program == rec.plan
-    if name == "resnet18":
+    if name == "resnet18" and not stem_native:
         # The stem stages the NCHW feed into channels-last first: it runs as before,
         # inside the replay, and the rest is replayed.
         assert rec.plan[0][1] is None

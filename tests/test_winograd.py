@@ -85,8 +85,8 @@ def _direct_convs(sess: segflow.InferenceSession) -> list[tuple[str, DirectConv]
 
 def _winograd_calls(sess: segflow.InferenceSession) -> int:
     """Input layouts built as Winograd over the session's convolutions."""
-    return sum(1 for _, op in _direct_convs(sess) for call in op.calls.values()
-               if call is not None and call.run is not None)
+    return sum(1 for _, op in _direct_convs(sess) if op.winograd is not None
+               for call in op.calls.values() if call is not None and call.run is not None)
 
 
 def _compare(model: onnx.ModelProto, feeds: dict[str, np.ndarray],
@@ -353,7 +353,9 @@ def test_resnet18_runs_its_3x3_convolutions_as_winograd_inside_the_native_replay
     rec = replay._recording
     assert rec is not None
     (stretch,) = [e for e in rec.program if isinstance(e, _NativeStretch)]
-    winograd_steps = [s for s in stretch._steps if s.run]
+    winograd = {call.primitive.value for _, call, _ in stretch.entries
+                if call.impl.startswith("winograd")}
+    winograd_steps = [s for s in stretch._steps if s.run and s.primitive in winograd]
     assert len(winograd_steps) == 13
     workspace = _direct_convs(sess)[1][1].winograd
     assert workspace is not None

@@ -46,6 +46,7 @@ ENV_NATIVE = "SEGFLOW_NATIVE"                      # 0: never build or load nati
 ENV_NATIVE_LINEAR = "SEGFLOW_NATIVE_LINEAR"        # 0: no native linears; 1: on AVX-512 too
 ENV_WINOGRAD = "SEGFLOW_WINOGRAD"                  # 0: 3x3 convs direct; 1: Winograd on AVX-512 too
 ENV_STRASSEN = "SEGFLOW_STRASSEN"                  # 0: native linears never run as Strassen
+ENV_NATIVE_STEM = "SEGFLOW_NATIVE_STEM"            # 0: stems staged; 1: native on AVX2 too
 
 ENGINES = ("auto", "inline", "threaded")
 

@@ -45,6 +45,7 @@ import torch
 from segflow.settings import ENV_DNNL_LIBRARY
 
 if TYPE_CHECKING:
+    from segflow.ops.native_stem import NativeStem
     from segflow.ops.winograd import Winograd
 
 Tensor = torch.Tensor
@@ -567,9 +568,10 @@ class _Call:
     # by a native replay (ops/onednn_replay.py), hence a C array.
     handles: ctypes.Array[ctypes.c_size_t] = field(
         default_factory=lambda: (ctypes.c_size_t * 3)())
-    # Where a native kernel stands for the primitive (``ops/winograd.py``): what executes
-    # ``primitive`` (dnnl_primitive_execute's signature), the lock of the workspace it
-    # shares with other kernels, held while it runs, and what must outlive the call.
+    # Where a native kernel stands for the primitive (``ops/winograd.py``,
+    # ``ops/native_stem.py``): what executes ``primitive`` (dnnl_primitive_execute's
+    # signature), the lock of the workspace it shares with other kernels, held while it
+    # runs (None: it shares none), and what must outlive the call.
     run: Any = None
     lock: threading.Lock | None = None
     keep: object = None
@@ -635,8 +637,10 @@ class DirectOp:
             run = call.run
             if run is None:
                 status = lib.execute(call.primitive, self._stream, len(call.args), call.args)
+            elif call.lock is None:
+                status = run(call.primitive, self._stream, len(call.args), call.args)
             else:
-                with call.lock:  # type: ignore[union-attr]
+                with call.lock:
                     status = run(call.primitive, self._stream, len(call.args), call.args)
         if status != 0:
             raise DnnlError(f"{self.kind} ({call.impl}): oneDNN status {status}")
@@ -737,7 +741,9 @@ class DirectConv(DirectOp):
     the Winograd transform of the weight, and each layout is built as Winograd F(4x4,
     3x3) (``ops/winograd.py``: a call whose ``run`` is the native kernel); one it
     declines (``winograd_not``) runs the fallback, over the plain weight recovered from
-    ``w``.
+    ``w``. With ``stem``, a plain NCHW input is read in place by segflow's stem kernel
+    (``ops/native_stem.py``: a call whose ``run`` is the kernel); an input it declines
+    (``stem_not``) is staged for libdnnl.
     """
 
     kind = "convolution"
@@ -751,7 +757,8 @@ class DirectConv(DirectOp):
                  fallback_inplace: Callable[..., Tensor] | None = None,
                  libdnnl_packed: bool = False, blocked: bool = False,
                  blocked_input: bool = False, winograd: Winograd | None = None,
-                 stage: Callable[[Tensor, Tensor], Tensor] | None = None) -> None:
+                 stage: Callable[[Tensor, Tensor], Tensor] | None = None,
+                 stem: NativeStem | None = None) -> None:
         super().__init__(lib, fallback, max_shapes, destination)
         if libdnnl_packed and not verified_for:
             raise ValueError("a weight in libdnnl's packing needs the input size it is for")
@@ -780,6 +787,10 @@ class DirectConv(DirectOp):
         # Builds this convolution's calls as Winograd where they qualify (ops/winograd.py).
         self.winograd = winograd
         self.winograd_not: dict[tuple[object, ...], str] = {}   # layouts it declined, why
+        # Builds a plain NCHW input's call as segflow's stem kernel, the input read in
+        # place (ops/native_stem.py); None: such an input is staged for libdnnl.
+        self.stem = stem
+        self.stem_not: dict[tuple[object, ...], str] = {}       # inputs it declined, why
 
     def __call__(self, x: Tensor, w: Tensor, b: Tensor | None = None,
                  z: Tensor | None = None) -> Tensor:
@@ -861,6 +872,11 @@ class DirectConv(DirectOp):
             if call is None:
                 self.winograd_not[self._key(x, z, inplace)] = why
             return call, why
+        if self.stem is not None and not self.blocked and self.stem.takes(x, z):
+            call, why = self.stem.make_call(self, x, w, b)
+            if call is not None:
+                return call, ""
+            self.stem_not[self._key(x, z, inplace)] = why   # staged for libdnnl, as before
         packed = w.dtype == torch.uint8 if self.libdnnl_packed else w.is_mkldnn
         if x.dtype != torch.float32 or not packed or x.dim() not in (4, 5):
             return None, "not a packed float32 2-D/3-D convolution"
@@ -911,6 +927,17 @@ class DirectConv(DirectOp):
         return self._finish(prim, src_md, dst_md, extra, residual=residual, in_format=in_format,
                             out_shape=out_shape, out_format=want, source=w, bias=b,
                             impl=impl), ""
+
+    def dense_weight(self, w: Tensor) -> Tensor:
+        """The float32 ``[K, C, *kernel]`` weight whose packing ``w`` is (a copy)."""
+        spec = self.spec
+        if self.libdnnl_packed:
+            assert self.verified_for is not None
+            dense = self.lib.unpack_weight(w, spec, self.verified_for, self.blocked,
+                                           self.blocked and not self.blocked_input)
+        else:
+            dense = w.to_dense() if w.is_mkldnn else w.clone()
+        return dense.reshape(spec.out_channels, -1, *spec.kernel)
 
     def _weight(self, w: Tensor, weights_md: _P) -> int | None:
         """The address of ``w``'s values in the format ``weights_md`` (None: over the cap)."""

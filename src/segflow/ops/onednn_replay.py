@@ -29,10 +29,12 @@ A classifier right after the run (a Flatten at axis 1 of its last output and a n
 linear over that, ``ops/native_linear.py``: MobileNetV2's and ResNet-50's) is part of
 it: the Flatten's view of the pooled output is recorded like the outputs, and the
 linear, prepared once, runs from its recorded arguments into a new result at every
-call (the run's output, which the caller keeps). After the replayed stretch that
-saved ~40 us of Python of the ~0.26 ms MobileNetV2's run spent there (2-core AVX-512
-VM, 2026-12-06). A linear it cannot run so (an activation after the kernel) runs the
-usual way, as do the steps after it.
+call (the run's output, which the caller keeps), as the last step of the C call below
+(``segflow_call_execute``), its result allocated before it. After the replayed stretch
+that saved ~40 us of Python of the ~0.26 ms MobileNetV2's run spent there, and the C
+call ~150 us more of Python around the linear: MobileNetV2 1.1% faster, ResNet-50
+0.6% (two sessions alternating, 2-core AVX-512 VM, 2026-12-06). A linear it cannot run
+so (an activation after the kernel) runs the usual way, as do the steps after it.
 
 A call the recording does not hold for runs the usual way; after two such calls
 in a row (a new batch size) the run is recorded again, while two threads whose
@@ -103,20 +105,26 @@ class _Execute(ctypes.Structure):
 
 
 class _NativeStretch:
-    """Consecutive replayed executes run by one C call (module docstring)."""
+    """Consecutive replayed executes run by one C call (module docstring), and the
+    classifier's linear right after them where the recording has one: ``classifier``,
+    (its output's value index, the prepared call, its label), run as the call's last
+    step into a new result (``segflow_call_execute`` in ``ops/native/replay.c``)."""
 
-    __slots__ = ("entries", "labels", "locks", "_steps", "_call", "_args", "_status")
+    __slots__ = ("entries", "labels", "locks", "classifier", "_steps", "_call", "_args",
+                 "_status", "_linear")
 
     def __init__(self, entries: Sequence[tuple[DirectOp, _Call, _Addresses]],
-                 labels: Sequence[str], native: NativeLibrary) -> None:
+                 labels: Sequence[str], native: NativeLibrary,
+                 classifier: tuple[int, Prepared, str] | None = None) -> None:
         self.entries = tuple(entries)
         self.labels = tuple(labels)
+        self.classifier = classifier
         # The ops' locks, then the workspaces their native kernels share (ops/workspace.py).
         self.locks = tuple(dict.fromkeys(
             [op.lock for op, _, _ in self.entries]
             + [call.lock for _, call, _ in self.entries if call.lock is not None]))
-        steps = (_Execute * len(self.entries))()
-        for step, (op, call, addresses) in zip(steps, self.entries, strict=True):
+        steps = (_Execute * (len(self.entries) + (classifier is not None)))()
+        for step, (op, call, addresses) in zip(steps, self.entries):
             step.primitive = call.primitive.value
             step.stream = op._stream.value if op._stream is not None else None
             step.args = ctypes.addressof(call.args)
@@ -128,6 +136,12 @@ class _NativeStretch:
             step.address = ctypes.addressof(addresses)
             if call.run is not None:
                 step.run = ctypes.cast(call.run, ctypes.c_void_p).value
+        self._linear: _KernelCall | None = None
+        if classifier is not None:   # no memories to point: the C loop only calls it
+            prepared = classifier[1]
+            self._linear = _KernelCall(prepared.fn, ctypes.addressof(prepared.args))
+            steps[-1].primitive = ctypes.addressof(self._linear)
+            steps[-1].run = ctypes.cast(native.dll.segflow_call_execute, ctypes.c_void_p).value
         self._steps = steps
         self._status = ctypes.c_int(0)
         fn = native.dll.segflow_replay_executes
@@ -136,12 +150,17 @@ class _NativeStretch:
         fn.restype = ctypes.c_int64
         dll = self.entries[0][0].lib._dll
         self._call = fn
-        self._args = (ctypes.addressof(steps), len(self.entries),
+        self._args = (ctypes.addressof(steps), len(steps),
                       ctypes.cast(dll.dnnl_primitive_execute, ctypes.c_void_p).value,
                       ctypes.cast(dll.dnnl_memory_set_data_handle, ctypes.c_void_p).value,
                       ctypes.addressof(self._status))
 
-    def __call__(self) -> None:
+    def __call__(self, values: list[Tensor | None]) -> None:
+        classifier = self.classifier
+        out = None
+        if classifier is not None:
+            _, prepared, _ = classifier
+            out = _fresh_output(prepared)
         locks = self.locks
         for taken, lock in enumerate(locks):
             if not lock.acquire(blocking=False):
@@ -154,11 +173,18 @@ class _NativeStretch:
             finally:
                 for lock in locks:
                     lock.release()
-            if done != len(self.entries):
-                op, call, _ = self.entries[done]
-                raise node_failed(self.labels[done], DnnlError(
-                    f"{op.kind} ({call.impl}): oneDNN status {self._status.value}"))
-            return
+            if done == len(self._steps):
+                if classifier is not None:
+                    cast(NativeLinear, classifier[1].op).count_native_call()
+                    values[classifier[0]] = out
+                return
+            if done == len(self.entries):    # the classifier's linear (a status it returned)
+                assert classifier is not None
+                raise node_failed(classifier[2], RuntimeError(
+                    f"native linear: status {self._status.value}"))
+            op, call, _ = self.entries[done]
+            raise node_failed(self.labels[done], DnnlError(
+                f"{op.kind} ({call.impl}): oneDNN status {self._status.value}"))
         for (op, call, (src, dst, res)), label in zip(self.entries, self.labels, strict=True):
             try:
                 op.execute_at(call, src, dst, res)
@@ -166,6 +192,19 @@ class _NativeStretch:
                 raise
             except Exception as exc:
                 raise node_failed(label, exc) from exc
+        if classifier is not None:
+            index, prepared, label = classifier
+            try:
+                prepared.op.run_prepared(prepared)
+            except Exception as exc:
+                raise node_failed(label, exc) from exc
+            values[index] = out
+
+
+class _KernelCall(ctypes.Structure):
+    """``segflow_call_t`` of ``ops/native/replay.c``: ``fn(args)``."""
+
+    _fields_ = [("fn", ctypes.c_void_p), ("args", ctypes.c_void_p)]
 
 
 class _Recording:
@@ -277,12 +316,12 @@ class DirectReplay:
         steps = self.steps
         for entry in rec.program:
             if entry.__class__ is _NativeStretch:
-                entry()                     # type: ignore[operator]
+                entry(values)               # type: ignore[operator]
                 continue
             index, execute_at, call, (src, dst, res) = entry   # type: ignore[misc]
             step = steps[index]
-            if execute_at is _VIEW:
-                continue                    # the recorded view of the recorded output
+            if execute_at is _VIEW or execute_at is _IN_STRETCH:
+                continue                    # the recorded view; the linear the C call ran
             try:
                 if execute_at is _CLASSIFIER:
                     values[step.output] = _run_classifier(call)   # type: ignore[arg-type]
@@ -413,21 +452,36 @@ class DirectReplay:
 
 def _stretches(plan: Sequence[_Entry], steps: Sequence[ReplayStep],
                native: NativeLibrary) -> list[_Entry | _NativeStretch]:
-    """``plan`` with each run of two or more consecutive executes made one native call."""
+    """``plan`` with each run of two or more consecutive executes made one native call,
+    the classifier's linear right after the last run (its Flatten a recorded view in
+    between) the last step of that call."""
     program: list[_Entry | _NativeStretch] = []
     run: list[_Entry] = []
+    views: list[_Entry] = []     # the Flatten after the run (nothing to do at a replay)
 
-    def close() -> None:
+    def close(classifier: _Entry | None = None) -> None:
         if len(run) > 1:
+            linear = None
+            if classifier is not None:
+                index, _, call, _ = classifier
+                linear = (steps[index].output, cast(Prepared, call), steps[index].label)
             program.append(_NativeStretch(
                 [(cast(DirectOp, steps[index].op), cast(_Call, call), addresses)
                  for index, _, call, addresses in run],
-                [steps[index].label for index, _, _, _ in run], native))
+                [steps[index].label for index, _, _, _ in run], native, linear))
+            program.extend(views)
+            if classifier is not None:
+                program.append((classifier[0], _IN_STRETCH, None, classifier[3]))
         else:
-            program.extend(run)
+            program.extend(run + views + ([classifier] if classifier is not None else []))
         run.clear()
+        views.clear()
     for entry in plan:
-        if entry[1] is None or entry[1] is _VIEW or entry[1] is _CLASSIFIER:
+        if entry[1] is _VIEW and run:
+            views.append(entry)
+        elif entry[1] is _CLASSIFIER and run and _in_c(cast(Prepared, entry[2])):
+            close(entry)
+        elif entry[1] is None or entry[1] is _VIEW or entry[1] is _CLASSIFIER:
             close()
             program.append(entry)
         else:
@@ -436,15 +490,28 @@ def _stretches(plan: Sequence[_Entry], steps: Sequence[ReplayStep],
     return program
 
 
+def _in_c(call: Prepared) -> bool:
+    """Whether a prepared classifier linear can run as a step of the C loop: its kernel
+    needs nothing but its arguments (no Strassen scratch, which the op's lock guards)."""
+    return not getattr(call.args, "scratch", None)
+
+
 _VIEW = "view"              # a plan entry whose value is the recorded view (Flatten)
 _CLASSIFIER = "classifier"  # a plan entry whose prepared native linear runs afresh
+_IN_STRETCH = "in stretch"  # a program entry: that linear ran in the C call before it
+
+
+def _fresh_output(call: Prepared) -> Tensor:
+    """A new result tensor for a prepared classifier linear, its address written into
+    the call's arguments (the run's output: the caller keeps it)."""
+    out = torch.empty(call.output.shape, dtype=call.output.dtype)
+    setattr(call.args, call.out_field, out.data_ptr())
+    return out
 
 
 def _run_classifier(call: Prepared) -> Tensor:
-    """The classifier's linear from its recorded arguments into a new result (the run's
-    output: the caller keeps it)."""
-    out = torch.empty(call.output.shape, dtype=call.output.dtype)
-    setattr(call.args, call.out_field, out.data_ptr())
+    """The classifier's linear from its recorded arguments into a new result."""
+    out = _fresh_output(call)
     call.op.run_prepared(call)
     return out
 
@@ -486,7 +553,10 @@ def describe_replays(replays: Sequence[DirectReplay]) -> list[str]:
         elif executes > 1 and r.native is None:
             text += f" (called from Python: native kernels {r.native_why})"
         if classifier:
-            text += ", the classifier's linear native from recorded arguments"
+            joined = any(isinstance(e, _NativeStretch) and e.classifier is not None
+                         for e in rec.program)
+            text += (", the classifier's linear native from recorded arguments"
+                     + (" as the native call's last step" if joined else ""))
         before = len(rec.plan) - executes - (2 if classifier else 0)
         if before:
             text += f", {before} run as before inside the replay"

@@ -89,14 +89,15 @@ def unfit(spec: ConvGeometry, in_channels: int,
         return "grouped"
     if spec.out_channels % _LANES or in_channels % _LANES:
         return f"channels not a multiple of {_LANES}"
-    if eltwise is not None and _activation(eltwise) is None:
+    if eltwise is not None and clamp_activation(eltwise) is None:
         return "an activation other than ReLU, LeakyReLU (slope 0 to 1) or Clip"
     return None
 
 
-def _activation(eltwise: tuple[int, float, float]) -> tuple[float, float, float] | None:
+def clamp_activation(eltwise: tuple[int, float, float]) -> tuple[float, float, float] | None:
     """``(slope, lo, hi)`` of ``min(max(max(v, slope v), lo), hi)``, the activation
-    ``winograd.c`` applies, for a oneDNN eltwise; None where it is not one of those."""
+    ``winograd.c`` (and ``stem.c``) applies, for a oneDNN eltwise; None where it is not
+    one of those."""
     algorithm, alpha, beta = eltwise
     if algorithm == _RELU_ALGORITHM and 0.0 <= alpha <= 1.0:
         return alpha, -math.inf, math.inf
@@ -278,7 +279,7 @@ class Winograd:
                      pl=spec.pads[1], th=th, tw=tw, residual=int(z is not None))
         if op.eltwise is not None:
             plan.act = 1
-            plan.slope, plan.lo, plan.hi = _activation(op.eltwise)  # type: ignore[misc]
+            plan.slope, plan.lo, plan.hi = clamp_activation(op.eltwise)  # type: ignore[misc]
         plan.bias = bias.data_ptr() if bias is not None else None
         plan.zeros = zeros.data_ptr()
         plan.workspace = ctypes.addressof(self.workspace.slot)

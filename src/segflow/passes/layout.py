@@ -53,6 +53,7 @@ from segflow.ops.fused import (
     blocked_layout_preferred,
     direct_linear_preferred,
     eltwise_of,
+    native_stem_preferred,
     onednn_available,
     winograd_preferred,
 )
@@ -63,6 +64,8 @@ from segflow.ops.native_linear import (
     strassen_spread,
 )
 from segflow.ops.native_linear import pack as native_pack
+from segflow.ops.native_stem import MAX_IN_CHANNELS as STEM_MAX_IN_CHANNELS
+from segflow.ops.native_stem import vector_width as stem_vector_width
 from segflow.ops.onednn_direct import (
     BLOCK,
     DnnlError,
@@ -81,7 +84,8 @@ DIRECT_LINEAR_ROWS = 128
 
 def layout(graph: Graph, device: Device, *, direct: bool = True,
            blocked: bool = True, winograd: bool | None = None,
-           native_linear: bool | None = None, strassen: bool | None = None) -> PassResult:
+           native_linear: bool | None = None, strassen: bool | None = None,
+           native_stem: bool | None = None) -> PassResult:
     """Prepack FusedConv and large FusedGemm weights on CPU (in place); a no-op elsewhere.
 
     ``direct``: mark the packed convolutions to call libdnnl when it loads;
@@ -93,7 +97,10 @@ def layout(graph: Graph, device: Device, *, direct: bool = True,
     library loads (None: where ``native_linear_preferred``);
     ``strassen``: and let those whose weight allows it run as Strassen (the node's
     ``strassen_wmax``: :func:`~segflow.ops.native_linear.strassen_spread`; None: where
-    ``strassen_preferred``).
+    ``strassen_preferred``);
+    ``native_stem``: and run a direct convolution over the NCHW image as segflow's
+    stem kernel, which reads it in place, where it fits (:func:`_stem_fits`; None:
+    where ``native_stem_preferred``: AVX-512 CPUs).
     """
     if device.kind is not DeviceKind.CPU or not onednn_available():
         return PassResult(graph, False)
@@ -186,6 +193,8 @@ def layout(graph: Graph, device: Device, *, direct: bool = True,
                 node.attrs["onednn_blocked"] = 1
                 if not plain_input:
                     node.attrs["onednn_blocked_input"] = 1
+            elif _stem_fits(node, params, native_stem):
+                node.attrs["native_stem"] = 1    # ops/native_stem.py: no staging
         if packed_for is not None:
             # The kernel repacks for other input shapes (ops/fused.py WeightForInput).
             node.attrs["onednn_input_size"] = list(packed_for)
@@ -204,12 +213,40 @@ def calls_libdnnl(node: Node) -> bool:
 
 
 def converts_input(node: Node) -> bool:
-    """A direct convolution over a graph input: its kernel first copies that (plain,
-    NCHW) input to channels-last, since libdnnl has only reference kernels for plain
-    input with channels-last output."""
+    """A direct convolution over a graph input that first copies that (plain, NCHW)
+    input to channels-last, since libdnnl has only reference kernels for plain input
+    with channels-last output: one that is not a native stem (which reads it in place;
+    an input that kernel declines is then copied without the run's storage)."""
+    return calls_libdnnl(node) and _reads_graph_input(node) \
+        and not node.attrs.get("native_stem")
+
+
+def _reads_graph_input(node: Node) -> bool:
+    """A convolution whose input is a graph input (which may arrive plain NCHW)."""
     x = node.inputs[0] if node.inputs else None
-    return node.op_type == "FusedConv" and calls_libdnnl(node) and x is not None \
-        and x.producer is None and x.const is None
+    return node.op_type == "FusedConv" and x is not None and x.producer is None \
+        and x.const is None
+
+
+def _stem_fits(node: Node, params: _PackParams, choice: bool | None) -> bool:
+    """Whether a direct convolution runs as the native stem (``ops/native_stem.py``):
+    on where ``choice`` says so (None: where ``native_stem_preferred``), over a graph
+    input of at most four channels, ungrouped and undilated, with output channels a
+    multiple of the kernel's vector width, and the native library loads."""
+    if choice is False or (choice is None and not native_stem_preferred()) \
+            or not _reads_graph_input(node):
+        return False
+    weight = node.inputs[1]
+    shape = weight.spec.shape if weight is not None else None
+    if shape is None or len(shape) != 4 or params.groups != 1 \
+            or any(d != 1 for d in params.dilations):
+        return False
+    library, _ = NativeLibrary.for_session()
+    if library is None:
+        return False
+    k, c = shape[0], shape[1]
+    return isinstance(k, int) and isinstance(c, int) and c <= STEM_MAX_IN_CHANNELS \
+        and k % stem_vector_width(library) == 0
 
 
 POOLS = ("MaxPool", "GlobalAveragePool", "GlobalMaxPool")

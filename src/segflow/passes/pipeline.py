@@ -11,9 +11,9 @@ Every pass can be switched off, from the API (``optimize=False`` or
 fuse pass's rules (``passes/fuse/``): ``optimize={"fuse.batchnorm": False}``, or
 ``SEGFLOW_NO_FUSE=batchnorm,conv`` (rule names in place of ``1``), and the layout
 pass's choices: ``optimize={"layout.winograd": False}`` (also ``layout.direct``,
-``layout.blocked``, ``layout.native_linear``, ``layout.strassen``; ``SEGFLOW_WINOGRAD``,
-``SEGFLOW_ONEDNN_DIRECT``, ``SEGFLOW_ONEDNN_BLOCKED``, ``SEGFLOW_NATIVE_LINEAR``,
-``SEGFLOW_STRASSEN``).
+``layout.blocked``, ``layout.native_linear``, ``layout.strassen``, ``layout.native_stem``;
+``SEGFLOW_WINOGRAD``, ``SEGFLOW_ONEDNN_DIRECT``, ``SEGFLOW_ONEDNN_BLOCKED``,
+``SEGFLOW_NATIVE_LINEAR``, ``SEGFLOW_STRASSEN``, ``SEGFLOW_NATIVE_STEM``).
 Each pass adds one line to the log that ``explain()`` prints, e.g.
 ``fuse: 175 -> 57 nodes (batchnorm 53, conv 53, activation 49, linear 1)``.
 
@@ -55,6 +55,7 @@ from segflow.settings import (
     ENV_COMPILE,
     ENV_INTRA_OP_THREADS,
     ENV_NATIVE_LINEAR,
+    ENV_NATIVE_STEM,
     ENV_NO_DENSE_CHAIN,
     ENV_NO_FOLD,
     ENV_NO_FUSE,
@@ -77,10 +78,10 @@ from segflow.settings import (
 PASSES = ("fold_constants", "fuse", "dense_chain", "layout", "plan_memory")
 # ``optimize`` keys for the layout pass's choices -> the OptimizeOptions field each sets
 # (their environment variables: SEGFLOW_ONEDNN_DIRECT, _ONEDNN_BLOCKED, SEGFLOW_WINOGRAD,
-# SEGFLOW_NATIVE_LINEAR, SEGFLOW_STRASSEN).
+# SEGFLOW_NATIVE_LINEAR, SEGFLOW_STRASSEN, SEGFLOW_NATIVE_STEM).
 LAYOUT_CHOICES = {"layout.direct": "onednn_direct", "layout.blocked": "onednn_blocked",
                   "layout.winograd": "winograd", "layout.native_linear": "native_linear",
-                  "layout.strassen": "strassen"}
+                  "layout.strassen": "strassen", "layout.native_stem": "native_stem"}
 _PASS_ENV = {"fold_constants": ENV_NO_FOLD, "fuse": ENV_NO_FUSE,
              "dense_chain": ENV_NO_DENSE_CHAIN, "layout": ENV_NO_LAYOUT,
              "plan_memory": ENV_NO_MEMORY_PLAN}
@@ -145,6 +146,10 @@ class OptimizeOptions:
     # (ops/native/strassen.c); None: where it was measured faster (strassen_preferred:
     # the AVX2 build's 24-column panels).
     strassen: bool | None = None
+    # A direct convolution over the NCHW image runs segflow's stem kernel, which reads it
+    # in place (ops/native_stem.py); None: where it was measured faster
+    # (fused.native_stem_preferred: AVX-512 CPUs).
+    native_stem: bool | None = None
 
     @classmethod
     def resolve(cls, optimize: bool | Mapping[str, bool] | None = None, *,
@@ -209,10 +214,13 @@ class OptimizeOptions:
         strassen = (_env_bool(env, ENV_STRASSEN, True)
                     if env.get(ENV_STRASSEN, "").strip() else None)
         strassen = choices.get("strassen", strassen)
+        native_stem = (_env_bool(env, ENV_NATIVE_STEM, True)
+                       if env.get(ENV_NATIVE_STEM, "").strip() else None)
+        native_stem = choices.get("native_stem", native_stem)
         return cls(compile=mode, intra_op_threads=threads, onednn_direct=direct, arena=arena,
                    onednn_blocked=blocked, onednn_replay=replay, prebuild=prebuild,
                    winograd=winograd,
-                   native_linear=native_linear, strassen=strassen,
+                   native_linear=native_linear, strassen=strassen, native_stem=native_stem,
                    fuse_off=frozenset(rules_off), fuse_on=frozenset(rules_on), **switches)
 
     def as_record(self) -> dict[str, object]:
@@ -226,7 +234,8 @@ class OptimizeOptions:
                 "prebuild": self.prebuild,
                 "winograd": "auto" if self.winograd is None else self.winograd,
                 "native_linear": "auto" if self.native_linear is None else self.native_linear,
-                "strassen": "auto" if self.strassen is None else self.strassen}
+                "strassen": "auto" if self.strassen is None else self.strassen,
+                "native_stem": "auto" if self.native_stem is None else self.native_stem}
 
 
 def _fuse_rules_off(env: Mapping[str, str]) -> set[str]:
@@ -459,7 +468,8 @@ def _layout(graph: Graph, options: OptimizeOptions, backend: CompileMode,
         return "layout: skipped (not a CPU device)"
     packed = layout(graph, device, direct=options.onednn_direct,
                     blocked=options.onednn_blocked, winograd=options.winograd,
-                    native_linear=options.native_linear, strassen=options.strassen)
+                    native_linear=options.native_linear, strassen=options.strassen,
+                    native_stem=options.native_stem)
     if not packed.modified:
         return "layout: nothing to do (no oneDNN-eligible convolutions or linears)"
     convs = sum(1 for n in graph.nodes if n.attrs.get("channels_last"))
@@ -489,4 +499,8 @@ def _layout(graph: Graph, options: OptimizeOptions, backend: CompileMode,
         winograd = sum(1 for n in graph.nodes if n.attrs.get("winograd"))
         if winograd:
             text += f"; {winograd} 3x3 convolutions as Winograd F(4x4,3x3)"
+        stems = sum(1 for n in graph.nodes if n.attrs.get("native_stem"))
+        if stems:
+            text += (f"; {stems} stem convolution{'s' if stems > 1 else ''} native "
+                     "(reading the NCHW image in place)")
     return text

@@ -80,3 +80,12 @@ int64_t segflow_replay_calls(const segflow_call_t *calls, int64_t n, int *status
     }
     return n;
 }
+
+/* A segflow kernel call as a step of segflow_replay_executes (`primitive` a
+ * segflow_call_t, its memories NULL): the classifier's linear after a replayed run of
+ * primitives (ops/onednn_replay.py) runs inside that run's one C call. */
+int segflow_call_execute(void *call, void *stream, int nargs, const void *args) {
+    (void)stream, (void)nargs, (void)args;
+    const segflow_call_t *c = call;
+    return c->fn(c->args);
+}
