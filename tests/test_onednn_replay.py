@@ -349,3 +349,41 @@ def test_the_classifier_is_replayed_into_a_new_result_every_call():
         assert torch.equal(out, copy)        # no later call wrote over it
         np.testing.assert_allclose(out.numpy(), ref.run(None, feeds)[0], atol=ATOL, rtol=RTOL)
     assert "the classifier's linear native from recorded arguments" in sess.explain()
+
+
+@needs_native
+def test_the_classifier_runs_as_the_c_calls_last_step_or_after_the_ops_one_by_one():
+    # MobileNetV2's classifier linear is the stretch's last step (segflow_call_execute):
+    # its result is allocated before the C call and read after it. With one op's lock
+    # busy the stretch runs op by op, and then the linear through its op, the same way.
+    model = models.build("mobilenet_v2", **SMALL)
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    sess = segflow.InferenceSession(model, compile="codegen")
+    (replay,) = replays(sess)
+    _check(ref, sess, "mobilenet_v2", (1, 1))
+    rec = replay._recording
+    assert rec is not None
+    (stretch,) = [e for e in rec.program if isinstance(e, _NativeStretch)]
+    assert stretch.classifier is not None
+    index, prepared, label = stretch.classifier
+    assert index == replay.steps[-1].output and label == replay.steps[-1].label
+    assert len(stretch._steps) == len(stretch.entries) + 1
+    op = prepared.op
+    before = op.native_calls
+    outs = []
+    for seed in range(2):
+        feeds = _feeds("mobilenet_v2", 1, seed)
+        outs.append((sess.run_tensors({k: torch.from_numpy(v) for k, v in feeds.items()})[0],
+                     ref.run(None, feeds)[0]))
+    busy = _BusyOnce()
+    stretch.entries[3][0].lock = busy               # type: ignore[assignment]
+    stretch.locks = (busy, *stretch.locks[1:])
+    feeds = _feeds("mobilenet_v2", 1, 5)
+    outs.append((sess.run_tensors({k: torch.from_numpy(v) for k, v in feeds.items()})[0],
+                 ref.run(None, feeds)[0]))
+    assert busy.tries == 1 and replay.replays == 4
+    assert op.native_calls == before + 3       # every replayed call counted, either way
+    for got, want in outs:     # each its own tensor: no later call wrote over an earlier one
+        np.testing.assert_allclose(got.numpy(), want, atol=ATOL, rtol=RTOL)
+    assert len({got.data_ptr() for got, _ in outs}) == 3
+    assert "as the native call's last step" in sess.explain()

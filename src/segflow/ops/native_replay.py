@@ -104,8 +104,9 @@ class NativeStep:
     axis: int = 0
 
 
-class _Call(ctypes.Structure):
-    """``segflow_call_t`` of ``ops/native/replay.c``."""
+class KernelCall(ctypes.Structure):
+    """``segflow_call_t`` of ``ops/native/replay.c``: ``fn(args)``, a recorded call of a
+    segflow kernel (also the classifier step of ``ops/onednn_replay.py``'s C loop)."""
 
     _fields_ = [("fn", ctypes.c_void_p), ("args", ctypes.c_void_p)]
 
@@ -116,7 +117,7 @@ class _Recording:
     (index, signature, where their address goes), the results read after the run
     (index, sizes, dtype, where their address goes), and what must stay alive."""
 
-    calls: ctypes.Array[_Call]
+    calls: ctypes.Array[KernelCall]
     status: ctypes.c_int
     fed: list[tuple[int, _Signature, list[_Slot]]]
     returned: list[tuple[int, torch.Size, torch.dtype, list[_Slot]]]
@@ -331,7 +332,7 @@ class NativeReplay:
             assert t is not None and i in producer
             returned.append((i, t.shape, t.dtype,
                              [(producer[i].args, producer[i].out_field), *readers.get(i, [])]))
-        array = (_Call * len(calls))()
+        array = (KernelCall * len(calls))()
         for entry, (call, _) in zip(array, calls, strict=True):
             entry.fn = call.fn
             entry.args = ctypes.addressof(call.args)

@@ -64,7 +64,7 @@ import torch
 from segflow.errors import ExecutionError, node_failed
 from segflow.ops.native_library import NativeLibrary
 from segflow.ops.native_linear import NativeLinear
-from segflow.ops.native_replay import Prepared
+from segflow.ops.native_replay import KernelCall, Prepared
 from segflow.ops.onednn_direct import DirectConv, DirectOp, DirectPool, DnnlError, _Call
 
 Tensor = torch.Tensor
@@ -136,10 +136,10 @@ class _NativeStretch:
             step.address = ctypes.addressof(addresses)
             if call.run is not None:
                 step.run = ctypes.cast(call.run, ctypes.c_void_p).value
-        self._linear: _KernelCall | None = None
+        self._linear: KernelCall | None = None
         if classifier is not None:   # no memories to point: the C loop only calls it
             prepared = classifier[1]
-            self._linear = _KernelCall(prepared.fn, ctypes.addressof(prepared.args))
+            self._linear = KernelCall(prepared.fn, ctypes.addressof(prepared.args))
             steps[-1].primitive = ctypes.addressof(self._linear)
             steps[-1].run = ctypes.cast(native.dll.segflow_call_execute, ctypes.c_void_p).value
         self._steps = steps
@@ -199,12 +199,6 @@ class _NativeStretch:
             except Exception as exc:
                 raise node_failed(label, exc) from exc
             values[index] = out
-
-
-class _KernelCall(ctypes.Structure):
-    """``segflow_call_t`` of ``ops/native/replay.c``: ``fn(args)``."""
-
-    _fields_ = [("fn", ctypes.c_void_p), ("args", ctypes.c_void_p)]
 
 
 class _Recording:
