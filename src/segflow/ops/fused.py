@@ -181,8 +181,11 @@ def blocked_layout_preferred() -> bool:
 def native_stem_preferred() -> bool:
     """Whether a direct convolution over the NCHW image runs segflow's stem kernel
     (``ops/native_stem.py``) unless told (``SEGFLOW_NATIVE_STEM``). On AVX-512 CPUs,
-    where it was measured (MobileNetV2 ~4% faster there, ResNet-50 ~0.5%); on AVX2
-    ones, not measured, the image is staged for libdnnl as before.
+    where it was measured (MobileNetV2 ~4% faster there, ResNet-50 ~0.5%). Not on AVX2
+    ones: on the same VM with the kernel built without AVX-512 and libdnnl held to
+    AVX2 (``ONEDNN_MAX_CPU_ISA=AVX2``), MobileNetV2's stem ran even with staging and
+    libdnnl (0.28 ms as a model, either way) and ResNet-50's slower (1.67 against
+    1.54 ms), so the image is staged there as before.
     """
     return _cpu_has_avx512()
 

@@ -13,8 +13,8 @@
  * Each output row is one pass over the taps (ky, kx, input channel): per tap, one
  * load of the tap's output-channel weights (w is [kh][kw][c][k]) and one broadcast
  * of each of P pixels' input values, multiply-added into P x NV vector accumulators
- * (NV vectors of output channels, up to 4 at a time; P as many pixels as the
- * registers hold). Rows a tap would read above or below the image are skipped;
+ * (NV vectors of output channels, up to 4 at a time, 2 with AVX2's 16 registers; P
+ * as many pixels as the registers hold). Rows a tap would read above or below the image are skipped;
  * pixels whose window crosses the left or right edge take a checked path. The rows
  * are split between the OpenMP threads libdnnl uses.
  *
@@ -47,9 +47,11 @@ typedef struct {
 /* Pixels a block takes: as many as the accumulators leave registers for (32 vector
  * registers with AVX-512, 16 with AVX2), for NV vectors of output channels. */
 #if VW == 16
+#define MAX_NV 4           /* vectors of output channels a row's pass takes at most */
 #define PIXELS(NV) ((NV) == 1 ? 16 : (NV) == 2 ? 12 : 6)
 #else
-#define PIXELS(NV) ((NV) == 1 ? 8 : (NV) == 2 ? 6 : 2)
+#define MAX_NV 2
+#define PIXELS(NV) ((NV) == 1 ? 8 : 6)
 #endif
 
 static inline vf finish(const segflow_stem_t *p, vf v) {
@@ -168,10 +170,12 @@ static void work(void *data) {
     const int64_t vectors = p->k / VW;
     for (int64_t r = r0; r < r1; r++) {
         const int64_t b = r / p->oh, oy = r % p->oh;
-        for (int64_t v0 = 0; v0 < vectors; v0 += 4) {
-            switch (vectors - v0 < 4 ? vectors - v0 : 4) {
+        for (int64_t v0 = 0; v0 < vectors; v0 += MAX_NV) {
+            switch (vectors - v0 < MAX_NV ? vectors - v0 : MAX_NV) {
+#if MAX_NV == 4
             case 4: row(p, x, y, b, oy, v0, 4); break;
             case 3: row(p, x, y, b, oy, v0, 2); row(p, x, y, b, oy, v0 + 2, 1); break;
+#endif
             case 2: row(p, x, y, b, oy, v0, 2); break;
             default: row(p, x, y, b, oy, v0, 1); break;
             }
