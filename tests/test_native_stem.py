@@ -21,6 +21,7 @@ from onnx import TensorProto, helper, numpy_helper
 import segflow
 from replays import replays
 from segflow import models
+from segflow.ops import native_stem
 from segflow.ops.native_library import NativeLibrary
 from segflow.ops.native_stem import vector_width
 from segflow.ops.onednn_direct import DirectConv, Library
@@ -50,6 +51,8 @@ def _conv_model(cin: int, cout: int, kernel: int, stride: int, pads: list[int],
         nodes.append(helper.make_node("Clip", ["c", "lo", "hi"], ["y"]))
     elif activation == "leaky":
         nodes.append(helper.make_node("LeakyRelu", ["c"], ["y"], alpha=0.1))
+    elif activation == "sigmoid":
+        nodes.append(helper.make_node("Sigmoid", ["c"], ["y"]))
     inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b"),
              numpy_helper.from_array(np.array(0.0, np.float32), "lo"),
              numpy_helper.from_array(np.array(6.0, np.float32), "hi")]
@@ -114,14 +117,33 @@ def test_matches_onnxruntime(cin, cout, kernel, stride, pads, size, activation, 
     ("more than 4 input channels", dict(cin=5, cout=32, kernel=3, stride=1)),
     ("dilated", dict(cin=3, cout=32, kernel=3, stride=1, dilation=2)),
     ("output channels not a multiple", dict(cin=3, cout=WIDTH + 4, kernel=3, stride=1)),
+    ("an activation it does not apply", dict(cin=3, cout=32, kernel=3, stride=1,
+                                              activation="sigmoid")),
 ])
 def test_what_it_does_not_take_is_staged_for_libdnnl(why, args):
     model = _conv_model(args["cin"], args["cout"], args["kernel"], args["stride"],
-                        [1, 1, 1, 1], (12, 12), "relu", dilation=args.get("dilation", 1))
+                        [1, 1, 1, 1], (12, 12), args.get("activation", "relu"),
+                        dilation=args.get("dilation", 1))
     sess = segflow.InferenceSession(model, compile="codegen", optimize=ON)
     assert not any(n.attrs.get("native_stem") for n in sess.graph.nodes), why
     _check(model, sess, (1, args["cin"], 12, 12))
     assert not _stem_calls(sess)
+    assert "native stem" not in sess.explain()
+
+
+def test_a_call_the_kernel_declines_is_staged_and_explained(monkeypatch):
+    # Marked by the layout pass, declined when the call is built (a defence: the layout
+    # pass checks what the kernel checks): that input is staged, and explain says why.
+    monkeypatch.setattr(native_stem, "unfit", lambda *args: "refused for the test")
+    model = _conv_model(3, 32, 3, 2, [1, 1, 1, 1], (24, 24), "relu")
+    sess = segflow.InferenceSession(model, compile="codegen", optimize=ON)
+    assert [n.attrs.get("native_stem") for n in sess.graph.nodes
+            if n.op_type == "FusedConv"] == [1]
+    _check(model, sess, (1, 3, 24, 24))
+    assert not _stem_calls(sess)
+    text = sess.explain()
+    assert "native stem (NCHW image read in place): 1 convolution, 0 input layouts built" in text
+    assert "not the native stem: " in text and ": refused for the test" in text
 
 
 def test_switched_off_the_stem_is_staged_and_answers_the_same():
@@ -135,6 +157,8 @@ def test_switched_off_the_stem_is_staged_and_answers_the_same():
     assert _stem_calls(on) and not _stem_calls(off)
     assert "NCHW input staged into channels-last: 1 node" in off.explain()
     assert "1 stem convolution native (reading the NCHW image in place)" in on.explain()
+    assert "native stem (NCHW image read in place): 1 convolution, 1 input layout built" \
+        in on.explain()
     assert on.last_run_stats.settings["native_stem"] is True      # type: ignore[union-attr]
 
 

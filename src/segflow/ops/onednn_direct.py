@@ -1220,7 +1220,7 @@ def describe_direct(ops: Sequence[tuple[str, DirectOp]], limit: int = 8) -> list
     fallbacks = [(label, key, why) for label, op in ops for key, why in op.why_not.items()]
     if not built and not fallbacks:
         return [f"direct kernels (libdnnl): {what}; no input layout built yet (each is built "
-                "at its first run)", *_describe_winograd(ops, limit)]
+                "at its first run)", *_describe_winograd(ops, limit), *_describe_stems(ops, limit)]
     lines = [f"direct kernels (libdnnl): {what}; {built} input layout{'s' if built != 1 else ''}"
              f" built, {len(fallbacks)} fell back to torch"]
     for label, key, why in fallbacks[:limit]:
@@ -1229,6 +1229,26 @@ def describe_direct(ops: Sequence[tuple[str, DirectOp]], limit: int = 8) -> list
     if len(fallbacks) > limit:
         lines.append(f"  ... and {len(fallbacks) - limit} more")
     lines.extend(_describe_winograd(ops, limit))
+    lines.extend(_describe_stems(ops, limit))
+    return lines
+
+
+def _describe_stems(ops: Sequence[tuple[str, DirectOp]], limit: int) -> list[str]:
+    """The convolutions marked to run the native stem kernel: the input layouts it runs,
+    and those it declined (staged for libdnnl instead), with why."""
+    marked = [(label, op) for label, op in ops
+              if isinstance(op, DirectConv) and op.stem is not None]
+    if not marked:
+        return []
+    layouts = sum(1 for _, op in marked for call in op.calls.values()
+                  if call is not None and call.impl.startswith("native stem"))
+    lines = [f"  native stem (NCHW image read in place): {len(marked)} convolution"
+             f"{'s' if len(marked) != 1 else ''}, {layouts} input "
+             f"layout{'s' if layouts != 1 else ''} built"]
+    declined = [(label, key, why) for label, op in marked
+                for key, why in op.stem_not.items()]
+    for label, key, why in declined[:limit]:
+        lines.append(f"  not the native stem: {label} at {list(key[0])}: {why}")  # type: ignore[call-overload]
     return lines
 
 

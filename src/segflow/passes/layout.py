@@ -64,7 +64,7 @@ from segflow.ops.native_linear import (
     strassen_spread,
 )
 from segflow.ops.native_linear import pack as native_pack
-from segflow.ops.native_stem import MAX_IN_CHANNELS as STEM_MAX_IN_CHANNELS
+from segflow.ops.native_stem import unfit as stem_unfit
 from segflow.ops.native_stem import vector_width as stem_vector_width
 from segflow.ops.onednn_direct import (
     BLOCK,
@@ -231,22 +231,28 @@ def _reads_graph_input(node: Node) -> bool:
 def _stem_fits(node: Node, params: _PackParams, choice: bool | None) -> bool:
     """Whether a direct convolution runs as the native stem (``ops/native_stem.py``):
     on where ``choice`` says so (None: where ``native_stem_preferred``), over a graph
-    input of at most four channels, ungrouped and undilated, with output channels a
-    multiple of the kernel's vector width, and the native library loads."""
+    input, a geometry and activation the kernel takes (``native_stem.unfit``: at most
+    four input channels, ungrouped, undilated, output channels a multiple of its vector
+    width, no activation or ReLU, LeakyReLU, Clip), and the native library loads."""
     if choice is False or (choice is None and not native_stem_preferred()) \
             or not _reads_graph_input(node):
         return False
     weight = node.inputs[1]
-    shape = weight.spec.shape if weight is not None else None
-    if shape is None or len(shape) != 4 or params.groups != 1 \
-            or any(d != 1 for d in params.dilations):
+    dims = weight.spec.shape if weight is not None else None
+    if dims is None or len(dims) != 4:
         return False
+    shape = [d for d in dims if isinstance(d, int)]
+    if len(shape) != 4:
+        return False
+    act, scalars = activation_of(node)
+    eltwise = eltwise_of(act.onednn(scalars))
+    if act.name and eltwise is None:
+        return False             # run after the kernel: the direct path handles that
     library, _ = NativeLibrary.for_session()
     if library is None:
         return False
-    k, c = shape[0], shape[1]
-    return isinstance(k, int) and isinstance(c, int) and c <= STEM_MAX_IN_CHANNELS \
-        and k % stem_vector_width(library) == 0
+    spec = geometry(shape, params.strides, params.pads, params.dilations, params.groups)
+    return stem_unfit(spec, shape[1], stem_vector_width(library), eltwise) is None
 
 
 POOLS = ("MaxPool", "GlobalAveragePool", "GlobalMaxPool")
