@@ -71,9 +71,9 @@ def test_convolution_and_pool_outputs_live_in_one_block(resnet, native_stem):
     assert sorted({n.op_type for n in direct}) == ["FusedConv", "GlobalAveragePool", "MaxPool"]
     assert len(pool.values) == len(direct)
     # The stem reads the NCHW image: staged into the block's channels-last storage for
-    # libdnnl, or read in place by the native stem kernel (no staging storage).
-    staged = [node.op_type for _, node in pool.staged]
-    assert staged == ([] if native_stem else ["FusedConv"])
+    # libdnnl, or read in place by the native stem kernel, whose storage for that copy
+    # stays planned for a call it declines (a large batch).
+    assert [node.op_type for _, node in pool.staged] == ["FusedConv"]
     got = sess.run(None, feeds)[0]
     np.testing.assert_allclose(got, _oracle(model).run(None, feeds)[0], atol=ATOL, rtol=RTOL)
     layout = pool.layout({"batch": 1})

@@ -10,7 +10,7 @@ import onnx
 import pytest
 
 from segflow import cli, models
-from segflow.ops.fused import direct_linear_preferred, native_stem_preferred
+from segflow.ops.fused import direct_linear_preferred
 from segflow.ops.native_library import NativeLibrary
 from segflow.ops.native_linear import native_linear_preferred
 from segflow.ops.onednn_direct import Library
@@ -35,10 +35,7 @@ def test_run_with_no_arguments_runs_builtin_resnet50(capsys):
         linear = ", 1 linear" if direct_linear_preferred() and not native else ""
         assert f"direct kernels (libdnnl): 53 convolutions, 2 poolings{linear}; " in out
         assert ("native linears: 1 node (" in out) == native
-        # The stem's staging storage is one of them, unless the native stem reads the
-        # image in place (AVX-512 CPUs).
-        stem = native_stem_preferred() and NativeLibrary.probe()[0] is not None
-        assert f"arena: {39 if stem else 40} views in 5.0 MiB at batch=1" in out
+        assert "arena: 40 views in 5.0 MiB at batch=1" in out
 
 
 def test_run_list(capsys):

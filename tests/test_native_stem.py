@@ -109,8 +109,9 @@ def test_matches_onnxruntime(cin, cout, kernel, stride, pads, size, activation, 
         assert len(calls) == (1 if batch == 1 else 2)
         assert {call.impl for call in calls} == {f"native stem {kernel}x{kernel}"}
         assert all(call.in_format is None for call in calls)
-    # No staging storage in the run's block: the kernel reads the feed in place.
-    assert "NCHW input staged" not in sess.explain()
+    # Nothing staged: the kernel reads the feed in place.
+    assert "NCHW input staged into channels-last: 1 node; 0 calls native, 0 through torch" \
+        in sess.explain()
 
 
 @pytest.mark.parametrize("why,args", [
@@ -144,6 +145,26 @@ def test_a_call_the_kernel_declines_is_staged_and_explained(monkeypatch):
     text = sess.explain()
     assert "native stem (NCHW image read in place): 1 convolution, 0 input layouts built" in text
     assert "not the native stem: " in text and ": refused for the test" in text
+
+
+def test_a_large_output_is_staged_for_libdnnl():
+    # Over MAX_OUTPUT_BYTES (a large batch) libdnnl's kernel is the faster one: that
+    # call stages the feed into the run's storage, planned for it, as without the
+    # kernel; a small batch still runs the kernel.
+    model = _conv_model(3, 32, 3, 1, [1, 1, 1, 1], (224, 224), "relu")
+    sess = segflow.InferenceSession(model, compile="codegen", optimize=ON)
+    per_image = 32 * 224 * 224 * 4
+    batch = native_stem.MAX_OUTPUT_BYTES // per_image + 1
+    _check(model, sess, (1, 3, 224, 224), runs=2)
+    _check(model, sess, (batch, 3, 224, 224), runs=2)
+    (op,) = [op for _, op in sess._executor.direct_ops if isinstance(op, DirectConv)]
+    impls = sorted(call.impl for call in op.calls.values() if call is not None)
+    assert len(impls) == 2 and impls[1] == "native stem 3x3"
+    assert not impls[0].startswith("native stem")
+    ((key, why),) = op.stem_not.items()
+    assert key[0][0] == batch and why.startswith(f"an output of {batch * per_image / 2**20:.1f}")
+    assert op.stage is not None and op.stage.native_calls == 2   # the run's storage, natively
+    assert "not the native stem: " in sess.explain()
 
 
 def test_switched_off_the_stem_is_staged_and_answers_the_same():

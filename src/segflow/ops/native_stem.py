@@ -48,6 +48,13 @@ Tensor = torch.Tensor
 # Input channels the kernel takes: an image's (grey, RGB, RGBA). Its inner loop runs
 # over the taps, one broadcast per input value; many channels are a job for libdnnl.
 MAX_IN_CHANNELS = 4
+# The largest output a call writes through the kernel; a larger one (a large batch) is
+# staged for libdnnl, whose kernel was faster there. 2-core AVX-512 VM, 2026-12-06, the
+# convolution and its activation alone as a model: ResNet-50's stem at batch 8 (25.7
+# MB out) 7.5-7.7 ms against 7.1-7.2 staged; MobileNetV2's at batch 8 (12.8 MB) 1.28
+# against 1.32; both at batch 1 (3.2 and 1.6 MB) 1.02-1.03 against 1.14-1.16 and 0.21
+# against 0.32.
+MAX_OUTPUT_BYTES = 16 << 20
 
 
 class _Plan(ctypes.Structure):
@@ -121,6 +128,9 @@ class NativeStem:
             return None, why
         out_shape = spec.output_size(x.shape)
         k, oh, ow = out_shape[1], out_shape[2], out_shape[3]
+        if n * k * oh * ow * 4 > MAX_OUTPUT_BYTES:
+            return None, (f"an output of {n * k * oh * ow * 4 / 2**20:.1f} MiB, over the "
+                          f"{MAX_OUTPUT_BYTES >> 20} MiB where libdnnl's kernel is faster")
         # [kh][kw][c][k]: a tap's output channels side by side, one load per vector.
         weight = op.dense_weight(w).permute(2, 3, 1, 0).contiguous()
         bias = b.detach().float().contiguous() if b is not None else None

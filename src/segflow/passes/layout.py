@@ -213,12 +213,11 @@ def calls_libdnnl(node: Node) -> bool:
 
 
 def converts_input(node: Node) -> bool:
-    """A direct convolution over a graph input that first copies that (plain, NCHW)
-    input to channels-last, since libdnnl has only reference kernels for plain input
-    with channels-last output: one that is not a native stem (which reads it in place;
-    an input that kernel declines is then copied without the run's storage)."""
-    return calls_libdnnl(node) and _reads_graph_input(node) \
-        and not node.attrs.get("native_stem")
+    """A direct convolution over a graph input: its kernel first copies that (plain,
+    NCHW) input to channels-last, since libdnnl has only reference kernels for plain
+    input with channels-last output. A native stem reads it in place, but the run's
+    storage for the copy stays planned for a call it declines (a large batch)."""
+    return calls_libdnnl(node) and _reads_graph_input(node)
 
 
 def _reads_graph_input(node: Node) -> bool:
