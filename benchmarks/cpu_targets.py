@@ -37,7 +37,8 @@ Winograd F(4x4,3x3) or libdnnl's direct convolution; unset, Winograd applies on
 CPUs without AVX-512, and on AVX-512 ones to outputs of 32 or more 4x4 tiles an
 image), ``native_linear`` = on|off for large linears through
 segflow's packed kernel, ``strassen`` = on|off for that kernel as one level of
-Strassen where the blocks allow it).
+Strassen where the blocks allow it, ``native_stem`` = on|off for the convolution over
+the NCHW image as segflow's kernel, reading it in place, or staged for libdnnl's).
 The default (``compile=auto``) runs a small segment's inductor package when the
 package cache (``SEGFLOW_CACHE_DIR``) already holds one, as after a
 ``compile=inductor`` variant has run; the case line then says "cached inductor
@@ -116,6 +117,8 @@ def _segflow_kwargs(variant: str) -> tuple[dict[str, Any], dict[str, str]]:
             env["SEGFLOW_NATIVE_LINEAR"] = "0" if value in ("off", "0", "false") else "1"
         elif key == "strassen":  # that kernel as one level of Strassen where it fits (on)
             env["SEGFLOW_STRASSEN"] = "0" if value in ("off", "0", "false") else "1"
+        elif key == "native_stem":  # the stem convolution: segflow's kernel (on) or libdnnl's
+            env["SEGFLOW_NATIVE_STEM"] = "0" if value in ("off", "0", "false") else "1"
         else:
             raise SystemExit(f"unknown variant key {key!r} in {variant!r}")
     if passes:

@@ -120,8 +120,9 @@ def test_an_unknown_case_is_a_one_line_error(targets: ModuleType,
 
 
 def test_variants_name_passes_fuse_rules_and_switches(targets: ModuleType) -> None:
-    kwargs, env = targets._segflow_kwargs("default,fuse.batchnorm=off,layout=on,winograd=off")
+    kwargs, env = targets._segflow_kwargs(
+        "default,fuse.batchnorm=off,layout=on,winograd=off,native_stem=off")
     assert kwargs == {"optimize": {"fuse.batchnorm": False, "layout": True}}
-    assert env == {"SEGFLOW_WINOGRAD": "0"}
+    assert env == {"SEGFLOW_WINOGRAD": "0", "SEGFLOW_NATIVE_STEM": "0"}
     with pytest.raises(SystemExit, match="unknown variant key 'bogus'"):
         targets._segflow_kwargs("bogus=on")

@@ -194,7 +194,7 @@ def layout(graph: Graph, device: Device, *, direct: bool = True,
                 if not plain_input:
                     node.attrs["onednn_blocked_input"] = 1
             elif _stem_fits(node, params, native_stem):
-                node.attrs["native_stem"] = 1    # ops/native_stem.py: no staging
+                node.attrs["native_stem"] = 1    # ops/native_stem.py: the image in place
         if packed_for is not None:
             # The kernel repacks for other input shapes (ops/fused.py WeightForInput).
             node.attrs["onednn_input_size"] = list(packed_for)
