@@ -19,6 +19,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 import segflow
+from concurrency import on_one_and_more_threads, run_in_threads
 from replays import replays
 from segflow import models
 from segflow.ops import native_stem
@@ -224,3 +225,24 @@ def test_resnet18_replays_its_stem_with_each_new_feed(native_loop):
         (stretch,) = [e for e in rec.program if isinstance(e, _NativeStretch)]
         assert stretch.entries[0][1].impl == "native stem 7x7"
     assert len(_stem_calls(sess)) == 1
+
+
+def test_concurrent_runs_and_one_or_two_threads_match_onnxruntime():
+    # Three threads run one session at once (batch 1 and 2 in turn: each thread's run
+    # has its own arena block and recording; the stem's op lock orders its calls), and
+    # one intra-op thread gives what two give.
+    model = models.build("resnet18", image_size=64)
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    sess = segflow.InferenceSession(model, compile="codegen", optimize=ON)
+
+    def worker(i: int) -> None:
+        for seed in range(6):
+            x = np.random.default_rng(100 * i + seed).standard_normal(
+                (1 + (seed + i) % 2, 3, 64, 64)).astype(np.float32)
+            np.testing.assert_allclose(sess.run(None, {"input": x})[0],
+                                       ref.run(None, {"input": x})[0], atol=ATOL, rtol=RTOL)
+    run_in_threads(worker, 3)
+    x = np.random.default_rng(7).standard_normal((1, 3, 64, 64)).astype(np.float32)
+    one, two = on_one_and_more_threads(lambda: sess.run(None, {"input": x})[0])
+    np.testing.assert_allclose(one, two, atol=1e-5, rtol=1e-5)
+    assert len(_stem_calls(sess)) == 2       # batch 1 and 2, each built once
