@@ -1242,14 +1242,20 @@ def _describe_stems(ops: Sequence[tuple[str, DirectOp]], limit: int) -> list[str
         return []
     layouts = sum(1 for _, op in marked for call in op.calls.values()
                   if call is not None and call.impl.startswith("native stem"))
-    lines = [f"  native stem (NCHW image read in place): {len(marked)} convolution"
-             f"{'s' if len(marked) != 1 else ''}, {layouts} input "
-             f"layout{'s' if layouts != 1 else ''} built"]
-    declined = [(label, key, why) for label, op in marked
-                for key, why in op.stem_not.items()]
-    for label, key, why in declined[:limit]:
-        lines.append(f"  not the native stem: {label} at {list(key[0])}: {why}")  # type: ignore[call-overload]
-    return lines
+    return [f"  native stem (NCHW image read in place): {len(marked)} convolution"
+            f"{'s' if len(marked) != 1 else ''}, {layouts} input "
+            f"layout{'s' if layouts != 1 else ''} built",
+            *_declined("the native stem", [(label, op.stem_not) for label, op in marked],
+                       limit)]
+
+
+def _declined(what: str, reasons: Sequence[tuple[str, dict[tuple[object, ...], str]]],
+              limit: int) -> list[str]:
+    """A line per input layout a native kernel declined (``reasons``: per op, its node
+    label and why it declined each layout key), ``limit`` at most."""
+    declined = [(label, key, why) for label, of in reasons for key, why in of.items()]
+    return [f"  not {what}: {label} at {list(key[0])}: {why}"  # type: ignore[call-overload]
+            for label, key, why in declined[:limit]]
 
 
 def _describe_winograd(ops: Sequence[tuple[str, DirectOp]], limit: int) -> list[str]:
@@ -1263,15 +1269,11 @@ def _describe_winograd(ops: Sequence[tuple[str, DirectOp]], limit: int) -> list[
     builders = [op.winograd for _, op in marked if op.winograd is not None]
     weights = sum(w.weight_bytes for w in builders)
     spaces = {id(w.workspace): w.workspace.nbytes for w in builders}
-    lines = [f"  winograd F(4x4,3x3): {len(marked)} convolutions, {layouts} input "
-             f"layout{'s' if layouts != 1 else ''} built; transformed weights "
-             f"{weights / 2**20:.1f} MiB (the weights themselves), workspace "
-             f"{sum(spaces.values()) / 2**20:.1f} MiB"]
-    declined = [(label, key, why) for label, op in marked
-                for key, why in op.winograd_not.items()]
-    for label, key, why in declined[:limit]:
-        lines.append(f"  not winograd: {label} at {list(key[0])}: {why}")  # type: ignore[call-overload]
-    return lines
+    return [f"  winograd F(4x4,3x3): {len(marked)} convolutions, {layouts} input "
+            f"layout{'s' if layouts != 1 else ''} built; transformed weights "
+            f"{weights / 2**20:.1f} MiB (the weights themselves), workspace "
+            f"{sum(spaces.values()) / 2**20:.1f} MiB",
+            *_declined("winograd", [(label, op.winograd_not) for label, op in marked], limit)]
 
 
 @dataclass(frozen=True, slots=True)
