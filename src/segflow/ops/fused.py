@@ -41,6 +41,7 @@ from segflow.ops.native_library import NativeLibrary
 from segflow.ops.native_linear import NativeLinear, NativeLinearKernel, kernel_activation
 from segflow.ops.native_staging import ChannelsLastStaging
 from segflow.ops.native_stem import NativeStem
+from segflow.ops.native_stem import vector_width as stem_vector_width
 from segflow.ops.onednn_direct import (
     ConvGeometry,
     DirectConv,
@@ -178,16 +179,16 @@ def blocked_layout_preferred() -> bool:
     return not _cpu_has_avx512()
 
 
-def native_stem_preferred() -> bool:
+def native_stem_preferred(library: NativeLibrary) -> bool:
     """Whether a direct convolution over the NCHW image runs segflow's stem kernel
-    (``ops/native_stem.py``) unless told (``SEGFLOW_NATIVE_STEM``). On AVX-512 CPUs,
-    where it was measured (MobileNetV2 ~4% faster there, ResNet-50 ~0.5%). Not on AVX2
-    ones: on the same VM with the kernel built without AVX-512 and libdnnl held to
-    AVX2 (``ONEDNN_MAX_CPU_ISA=AVX2``), MobileNetV2's stem ran even with staging and
-    libdnnl (0.28 ms as a model, either way) and ResNet-50's slower (1.67 against
-    1.54 ms), so the image is staged there as before.
+    (``ops/native_stem.py``) unless told (``SEGFLOW_NATIVE_STEM``): where ``library`` is
+    the AVX-512 build (16-float vectors), as measured (MobileNetV2 ~4% faster there,
+    ResNet-50 ~0.5%). Not with AVX2: on the same VM with the kernel built without
+    AVX-512 and libdnnl held to AVX2 (``ONEDNN_MAX_CPU_ISA=AVX2``), MobileNetV2's stem
+    ran even with staging and libdnnl (0.28 ms as a model, either way) and ResNet-50's
+    slower (1.67 against 1.54 ms), so the image is staged there as before.
     """
-    return _cpu_has_avx512()
+    return stem_vector_width(library) == 16
 
 
 # Tiles (4x4 outputs) an image must give a 3x3 convolution for Winograd to be the default

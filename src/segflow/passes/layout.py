@@ -100,7 +100,7 @@ def layout(graph: Graph, device: Device, *, direct: bool = True,
     ``strassen_preferred``);
     ``native_stem``: and run a direct convolution over the NCHW image as segflow's
     stem kernel, which reads it in place, where it fits (:func:`_stem_fits`; None:
-    where ``native_stem_preferred``: AVX-512 CPUs).
+    where ``native_stem_preferred``: the native library's AVX-512 build).
     """
     if device.kind is not DeviceKind.CPU or not onednn_available():
         return PassResult(graph, False)
@@ -233,8 +233,7 @@ def _stem_fits(node: Node, params: _PackParams, choice: bool | None) -> bool:
     input, a geometry and activation the kernel takes (``native_stem.unfit``: at most
     four input channels, ungrouped, undilated, output channels a multiple of its vector
     width, no activation or ReLU, LeakyReLU, Clip), and the native library loads."""
-    if choice is False or (choice is None and not native_stem_preferred()) \
-            or not _reads_graph_input(node):
+    if choice is False or not _reads_graph_input(node):
         return False
     weight = node.inputs[1]
     dims = weight.spec.shape if weight is not None else None
@@ -248,7 +247,7 @@ def _stem_fits(node: Node, params: _PackParams, choice: bool | None) -> bool:
     if act.name and eltwise is None:
         return False             # run after the kernel: the direct path handles that
     library, _ = NativeLibrary.for_session()
-    if library is None:
+    if library is None or (choice is None and not native_stem_preferred(library)):
         return False
     spec = geometry(shape, params.strides, params.pads, params.dilations, params.groups)
     return stem_unfit(spec, shape[1], stem_vector_width(library), eltwise) is None

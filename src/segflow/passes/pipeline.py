@@ -148,7 +148,7 @@ class OptimizeOptions:
     strassen: bool | None = None
     # A direct convolution over the NCHW image runs segflow's stem kernel, which reads it
     # in place (ops/native_stem.py); None: where it was measured faster
-    # (fused.native_stem_preferred: AVX-512 CPUs).
+    # (fused.native_stem_preferred: the native library's AVX-512 build).
     native_stem: bool | None = None
 
     @classmethod
