@@ -331,31 +331,12 @@ def test_an_error_in_a_python_replayed_step_names_its_node(monkeypatch):
 
 
 @needs_native
-def test_the_classifier_is_replayed_into_a_new_result_every_call():
-    # MobileNetV2's classifier (Flatten, 1280 -> 1000 native linear) runs inside the
-    # replay from recorded arguments; each call's result is its own tensor.
-    model = models.build("mobilenet_v2", **SMALL)
-    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    sess = segflow.InferenceSession(model, compile="codegen")
-    (replay,) = replays(sess)
-    assert isinstance(replay.steps[-1].op, NativeLinear)
-    kept = []
-    for seed in range(4):
-        feeds = _feeds("mobilenet_v2", 1, seed)
-        (out,) = sess.run_tensors({k: torch.from_numpy(v) for k, v in feeds.items()})
-        kept.append((feeds, out, out.clone()))
-    assert replay.replays == 3
-    for feeds, out, copy in kept:
-        assert torch.equal(out, copy)        # no later call wrote over it
-        np.testing.assert_allclose(out.numpy(), ref.run(None, feeds)[0], atol=ATOL, rtol=RTOL)
-    assert "the classifier's linear native from recorded arguments" in sess.explain()
-
-
-@needs_native
 def test_the_classifier_runs_as_the_c_calls_last_step_or_after_the_ops_one_by_one():
-    # MobileNetV2's classifier linear is the stretch's last step (segflow_call_execute):
-    # its result is allocated before the C call and read after it. With one op's lock
-    # busy the stretch runs op by op, and then the linear through its op, the same way.
+    # MobileNetV2's classifier (Flatten, 1280 -> 1000 native linear) runs inside the
+    # replay from recorded arguments, as the stretch's last step (segflow_call_execute):
+    # its result, its own tensor each call, is allocated before the C call and read
+    # after it. With one op's lock busy the stretch runs op by op, and then the linear
+    # through its op, the same way.
     model = models.build("mobilenet_v2", **SMALL)
     ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     sess = segflow.InferenceSession(model, compile="codegen")
@@ -386,4 +367,5 @@ def test_the_classifier_runs_as_the_c_calls_last_step_or_after_the_ops_one_by_on
     for got, want in outs:     # each its own tensor: no later call wrote over an earlier one
         np.testing.assert_allclose(got.numpy(), want, atol=ATOL, rtol=RTOL)
     assert len({got.data_ptr() for got, _ in outs}) == 3
-    assert "as the native call's last step" in sess.explain()
+    assert ("the classifier's linear native from recorded arguments as the native call's "
+            "last step") in sess.explain()
