@@ -954,10 +954,7 @@ class DirectConv(DirectOp):
             if lib.equal(self._verified_md, weights_md):
                 return int(w.data_ptr() if self.libdnnl_packed else torch.ops.mkldnn.data_ptr(w))
         if self.libdnnl_packed:
-            assert self.verified_for is not None
-            dense = lib.unpack_weight(w, self.spec, self.verified_for, self.blocked,
-                                      self.blocked and not self.blocked_input)
-            mine = _reorder_weight(lib, dense, weights_md, self.spec.weight_dims)
+            mine = _reorder_weight(lib, self.dense_weight(w), weights_md, self.spec.weight_dims)
         else:
             mine = _reorder_weight(lib, w, weights_md, self.spec.weight_dims)
             if same_bytes(w, mine):

@@ -157,6 +157,7 @@ def layout(graph: Graph, device: Device, *, direct: bool = True,
             lib = Library.load()
         weight = node.inputs[1]
         assert weight is not None and weight.const is not None
+        dense_shape = list(weight.const.shape)     # read before the dense weight is freed
         in_region = id(node) in region
         x = node.inputs[0]
         plain_input = in_region and x is not None and id(x.producer) not in region
@@ -193,7 +194,7 @@ def layout(graph: Graph, device: Device, *, direct: bool = True,
                 node.attrs["onednn_blocked"] = 1
                 if not plain_input:
                     node.attrs["onednn_blocked_input"] = 1
-            elif _stem_fits(node, params, native_stem):
+            elif _stem_fits(node, dense_shape, params, native_stem):
                 node.attrs["native_stem"] = 1    # ops/native_stem.py: the image in place
         if packed_for is not None:
             # The kernel repacks for other input shapes (ops/fused.py WeightForInput).
@@ -227,25 +228,18 @@ def _reads_graph_input(node: Node) -> bool:
         and x.const is None
 
 
-def _stem_fits(node: Node, params: _PackParams, choice: bool | None) -> bool:
+def _stem_fits(node: Node, shape: list[int], params: _PackParams, choice: bool | None
+               ) -> bool:
     """Whether a direct convolution runs as the native stem (``ops/native_stem.py``):
     on where ``choice`` says so (None: where ``native_stem_preferred``), over a graph
     input, a geometry and activation the kernel takes (``native_stem.unfit``: at most
     four input channels, ungrouped, undilated, output channels a multiple of its vector
     width, no activation or ReLU, LeakyReLU, Clip), and the native library loads."""
-    if choice is False or not _reads_graph_input(node):
+    if choice is False or not _reads_graph_input(node) or len(shape) != 4:
         return False
-    weight = node.inputs[1]
-    dims = weight.spec.shape if weight is not None else None
-    if dims is None or len(dims) != 4:
+    applied, eltwise = _kernel_eltwise(node)
+    if not applied:
         return False
-    shape = [d for d in dims if isinstance(d, int)]
-    if len(shape) != 4:
-        return False
-    act, scalars = activation_of(node)
-    eltwise = eltwise_of(act.onednn(scalars))
-    if act.name and eltwise is None:
-        return False             # run after the kernel: the direct path handles that
     library, _ = NativeLibrary.for_session()
     if library is None or (choice is None and not native_stem_preferred(library)):
         return False
@@ -544,16 +538,24 @@ def _winograd_tiles(node: Node, params: _PackParams) -> int | None:
     return math.ceil(out[0] / 4) * math.ceil(out[1] / 4)
 
 
+def _kernel_eltwise(node: Node) -> tuple[bool, tuple[int, float, float] | None]:
+    """A convolution's activation for a native kernel's epilogue: ``(True, eltwise)``
+    (None: no activation), or ``(False, None)`` where it has no oneDNN eltwise form and
+    runs after the kernel (the direct path handles that)."""
+    act, scalars = activation_of(node)
+    eltwise = eltwise_of(act.onednn(scalars))
+    return not (act.name and eltwise is None), eltwise
+
+
 def _winograd_fits(node: Node, weight: torch.Tensor, params: _PackParams) -> bool:
     """Whether a direct convolution runs as Winograd F(4x4, 3x3) (``ops/winograd.py``):
     3x3, stride 1, undilated, ungrouped, channels in multiples of 8, no activation or
     one the transforms apply (ReLU, LeakyReLU, Clip), and the native kernels available."""
     if params.groups != 1:
         return False
-    act, scalars = activation_of(node)
-    eltwise = eltwise_of(act.onednn(scalars))
-    if act.name and eltwise is None:
-        return False             # run after the kernel: the direct path handles that
+    applied, eltwise = _kernel_eltwise(node)
+    if not applied:
+        return False
     spec = geometry(list(weight.shape), params.strides, params.pads, params.dilations, 1)
     if unfit(spec, int(weight.shape[1]), eltwise) is not None:
         return False

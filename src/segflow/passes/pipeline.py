@@ -205,22 +205,12 @@ class OptimizeOptions:
         blocked = choices.get("onednn_blocked", _env_bool(env, ENV_ONEDNN_BLOCKED, True))
         replay = _env_bool(env, ENV_ONEDNN_REPLAY, True)
         prebuild = _env_bool(env, ENV_PREBUILD, True)
-        winograd = (_env_bool(env, ENV_WINOGRAD, True)
-                    if env.get(ENV_WINOGRAD, "").strip() else None)
-        winograd = choices.get("winograd", winograd)
-        native_linear = (_env_bool(env, ENV_NATIVE_LINEAR, True)
-                         if env.get(ENV_NATIVE_LINEAR, "").strip() else None)
-        native_linear = choices.get("native_linear", native_linear)
-        strassen = (_env_bool(env, ENV_STRASSEN, True)
-                    if env.get(ENV_STRASSEN, "").strip() else None)
-        strassen = choices.get("strassen", strassen)
-        native_stem = (_env_bool(env, ENV_NATIVE_STEM, True)
-                       if env.get(ENV_NATIVE_STEM, "").strip() else None)
-        native_stem = choices.get("native_stem", native_stem)
         return cls(compile=mode, intra_op_threads=threads, onednn_direct=direct, arena=arena,
                    onednn_blocked=blocked, onednn_replay=replay, prebuild=prebuild,
-                   winograd=winograd,
-                   native_linear=native_linear, strassen=strassen, native_stem=native_stem,
+                   winograd=_auto(env, ENV_WINOGRAD, choices.get("winograd")),
+                   native_linear=_auto(env, ENV_NATIVE_LINEAR, choices.get("native_linear")),
+                   strassen=_auto(env, ENV_STRASSEN, choices.get("strassen")),
+                   native_stem=_auto(env, ENV_NATIVE_STEM, choices.get("native_stem")),
                    fuse_off=frozenset(rules_off), fuse_on=frozenset(rules_on), **switches)
 
     def as_record(self) -> dict[str, object]:
@@ -236,6 +226,14 @@ class OptimizeOptions:
                 "native_linear": "auto" if self.native_linear is None else self.native_linear,
                 "strassen": "auto" if self.strassen is None else self.strassen,
                 "native_stem": "auto" if self.native_stem is None else self.native_stem}
+
+
+def _auto(env: Mapping[str, str], name: str, chosen: bool | None) -> bool | None:
+    """A layout choice that defaults to "where measured faster": the API's value, else
+    the ``SEGFLOW_*`` variable ``name``'s where set, else None (auto)."""
+    if chosen is not None:
+        return chosen
+    return _env_bool(env, name, True) if env.get(name, "").strip() else None
 
 
 def _fuse_rules_off(env: Mapping[str, str]) -> set[str]:
