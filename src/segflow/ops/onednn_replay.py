@@ -157,10 +157,6 @@ class _NativeStretch:
 
     def __call__(self, values: list[Tensor | None]) -> None:
         classifier = self.classifier
-        out = None
-        if classifier is not None:
-            _, prepared, _ = classifier
-            out = _fresh_output(prepared)
         locks = self.locks
         for taken, lock in enumerate(locks):
             if not lock.acquire(blocking=False):
@@ -169,6 +165,8 @@ class _NativeStretch:
                 break
         else:
             try:
+                # The classifier's new result, its address in the linear's arguments.
+                out = _fresh_output(classifier[1]) if classifier is not None else None
                 done = self._call(*self._args)
             finally:
                 for lock in locks:
@@ -195,10 +193,9 @@ class _NativeStretch:
         if classifier is not None:
             index, prepared, label = classifier
             try:
-                prepared.op.run_prepared(prepared)
+                values[index] = _run_classifier(prepared)
             except Exception as exc:
                 raise node_failed(label, exc) from exc
-            values[index] = out
 
 
 class _Recording:

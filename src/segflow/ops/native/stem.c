@@ -14,9 +14,9 @@
  * load of the tap's output-channel weights (w is [kh][kw][c][k]) and one broadcast
  * of each of P pixels' input values, multiply-added into P x NV vector accumulators
  * (NV vectors of output channels, up to 4 at a time, 2 with AVX2's 16 registers; P
- * as many pixels as the registers hold). Rows a tap would read above or below the image are skipped;
- * pixels whose window crosses the left or right edge take a checked path. The rows
- * are split between the OpenMP threads libdnnl uses.
+ * as many pixels as the registers hold). Rows a tap would read above or below the
+ * image are skipped; pixels whose window crosses the left or right edge take a
+ * checked path. The rows are split between the OpenMP threads libdnnl uses.
  *
  * Its signature is libdnnl's dnnl_primitive_execute, so the replay's C loop
  * (replay.c) and Python call it where they would execute a primitive: the plan stands
