@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -174,3 +175,39 @@ def describe_native_calls(what: str, ops: Sequence[tuple[str, Any]], form: str =
              f"native, {through_torch} through torch"]
     return lines + through_torch_lines(
         [(label, why, n) for label, op in ops for why, n in op.why_torch.items()], limit)
+
+
+def gelu_erf(x: Tensor, inplace: bool = False) -> Tensor:
+    """The erf form of GELU, ``x * (1 + erf(x / sqrt(2))) / 2``, as onnxruntime evaluates it
+    at the edges: torch's kernel returns NaN for +inf where the formula (and onnxruntime)
+    gives +inf; NaN and -inf give NaN in both."""
+    edge = torch.isposinf(x) if x.is_floating_point() else None
+    y = torch.ops.aten.gelu_(x) if inplace else torch.nn.functional.gelu(x)
+    return y.masked_fill_(edge, math.inf) if edge is not None else y
+
+
+def always(node: Node) -> bool:
+    """An ``OpDef.creates_nonfinite`` for ops that may create NaN or Inf from any input."""
+    return True
+
+
+def computed_or_unsafe(index: int, safe: Callable[[Tensor], bool]) -> Callable[[Node], bool]:
+    """An ``OpDef.creates_nonfinite``: True unless input ``index`` is a constant whose
+    values ``safe`` accepts (a divisor with no zero, a whole non-negative exponent)."""
+    def creates(node: Node) -> bool:
+        value = node.inputs[index] if len(node.inputs) > index else None
+        const = value.const if value is not None else None
+        return const is None or const.is_mkldnn or not safe(const)
+    return creates
+
+
+def nonzero_finite(t: Tensor) -> bool:
+    """Whether every element of ``t`` is finite and not zero (a safe divisor)."""
+    return bool((torch.isfinite(t) & (t != 0)).all()) if t.is_floating_point() \
+        else bool((t != 0).all())
+
+
+def whole_nonnegative(t: Tensor) -> bool:
+    """Whether every element of ``t`` is a whole number >= 0 (a safe exponent)."""
+    return bool(((t >= 0) & (t == torch.round(t))).all()) if t.is_floating_point() \
+        else bool((t >= 0).all())

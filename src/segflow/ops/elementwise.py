@@ -11,7 +11,16 @@ import torch.nn.functional as F
 from segflow.ir.graph import Node
 from segflow.ops import _unsigned as u
 from segflow.ops import gradients
-from segflow.ops._common import binary, unary, with_attrs
+from segflow.ops._common import (
+    always,
+    binary,
+    computed_or_unsafe,
+    gelu_erf,
+    nonzero_finite,
+    unary,
+    whole_nonnegative,
+    with_attrs,
+)
 from segflow.ops.registry import BindContext, Kernel, OpDef
 
 Tensor = torch.Tensor
@@ -74,6 +83,8 @@ def _mean(node: Node, ctx: BindContext) -> Kernel:
 
 
 def _clip(node: Node, ctx: BindContext) -> Kernel:
+    # A bound left out is the type's lowest or highest value (ONNX, and onnxruntime):
+    # an infinity comes back as the largest finite float, NaN stays NaN.
     if node.opset < 11:
         lo_attr = node.attrs.get("min")
         hi_attr = node.attrs.get("max")
@@ -81,9 +92,9 @@ def _clip(node: Node, ctx: BindContext) -> Kernel:
         def kernel_attr(inputs: Sequence[Tensor | None]) -> list[Tensor]:
             x = inputs[0]
             assert x is not None
-            if lo_attr is None and hi_attr is None:  # both default to the float range
-                return [x.clone()]
-            return [torch.clamp(x, lo_attr, hi_attr)]
+            lo, hi = _type_range(x)
+            return [torch.clamp(x, lo if lo_attr is None else lo_attr,
+                                hi if hi_attr is None else hi_attr)]
         return kernel_attr
 
     def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
@@ -91,12 +102,17 @@ def _clip(node: Node, ctx: BindContext) -> Kernel:
         assert x is not None
         lo = inputs[1] if len(inputs) > 1 else None
         hi = inputs[2] if len(inputs) > 2 else None
-        if lo is not None:
-            x = torch.maximum(x, lo.to(x.dtype))
-        if hi is not None:
-            x = torch.minimum(x, hi.to(x.dtype))
-        return [x if (lo is not None or hi is not None) else x.clone()]
+        low, high = _type_range(x)
+        x = torch.maximum(x, lo.to(x.dtype)) if lo is not None else torch.clamp(x, min=low)
+        x = torch.minimum(x, hi.to(x.dtype)) if hi is not None else torch.clamp(x, max=high)
+        return [x]
     return kernel
+
+
+def _type_range(x: Tensor) -> tuple[float | int, float | int]:
+    """The lowest and highest value of ``x``'s element type."""
+    info = torch.finfo(x.dtype) if x.is_floating_point() else torch.iinfo(x.dtype)
+    return info.min, info.max
 
 
 def _hardsigmoid(x: Tensor, alpha: float, beta: float) -> Tensor:
@@ -108,7 +124,7 @@ def _hardswish(x: Tensor) -> Tensor:
 
 
 def _gelu(x: Tensor, approximate: str) -> Tensor:
-    return F.gelu(x, approximate="tanh" if approximate == "tanh" else "none")
+    return F.gelu(x, approximate="tanh") if approximate == "tanh" else gelu_erf(x)
 
 
 def _leaky(x: Tensor, alpha: float) -> Tensor:
@@ -202,9 +218,11 @@ OPS: list[OpDef] = [
     OpDef("Add", binary(u.arith(torch.add)), grad=gradients.binary),
     OpDef("Sub", binary(u.arith(torch.sub)), grad=gradients.binary),
     OpDef("Mul", binary(u.arith(torch.mul)), grad=gradients.binary),
-    OpDef("Div", binary(_div), grad=gradients.binary),
-    OpDef("Mod", _mod),
-    OpDef("Pow", binary(_pow), grad=gradients.binary),
+    OpDef("Div", binary(_div), grad=gradients.binary,
+          creates_nonfinite=computed_or_unsafe(1, nonzero_finite)),
+    OpDef("Mod", _mod, creates_nonfinite=computed_or_unsafe(1, nonzero_finite)),
+    OpDef("Pow", binary(_pow), grad=gradients.binary,
+          creates_nonfinite=computed_or_unsafe(1, whole_nonnegative)),
     OpDef("Sum", _variadic(u.arith(torch.add)), grad=gradients.variadic_sum),
     OpDef("Max", _variadic(u.ordered(torch.maximum))),
     OpDef("Min", _variadic(u.ordered(torch.minimum))),
@@ -227,25 +245,25 @@ OPS: list[OpDef] = [
     OpDef("Neg", unary(torch.neg), grad=gradients.neg),
     OpDef("Abs", unary(torch.abs), grad=gradients.unary),
     OpDef("Sign", unary(_sign)),
-    OpDef("Reciprocal", unary(torch.reciprocal), grad=gradients.unary),
+    OpDef("Reciprocal", unary(torch.reciprocal), grad=gradients.unary, creates_nonfinite=always),
     OpDef("Floor", unary(torch.floor)),
     OpDef("Ceil", unary(torch.ceil)),
     OpDef("Round", unary(_round)),
-    OpDef("Sqrt", unary(torch.sqrt), grad=gradients.unary),
-    OpDef("Exp", unary(torch.exp), grad=gradients.unary),
-    OpDef("Log", unary(torch.log), grad=gradients.unary),
+    OpDef("Sqrt", unary(torch.sqrt), grad=gradients.unary, creates_nonfinite=always),
+    OpDef("Exp", unary(torch.exp), grad=gradients.unary, creates_nonfinite=always),
+    OpDef("Log", unary(torch.log), grad=gradients.unary, creates_nonfinite=always),
     OpDef("Erf", unary(torch.erf), grad=gradients.unary),
     OpDef("Sin", unary(torch.sin), grad=gradients.unary),
     OpDef("Cos", unary(torch.cos), grad=gradients.unary),
-    OpDef("Tan", unary(torch.tan)),
-    OpDef("Asin", unary(torch.asin)),
-    OpDef("Acos", unary(torch.acos)),
+    OpDef("Tan", unary(torch.tan), creates_nonfinite=always),
+    OpDef("Asin", unary(torch.asin), creates_nonfinite=always),
+    OpDef("Acos", unary(torch.acos), creates_nonfinite=always),
     OpDef("Atan", unary(torch.atan)),
-    OpDef("Sinh", unary(torch.sinh)),
-    OpDef("Cosh", unary(torch.cosh)),
+    OpDef("Sinh", unary(torch.sinh), creates_nonfinite=always),
+    OpDef("Cosh", unary(torch.cosh), creates_nonfinite=always),
     OpDef("Asinh", unary(torch.asinh)),
-    OpDef("Acosh", unary(torch.acosh)),
-    OpDef("Atanh", unary(torch.atanh)),
+    OpDef("Acosh", unary(torch.acosh), creates_nonfinite=always),
+    OpDef("Atanh", unary(torch.atanh), creates_nonfinite=always),
     OpDef("IsNaN", unary(torch.isnan)),
     OpDef("IsInf", _isinf),
     OpDef("Relu", unary(torch.relu), grad=gradients.unary),

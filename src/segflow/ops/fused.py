@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from segflow.ir.graph import Node
-from segflow.ops._common import torch_pad
+from segflow.ops._common import gelu_erf, torch_pad
 from segflow.ops.add_layer_norm import AddLayerNorm, AddLayerNormKernel
 from segflow.ops.native_attention import AttentionKernel, ScaledDotAttention
 from segflow.ops.native_library import NativeLibrary
@@ -89,6 +89,11 @@ class Activation:
     # (attr, algorithm) for oneDNN, or None when oneDNN has no exact equivalent.
     onednn: Callable[[Sequence[float]], tuple[str, list[float], str] | None]
     inplace: Callable[[Tensor, Sequence[float]], Tensor] | None = None
+    # How oneDNN's post-op differs from onnxruntime on NaN or an infinity ('' where it
+    # does not): its ReLU, clip and hard-sigmoid take max/min instructions, which return
+    # the bound for a NaN, and its erf-GELU gives NaN for +inf. Such a post-op is fused
+    # only where no NaN can reach the node (``BindContext.allow_inexact``).
+    onednn_loses: str = ""
 
 
 def _clip_onednn(p: Sequence[float]) -> tuple[str, list[float], str] | None:
@@ -107,9 +112,10 @@ def _hardsigmoid_onednn(p: Sequence[float]) -> tuple[str, list[float], str] | No
 ACTIVATIONS: Mapping[str, Activation] = {
     "": Activation("", lambda x, p: x, lambda p: ("none", [], "")),
     "Relu": Activation("Relu", lambda x, p: torch.relu(x), lambda p: ("relu", [], ""),
-                       lambda x, p: torch.relu_(x)),
+                       lambda x, p: torch.relu_(x), "turns NaN into 0"),
     "Clip": Activation("Clip", lambda x, p: torch.clamp(x, p[0], p[1]), _clip_onednn,
-                       lambda x, p: torch.clamp_(x, p[0], p[1])),
+                       lambda x, p: torch.clamp_(x, p[0], p[1]),
+                       "turns NaN into the lower bound"),
     "LeakyRelu": Activation("LeakyRelu", lambda x, p: F.leaky_relu(x, p[0]),
                             lambda p: ("leaky_relu", [p[0]], ""),
                             lambda x, p: F.leaky_relu_(x, p[0])),
@@ -119,11 +125,11 @@ ACTIVATIONS: Mapping[str, Activation] = {
                        lambda x, p: torch.tanh_(x)),
     "HardSigmoid": Activation("HardSigmoid",
                               lambda x, p: torch.clamp(x * p[0] + p[1], 0.0, 1.0),
-                              _hardsigmoid_onednn),
+                              _hardsigmoid_onednn, onednn_loses="turns NaN into 0"),
     "HardSwish": Activation("HardSwish", lambda x, p: F.hardswish(x),
                             lambda p: ("hardswish", [], "")),
-    "Gelu": Activation("Gelu", lambda x, p: F.gelu(x), lambda p: ("gelu", [], "none"),
-                       lambda x, p: torch.ops.aten.gelu_(x)),
+    "Gelu": Activation("Gelu", lambda x, p: gelu_erf(x), lambda p: ("gelu", [], "none"),
+                       lambda x, p: gelu_erf(x, inplace=True), "gives NaN for +inf"),
     "GeluTanh": Activation("GeluTanh", lambda x, p: F.gelu(x, approximate="tanh"),
                            lambda p: ("gelu", [], "tanh"),
                            lambda x, p: torch.ops.aten.gelu_(x, approximate="tanh")),
@@ -157,6 +163,31 @@ def eltwise_of(post: tuple[str, list[float], str] | None) -> tuple[int, float, f
     """libdnnl's eltwise ``(algorithm, alpha, beta)`` for a post-op from
     ``Activation.onednn`` (None: no activation, or one that runs after the kernel)."""
     return None if post is None or post[0] == "none" else onednn_eltwise(*post)
+
+
+def exact_post_op(node: Node, act: Activation, post: tuple[str, list[float], str] | None,
+                  ctx: BindContext) -> tuple[str, list[float], str] | None:
+    """``post`` (``act``'s oneDNN post-op), or None where oneDNN's form of ``act`` loses a
+    NaN or an infinity (``Activation.onednn_loses``) and ``node`` must keep them: the
+    activation then runs after the kernel, in torch."""
+    if post is None or post[0] == "none" or not act.onednn_loses:
+        return post
+    reason = f"oneDNN's {act.name} post-op {act.onednn_loses}"
+    return post if ctx.allow_inexact(node, reason) else None
+
+
+class ExactKernel:
+    """A fused node's kernel bound without a post-op that loses NaN (:func:`exact_post_op`
+    refused it): generated code calls it as bound, since the oneDNN form codegen would
+    otherwise inline brings that post-op back."""
+
+    __slots__ = ("kernel",)
+
+    def __init__(self, kernel: Kernel) -> None:
+        self.kernel = kernel
+
+    def __call__(self, inputs: Sequence[Tensor | None]) -> Sequence[Tensor]:
+        return self.kernel(inputs)
 
 
 def direct_linear_preferred() -> bool:
@@ -339,14 +370,16 @@ def _onednn_conv_kernel(node: Node, spec: _ConvSpec, act: Activation, params: li
     """A prepacked FusedConv's kernel: over libdnnl when the layout pass chose that
     (``onednn_direct``; codegen then calls the same op), else torch's oneDNN op."""
     weight_for = _weight_for(node, spec)
-    fallback = _onednn_conv_callable(spec, act, params, False, weight_for)
+    wanted = act.onednn(params)
+    post = exact_post_op(node, act, wanted, ctx)
+    fallback = _onednn_conv_callable(spec, act, params, False, weight_for, post)
     lib = Library.load() if node.attrs.get("onednn_direct") else None
     weight = node.inputs[1]
     if lib is None or weight is None or weight.spec.shape is None:
         def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
             return [fallback(*inputs)]
-        return kernel
-    eltwise = eltwise_of(act.onednn(params))
+        return kernel if post is wanted else ExactKernel(kernel)
+    eltwise = eltwise_of(post)
     after: Callable[[Tensor], Tensor] | None = None
     if act.name and eltwise is None:
         finish = act.inplace or act.apply
@@ -355,10 +388,11 @@ def _onednn_conv_kernel(node: Node, spec: _ConvSpec, act: Activation, params: li
     geo = geometry([int(d) for d in weight.spec.shape], spec.strides, spec.pads,  # type: ignore[arg-type]
                    spec.dilations, spec.group)
     verified = node.attrs.get("onednn_direct_verified_for")
-    fallback_inplace = (_onednn_conv_callable(spec, act, params, True, weight_for)
+    fallback_inplace = (_onednn_conv_callable(spec, act, params, True, weight_for, post)
                         if spec.has_residual else None)
     winograd = None
-    if conv_reads_winograd_weight(node) and weight.const is not None:
+    if conv_reads_winograd_weight(node) and weight.const is not None and ctx.allow_inexact(
+            node, "Winograd's transforms spread a NaN or an infinity over a 6x6 input tile"):
         native, _ = NativeLibrary.for_session()
         if native is not None:   # else the fallback, over the recovered plain weight
             winograd = Winograd(native, ctx.workspace(), weight.const)
@@ -513,12 +547,13 @@ def _weight_for(node: Node, spec: _ConvSpec) -> WeightForInput:
 
 
 def _onednn_conv_callable(spec: _ConvSpec, act: Activation, params: list[float],
-                          inplace: bool, weight_for: WeightForInput) -> Callable[..., Tensor]:
-    """``fn(x, w, b, z?) -> y`` over oneDNN's fused convolution ops."""
+                          inplace: bool, weight_for: WeightForInput,
+                          post: tuple[str, list[float], str] | None) -> Callable[..., Tensor]:
+    """``fn(x, w, b, z?) -> y`` over oneDNN's fused convolution ops, with ``post`` fused
+    (None: the activation runs after them)."""
     ops = torch.ops.mkldnn
     conv = ops._convolution_pointwise.default
     args = (spec.pads, spec.strides, spec.dilations, spec.group)
-    post = act.onednn(params)
     if not spec.has_residual:
         if post is None:
             def plain_then_act(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
@@ -531,8 +566,8 @@ def _onednn_conv_callable(spec: _ConvSpec, act: Activation, params: list[float],
             return conv(x, weight_for(x, w), b, *args, attr, scalars, algorithm)
         return fused
     # oneDNN fuses a residual add followed by nothing or by relu.
-    unary = "relu" if act.name == "Relu" else None
-    rest = None if act.name in ("", "Relu") else act
+    unary = "relu" if act.name == "Relu" and post is not None else None
+    rest = None if act.name == "" or unary is not None else act
 
     if inplace:
         conv_ = ops._convolution_pointwise_.binary
@@ -589,7 +624,7 @@ def linear_calls_native(node: Node) -> bool:
     return bool(node.attrs.get("native_linear"))
 
 
-def _native_linear(node: Node) -> NativeLinear:
+def _native_linear(node: Node, ctx: BindContext) -> NativeLinear:
     library, why = NativeLibrary.probe()
     weight = node.inputs[1]
     if library is None:   # packed by this process's layout pass, so it loaded then
@@ -600,6 +635,9 @@ def _native_linear(node: Node) -> NativeLinear:
     kernel_act = kernel_activation(act.name, params)
     after, apply = _activation_after(act, params, kernel_act is not None)
     wmax = node.attrs.get("strassen_wmax")
+    if wmax is not None and not ctx.allow_inexact(
+            node, "Strassen's sums spread a NaN or an infinity into rows that do not read it"):
+        wmax = None
     return NativeLinear(library, in_features, out_features, kernel_act, after, apply,
                         None if wmax is None else float(wmax))
 
@@ -620,27 +658,29 @@ def _activation_after(act: Activation, params: list[float], fused: bool
     return after, apply
 
 
-def _direct_linear(node: Node) -> DirectLinear:
+def _direct_linear(node: Node, ctx: BindContext) -> DirectLinear:
     lib = Library.load()
     weight = node.inputs[1]
     assert lib is not None and weight is not None and weight.spec.shape is not None
     out_features, in_features = (int(d) for d in weight.spec.shape)  # type: ignore[arg-type]
     act, params = activation_of(node)
-    eltwise = eltwise_of(linear_post_op(act, params))
+    eltwise = eltwise_of(exact_post_op(node, act, linear_post_op(act, params), ctx))
     after, apply = _activation_after(act, params, eltwise is not None)
     return DirectLinear(lib, in_features, out_features, int(node.attrs["onednn_direct_linear"]),
                         eltwise, after, apply, MAX_SHAPES, MAX_REPACKS)
 
 
-def _linear_callable(node: Node, device: torch.device) -> Callable[..., Tensor]:
-    """``fn(x, w, b) -> act(x @ w.T + b)``, choosing MKL addmm or oneDNN by size."""
+def _linear_callable(node: Node, device: torch.device,
+                     fused: tuple[str, list[float], str] | None) -> Callable[..., Tensor]:
+    """``fn(x, w, b) -> act(x @ w.T + b)``, choosing MKL addmm or oneDNN by size; ``fused``
+    is the post-op oneDNN's matmul takes (:func:`linear_post_op`; None: the activation runs
+    after it)."""
     has_bias, act, params = _linear_parts(node)
     post = act.onednn(params)
     # oneDNN's matmul with the activation fused where that pays (linear_post_op), else
     # the plain matmul followed by the activation in place.
     onednn = device.type == "cpu" and onednn_available()
     pointwise = torch.ops.mkldnn._linear_pointwise.default if onednn else None
-    fused = linear_post_op(act, params)
     attr, scalars, algorithm = fused if fused is not None else ("none", [], "")
     after = None if fused is not None else (act.inplace or act.apply)
 
@@ -682,17 +722,20 @@ def _linear_callable(node: Node, device: torch.device) -> Callable[..., Tensor]:
 
 def _fused_gemm(node: Node, ctx: BindContext) -> Kernel:
     if linear_calls_native(node):
-        return NativeLinearKernel(_native_linear(node))
+        return NativeLinearKernel(_native_linear(node, ctx))
     if linear_calls_libdnnl(node):
-        return DirectKernel(_direct_linear(node))
-    fn = _linear_callable(node, ctx.device)
+        return DirectKernel(_direct_linear(node, ctx))
+    _, act, params = _linear_parts(node)
+    wanted = linear_post_op(act, params)
+    fused = exact_post_op(node, act, wanted, ctx)
+    fn = _linear_callable(node, ctx.device, fused)
     has_bias = len(node.inputs) > 2 and node.inputs[2] is not None
 
     def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
         x, w = inputs[0], inputs[1]
         assert x is not None and w is not None
         return [fn(x, w, inputs[2] if has_bias else None)]
-    return kernel
+    return kernel if fused is wanted else ExactKernel(kernel)
 
 
 # -- Attention ---------------------------------------------------------------------------
@@ -717,6 +760,8 @@ def inline_fused(node: Node, device: torch.device, inplace_input: int | None,
     ``consts[i]`` is the bound (device-placed) constant behind input ``i``, if any;
     ``kernel`` the node's bound kernel (a direct convolution's op is called as is).
     """
+    if isinstance(kernel, ExactKernel):
+        return None
     n_in = len(node.inputs)
     args = ", ".join("None" if node.inputs[i] is None else f"{{in{i}}}" for i in range(n_in))
     if node.op_type == "FusedConv":
@@ -761,19 +806,19 @@ def _inline_conv(node: Node, inplace_input: int | None, args: str, kernel: Kerne
     op = kernel.op if isinstance(kernel, DirectKernel) else None
     if isinstance(op, DirectConv):   # the kernel's own op: one set of primitives per node
         return Inline(f"{{fn}}({args})", {"fn": op.inplace_call if inplace else op})
-    fn = _onednn_conv_callable(spec, act, params, inplace, _weight_for(node, spec))
+    fn = _onednn_conv_callable(spec, act, params, inplace, _weight_for(node, spec), post)
     return Inline(f"{{fn}}({args})", {"fn": fn})
 
 
 def _inline_gemm(node: Node, device: torch.device, consts: Sequence[Tensor | None]
                  ) -> Inline | None:
-    fn = _linear_callable(node, device)
     has_bias, act, params = _linear_parts(node)
+    fused = linear_post_op(act, params)
+    fn = _linear_callable(node, device, fused)
     x = node.inputs[0]
     weight = consts[1] if len(consts) > 1 else None
     generic = Inline("{fn}({in0}, {in1}, " + ("{in2})" if has_bias else "None)"), {"fn": fn})
     post = act.onednn(params)
-    fused = linear_post_op(act, params)
     if linear_uses_onednn(node) and fused is not None:
         attr, scalars, algorithm = fused
         bias = "{in2}" if has_bias else "None"

@@ -177,10 +177,13 @@ def _direct_pool(node: Node, ctx: BindContext, algorithm: int,
     lib = Library.load() if node.attrs.get("onednn_direct") else None
     if lib is None:
         return kernel
+    # torch's max pooling returns NaN for a window holding one; libdnnl's skips it.
+    keeps_nan = algorithm == POOL_MAX and not ctx.allow_inexact(
+        node, "libdnnl's max pooling skips NaN")
     return DirectKernel(DirectPool(lib, algorithm, window, ceil_mode,
                                    lambda x: kernel((x,))[0], MAX_LAYOUTS,
                                    ctx.destination(node.outputs[0]),
-                                   bool(node.attrs.get("onednn_blocked_input"))))
+                                   bool(node.attrs.get("onednn_blocked_input")), keeps_nan))
 
 
 def _unpad_indices(idx: Tensor, shape: Sequence[int], begin: list[int], end: list[int],

@@ -972,8 +972,9 @@ class DirectPool(DirectOp):
     ``window(x)`` gives (kernel, strides, dilations, begin pads, end pads) for
     ``x``'s size (``auto_pad`` and global pooling depend on it); ``algorithm``
     is one of ``POOL_*``. ``fallback`` (torch's pooling, same signature) serves
-    a plain-layout or non-float32 input, ``ceil_mode`` and what has only a
-    reference kernel (dilated windows). Why bother: torch's CPU max pool also
+    a plain-layout or non-float32 input, ``ceil_mode``, what has only a
+    reference kernel (dilated windows), and with ``keeps_nan`` every max pooling.
+    Why bother: torch's CPU max pool also
     allocates the int64 argmax it then drops (1.6 MiB a run at ResNet-50's
     stem) and is 3-4x slower at batch 1, and the first call of torch's mean
     faults in ~1.7 MiB of its reduction code.
@@ -983,9 +984,12 @@ class DirectPool(DirectOp):
 
     def __init__(self, lib: Library, algorithm: int, window: Callable[[Tensor], PoolWindow],
                  ceil_mode: bool, fallback: Callable[[Tensor], Tensor], max_shapes: int,
-                 destination: Destination | None = None, blocked_input: bool = False) -> None:
+                 destination: Destination | None = None, blocked_input: bool = False,
+                 keeps_nan: bool = False) -> None:
         super().__init__(lib, fallback, max_shapes, destination)
         self.algorithm = algorithm
+        # A max pooling that must return NaN for a window holding one runs the fallback.
+        self.keeps_nan = keeps_nan and algorithm == POOL_MAX
         self.window = window
         self.ceil_mode = ceil_mode
         # The input is nChw8c (the end of the layout pass's blocked region); the output
@@ -1020,6 +1024,8 @@ class DirectPool(DirectOp):
         return y
 
     def _make_call(self, x: Tensor) -> tuple[_Call | None, str]:
+        if self.keeps_nan:
+            return None, "a NaN can reach it (libdnnl's max pooling skips NaN)"
         if self.ceil_mode:
             return None, "ceil_mode"
         if x.dtype != torch.float32 or x.dim() not in (4, 5) or not (

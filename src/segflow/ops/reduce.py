@@ -18,7 +18,7 @@ import torch
 from segflow.errors import InvalidModel
 from segflow.ir.graph import Node
 from segflow.ops import gradients
-from segflow.ops._common import ints
+from segflow.ops._common import always, ints
 from segflow.ops.registry import BindContext, Kernel, OpDef
 
 Tensor = torch.Tensor
@@ -245,7 +245,8 @@ _GRADS = {"ReduceSum": gradients.reduce, "ReduceMean": gradients.reduce}
 
 OPS: list[OpDef] = [
     *(OpDef(name, _bind_reduce(spec), doc=f"{spec.kind.value} reduction",
-            grad=_GRADS.get(name))
+            grad=_GRADS.get(name),
+            creates_nonfinite=always if name == "ReduceLogSum" else None)
       for name, spec in _SPECS.items()),
     OpDef("ArgMax", _bind_arg(largest=True)),
     OpDef("ArgMin", _bind_arg(largest=False)),

@@ -73,6 +73,14 @@ class BindContext(Protocol):
         (``ops/workspace.py``)."""
         ...
 
+    def allow_inexact(self, node: Node, reason: str) -> bool:
+        """Whether ``node`` may run a kernel whose NaN and infinity results differ from
+        onnxruntime's (``reason`` says how, e.g. "oneDNN's ReLU post-op turns NaN into 0").
+        False where a NaN can reach the node, or for a session's exact runs; a True
+        answer is recorded, so runs with non-finite feeds know to take the exact path
+        (``runtime/nonfinite.py``)."""
+        ...
+
 
 Bind = Callable[["Node", BindContext], Kernel]
 GradRule = Callable[..., Any]
@@ -92,6 +100,11 @@ class OpDef:
     classify: Callable[[Node], ExecType] | None = None
     grad: GradRule | None = None
     doc: str = ""
+    # Whether the node may compute NaN or an infinity from finite inputs (a division by
+    # zero, the log of a negative number, an exponential past float range): where its
+    # results flow, no kernel that loses a NaN is chosen (runtime/nonfinite.py). Plain
+    # arithmetic overflowing float range is not counted.
+    creates_nonfinite: Callable[[Node], bool] | None = None
 
     def exec_type_of(self, node: Node) -> ExecType:
         return self.classify(node) if self.classify else self.exec_type

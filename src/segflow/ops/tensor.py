@@ -268,6 +268,12 @@ def _identity(node: Node, ctx: BindContext) -> Kernel:
     return kernel
 
 
+def _fills_nonfinite(node: Node) -> bool:
+    value = node.attrs.get("value")
+    return isinstance(value, Tensor) and value.is_floating_point() \
+        and not bool(torch.isfinite(value).all())
+
+
 def _constant_of_shape(node: Node, ctx: BindContext) -> Kernel:
     value = node.attrs.get("value")
     fill = value.reshape(-1)[0] if isinstance(value, Tensor) else torch.tensor(0.0)
@@ -341,7 +347,7 @@ OPS: list[OpDef] = [
     OpDef("BitCast", _bitcast, since=26),
     OpDef("CastLike", _cast_like),
     OpDef("Identity", _identity, grad=gradients.identity),
-    OpDef("ConstantOfShape", _constant_of_shape),
+    OpDef("ConstantOfShape", _constant_of_shape, creates_nonfinite=_fills_nonfinite),
     OpDef("Range", _range),
     OpDef("Expand", _expand, grad=gradients.expand),
     OpDef("Tile", _tile),

@@ -57,6 +57,9 @@ class _FoldContext:
     def workspace(self) -> Workspace:
         return Workspace()   # folded kernels run once
 
+    def allow_inexact(self, node: Node, reason: str) -> bool:
+        return False   # a folded constant is computed once: exactly
+
 
 def fold_constants(graph: Graph, registry: OpRegistry | None = None, *,
                    max_bytes: int = DEFAULT_MAX_BYTES) -> PassResult:

@@ -19,6 +19,7 @@ from segflow.ops.onednn_direct import Destination
 from segflow.ops.registry import Kernel, OpRegistry, SubgraphRunner
 from segflow.ops.workspace import Workspace
 from segflow.runtime.arena import ArenaPool
+from segflow.runtime.nonfinite import NonFinitePolicy
 
 Tensor = torch.Tensor
 
@@ -93,12 +94,19 @@ class BindContext:
     """Gives kernel factories their device and a way to bind subgraphs."""
 
     def __init__(self, registry: OpRegistry, device: torch.device,
-                 constants: ConstantCache, arena: ArenaPool | None = None) -> None:
+                 constants: ConstantCache, arena: ArenaPool | None = None,
+                 nonfinite: NonFinitePolicy | None = None) -> None:
         self.registry = registry
         self._device = device
         self.constants = constants
         self.arena = arena
+        # Which kernels may lose NaN or Inf (runtime/nonfinite.py); None: any.
+        self.nonfinite = nonfinite
         self._workspace: Workspace | None = None
+
+    def allow_inexact(self, node: Node, reason: str) -> bool:
+        """Whether ``node`` may bind a kernel that loses NaN or Inf (``reason``: how)."""
+        return self.nonfinite is None or self.nonfinite.allow(node, reason)
 
     def destination(self, value: Value) -> Destination | None:
         """Where a kernel that takes given storage writes ``value`` in a run (None:

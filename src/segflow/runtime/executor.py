@@ -52,6 +52,7 @@ from segflow.runtime.binding import (
 from segflow.runtime.compile import SegmentCompiler, SegmentFn
 from segflow.runtime.completion import HostCompletion, SyncMode, make_completion
 from segflow.runtime.cudagraph import host_data_inputs, host_only_constants, host_values
+from segflow.runtime.nonfinite import NonFinitePolicy
 from segflow.runtime.onednn_graph import OneDnnGraphSegment
 from segflow.runtime.plan import Plan
 from segflow.runtime.prebuild import PrebuildReport, prebuild
@@ -77,7 +78,8 @@ class Executor:
                  sync_mode: str | SyncMode = SyncMode.EVENT, cuda_graphs: bool = False,
                  stream_backend: StreamBackend | None = None,
                  compiler: SegmentCompiler | None = None,
-                 arena: ArenaPool | None = None) -> None:
+                 arena: ArenaPool | None = None,
+                 nonfinite: NonFinitePolicy | None = None) -> None:
         self.plan = plan
         self.engine = engine
         self.settings_record = dict(settings_record or {})
@@ -92,7 +94,8 @@ class Executor:
         def context(device: Device | None) -> BindContext:
             dev = device or plan.default_device
             if dev not in contexts:
-                contexts[dev] = BindContext(registry, dev.torch, constants, self.arena)
+                contexts[dev] = BindContext(registry, dev.torch, constants, self.arena,
+                                            nonfinite)
             return contexts[dev]
 
         self.input_slots = [self.slots[v] for v in graph.inputs]

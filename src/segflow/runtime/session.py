@@ -50,6 +50,12 @@ from segflow.runtime.compile import SegmentCompiler
 from segflow.runtime.completion import SyncMode
 from segflow.runtime.executor import Executor
 from segflow.runtime.host_memory import HostMemory, apply_host_memory, release_free_heap
+from segflow.runtime.nonfinite import (
+    NonFinitePolicy,
+    constants_finite,
+    holds_nonfinite,
+    nonfinite_reach,
+)
 from segflow.runtime.plan import Plan, make_plan
 from segflow.runtime.stats import RunStats
 from segflow.settings import BulkSettings, engine_for_plan, resolve_engine
@@ -143,6 +149,9 @@ class InferenceSession:
                                                intra_op_threads=intra_op_threads)
         threads = configure_threads(self.options)
         memory_policy = apply_host_memory(HostMemory.resolve(host_memory), self.device)
+        # Weights holding NaN or Inf: no kernel may lose them (runtime/nonfinite.py).
+        # Checked before the passes pack them into formats that cannot be read back.
+        weights_finite = constants_finite(self.graph.initializers.values())
         pipeline = run_pipeline(self.graph, self.options, registry=self.registry,
                                 device=None if placement else self.device)
         self.plan: Plan = make_plan(self.graph, self.registry, self.settings, self.device,
@@ -166,9 +175,19 @@ class InferenceSession:
         if plans is not None and self.options.arena:
             pool = ArenaPool(plans, self.graph.nodes, calls_libdnnl, converts_input)
             arena = pool if pool else None
+        # Kernels that lose NaN or Inf only where none can reach them from inside the
+        # graph; a run whose feeds hold one runs _exact_executor() instead.
+        self._nonfinite = NonFinitePolicy(nonfinite_reach(self.graph, self.registry)
+                                          if weights_finite else None)
         self._executor = Executor(self.plan, self.registry, self._engine, record,
                                   sync_mode=sync_mode, cuda_graphs=cuda_graphs,
-                                  stream_backend=stream_backend, compiler=compiler, arena=arena)
+                                  stream_backend=stream_backend, compiler=compiler, arena=arena,
+                                  nonfinite=self._nonfinite)
+        self._exact_args = (record, SyncMode.parse(sync_mode), stream_backend)
+        self._exact: Executor | None = None
+        self._exact_lock = threading.Lock()
+        self.exact_runs = 0
+        """Runs whose feeds held NaN or Inf and ran every kernel exact (explain says why)."""
         # Compile time (not a setting, not run time): compile_report.compile_time_s.
         self.compile_report = compiler.report
         # libdnnl's primitives for a first run's layouts, built now rather than by that
@@ -220,7 +239,8 @@ class InferenceSession:
         torch so far, and why) and the activation arena; and the memory loading freed
         and gave back to the OS.
         """
-        lines = [*self._executor.completion.describe(), *self.kernel_report()]
+        lines = [*self._executor.completion.describe(), *self.kernel_report(),
+                 *self._nonfinite.describe(self.exact_runs)]
         if self.released_at_load >= 1 << 20:
             lines.append(f"load: returned {self.released_at_load / 2**20:.0f} MiB freed while "
                          "loading (weights replaced by packed copies) to the OS")
@@ -294,11 +314,28 @@ class InferenceSession:
         keep its stats for this thread; the outputs are ready once ``wait()`` returns."""
         tensors, dims = self._validate(feeds)
         wanted = self._output_indices(output_names)
+        executor = self._executor_for(tensors)
         with self._numpy_run_mode():
-            outputs, stats, wait = self._executor.start(tensors, active_sink(),
-                                                        host_outputs=True, dims=dims)
+            outputs, stats, wait = executor.start(tensors, active_sink(),
+                                                  host_outputs=True, dims=dims)
         self._local.stats = self._sized(stats, dims)
         return wanted, tensors, outputs, wait
+
+    def _executor_for(self, feeds: Sequence[Tensor]) -> Executor:
+        """The session's executor, or where its kernels lose NaN or Inf and ``feeds`` hold
+        one, the exact one: the same plan, every kernel bound to keep them (built by the
+        first such run; no compiled segments, no planned arena)."""
+        if not self._nonfinite.inexact or not holds_nonfinite(feeds):
+            return self._executor
+        with self._exact_lock:
+            if self._exact is None:
+                record, sync_mode, backend = self._exact_args
+                self._exact = Executor(self.plan, self.registry, self._engine,
+                                       {**record, "nonfinite": "exact"}, sync_mode=sync_mode,
+                                       stream_backend=backend,
+                                       nonfinite=NonFinitePolicy.everywhere())
+            self.exact_runs += 1
+            return self._exact
 
     def _arrays(self, wanted: Sequence[int], tensors: Sequence[Tensor],
                 outputs: Sequence[Tensor]) -> list[np.ndarray]:
@@ -325,7 +362,7 @@ class InferenceSession:
         The outputs are ordinary tensors (not inference tensors), usable with autograd.
         """
         tensors, dims = self._validate(feeds)
-        outputs, stats = self._executor.run(tensors, active_sink(), dims=dims)
+        outputs, stats = self._executor_for(tensors).run(tensors, active_sink(), dims=dims)
         self._local.stats = self._sized(stats, dims)
         return outputs
 

@@ -8,7 +8,7 @@ library fuses it or it runs in place after the kernel (``ops/fused.py``).
 
 from __future__ import annotations
 
-import math
+import torch
 
 from segflow.ir.graph import Graph, Node, Value
 from segflow.ops.fused import FUSED_DOMAIN
@@ -30,8 +30,14 @@ def _activation(node: Node) -> tuple[str, list[float]] | None:
     if op == "Gelu":
         return ("GeluTanh" if node.attrs.get("approximate", "none") == "tanh" else "Gelu"), []
     if op == "Clip":
+        # A bound left out is the type's lowest or highest value (an infinity becomes
+        # the largest finite float, as onnxruntime gives it).
+        dtype = node.outputs[0].spec.dtype if node.outputs else None
+        if dtype is None or not dtype.torch.is_floating_point:
+            return None
+        info = torch.finfo(dtype.torch)
         if node.opset < 11:
-            lo, hi = node.attrs.get("min", -math.inf), node.attrs.get("max", math.inf)
+            lo, hi = node.attrs.get("min", info.min), node.attrs.get("max", info.max)
         else:
             bounds: list[float | None] = []
             for i in (1, 2):
@@ -43,8 +49,8 @@ def _activation(node: Node) -> tuple[str, list[float]] | None:
                 if scalar is None:
                     return None
                 bounds.append(scalar)
-            lo = -math.inf if bounds[0] is None else bounds[0]
-            hi = math.inf if bounds[1] is None else bounds[1]
+            lo = info.min if bounds[0] is None else bounds[0]
+            hi = info.max if bounds[1] is None else bounds[1]
         return "Clip", [float(lo), float(hi)]
     return None
 

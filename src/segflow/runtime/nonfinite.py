@@ -1,0 +1,145 @@
+"""NaN and infinities: a session's results carry them as onnxruntime's do.
+
+Some of the fastest CPU kernels lose them. oneDNN's ReLU, clip and hard-sigmoid
+post-ops take max/min instructions that return the bound for a NaN, and its
+erf-GELU gives NaN for +inf (``Activation.onednn_loses``); libdnnl's max pooling
+skips NaN; Winograd's transforms and Strassen's sums spread a NaN or an infinity
+over a tile or half a matrix, where a direct kernel keeps it to the outputs that
+read it. A kernel binder asks ``BindContext.allow_inexact`` before choosing one of
+them, and :class:`NonFinitePolicy` answers:
+
+- A node that a NaN or an infinity can reach from inside the graph never gets
+  one: :func:`nonfinite_reach` follows the results of every node whose op may
+  create one out of finite inputs (``OpDef.creates_nonfinite``: a division by a
+  computed value, a log, a square root, an exponential, ...) and of every
+  constant holding one. Where the model's weights hold one, no node gets one.
+- Every other node may. The nodes that did are recorded, and a run whose
+  float feeds hold a NaN or an infinity (:func:`holds_nonfinite`) runs a second
+  executor over the same plan, every kernel exact, built by the first such run
+  (``InferenceSession``). Finite feeds keep the fast kernels.
+
+A max pooling follows torch's rule, NaN wherever the window holds one. onnxruntime's
+MLAS kernel keeps a NaN only when it comes last in the window's order, so there
+segflow's NaN outputs are a superset of onnxruntime's.
+
+Not covered: finite values whose products or sums overflow float range inside a
+fused kernel (an output summing to +inf and -inf, so NaN, before a ReLU post-op).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from segflow.ir.graph import Graph, Node, Value, node_reads
+from segflow.ops.registry import OpRegistry
+
+Tensor = torch.Tensor
+
+
+@dataclass(slots=True)
+class NonFinitePolicy:
+    """Which nodes may bind a kernel that loses NaN or infinities, and those that did.
+
+    ``exact`` holds the nodes that must not (None: every node); ``inexact`` maps
+    each node that did to why its kernel differs, for ``explain()``.
+    """
+
+    exact: frozenset[Node] | None
+    inexact: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def everywhere(cls) -> NonFinitePolicy:
+        """Every kernel exact: the executor that runs feeds holding NaN or Inf."""
+        return cls(None)
+
+    def allow(self, node: Node, reason: str) -> bool:
+        """``BindContext.allow_inexact``: True, recorded, unless ``node`` must be exact."""
+        if self.exact is None or node in self.exact:
+            return False
+        self.inexact.setdefault(node.label, reason)
+        return True
+
+    def describe(self, exact_runs: int) -> list[str]:
+        """``explain()`` lines: the kernels that lose NaN or Inf and what runs instead."""
+        lines = []
+        if self.exact:
+            lines.append(f"non-finite values: {len(self.exact)} nodes a NaN or Inf can reach "
+                         "from inside the graph run kernels that keep them")
+        if self.inexact:
+            reasons: dict[str, int] = {}
+            for reason in self.inexact.values():
+                reasons[reason] = reasons.get(reason, 0) + 1
+            kinds = "; ".join(f"{n} x {reason}" for reason, n in sorted(reasons.items()))
+            lines.append(f"non-finite values: {len(self.inexact)} kernels lose NaN or Inf "
+                         f"({kinds}); a run whose feeds hold NaN or Inf runs exact kernels "
+                         f"instead ({exact_runs} so far)")
+        return lines
+
+
+def holds_nonfinite(feeds: Iterable[Tensor]) -> bool:
+    """Whether a float feed holds a NaN or an infinity.
+
+    One sum per feed: a NaN or an infinity anywhere makes it non-finite, and a sum of
+    finite values overflowing float range only sends that run the exact way too. Half
+    types are summed in float32, so that an ordinary image does not overflow them.
+    """
+    for tensor in feeds:
+        if not tensor.is_floating_point() or tensor.numel() == 0:
+            continue
+        wide = torch.float32 if tensor.element_size() < 4 else None
+        if not math.isfinite(float(tensor.sum(dtype=wide))):
+            return True
+    return False
+
+
+def constants_finite(values: Iterable[Value]) -> bool:
+    """Whether every float constant among ``values`` is finite (packed ones skipped)."""
+    for value in values:
+        const = value.const
+        if const is None or not const.is_floating_point() or const.is_mkldnn \
+                or const.numel() == 0:
+            continue
+        if not bool(torch.isfinite(const).all()):
+            return False
+    return True
+
+
+def nonfinite_reach(graph: Graph, registry: OpRegistry) -> frozenset[Node]:
+    """The nodes of ``graph`` a NaN or an infinity can reach from inside it: those reading,
+    at any distance, a node whose op may create one, or a constant holding one. Graph
+    inputs are not sources: runs check their feeds. Every node of a control-flow body
+    counts as reached (a body is bound on its own), and a control-flow node creates what
+    its bodies may create."""
+    tainted: set[Value] = set()
+    reached: set[Node] = set()
+    for node in graph.nodes:
+        reads = [v for v in node_reads(node) if v is not None]
+        if any(v in tainted or (v.is_const and not constants_finite([v])) for v in reads):
+            reached.add(node)
+            tainted.update(node.outputs)
+        elif _creates(node, registry):
+            tainted.update(node.outputs)
+        for sub in node.subgraphs.values():
+            reached.update(_body_nodes(sub))
+    return frozenset(reached)
+
+
+def _creates(node: Node, registry: OpRegistry) -> bool:
+    """Whether ``node`` (or a node of its bodies) may create NaN or Inf from finite inputs."""
+    opdef = registry.lookup(node.domain, node.op_type, node.opset, node.name)
+    if opdef.creates_nonfinite is not None and opdef.creates_nonfinite(node):
+        return True
+    return any(_creates(inner, registry) for sub in node.subgraphs.values()
+               for inner in sub.nodes)
+
+
+def _body_nodes(graph: Graph) -> list[Node]:
+    nodes = list(graph.nodes)
+    for node in graph.nodes:
+        for sub in node.subgraphs.values():
+            nodes.extend(_body_nodes(sub))
+    return nodes
