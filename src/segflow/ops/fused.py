@@ -52,6 +52,7 @@ from segflow.ops.onednn_direct import (
     onednn_eltwise,
 )
 from segflow.ops.registry import BindContext, Kernel, OpDef
+from segflow.ops.shape_cache import RowAdmission
 from segflow.ops.winograd import Winograd, inverse_transform
 
 Tensor = torch.Tensor
@@ -683,8 +684,23 @@ def _linear_callable(node: Node, device: torch.device,
     pointwise = torch.ops.mkldnn._linear_pointwise.default if onednn else None
     attr, scalars, algorithm = fused if fused is not None else ("none", [], "")
     after = None if fused is not None else (act.inplace or act.apply)
+    static = _static_macs(node)
+    # torch's oneDNN keeps a primitive per input shape for the process (~0.6 MiB each
+    # at BERT-tiny's sizes), which no session can free: with dynamic rows, the shapes
+    # handed to it are bounded (ops/shape_cache.py; benchmarks/shape_memory.py).
+    admission = RowAdmission() if static is None else None
 
     def large(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+        if admission is not None and x.dim() >= 1 and x.shape[-1]:
+            k = int(x.shape[-1])
+            rows = x.numel() // k
+            run = admission.rows_for(rows)
+            if run != rows:
+                padded = x.new_zeros((run, k))
+                padded[:rows].copy_(x.reshape(rows, k))
+                y = pointwise(padded, w, b, attr, scalars, algorithm)  # type: ignore[misc]
+                y = y[:rows].view(*x.shape[:-1], y.shape[-1])
+                return y if after is None else after(y, params)
         y = pointwise(x, w, b, attr, scalars, algorithm)  # type: ignore[misc]
         return y if after is None else after(y, params)
 
@@ -693,7 +709,6 @@ def _linear_callable(node: Node, device: torch.device,
     use_onednn = onednn and post is not None
     finish = act.inplace
     addmm = _ADDMM_RELU if act.name == "Relu" else torch.addmm
-    static = _static_macs(node)
 
     def small(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
         if x.dim() == 2 and b is not None:
@@ -819,7 +834,7 @@ def _inline_gemm(node: Node, device: torch.device, consts: Sequence[Tensor | Non
     weight = consts[1] if len(consts) > 1 else None
     generic = Inline("{fn}({in0}, {in1}, " + ("{in2})" if has_bias else "None)"), {"fn": fn})
     post = act.onednn(params)
-    if linear_uses_onednn(node) and fused is not None:
+    if linear_uses_onednn(node) and fused is not None and _static_macs(node) is not None:
         attr, scalars, algorithm = fused
         bias = "{in2}" if has_bias else "None"
         return Inline(f"{{lin}}({{in0}}, {{in1}}, {bias}, {attr!r}, {{scalars}}, {algorithm!r})",

@@ -52,6 +52,7 @@ from segflow.ops._common import NativeOrTorch, OpKernel, describe_native_calls
 from segflow.ops.native_library import NativeLibrary
 from segflow.ops.native_replay import Prepared
 from segflow.ops.onednn_direct import openmp_entry_points
+from segflow.ops.shape_cache import ShapeCache
 
 Tensor = torch.Tensor
 
@@ -234,7 +235,7 @@ class NativeLinear(NativeOrTorch):
         self.strassen_wmax = strassen_wmax
         self.strassen_calls = 0
         self.strassen_refused = 0
-        self._strassen_rows: dict[int, bool] = {}   # row count -> fits Strassen
+        self._strassen_rows: ShapeCache[int, bool] = ShapeCache()   # row count -> fits Strassen
         if strassen_wmax is not None:
             dll = library.dll
             self._fits = dll.segflow_linear_strassen_fits
@@ -309,11 +310,8 @@ class NativeLinear(NativeOrTorch):
                 self.strassen_refused += 1
 
     def _strassen_fits(self, m: int) -> bool:
-        fits = self._strassen_rows.get(m)
-        if fits is None:
-            fits = self._strassen_rows[m] = bool(self._fits(m, self.out_features,
-                                                            self.in_features))
-        return fits
+        return self._strassen_rows.get_or_make(
+            m, lambda: bool(self._fits(m, self.out_features, self.in_features)))
 
     def dense_weight(self, w: Tensor) -> Tensor:
         """``W`` unpacked from ``w`` (kept for later fallbacks)."""

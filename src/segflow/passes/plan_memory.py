@@ -26,11 +26,11 @@ RunStats report the planned peak next to the naive total.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from segflow.ir.graph import Graph, Node, Value
+from segflow.ops.shape_cache import ShapeCache
 
 ALIGNMENT = 64
 
@@ -107,8 +107,8 @@ class PlansBySize:
     The pipeline plans once, with every symbolic input dim at 1. A run at
     batch 8 should report the peak for batch 8: this re-plans for the dims of
     the run (the in-place decisions are symbolic, so only sizes change) and
-    keeps the last ``MAX_SIZES`` plans, so a steady batch size costs one dict
-    lookup per run.
+    keeps the ``MAX_SIZES`` most recently used plans (and the one it was given), so a
+    steady batch size costs one dict lookup per run.
     """
 
     MAX_SIZES = 8
@@ -117,9 +117,8 @@ class PlansBySize:
         self.graph = graph
         self.base = plan
         self.names = tuple(plan.dims)
-        self._plans: dict[tuple[int, ...], MemoryPlan] = {
-            tuple(plan.dims[n] for n in self.names): plan}
-        self._lock = threading.Lock()
+        self._base_key = tuple(plan.dims[n] for n in self.names)
+        self._plans: ShapeCache[tuple[int, ...], MemoryPlan] = ShapeCache(self.MAX_SIZES)
         self._last: tuple[dict[str, int], MemoryPlan] | None = None
 
     def for_dims(self, dims: Mapping[str, int]) -> MemoryPlan:
@@ -128,16 +127,11 @@ class PlansBySize:
         if last is not None and last[0] == dims:
             return last[1]
         key = tuple(dims.get(n, self.base.dims[n]) for n in self.names)
-        plan = self._plans.get(key)
-        if plan is not None:
-            self._last = (dict(dims), plan)
-            return plan
-        plan = plan_memory(self.graph, dims=dict(zip(self.names, key)))
-        with self._lock:  # sessions may run on several threads
-            if len(self._plans) >= self.MAX_SIZES:
-                oldest = next(k for k, p in self._plans.items() if p is not self.base)
-                del self._plans[oldest]
-            self._plans[key] = plan
+        if key == self._base_key:
+            plan = self.base
+        else:   # the cache is thread-safe: sessions may run on several threads
+            plan = self._plans.get_or_make(
+                key, lambda: plan_memory(self.graph, dims=dict(zip(self.names, key))))
         self._last = (dict(dims), plan)
         return plan
 

@@ -37,6 +37,7 @@ import torch
 
 from segflow.ir.graph import Node, Value
 from segflow.ops.onednn_direct import Destination, channels_last_strides
+from segflow.ops.shape_cache import ShapeCache
 from segflow.passes.plan_memory import (
     Buffer,
     PlansBySize,
@@ -148,7 +149,8 @@ class ArenaPool:
             self.index[node] = len(self.index)
         self.by_name = {v.name: v for v in self.values}
         self.node_count = len(nodes)
-        self._layouts: dict[tuple[tuple[str, int], ...], ArenaLayout] = {}
+        self._layouts: ShapeCache[tuple[tuple[str, int], ...], ArenaLayout] = \
+            ShapeCache(PlansBySize.MAX_SIZES)
         self._idle: dict[tuple[tuple[str, int], ...], list[RunArena]] = {}
         self._lock = threading.Lock()
         self._local = threading.local()
@@ -206,10 +208,7 @@ class ArenaPool:
                                   buf.start, buf.end))
         layout = ArenaLayout(max((b.offset + b.nbytes for b in placed), default=0),
                              tuple(entries), len(self.index), key)
-        with self._lock:
-            if len(self._layouts) >= PlansBySize.MAX_SIZES:
-                self._layouts.pop(next(iter(self._layouts)))
-            self._layouts[key] = layout
+        self._layouts.put(key, layout)
         return layout
 
     def acquire(self, dims: Mapping[str, int]) -> RunArena:
