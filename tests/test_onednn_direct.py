@@ -435,7 +435,8 @@ def test_torch_packing_is_made_once_from_libdnnl_bytes_for_a_fallback():
     torch.testing.assert_close(theirs.to_dense(), w)
     x = torch.randn(*size).contiguous(memory_format=torch.channels_last)
     fallback = fused._onednn_conv_callable(spec, fused.ACTIVATIONS[""], [], False,
-                                           fused.WeightForInput(spec, size, make))
+                                           fused.WeightForInput(spec, size, make),
+                                           ("none", [], ""))
     torch.testing.assert_close(fallback(x, packed, None), F.conv2d(x, w, None, 1, 1),
                                atol=ATOL, rtol=RTOL)
 
