@@ -73,7 +73,15 @@ def _mean(node: Node, ctx: BindContext) -> Kernel:
     return kernel
 
 
+def _clip_range(dtype: torch.dtype) -> tuple[float | int, float | int]:
+    info = torch.finfo(dtype) if dtype.is_floating_point else torch.iinfo(dtype)
+    return info.min, info.max
+
+
 def _clip(node: Node, ctx: BindContext) -> Kernel:
+    """A bound left out is the dtype's lowest / highest value, as ONNX says: a float
+    Clip without bounds still maps -Inf and +Inf to the largest finite values
+    (onnxruntime does), so it is a clamp, never an identity."""
     if node.opset < 11:
         lo_attr = node.attrs.get("min")
         hi_attr = node.attrs.get("max")
@@ -81,9 +89,9 @@ def _clip(node: Node, ctx: BindContext) -> Kernel:
         def kernel_attr(inputs: Sequence[Tensor | None]) -> list[Tensor]:
             x = inputs[0]
             assert x is not None
-            if lo_attr is None and hi_attr is None:  # both default to the float range
-                return [x.clone()]
-            return [torch.clamp(x, lo_attr, hi_attr)]
+            lo, hi = _clip_range(x.dtype)
+            return [torch.clamp(x, lo if lo_attr is None else lo_attr,
+                                hi if hi_attr is None else hi_attr)]
         return kernel_attr
 
     def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
@@ -91,11 +99,14 @@ def _clip(node: Node, ctx: BindContext) -> Kernel:
         assert x is not None
         lo = inputs[1] if len(inputs) > 1 else None
         hi = inputs[2] if len(inputs) > 2 else None
+        out = x
+        if lo is None or hi is None:
+            out = torch.clamp(x, *_clip_range(x.dtype))
         if lo is not None:
-            x = torch.maximum(x, lo.to(x.dtype))
+            out = torch.maximum(out, lo.to(x.dtype))
         if hi is not None:
-            x = torch.minimum(x, hi.to(x.dtype))
-        return [x if (lo is not None or hi is not None) else x.clone()]
+            out = torch.minimum(out, hi.to(x.dtype))
+        return [out]
     return kernel
 
 
