@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         for case_id in ids:
             case = fuzz_cases.make_case(*fuzz_cases.parse_case_id(case_id))
             print(f"{case_id} {case.kind}")
-            print(onnx.helper.printable_graph(onnx.load_from_string(case.model).graph))
+            print(onnx.printer.to_text(onnx.load_from_string(case.model).graph))
             print("feeds:", {k: f"{getattr(v, 'dtype', type(v))}{list(getattr(v, 'shape', []))}"
                              for k, v in case.feeds.items()})
     start = time.perf_counter()

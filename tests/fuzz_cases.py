@@ -937,37 +937,51 @@ MAX_REDUCTIONS = ("MaxPool", "GlobalMaxPool", "ReduceMax")
 
 
 def nan_propagating(model: bytes) -> bytes:
-    """``model`` with each max reduction made to return NaN where its window holds one.
+    """``model`` with each max reduction made to follow IEEE max over its window.
 
     onnxruntime's MaxPool and GlobalMaxPool keep a NaN only when it is the window's
-    last element, its ReduceMax only when it is the first: which inputs a NaN reaches
-    then depends on its position. segflow (like torch and numpy) propagates it, so the
-    oracle is onnxruntime on this rewrite: ``Where(op(IsNaN(x)) > 0, NaN, op(x))``.
+    last element, its ReduceMax only when it is the first: which outputs a NaN reaches
+    then depends on its position. Its pools also start from the lowest float, so a
+    window of -Inf alone gives -3.4e38. segflow (like torch and numpy) propagates the
+    NaN and returns -Inf, so the oracle is onnxruntime on this rewrite::
+
+        y = Where(op(IsNaN(x)) > 0, NaN, Where(op(x != -Inf) > 0, op(x), -Inf))
     """
     proto = onnx.load_from_string(model)
     if not any(n.op_type in MAX_REDUCTIONS for n in proto.graph.node):
         return model
     nodes: list[onnx.NodeProto] = []
-    nan = numpy_helper.from_array(np.array(np.nan, np.float32), "oracle_nan")
-    zero = numpy_helper.from_array(np.array(0.0, np.float32), "oracle_zero")
-    proto.graph.initializer.extend([nan, zero])
+    consts = {"oracle_nan": np.nan, "oracle_zero": 0.0, "oracle_neginf": -np.inf}
+    proto.graph.initializer.extend(numpy_helper.from_array(np.array(v, np.float32), k)
+                                   for k, v in consts.items())
+
+    def flagged(node: onnx.NodeProto, tag: str, flag_op: onnx.NodeProto) -> str:
+        """``node`` applied to ``flag_op``'s boolean output as floats; returns "any" > 0."""
+        flags = onnx.NodeProto()
+        flags.CopyFrom(node)
+        flags.input[0], flags.output[0], flags.name = tag + "f", tag + "any", tag + "any"
+        nodes.extend([flag_op, helper.make_node("Cast", [flag_op.output[0]], [tag + "f"],
+                                                to=FLOAT), flags,
+                      helper.make_node("Greater", [tag + "any", "oracle_zero"], [tag + "hit"])])
+        return tag + "hit"
+
     for i, node in enumerate(proto.graph.node):
         if node.op_type not in MAX_REDUCTIONS or len(node.output) != 1:
             nodes.append(node)
             continue
-        tag = f"oracle{i}_"
-        raw, flags = tag + "raw", tag + "flags"
-        nodes.append(helper.make_node("Cast", [tag + "isnan"], [flags], to=FLOAT))
-        nodes.insert(-1, helper.make_node("IsNaN", [node.input[0]], [tag + "isnan"]))
-        masked = onnx.NodeProto()
-        masked.CopyFrom(node)
-        masked.input[0], masked.output[0], masked.name = flags, tag + "any", tag + "any"
+        x, tag = node.input[0], f"oracle{i}_"
         original = onnx.NodeProto()
         original.CopyFrom(node)
-        original.output[0] = raw
-        nodes += [masked, original,
-                  helper.make_node("Greater", [tag + "any", zero.name], [tag + "hit"]),
-                  helper.make_node("Where", [tag + "hit", nan.name, raw], [node.output[0]])]
+        original.output[0] = tag + "raw"
+        nodes.append(original)
+        nan_hit = flagged(node, tag + "nan_", helper.make_node("IsNaN", [x], [tag + "isnan"]))
+        finite_hit = flagged(node, tag + "low_", helper.make_node(
+            "Not", [tag + "isneginf"], [tag + "above"]))
+        nodes.insert(-4, helper.make_node("IsInf", [x], [tag + "isneginf"], detect_positive=0))
+        nodes.append(helper.make_node("Where", [finite_hit, tag + "raw", "oracle_neginf"],
+                                      [tag + "low"]))
+        nodes.append(helper.make_node("Where", [nan_hit, "oracle_nan", tag + "low"],
+                                      [node.output[0]]))
     del proto.graph.node[:]
     proto.graph.node.extend(nodes)
     return proto.SerializeToString()

@@ -34,3 +34,12 @@ def node_failed(label: str, exc: BaseException) -> ExecutionError:
     lines = str(exc).strip().splitlines()
     first = lines[0] if lines else ""
     return ExecutionError(f"While executing {label}: {type(exc).__name__}: {first}")
+
+
+def bind_failed(label: str, exc: BaseException) -> InvalidModel:
+    """The error for ``exc`` raised while binding the node ``label``'s kernel at load (its
+    attributes or inputs are not what the op takes): ``Cannot run <label>: <type>: <first
+    line>``. Raise it ``from exc``; a ``SegflowError`` is re-raised as it is instead."""
+    lines = str(exc).strip().splitlines()
+    first = lines[0] if lines else ""
+    return InvalidModel(f"Cannot run {label}: {type(exc).__name__}: {first}")

@@ -8,12 +8,14 @@ library fuses it or it runs in place after the kernel (``ops/fused.py``).
 
 from __future__ import annotations
 
-import math
+import torch
 
 from segflow.ir.graph import Graph, Node, Value
 from segflow.ops.fused import FUSED_DOMAIN
 from segflow.passes._rewrite import const_scalar, replace_nodes
 from segflow.passes.fuse._match import live_nodes, only_consumer
+
+_FLOAT_MAX = torch.finfo(torch.float32).max
 
 
 def _activation(node: Node) -> tuple[str, list[float]] | None:
@@ -31,7 +33,7 @@ def _activation(node: Node) -> tuple[str, list[float]] | None:
         return ("GeluTanh" if node.attrs.get("approximate", "none") == "tanh" else "Gelu"), []
     if op == "Clip":
         if node.opset < 11:
-            lo, hi = node.attrs.get("min", -math.inf), node.attrs.get("max", math.inf)
+            lo, hi = node.attrs.get("min", -_FLOAT_MAX), node.attrs.get("max", _FLOAT_MAX)
         else:
             bounds: list[float | None] = []
             for i in (1, 2):
@@ -43,8 +45,10 @@ def _activation(node: Node) -> tuple[str, list[float]] | None:
                 if scalar is None:
                     return None
                 bounds.append(scalar)
-            lo = -math.inf if bounds[0] is None else bounds[0]
-            hi = math.inf if bounds[1] is None else bounds[1]
+            # A bound left out is float32's lowest / highest (not -Inf / +Inf: ONNX's
+            # Clip maps the infinities to them), like the Clip kernel.
+            lo = -_FLOAT_MAX if bounds[0] is None else bounds[0]
+            hi = _FLOAT_MAX if bounds[1] is None else bounds[1]
         return "Clip", [float(lo), float(hi)]
     return None
 
