@@ -54,6 +54,7 @@ or a message naming nothing. ``crash``: the worker process died. ``hang``: timeo
 # The share of each generator kind among the cases.
 VALID_SHARE, MODEL_SHARE = 0.5, 0.3    # the rest: bad feeds
 MAX_ELEMENTS = 2048                    # per tensor, so a case runs in milliseconds
+NET_MAX_ELEMENTS = 32768               # ... in a "net" graph (_Graph.wide)
 FLOAT = TensorProto.FLOAT
 
 
@@ -73,6 +74,13 @@ class _Graph:
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)   # value -> shape
     pool: list[str] = field(default_factory=list)                      # usable values
     count: int = 0
+    # A "net": wider convolutions over larger images, so that the layout pass's kernels
+    # (libdnnl's direct convolutions and pools, Winograd, the stem, dense chains) apply.
+    wide: bool = False
+
+    @property
+    def limit(self) -> int:
+        return NET_MAX_ELEMENTS if self.wide else MAX_ELEMENTS
 
     def fresh(self, prefix: str) -> str:
         self.count += 1
@@ -205,6 +213,9 @@ def _conv(g: _Graph) -> bool:
     groups = [d for d in range(1, c + 1) if c % d == 0]
     group = g.rng.choice(groups) if g.rng.random() < 0.4 else 1
     m = group * g.rng.randint(1, max(1, 8 // group))
+    if g.wide:        # dense or depthwise, as networks have them
+        group = c if g.rng.random() < 0.3 else 1
+        m = c if group > 1 else g.rng.choice([8, 16, 32])
     attrs: dict[str, Any] = {}
     if g.rng.random() < 0.15:          # auto_pad: SAME_UPPER / SAME_LOWER, no dilation
         kh, kw = g.rng.randint(1, 3), g.rng.randint(1, 3)
@@ -220,7 +231,7 @@ def _conv(g: _Graph) -> bool:
         attrs["kernel_shape"] = [kh, kw]
     if group > 1 or g.rng.random() < 0.2:
         attrs["group"] = group
-    if _size((n, m, oh, ow)) > MAX_ELEMENTS:
+    if _size((n, m, oh, ow)) > g.limit:
         return False
     fan_in = (c // group) * kh * kw
     inputs = [x, g.floats((m, c // group, kh, kw), scale=fan_in ** -0.5)]
@@ -286,11 +297,11 @@ def _matmul(g: _Graph) -> bool:
         g.one("MatMul", [x, g.floats((k, n), scale=k ** -0.5)], (n,))
         return True
     out = (*shape[:-1], n)
-    if _size(out) > MAX_ELEMENTS:
+    if _size(out) > g.limit:
         return False
     if g.rng.random() < 0.3:              # the constant on the left: [n, M] @ [..., M, K]
         left = (*shape[:-2], n, shape[-1])
-        if _size(left) <= MAX_ELEMENTS:
+        if _size(left) <= g.limit:
             g.one("MatMul", [g.floats((n, shape[-2]), scale=shape[-2] ** -0.5), x], left)
             return True
     g.one("MatMul", [x, g.floats((k, n), scale=k ** -0.5)], out)
@@ -343,7 +354,7 @@ def _reshape(g: _Graph) -> bool:
         axis = g.rng.randint(-rank, rank - 1)
         out = list(shape)
         out[axis] *= len(parts)
-        if _size(out) > MAX_ELEMENTS:
+        if _size(out) > g.limit:
             return False
         g.one(op, parts, out, axis=axis)
     elif op == "Split":
@@ -427,6 +438,33 @@ OP_GENERATORS: tuple[tuple[Callable[[_Graph], bool], int], ...] = (
     (_reduce, 2), (_normalize, 3))
 
 
+NET_GENERATORS = ((_conv, 8), (_pool, 3), (_unary, 3), (_binary, 3), (_normalize, 2),
+                  (_reshape, 1))
+
+
+def _head(g: _Graph) -> None:
+    """Global pooling, then 1-3 dense layers with an activation or none (a dense chain)."""
+    x = g.pick(rank=4)
+    if x is None:
+        return
+    n, c = g.shapes[x][:2]
+    y = g.one("Flatten", [g.one(g.rng.choice(["GlobalAveragePool", "GlobalMaxPool"]), [x],
+                                (n, c, 1, 1))], (n, c))
+    width = c
+    for _ in range(g.rng.randint(1, 3)):
+        out = g.rng.choice([16, 32, 64])
+        if g.rng.random() < 0.5:
+            y = g.one("Gemm", [y, g.floats((out, width), width ** -0.5), g.floats((out,), 0.1)],
+                      (n, out), transB=1)
+        else:
+            y = g.one("Add", [g.one("MatMul", [y, g.floats((width, out), width ** -0.5)],
+                                    (n, out), pool=False), g.floats((out,), 0.1)], (n, out))
+        act = g.rng.choice(["Relu", "Tanh", "Sigmoid", "LeakyRelu", None])
+        if act is not None:
+            y = g.one(act, [y], (n, out))
+        width = out
+
+
 @dataclass(frozen=True)
 class GraphSpec:
     """A valid model and what a valid feed for it is."""
@@ -446,6 +484,10 @@ def make_graph(rng: random.Random, data: np.random.Generator, name: str) -> Grap
         first = (batch, rng.randint(2, 5), rng.randint(2, 8))
     else:
         first = (batch, rng.randint(2, 8))
+    if rng.random() < 0.25:
+        g.wide = True
+        side = rng.choice([8, 12, 16, 24])
+        first = (batch, rng.choice([3, 8, 16, 32]), side, side)
     inputs = {"x": first}
     if rng.random() < 0.3:
         inputs["y"] = first if rng.random() < 0.6 else (batch, rng.randint(2, 6))
@@ -455,11 +497,14 @@ def make_graph(rng: random.Random, data: np.random.Generator, name: str) -> Grap
     for k, s in inputs.items():
         g.shapes[k] = s
         g.pool.append(k)
-    weights = [gen for gen, weight in OP_GENERATORS for _ in range(weight)]
+    weights = [gen for gen, weight in (NET_GENERATORS if g.wide else OP_GENERATORS)
+               for _ in range(weight)]
     for _ in range(rng.randint(1, 8)):
         for _ in range(5):         # a generator may not apply to what the pool holds
             if rng.choice(weights)(g):
                 break
+    if g.wide and rng.random() < 0.6:
+        _head(g)
     produced = [out for node in g.nodes for out in node.output]
     if not produced:
         _unary(g)
@@ -606,9 +651,14 @@ def _axis_out_of_range(model: onnx.ModelProto, spec: GraphSpec, rng: random.Rand
 
 def _bad_perm(model: onnx.ModelProto, spec: GraphSpec, rng: random.Random) -> bool:
     nodes = _nodes(model, ["Transpose"])
-    if not nodes:
-        return False
-    node = rng.choice(nodes)
+    if nodes:
+        node = rng.choice(nodes)
+    else:                            # none yet: a new one over an input, as an output
+        node = helper.make_node("Transpose", [model.graph.input[0].name], ["transposed"],
+                                name="transpose_added")
+        model.graph.node.append(node)
+        model.graph.output.append(helper.make_tensor_value_info("transposed", FLOAT, None))
+        node = model.graph.node[-1]
     rank = _rank(spec, node.input[0])
     perm = list(range(rank))
     choice = rng.randrange(3)
