@@ -238,3 +238,18 @@ def test_kernel_error_names_the_node_and_session_stays_usable():
             sess.run(None, {"x": np.ones(6, np.float32), "shape": np.array([4, 4])})
         out = sess.run(None, {"x": np.ones(6, np.float32), "shape": np.array([2, 3])})
         assert out[0].shape == (2, 3)
+
+
+def test_a_kernel_that_cannot_bind_names_its_node():
+    """A Conv without its weight fails in its kernel factory, at load: InvalidModel
+    naming the node, not the factory's IndexError."""
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Conv", ["x"], ["y"], name="lonely_conv")], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 4, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    with pytest.raises(segflow.InvalidModel, match=r"Cannot run %y = Conv\(%x\) \[lonely_conv\]: "
+                                                   r"IndexError"):
+        segflow.InferenceSession(model)

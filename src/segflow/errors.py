@@ -31,6 +31,17 @@ def node_failed(label: str, exc: BaseException) -> ExecutionError:
     """The error for ``exc`` raised while running the node ``label`` (``Node.label``):
     ``While executing <label>: <type>: <first line>``. Raise it ``from exc``; an
     ``ExecutionError`` names its node already and is re-raised as it is instead."""
+    return ExecutionError(f"While executing {label}: {_first_line(exc)}")
+
+
+def bind_failed(label: str, exc: BaseException) -> InvalidModel:
+    """The error for ``exc`` raised while binding the node ``label``'s kernel at load (its
+    attributes or inputs are not what the op takes): ``Cannot run <label>: <type>: <first
+    line>``. Raise it ``from exc``; a ``SegflowError`` is re-raised as it is instead."""
+    return InvalidModel(f"Cannot run {label}: {_first_line(exc)}")
+
+
+def _first_line(exc: BaseException) -> str:
+    """``<type>: <first line of the message>``."""
     lines = str(exc).strip().splitlines()
-    first = lines[0] if lines else ""
-    return ExecutionError(f"While executing {label}: {type(exc).__name__}: {first}")
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"

@@ -13,10 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
-from segflow.errors import ExecutionError, node_failed
+from segflow.errors import ExecutionError, SegflowError, bind_failed, node_failed
 from segflow.ir.graph import Graph, Node, Value, captured_inputs, node_reads
 from segflow.ops.onednn_direct import Destination
-from segflow.ops.registry import Kernel, OpRegistry, SubgraphRunner
+from segflow.ops.registry import BindContext as KernelContext
+from segflow.ops.registry import Kernel, OpDef, OpRegistry, SubgraphRunner
 from segflow.ops.workspace import Workspace
 from segflow.runtime.arena import ArenaPool
 from segflow.runtime.nonfinite import NonFinitePolicy
@@ -55,6 +56,17 @@ class UploadInputs:
             if tensor is not None and tensor.device != self.device:
                 moved[i] = tensor.to(self.device, non_blocking=True)
         return self.kernel(moved)
+
+
+def bind_kernel(opdef: OpDef, node: Node, ctx: KernelContext) -> Kernel:
+    """``opdef``'s kernel for ``node``; a factory's error (an attribute or an input the op
+    cannot take) names the node."""
+    try:
+        return opdef.bind(node, ctx)
+    except SegflowError:
+        raise
+    except Exception as exc:
+        raise bind_failed(node.label, exc) from exc
 
 
 def run_steps(steps: Sequence[Step], env: list[Tensor | None]) -> None:
@@ -136,7 +148,7 @@ class BindContext:
 
     def bind_node(self, node: Node) -> Kernel:
         opdef = self.registry.lookup(node.domain, node.op_type, node.opset, node.name)
-        return opdef.bind(node, self)
+        return bind_kernel(opdef, node, self)
 
 
 class ConstantCache:

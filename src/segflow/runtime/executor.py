@@ -46,6 +46,7 @@ from segflow.runtime.binding import (
     SlotMap,
     Step,
     UploadInputs,
+    bind_kernel,
     node_reads,
     run_steps,
 )
@@ -119,7 +120,7 @@ class Executor:
                         const_slots.append((self.slots[value], constants.get(value, where)))
                     elif value in producer_task and producer_task[value] != len(self.tasks):
                         deps.add(producer_task[value])
-                kernel = plan.opdefs[node].bind(node, ctx)
+                kernel = bind_kernel(plan.opdefs[node], node, ctx)
                 uploads = host_data_inputs(node, host_vals) if ctx.device.type != "cpu" else ()
                 if uploads:
                     kernel = UploadInputs(kernel, uploads, ctx.device)

@@ -71,7 +71,8 @@ def prebuild(steps: Sequence[Step], graph_inputs: Sequence[Value],
         if shape is None or any(isinstance(d, str) for d in shape[1:]):
             continue
         sizes = static_sizes(value, dims)
-        if sizes is not None and value.spec.dtype is not None:
+        # A negative declared dim is the importer's to refuse; a speculation skips it.
+        if sizes is not None and value.spec.dtype is not None and min(sizes, default=0) >= 0:
             known[id(value)] = torch.empty(sizes, dtype=value.spec.dtype.torch, device="meta")
     built = left = 0
     failure = ""

@@ -27,6 +27,9 @@ def _bn_affine(bn: Node) -> tuple[torch.Tensor, torch.Tensor] | None:
     params = [const_tensor(v) for v in bn.inputs[1:5]]
     if any(p is None for p in params):
         return None
+    # Parameters of one length C each; anything else is the node's error at run time.
+    if len({tuple(p.shape) for p in params}) != 1 or params[0].dim() != 1:  # type: ignore[union-attr]
+        return None
     gamma, beta, mean, var = (p.double() for p in params)  # type: ignore[union-attr]
     eps = float(bn.attrs.get("epsilon", 1e-5))
     scale = gamma / torch.sqrt(var + eps)

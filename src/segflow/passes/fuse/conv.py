@@ -38,6 +38,8 @@ def _explicit_pads(conv: Node) -> list[int] | None:
 def fuse_conv(graph: Graph) -> int:
     count = 0
     for conv in live_nodes(graph, "Conv"):
+        if len(conv.inputs) < 2:   # malformed: its binding names it
+            continue
         weight = conv.inputs[1]
         if const_tensor(weight) is None or weight is None or weight.spec.rank not in (3, 4, 5):
             continue

@@ -45,6 +45,8 @@ def fuse_linear(graph: Graph) -> int:
 
 
 def _gemm_to_fused(graph: Graph, gemm: Node) -> bool:
+    if len(gemm.inputs) < 2:       # malformed: its binding names it
+        return False
     b = const_tensor(gemm.inputs[1])
     x = gemm.inputs[0]
     if (b is None or b.dim() != 2 or b.dtype != torch.float32 or not is_float32(x)
@@ -68,6 +70,8 @@ def _gemm_to_fused(graph: Graph, gemm: Node) -> bool:
 
 
 def _matmul_to_fused(graph: Graph, mm: Node) -> bool:
+    if len(mm.inputs) < 2:
+        return False
     x = mm.inputs[0]
     b = const_tensor(mm.inputs[1])
     if (b is None or b.dim() != 2 or b.dtype != torch.float32 or not is_float32(x)
