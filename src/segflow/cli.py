@@ -308,10 +308,13 @@ def _build_parser() -> argparse.ArgumentParser:
                                    "used ones beyond $SEGFLOW_CACHE_MAX_MB. Under "
                                    "compile=auto a small segment runs its package when one "
                                    "is cached. Also the native kernels built there "
-                                   "(ops/native), which any process rebuilds when missing.")
+                                   "(ops/native), which any process rebuilds when missing, "
+                                   "and whether the cache is trusted (only its user may "
+                                   "own or write it).")
     p.add_argument("--list", action="store_true", help="list each package with its size")
     p.add_argument("--clear", action="store_true",
-                   help="delete every package and native kernel build")
+                   help="delete every package and native kernel build, and partial builds "
+                        "left by killed processes (links are left alone, never followed)")
     p.set_defaults(func=_cmd_cache)
 
     # The demo parses its own flags (and --help), so this parser adds none.
