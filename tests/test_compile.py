@@ -285,19 +285,26 @@ def test_eviction_drops_least_recently_used_packages_first(tmp_path, monkeypatch
     directory = tmp_path / "aoti"
     directory.mkdir()
     files = {}
-    for age, name in enumerate(["newest", "middle", "oldest", "kept", "x.123.4.tmp"]):
+    for age, name in enumerate(["newest", "middle", "oldest", "kept"]):
         path = directory / f"{name}.pt2"
         path.write_bytes(b"x" * (1 << 20))
         os.utime(path, (1e9 - age * 100, 1e9 - age * 100))
         files[name] = path
-    # 4 MiB of packages (a partial file is another process's: not counted, never
-    # deleted), cap 2 MiB: "kept" is the package just written; of the rest the oldest go.
-    assert evict_packages(2 << 20, keep=files["kept"]) == (2, 2 << 20)
-    assert sorted(p.name for p in directory.iterdir()) == ["kept.pt2", "newest.pt2",
-                                                            "x.123.4.tmp.pt2"]
-    assert evict_packages(10 << 20) == (0, 0)  # under the cap: nothing to do
-    assert evict_packages(0) == (2, 2 << 20)  # without a package to keep, all can go
-    assert [p.name for p in directory.iterdir()] == ["x.123.4.tmp.pt2"]
+    # Builds in progress live in .build-* directories: one just made (another process may
+    # be writing it) stays; one untouched for long and unlocked, a killed build's, goes.
+    (directory / ".build-live").mkdir()
+    (directory / ".build-live" / "k.pt2").write_bytes(b"x" * (1 << 20))
+    (directory / ".build-killed").mkdir()
+    os.utime(directory / ".build-killed", (1e9, 1e9))
+    # 4 MiB of packages, cap 2 MiB: "kept" is the package just written; of the rest the
+    # oldest go.
+    cleared = evict_packages(2 << 20, keep=files["kept"])
+    assert (cleared.files, cleared.bytes, cleared.partial_builds) == (2, 2 << 20, 1)
+    assert sorted(p.name for p in directory.iterdir()) == [".build-live", "kept.pt2",
+                                                            "newest.pt2"]
+    assert evict_packages(10 << 20).files == 0  # under the cap: nothing to do
+    assert evict_packages(0).files == 2  # without a package to keep, all can go
+    assert [p.name for p in directory.iterdir()] == [".build-live"]
 
 
 def test_cache_cap_comes_from_the_environment():

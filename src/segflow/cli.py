@@ -180,30 +180,38 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 
 
 def _cmd_cache(args: argparse.Namespace) -> int:
+    from segflow.cache_store import ArtifactStore
     from segflow.ops.native_library import cached_builds, clear_builds
     from segflow.runtime.aot_inductor import cached_packages, clear_packages
-    from segflow.settings import cache_dir, cache_max_bytes
+    from segflow.settings import cache_max_bytes
 
-    directory = cache_dir() / "aoti"
+    packages, native = ArtifactStore.inspect("aoti"), ArtifactStore.inspect("native")
     if args.clear:
-        files, size = clear_packages()
-        print(f"removed {files} packages ({size / (1 << 20):.1f} MiB) from {directory}")
-        files, size = clear_builds()
-        print(f"removed {files} native kernel builds ({size / (1 << 20):.1f} MiB) from "
-              f"{cache_dir() / 'native'}")
+        for what, store, cleared in (("packages", packages, clear_packages()),
+                                     ("native kernel builds", native, clear_builds())):
+            print(f"removed {cleared.files} {what} ({cleared.bytes / (1 << 20):.1f} MiB) "
+                  f"from {store.shared}")
+            if cleared.partial_builds:
+                print(f"  and {cleared.partial_builds} partial builds left by killed processes")
+            for skipped in cleared.skipped:
+                print(f"  left alone: {skipped}")
         return 0
-    packages = cached_packages()
-    total = sum(p.stat().st_size for p in packages)
-    print(f"inductor packages: {directory}")
-    print(f"{len(packages)} packages, {total / (1 << 20):.1f} MiB "
+    listed = cached_packages()
+    sizes = [p.stat().st_size for p in listed]
+    print(f"inductor packages: {packages.shared}")
+    print(f"{len(sizes)} packages, {sum(sizes) / (1 << 20):.1f} MiB "
           f"(cap {cache_max_bytes() >> 20} MiB: $SEGFLOW_CACHE_MAX_MB; least recently used "
           "packages are evicted when a new one is written)")
     if args.list:
-        for path in packages:
-            print(f"  {path.name}  {path.stat().st_size / (1 << 20):8.1f} MiB")
+        for path, size in zip(listed, sizes):
+            print(f"  {path.name}  {size / (1 << 20):8.1f} MiB")
     builds = cached_builds()
-    print(f"native kernels: {cache_dir() / 'native'}: {len(builds)} builds, "
+    print(f"native kernels: {native.shared}: {len(builds)} builds, "
           f"{sum(p.stat().st_size for p in builds) / (1 << 20):.1f} MiB (rebuilt on demand)")
+    for store in (packages, native):
+        if store.distrust:
+            print(f"not trusted: {store.distrust}; each process builds its own "
+                  f"{store.kind} artifacts until it is fixed")
     return 0
 
 
@@ -300,10 +308,13 @@ def _build_parser() -> argparse.ArgumentParser:
                                    "used ones beyond $SEGFLOW_CACHE_MAX_MB. Under "
                                    "compile=auto a small segment runs its package when one "
                                    "is cached. Also the native kernels built there "
-                                   "(ops/native), which any process rebuilds when missing.")
+                                   "(ops/native), which any process rebuilds when missing, "
+                                   "and whether the cache is trusted (only its user may "
+                                   "own or write it).")
     p.add_argument("--list", action="store_true", help="list each package with its size")
     p.add_argument("--clear", action="store_true",
-                   help="delete every package and native kernel build")
+                   help="delete every package and native kernel build, and partial builds "
+                        "left by killed processes (links are left alone, never followed)")
     p.set_defaults(func=_cmd_cache)
 
     # The demo parses its own flags (and --help), so this parser adds none.

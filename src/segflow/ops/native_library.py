@@ -14,7 +14,10 @@ channels-last (``staging.c``, ``ops/native_staging.py``). For such work segflow 
 builds it with the system C compiler (``$CC``, else ``cc``; ``-O3 -march=native``)
 the first time a process needs it, into one library in ``<cache dir>/native/``
 (see :func:`segflow.settings.cache_dir`), keyed by the sources, the compiler and
-the CPU; later processes load the built library in about a millisecond.
+the CPU; later processes load the built library in about a millisecond. The cache
+loads only a library segflow built, from directories only this user can write,
+checked before ``dlopen`` runs any of its code (:mod:`segflow.cache_store`); of
+processes starting together one builds it and the others wait for it.
 
 Nothing here is required: without a compiler, or with ``SEGFLOW_NATIVE=0``,
 :meth:`NativeLibrary.probe` returns None and a phrase saying why, and the
@@ -30,13 +33,13 @@ import os
 import platform
 import shutil
 import subprocess
-import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from segflow.settings import ENV_NATIVE, _env_bool, cache_dir
+from segflow.cache_store import ArtifactStore, Cleared
+from segflow.settings import ENV_NATIVE, _env_bool
 
 # Compiled together into one library; dense_chain.c defines segflow_native_abi().
 SOURCES = tuple(Path(__file__).with_name("native") / name
@@ -47,6 +50,8 @@ HEADERS = tuple(Path(__file__).with_name("native") / name for name in ("linear.h
 ABI = 15         # segflow_native_abi() of the sources this module speaks to
 FLAGS = ("-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 120
+# How long a process waits for another that is building the same library (then builds its own).
+LOCK_WAIT_S = BUILD_TIMEOUT_S + 30
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +62,7 @@ class NativeLibrary:
     path: Path
     compiler: str            # the compiler's first ``--version`` line
     build_s: float           # seconds spent compiling it in this process (0: loaded from cache)
+    cache_note: str = ""     # what the cache's checks refused on the way (cache_store.py)
 
     @staticmethod
     def for_session() -> tuple[NativeLibrary | None, str]:
@@ -96,70 +102,97 @@ class NativeLibrary:
             return None, f"are missing their source ({exc})"
         key = hashlib.sha256(b"\0".join([*sources, version.encode(), " ".join(FLAGS).encode(),
                                          _cpu_identity().encode()])).hexdigest()[:20]
-        directory = cache_dir(env) / "native"
-        target = directory / f"segflow-native-{key}.so"
-        built_s = 0.0
-        if not target.exists():
-            try:
-                directory.mkdir(parents=True, exist_ok=True)
-            except OSError:   # a read-only cache: build for this process only
-                directory = Path(tempfile.mkdtemp(prefix="segflow-native-"))
-                target = directory / target.name
+        name = f"segflow-native-{key}.so"
+        build_s = [0.0]
+
+        def build(out: Path) -> str:
             start = time.perf_counter()
-            failure = _build(exe, target)
-            if failure:
-                return None, f"could not be built: {failure}"
-            built_s = time.perf_counter() - start
+            failure = _build(exe, out)
+            build_s[0] = time.perf_counter() - start
+            return failure
+
         try:
-            dll = ctypes.CDLL(str(target))
-            abi = int(dll.segflow_native_abi())
-        except (OSError, AttributeError) as exc:
-            return None, f"could not be loaded ({target}: {exc})"
+            store = ArtifactStore.open("native", env)
+            got = store.obtain(name, build, wait_s=LOCK_WAIT_S)
+            loaded = _open(got.path) if got.path is not None else "not built"
+            refused = got.refused
+            if isinstance(loaded, str) and got.path is not None and not got.built:
+                # It passed the checks (segflow built it) yet does not load: once more.
+                refused = f"it did not load ({loaded})"
+                got = store.obtain(name, build, wait_s=LOCK_WAIT_S, rebuild=True)
+                loaded = _open(got.path) if got.path is not None else "not built"
+        except OSError as exc:
+            return None, f"have no directory to be built in ({exc})"
+        note = _cache_note(store, refused)
+        if got.path is None:
+            return None, f"could not be built: {got.failure}" + (f" ({note})" if note else "")
+        if isinstance(loaded, str):
+            return None, f"could not be loaded ({got.path}: {loaded})"
+        dll, abi = loaded
         if abi != ABI:
-            return None, f"are stale ({target} speaks ABI {abi}, segflow {ABI})"
-        return NativeLibrary(dll, target, version, built_s), f"{version}, {' '.join(FLAGS[:2])}"
+            return None, f"are stale ({got.path} speaks ABI {abi}, segflow {ABI})"
+        library = NativeLibrary(dll, got.path, version, build_s[0] if got.built else 0.0, note)
+        return library, f"{version}, {' '.join(FLAGS[:2])}"
 
     def describe(self) -> str:
         """How this process got the library, for explain()."""
-        if self.build_s:
-            return f"built in {self.build_s:.2f} s into {self.path}"
-        return f"loaded from {self.path}"
+        text = (f"built in {self.build_s:.2f} s into {self.path}" if self.build_s
+                else f"loaded from {self.path}")
+        return f"{text} ({self.cache_note})" if self.cache_note else text
+
+
+def describe_cache() -> list[str]:
+    """``explain()``'s line for this process's library when the cache's checks refused
+    something on the way to it (nothing when it was never looked for)."""
+    if not _env_bool(os.environ, ENV_NATIVE, True):
+        return []
+    calls = getattr(NativeLibrary.probe, "cache_info", None)   # absent where a test stands in
+    if calls is not None and not calls().currsize:
+        return []
+    library, why = NativeLibrary.probe()
+    if library is None:
+        return [f"native kernels: {why}"] if "not loaded" in why else []
+    return [f"native kernels: {library.describe()}"] if library.cache_note else []
 
 
 def cached_builds(env: Mapping[str, str] | None = None) -> list[Path]:
     """The built libraries in the cache (every source version and CPU that built one)."""
-    directory = cache_dir(env) / "native"
-    return sorted(directory.glob("*.so")) if directory.is_dir() else []
+    return ArtifactStore.inspect("native", env).artifacts(".so")
 
 
-def clear_builds(env: Mapping[str, str] | None = None) -> tuple[int, int]:
-    """Delete the cached builds; returns (files, bytes). The next process rebuilds."""
-    files = size = 0
-    for path in cached_builds(env):
-        try:
-            size += path.stat().st_size
-            path.unlink()
-            files += 1
-        except OSError:
-            continue
-    return files, size
+def clear_builds(env: Mapping[str, str] | None = None) -> Cleared:
+    """Delete the cached builds (and partial builds left by killed processes); links
+    are left alone. The next process rebuilds."""
+    return ArtifactStore.inspect("native", env).clear(".so")
 
 
-def _build(exe: str, target: Path) -> str:
-    """Compile :data:`SOURCES` to ``target`` (atomically: a temporary file, then a rename,
-    so concurrent processes never load a half-written library). '' on success, else why
-    not. Without ``-march=native`` if the compiler refuses it."""
-    work = tempfile.mkdtemp(prefix=".build-", dir=target.parent)
+def _cache_note(store: ArtifactStore, refused: str) -> str:
+    """Why the library is not the cache's own file, for describe() ('' when it is)."""
+    if store.distrust:
+        return f"for this process only; not loaded from the cache: {store.distrust}"
+    return f"the file there before was not loaded: {refused}" if refused else ""
+
+
+def _open(path: Path) -> tuple[ctypes.CDLL, int] | str:
+    """The loaded library and its ABI, or why it did not load. Called only on a file
+    :class:`ArtifactStore` verified: its constructors run here."""
     try:
-        failure = ""
-        for flags in (FLAGS, tuple(f for f in FLAGS if not f.startswith("-march"))):
-            failure = _compile_and_link(exe, flags, Path(work), Path(work) / target.name)
-            if not failure:
-                os.replace(Path(work) / target.name, target)
-                return ""
-        return failure
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+        dll = ctypes.CDLL(str(path))
+        return dll, int(dll.segflow_native_abi())
+    except (OSError, AttributeError) as exc:
+        return str(exc)
+
+
+def _build(exe: str, out: Path) -> str:
+    """Compile :data:`SOURCES` to ``out``, in its directory (a fresh ``.build-*`` one:
+    :class:`ArtifactStore` moves the result into place). '' on success, else why not.
+    Without ``-march=native`` if the compiler refuses it."""
+    failure = ""
+    for flags in (FLAGS, tuple(f for f in FLAGS if not f.startswith("-march"))):
+        failure = _compile_and_link(exe, flags, out.parent, out)
+        if not failure:
+            return ""
+    return failure
 
 
 def _compile_and_link(exe: str, flags: tuple[str, ...], work: Path, out: Path) -> str:

@@ -39,10 +39,16 @@ thread's stderr output in that window is lost.
 Like the oneDNN Graph backend, a compiled signature is used only after its
 outputs matched ``codegen`` on the same inputs (:class:`VerifiedSegment`).
 
+Packages are kept in an :class:`segflow.cache_store.ArtifactStore`: one is loaded
+only if segflow compiled it (its recorded SHA-256) into directories only this user
+can write; anything else, and a package that fails to load, is compiled again (or,
+under ``auto``, not used) and the compile report says why. Of processes that need
+one package at once, one compiles it and the others wait for it.
+
 The cache is capped (``SEGFLOW_CACHE_MAX_MB``, default 2 GiB): writing a package
 evicts the least recently used ones beyond the cap, by file mtime, which a cache
-hit refreshes. The new package is kept even alone over the cap, and partial files
-(another process may be writing them) are never evicted.
+hit refreshes. The new package is kept even alone over the cap, and a build in
+progress (another process may be writing it) is never evicted.
 """
 
 from __future__ import annotations
@@ -52,7 +58,6 @@ import hashlib
 import io
 import os
 import platform
-import threading
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -60,6 +65,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from segflow.cache_store import MISSING, ArtifactStore, Cleared, mark_used
 from segflow.ir.graph import Node
 from segflow.ops.fused import FUSED_DOMAIN
 from segflow.runtime.segment_module import SegmentModule
@@ -75,6 +81,8 @@ FORMAT = "aoti-2"  # bump when what a package holds or how it is keyed changes
 # A segment whose every op is at most this much work (multiply-adds, or elements) is
 # compiled single-threaded: an OpenMP fork/join costs more than splitting such an op saves.
 SERIAL_MAX_WORK = 1 << 16
+# How long a process waits for another compiling the same package (then compiles its own).
+LOCK_WAIT_S = 1800.0
 _CONVOLUTIONS = {"Conv", "ConvTranspose", "FusedConv"}
 _LINEARS = {"Gemm", "MatMul", "FusedGemm", "DenseChain"}
 
@@ -158,22 +166,46 @@ class AotInductorSegment(VerifiedSegment):
     def _build(self, inputs: list[Tensor]) -> Callable[..., Sequence[Tensor]] | None:
         program = self.program
         assert program.pure_fn is not None
-        directory = cache_dir() / "aoti"
         device = inputs[0].device if inputs else torch.device("cpu")
         options = inductor_options(self.nodes, device)
-        key = package_key(self.nodes, program.source, inputs, options)
-        path = directory / f"{key}.pt2"
-        if path.exists():
+        name = f"{package_key(self.nodes, program.source, inputs, options)}.pt2"
+        store = ArtifactStore.open("aoti")
+        if store.distrust:
+            self._note(f"not loaded from the cache: {store.distrust} (packages built for this "
+                       "process only)")
+        problem = store.check(name)
+        load_failed = False
+        if not problem:
             try:
-                runner = _load(path)
-            except Exception:  # a damaged or foreign file: compile it again
-                pass
+                runner = _load(store.path(name))
+            except Exception as exc:  # segflow wrote it and it passed the checks: compile again
+                lines = str(exc).strip().splitlines()
+                problem = f"{type(exc).__name__}: {lines[0] if lines else ''}"
+                load_failed = True
             else:
                 self.report.cache_hits += 1
-                _mark_used(path)
+                mark_used(store.path(name))
                 return runner
+        if problem != MISSING:
+            self._note(f"{name}: not loaded: {problem}")
         if self.cached_only:
             return None
+        got = store.obtain(name, lambda out: self._compile_package(inputs, options, out),
+                           wait_s=LOCK_WAIT_S, rebuild=load_failed)
+        assert got.path is not None   # a failed compile raised
+        if got.built:
+            self.report.evicted += store.evict(".pt2", cache_max_bytes(), keep=got.path).files
+        return _load(got.path)
+
+    def _note(self, text: str) -> None:
+        if text not in self.report.cache_notes:
+            self.report.cache_notes.append(text)
+
+    def _compile_package(self, inputs: list[Tensor], options: dict[str, Any], out: Path) -> str:
+        """Export the segment for these inputs and compile its package to ``out``."""
+        program = self.program
+        assert program.pure_fn is not None
+        device = inputs[0].device if inputs else torch.device("cpu")
         module = SegmentModule(program.pure_fn, program.constants).eval()
         # A failed export prints the whole graph to stderr; the failure's first line goes
         # to the compile report instead (and the segment runs codegen).
@@ -183,21 +215,13 @@ class AotInductorSegment(VerifiedSegment):
         # which are (a change to SERIAL_MAX_WORK bumps FORMAT).
         if device.type == "cpu" and largest_op_work(exported.graph) <= SERIAL_MAX_WORK:
             options = {**options, "cpp.threads": 1}
-        directory.mkdir(parents=True, exist_ok=True)
-        # Written beside its final name and renamed: a concurrent process sees all or nothing.
-        partial = path.with_name(f"{path.stem}.{os.getpid()}.{threading.get_ident()}.tmp.pt2")
         import torch._inductor.config as inductor_config
 
-        try:
-            # Autotuning writes its timing tables to stderr; a compile error still raises.
-            with inductor_config.patch(options), torch.no_grad(), \
-                    contextlib.redirect_stderr(io.StringIO()):
-                torch._inductor.aoti_compile_and_package(exported, package_path=str(partial))
-            os.replace(partial, path)
-        finally:
-            partial.unlink(missing_ok=True)
-        self.report.evicted += evict_packages(cache_max_bytes(), keep=path)[0]
-        return _load(path)
+        # Autotuning writes its timing tables to stderr; a compile error still raises.
+        with inductor_config.patch(options), torch.no_grad(), \
+                contextlib.redirect_stderr(io.StringIO()):
+            torch._inductor.aoti_compile_and_package(exported, package_path=str(out))
+        return ""
 
 
 def has_packages() -> bool:
@@ -210,59 +234,22 @@ def has_packages() -> bool:
 
 
 def cached_packages() -> list[Path]:
-    """The package files in the cache, oldest first (left-over partial files included)."""
-    directory = cache_dir() / "aoti"
-    if not directory.is_dir():
-        return []
-    return sorted(directory.glob("*.pt2"), key=lambda p: p.stat().st_mtime)
+    """The package files in the cache, least recently used first (links not followed)."""
+    return ArtifactStore.inspect("aoti").artifacts(".pt2")
 
 
-def _mark_used(path: Path) -> None:
-    """Set a package's mtime to now: eviction goes by last use (atime is often off)."""
-    with contextlib.suppress(OSError):
-        os.utime(path)
-
-
-def evict_packages(max_bytes: int, keep: Path | None = None) -> tuple[int, int]:
+def evict_packages(max_bytes: int, keep: Path | None = None) -> Cleared:
     """Delete the least recently used packages until the cache holds at most ``max_bytes``.
 
-    ``keep`` (the package just written) is never deleted, and neither is a partial
-    file: another process may be writing it. Returns (files, bytes) removed.
+    ``keep`` (the package just written) is never deleted, and neither is a build in
+    progress: another process may be writing it (stale partial builds go).
     """
-    packages = []
-    for path in cached_packages():
-        if path.name.endswith(".tmp.pt2"):
-            continue
-        with contextlib.suppress(OSError):
-            packages.append((path.stat().st_size, path))
-    total = sum(size for size, _ in packages)
-    files = freed = 0
-    for size, path in packages:  # oldest first
-        if total <= max_bytes:
-            break
-        if keep is not None and path == keep:
-            continue
-        try:
-            path.unlink()
-        except FileNotFoundError:  # another process evicted it first
-            pass
-        except OSError:  # not ours to delete: try the next one
-            continue
-        else:
-            files, freed = files + 1, freed + size
-        total -= size
-    return files, freed
+    return ArtifactStore.inspect("aoti").evict(".pt2", max_bytes, keep)
 
 
-def clear_packages() -> tuple[int, int]:
-    """Delete every cached package; (files, bytes) removed."""
-    files = size = 0
-    for path in cached_packages():
-        with contextlib.suppress(OSError):
-            nbytes = path.stat().st_size
-            path.unlink()
-            files, size = files + 1, size + nbytes
-    return files, size
+def clear_packages() -> Cleared:
+    """Delete every cached package (and stale partial builds); links are left alone."""
+    return ArtifactStore.inspect("aoti").clear(".pt2")
 
 
 def package_key(nodes: Sequence[Node], source: str, inputs: Sequence[Tensor],

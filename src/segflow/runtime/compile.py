@@ -87,6 +87,7 @@ class CompileReport:
     first_run_compile_s: float = 0.0   # inductor / onednn: compiling on the first run
     cache_hits: int = 0                # inductor packages loaded from the disk cache
     evicted: int = 0                   # older packages deleted to keep the cache under its cap
+    cache_notes: list[str] = field(default_factory=list)   # packages the cache's checks refused
     fallbacks: list[str] = field(default_factory=list)
     replays: list[DirectReplay] = field(default_factory=list)   # ops/onednn_replay.py
     native_replays: list[NativeReplay] = field(default_factory=list)   # ops/native_replay.py
@@ -108,6 +109,9 @@ class CompileReport:
             text += f" ({self.evicted} least recently used packages evicted)"
         if self.fallbacks:
             text += f" ({len(self.fallbacks)} segments interpreted: {self.fallbacks[0]})"
+        if self.cache_notes:
+            more = f"; {len(self.cache_notes) - 1} more" if len(self.cache_notes) > 1 else ""
+            text += f" (disk cache: {self.cache_notes[0]}{more})"
         return text
 
 

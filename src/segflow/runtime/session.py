@@ -30,6 +30,7 @@ from segflow.ir.types import Device, DeviceKind, Dim, DType, TensorSpec
 from segflow.ops.add_layer_norm import describe_add_layer_norms
 from segflow.ops.dense_chain import describe_chains
 from segflow.ops.native_attention import describe_attentions
+from segflow.ops.native_library import describe_cache as describe_native_cache
 from segflow.ops.native_linear import describe_native_linears
 from segflow.ops.native_replay import describe_native_replays
 from segflow.ops.native_staging import ChannelsLastStaging, describe_stagings
@@ -250,6 +251,7 @@ class InferenceSession:
         """What the CPU kernels did so far: those calling libdnnl, the input layouts they
         built and each that fell back to torch (and why); the dense chains, how many calls
         ran native and why any went through torch; the replayed runs of direct kernels;
+        what the disk cache's checks refused (the native library, inductor packages);
         and the activation arena."""
         lines = describe_direct(self._executor.direct_ops)
         if lines and self.prebuild_report is not None:
@@ -263,6 +265,8 @@ class InferenceSession:
         lines += describe_attentions(self._executor.attentions)
         lines += describe_replays(self.compile_report.replays)
         lines += describe_native_replays(self.compile_report.native_replays)
+        lines += describe_native_cache()
+        lines += [f"disk cache: {note}" for note in self.compile_report.cache_notes]
         arena = self._executor.arena
         if arena is not None:   # the block at the sizes the plan was made for
             lines.append(arena.layout(arena.plans.base.dims).describe())
