@@ -177,8 +177,9 @@ INVALID = {
         [h.make_node("Sqrt", ["x"], ["y"], name="a")], [_vi("x", (2,), T.INT64)],
         [_vi("y", (2,), T.INT64)]), InvalidModel, ("'a'", "Sqrt", "tensor(int64)")),
     "one type bound to two": Case(lambda: _model(
-        [h.make_node("Add", ["x", "i"], ["y"], name="a")], [_vi("x", (2,)), _vi("i", (2,), T.INT64)],
-        [_vi("y", (2,))]), InvalidModel, ("'a'", "Add", "'x'", "'i'")),
+        [h.make_node("Add", ["x", "i"], ["y"], name="a")],
+        [_vi("x", (2,)), _vi("i", (2,), T.INT64)], [_vi("y", (2,))]), InvalidModel,
+        ("'a'", "Add", "'x'", "'i'")),
     "broadcast mismatch": Case(lambda: _model(
         [h.make_node("Add", ["x", "b"], ["y"], name="a")], [_vi("x", (2, 3))], [_vi("y", None)],
         [h.make_tensor("b", T.FLOAT, [4], [1, 2, 3, 4])]), InvalidModel, ("'a'", "Add")),

@@ -24,7 +24,7 @@ runs them:
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import onnx
@@ -68,7 +68,7 @@ def check_structure(model: onnx.ModelProto, newest_opset: int) -> dict[str, int]
     return opsets
 
 
-def _default_domain_nodes(graph: onnx.GraphProto) -> Iterable[onnx.NodeProto]:
+def _default_domain_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
     for node in graph.node:
         if node.domain in ("", "ai.onnx"):
             yield node
@@ -310,7 +310,8 @@ def _spatial(node: Node) -> int | None:
 def check_conv(node: Node) -> None:
     """Conv and ConvTranspose: attributes, groups against channels, kernel against weight
     and (Conv) against the padded input."""
-    x, w = _shape(node.inputs[0]), _shape(node.inputs[1]) if len(node.inputs) > 1 else None
+    weight = node.inputs[1] if len(node.inputs) > 1 else None
+    x, w = _shape(node.inputs[0]), _shape(weight)
     spatial = _spatial(node)
     if spatial is None and w is not None and len(w) >= 2:
         spatial = len(w) - 2
@@ -318,30 +319,30 @@ def check_conv(node: Node) -> None:
     group = int(node.attrs.get("group", 1))
     if group < 1:
         raise _refuse(node, f"group {group} must be positive")
-    if w is None or len(w) < 2:
+    if weight is None or w is None or len(w) < 2:
         return
     if x is not None and spatial is not None and len(w) != spatial + 2:
-        raise _refuse(node, f"weight {node.inputs[1].name!r} has rank {len(w)}, expected "
+        raise _refuse(node, f"weight {weight.name!r} has rank {len(w)}, expected "
                             f"{spatial + 2} for an input of rank {len(x)}")
     channels = x[1] if x is not None and len(x) >= 2 and isinstance(x[1], int) else None
     transpose = node.op_type == "ConvTranspose"
     if transpose:
         if channels is not None and isinstance(w[0], int) and w[0] != channels:
-            raise _refuse(node, f"weight {node.inputs[1].name!r} has {w[0]} input channels, "
+            raise _refuse(node, f"weight {weight.name!r} has {w[0]} input channels, "
                                 f"the input has {channels}")
         if channels is not None and channels % group:
             raise _refuse(node, f"input channels {channels} are not divisible by group {group}")
     else:
         if channels is not None and isinstance(w[1], int) and w[1] * group != channels:
             raise _refuse(node, f"input channels {channels} != group {group} x weight "
-                                f"channels {w[1]} (weight {node.inputs[1].name!r})")
+                                f"channels {w[1]} (weight {weight.name!r})")
         if isinstance(w[0], int) and w[0] % group:
             raise _refuse(node, f"output channels {w[0]} are not divisible by group {group}")
     kernel = _ints(node, "kernel_shape")
     window = list(w[2:])
     if kernel is not None and all(isinstance(k, int) for k in window) and kernel != window:
         raise _refuse(node, f"kernel_shape {kernel} contradicts weight "
-                            f"{node.inputs[1].name!r} of shape {list(w)}")
+                            f"{weight.name!r} of shape {list(w)}")
     if transpose:
         strides = _ints(node, "strides") or [1] * len(window)
         dilations = _ints(node, "dilations") or [1] * len(window)
