@@ -379,3 +379,9 @@ def test_valid_edge_cases_match_onnxruntime(build, feeds) -> None:
     got = segflow.InferenceSession(model).run(None, feeds)
     for a, b in zip(got, _ort(model, feeds), strict=True):
         np.testing.assert_allclose(a, b, atol=ATOL, rtol=RTOL)
+
+
+def test_feed_of_a_dtype_segflow_cannot_read_names_the_input() -> None:
+    x = np.zeros((1, 4, 8, 8), dtype=ml_dtypes.float8_e4m3fn)
+    with pytest.raises(segflow.InvalidInput, match="input 'x' has numpy dtype float8_e4m3fn"):
+        segflow.InferenceSession(_relu()).run(None, {"x": x})

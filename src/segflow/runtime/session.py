@@ -404,7 +404,12 @@ class InferenceSession:
             if array.dtype.kind in "OUS":  # object, unicode, bytes
                 raise InvalidInput(f"input {value.name!r}: string/object arrays are not "
                                    f"supported (expected {spec.describe()})")
-            got = DType.from_numpy(array.dtype)
+            try:
+                got = DType.from_numpy(array.dtype)
+            except ValueError:
+                raise InvalidInput(f"input {value.name!r} has numpy dtype {array.dtype}, which "
+                                   f"segflow does not read (expected {spec.describe()})"
+                                   ) from None
             tensor = None
         if spec.dtype is not None and got is not spec.dtype:
             raise InvalidInput(f"input {value.name!r} has dtype {got.onnx_name}, "
