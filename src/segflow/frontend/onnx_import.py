@@ -22,9 +22,16 @@ from onnx import numpy_helper
 
 from segflow.errors import InvalidModel, UnsupportedOp
 from segflow.frontend.symbolic_dims import unify_dims
+from segflow.frontend.validate import (
+    SchemaChecker,
+    check_ops,
+    check_structure,
+    inference_error,
+    node_name,
+)
 from segflow.ir.graph import Graph, Node, Value
 from segflow.ir.types import Dim, DType, TensorSpec
-from segflow.ops.registry import OpRegistry, default_registry
+from segflow.ops.registry import NEWEST_ONNX_OPSET, OpRegistry, default_registry
 
 # Initializers with more data bytes than this go to shape inference without their data.
 INFERENCE_DATA_LIMIT = 4096
@@ -60,25 +67,33 @@ def import_model(model: str | os.PathLike[str] | bytes | onnx.ModelProto,
     >>> graph = import_model("resnet50.onnx")  # doctest: +SKIP
     """
     proto = load_model(model)
-    opsets = {(imp.domain if imp.domain != "ai.onnx" else ""): imp.version
-              for imp in proto.opset_import}
-    opsets.setdefault("", 1)
+    opsets = check_structure(proto, NEWEST_ONNX_OPSET)
     inferred = _with_inferred_shapes(proto)
-    importer = _Importer(registry or default_registry(), opsets)
+    schemas = SchemaChecker(opsets, proto.ir_version)
+    importer = _Importer(registry or default_registry(), opsets, schemas)
     graph = importer.graph(inferred.graph, parent=None, scope={},
                            initializers=proto.graph.initializer)
     graph.name = proto.graph.name or "main"
     unify_dims(graph)
+    for node in graph.walk():
+        schemas.check_types(node)
+    check_ops(graph)
     return graph
 
 
 def _with_inferred_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
-    """ONNX's own shape inference, best effort: it only enriches value specs.
+    """ONNX's own shape inference: it enriches value specs, and refuses a model it finds
+    invalid where onnxruntime would.
 
     Inference round-trips the whole model through serialized bytes several
     times (ResNet-50: +360 MiB at its peak for 98 MiB of weights), so it runs
     on a copy whose large initializers keep their name, type and dims but not
     their data; the caller takes the data from the original model.
+
+    Inference runs in strict mode, so that a node onnxruntime would refuse while
+    resolving the graph is refused here, naming it (frontend/validate.py); where its
+    only errors are declared shapes onnxruntime merges leniently, it runs again
+    leniently. A declared dim of -1 goes to it as an unknown dim.
     """
     light = onnx.ModelProto()
     light.ir_version = proto.ir_version
@@ -87,12 +102,12 @@ def _with_inferred_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
     graph, source = light.graph, proto.graph
     graph.name = source.name
     graph.node.extend(source.node)
-    graph.input.extend(source.input)
+    graph.input.extend(_unknown_negative_dims(v) for v in source.input)
     # An output that is a graph input is declared as that input: declared without a
     # shape, it made onnx forget the input's shape, and every shape computed from it.
-    inputs = {v.name: v for v in source.input}
-    graph.output.extend(inputs.get(v.name, v) for v in source.output)
-    graph.value_info.extend(source.value_info)
+    inputs = {v.name: v for v in graph.input}
+    graph.output.extend(inputs.get(v.name, _unknown_negative_dims(v)) for v in source.output)
+    graph.value_info.extend(_unknown_negative_dims(v) for v in source.value_info)
     graph.sparse_initializer.extend(source.sparse_initializer)
     for tensor in source.initializer:
         if _data_bytes(tensor) <= INFERENCE_DATA_LIMIT:
@@ -100,15 +115,36 @@ def _with_inferred_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
         else:
             graph.initializer.add(name=tensor.name, data_type=tensor.data_type, dims=tensor.dims)
     try:
+        return onnx.shape_inference.infer_shapes(light, strict_mode=True, data_prop=True)
+    except Exception as exc:
+        refusal = inference_error(exc)
+        if refusal is not None:
+            raise refusal from None
+    try:
         return onnx.shape_inference.infer_shapes(light, strict_mode=False, data_prop=True)
     except Exception:
         return light
 
 
+def _unknown_negative_dims(vi: onnx.ValueInfoProto) -> onnx.ValueInfoProto:
+    """``vi``, or a copy of it whose negative dims are unknown (neither value nor name)."""
+    if not vi.type.HasField("tensor_type") or not any(
+            d.HasField("dim_value") and d.dim_value < 0 for d in vi.type.tensor_type.shape.dim):
+        return vi
+    copy = onnx.ValueInfoProto()
+    copy.CopyFrom(vi)
+    for dim in copy.type.tensor_type.shape.dim:
+        if dim.HasField("dim_value") and dim.dim_value < 0:
+            dim.Clear()
+    return copy
+
+
 class _Importer:
-    def __init__(self, registry: OpRegistry, opsets: dict[str, int]) -> None:
+    def __init__(self, registry: OpRegistry, opsets: dict[str, int],
+                 schemas: SchemaChecker) -> None:
         self.registry = registry
         self.opsets = opsets
+        self.schemas = schemas
 
     def graph(self, gp: onnx.GraphProto, parent: Graph | None, scope: dict[str, Value],
               initializers: Sequence[onnx.TensorProto] | None = None) -> Graph:
@@ -162,11 +198,12 @@ class _Importer:
     def _node(self, graph: Graph, np_: onnx.NodeProto, names: dict[str, Value],
               infos: dict[str, onnx.ValueInfoProto]) -> None:
         domain = "" if np_.domain in ("", "ai.onnx") else np_.domain
-        label = np_.name or (np_.output[0] if np_.output else np_.op_type)
+        label = node_name(np_)
         if domain not in self.opsets:
             raise UnsupportedOp(f"op {np_.op_type} in node {label!r} uses domain "
                                 f"{domain!r}, which the model does not import")
         opset = self.opsets[domain]
+        self.schemas.check_node(np_)
         if np_.op_type == "Constant" and domain == "":
             const = _constant_value(np_)
             value = Value(np_.output[0], _spec_of_tensor(const), const=const)
@@ -245,10 +282,11 @@ def _constant_value(np_: onnx.NodeProto) -> torch.Tensor:
 
 def _raw_dtype(code: int) -> np.dtype[Any] | None:
     """The numpy dtype whose bytes are an element type's ``raw_data`` (DType's), or
-    None for strings and the types numpy lacks (bfloat16, float8, int4, ...)."""
+    None for strings, bfloat16 (torch reads no ml_dtypes array) and the types numpy
+    lacks (float8, int4, ...)."""
     try:
         dtype = DType.from_onnx(code)
-        return None if dtype is DType.STRING else dtype.numpy
+        return None if dtype in (DType.STRING, DType.BFLOAT16) else dtype.numpy
     except ValueError:
         return None
 
@@ -315,8 +353,8 @@ def _spec(tp: onnx.TypeProto) -> TensorSpec:
         return TensorSpec(dtype, None)
     dims: list[Dim] = []
     for d in tt.shape.dim:
-        if d.HasField("dim_value"):
-            dims.append(int(d.dim_value))
+        if d.HasField("dim_value") and d.dim_value >= 0:
+            dims.append(int(d.dim_value))  # a negative one is unknown (frontend/validate.py)
         elif d.HasField("dim_param") and d.dim_param:
             dims.append(d.dim_param)
         else:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
 import torch
 
@@ -49,6 +50,10 @@ class DType(enum.Enum):
         member = _FROM_NUMPY.get(key)
         if member is not None:
             return member
+        if not key.isnative:  # byte-swapped (">f4" on a little-endian host): same type
+            member = _FROM_NUMPY.get(key.newbyteorder("="))
+            if member is not None:
+                return member
         if key.kind in ("U", "S", "O"):
             return cls.STRING
         raise ValueError(f"numpy dtype {key} has no segflow equivalent")
@@ -72,8 +77,6 @@ class DType(enum.Enum):
     def numpy(self) -> np.dtype:
         if self is DType.STRING:
             return np.dtype(object)
-        if self is DType.BFLOAT16:
-            raise ValueError("BFLOAT16 has no numpy equivalent")
         return _NUMPY[self]
 
     @property
@@ -118,6 +121,7 @@ _NUMPY: dict[DType, np.dtype] = {
     DType.BOOL: np.dtype(np.bool_),
     DType.COMPLEX64: np.dtype(np.complex64),
     DType.COMPLEX128: np.dtype(np.complex128),
+    DType.BFLOAT16: np.dtype(ml_dtypes.bfloat16),  # numpy has none; onnx's own choice
 }
 
 # Reverse lookups for the per-run feed checks (a dict hit instead of a scan).

@@ -83,6 +83,10 @@ class BindContext(Protocol):
 
 
 Bind = Callable[["Node", BindContext], Kernel]
+
+NEWEST_ONNX_OPSET = 28
+"""The newest ai.onnx opset whose operator versions the rows follow; a model importing a
+newer one is refused at load (its ops may have changed meaning)."""
 GradRule = Callable[..., Any]
 
 

@@ -445,7 +445,12 @@ class InferenceSession:
             if array.dtype.kind in "OUS":  # object, unicode, bytes
                 raise InvalidInput(f"input {value.name!r}: string/object arrays are not "
                                    f"supported (expected {spec.describe()})")
-            got = DType.from_numpy(array.dtype)
+            try:
+                got = DType.from_numpy(array.dtype)
+            except ValueError:
+                raise InvalidInput(f"input {value.name!r} has numpy dtype {array.dtype}, which "
+                                   f"segflow does not read (expected {spec.describe()})"
+                                   ) from None
             tensor = None
         if spec.dtype is not None and got is not spec.dtype:
             raise InvalidInput(f"input {value.name!r} has dtype {got.onnx_name}, "
@@ -463,11 +468,12 @@ class InferenceSession:
 
     def _to_numpy(self, value: Value, tensor: Tensor, aliased: bool) -> np.ndarray:
         t = tensor.detach() if tensor.requires_grad else tensor
-        if t.dtype == torch.bfloat16:
-            t = t.float()
         if not t.is_cpu:
             t = t.cpu()
-        array = t.numpy()
+        if t.dtype == torch.bfloat16:  # numpy has no bfloat16: ml_dtypes' (as onnx's)
+            array = t.view(torch.uint16).numpy().view(_BFLOAT16)
+        else:
+            array = t.numpy()
         if aliased or not array.flags.c_contiguous:
             array = np.array(array, copy=True, order="C")
         self._check_declared(value, array.shape)
@@ -509,12 +515,25 @@ def _numpy_signature(feeds: Sequence[Any]) -> list[tuple[np.dtype, tuple[int, ..
 
 
 def _as_tensor(array: np.ndarray) -> Tensor:
-    """A feed array as a tensor over the same memory where torch can share it."""
+    """A feed array as a tensor over the same memory where torch can share it.
+
+    A byte-swapped array (``>f4`` on a little-endian host) is converted to native
+    order; an ``ml_dtypes.bfloat16`` one, which torch cannot read, is shared as its
+    16-bit patterns viewed as bfloat16.
+    """
+    dtype = array.dtype
+    if not dtype.isnative:
+        array = array.astype(dtype.newbyteorder("="))
     flags = array.flags
     if not flags.writeable or not flags.c_contiguous:
         # torch.from_numpy needs a writeable array without negative strides.
         array = np.array(array, order="C")
+    if dtype == _BFLOAT16:
+        return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)
     return torch.from_numpy(array)
+
+
+_BFLOAT16 = DType.BFLOAT16.numpy
 
 
 def _storage(tensor: Tensor) -> int:
