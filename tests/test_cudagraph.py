@@ -127,7 +127,7 @@ def test_shape_arithmetic_stays_on_the_host_and_its_data_reader_uploads():
 
 
 def test_host_values_stop_at_device_data_and_growing_ops():
-    x = helper.make_tensor_value_info("x", FLOAT, ["n", 3])
+    x = helper.make_tensor_value_info("x", FLOAT, ["n", 2])   # Shape(x) broadcasts over x
     y = helper.make_tensor_value_info("y", FLOAT, None)
     nodes = [helper.make_node("Shape", ["x"], ["s"], name="shape"),
              helper.make_node("Cast", ["s"], ["sf"], name="cast", to=FLOAT),

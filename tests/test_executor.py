@@ -241,15 +241,21 @@ def test_kernel_error_names_the_node_and_session_stays_usable():
 
 
 def test_a_kernel_that_cannot_bind_names_its_node():
-    """A Conv without its weight fails in its kernel factory, at load: InvalidModel
-    naming the node, not the factory's IndexError."""
+    """A kernel factory that fails at load (an attribute or input its op cannot take) is
+    InvalidModel naming the node, not the factory's IndexError."""
     from onnx import TensorProto, helper
 
-    graph = helper.make_graph([helper.make_node("Conv", ["x"], ["y"], name="lonely_conv")], "g",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 4, 4])],
+    from segflow.ops.registry import OpDef, default_registry
+
+    def broken(node, ctx):
+        raise IndexError("list index out of range")
+
+    registry = default_registry()
+    registry.rows[("", "Relu")] = [OpDef("Relu", broken)]
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"], name="lonely_relu")], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    with pytest.raises(segflow.InvalidModel, match=r"Cannot run %y = Conv\(%x\) \[lonely_conv\]: "
+    with pytest.raises(segflow.InvalidModel, match=r"Cannot run %y = Relu\(%x\) \[lonely_relu\]: "
                                                    r"IndexError"):
-        segflow.InferenceSession(model)
+        segflow.InferenceSession(model, registry=registry, optimize=False)

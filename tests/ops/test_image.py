@@ -13,7 +13,7 @@ from onnx.reference import ReferenceEvaluator
 from ort_compare import assert_matches_ort, make_model
 
 import segflow
-from segflow.errors import ExecutionError, InvalidModel
+from segflow.errors import InvalidModel
 from segflow.ops import _resize
 
 RNG = np.random.default_rng(0)
@@ -215,11 +215,11 @@ def test_pad_integer_types(dtype: type) -> None:
     assert_matches_ort(make_model([node], feeds, ["y"], 13, inits), feeds)
 
 
-def test_pad_wrong_pad_count_names_node() -> None:
+def test_pad_wrong_pad_count_is_refused_at_load_naming_node() -> None:
     feeds = {"x": np.zeros((2, 3), np.float32)}
     inits = {"pads": np.array([1, 1], dtype=np.int64)}
     node = helper.make_node("Pad", ["x", "pads"], ["y"], name="the_pad")
-    with pytest.raises(ExecutionError, match="the_pad"):
+    with pytest.raises(InvalidModel, match="the_pad"):
         _run(make_model([node], feeds, ["y"], 13, inits), feeds)
 
 

@@ -155,11 +155,11 @@ def test_topk_computed_k_runs_local() -> None:
     assert ExecType.LOCAL in _exec_types(model)
 
 
-def test_topk_k_too_large_names_node() -> None:
+def test_topk_k_too_large_is_refused_at_load_naming_node() -> None:
     feeds = {"x": np.zeros((2, 3), np.float32)}
     inits = {"k": np.array([4], dtype=np.int64)}
     node = helper.make_node("TopK", ["x", "k"], ["v", "i"], name="topk_node")
-    with pytest.raises(ExecutionError, match="TopK"):
+    with pytest.raises(InvalidModel, match="topk_node.*TopK"):
         _run(make_model([node], feeds, ["v", "i"], 11, inits), feeds)
 
 
