@@ -108,9 +108,10 @@ INVALID = {
         [h.make_node("Relu", ["x"], ["z"], name="outer_z")]), InvalidModel,
         ("'t1'", "'z'", "'outer_z'")),
     # opsets
-    "no opset_import": Case(lambda: _relu(opset=None), InvalidModel, ("opset_import",)),
+    "no opset_import": Case(lambda: _relu(opset=None), InvalidModel,
+                            ("'relu1'", "opset_import")),
     "opset newer than implemented": Case(lambda: _relu(opset=29), UnsupportedOp,
-                                         ("opset 29", "28")),
+                                         ("'relu1'", "opset 29", "28")),
     # Conv / ConvTranspose attributes and shapes
     "conv strides 0": Case(lambda: _conv(strides=[0, 1]), InvalidModel, ("'conv1'", "strides")),
     "conv strides negative": Case(lambda: _conv(strides=[-1, 1]), InvalidModel,
@@ -205,6 +206,14 @@ for _op in ("MaxPool", "AveragePool", "LpPool"):
             lambda op=_op: _pool(op, kernel_shape=[2, 2], pads=[2, 2, 2, 2]), InvalidModel,
             ("'pool1'", "pads", "kernel_shape")),
     }
+for _op, _axis in (("LayerNormalization", 4), ("Softmax", -5), ("LogSoftmax", 4),
+                   ("Hardmax", 4), ("Flatten", 5)):
+    INVALID[f"{_op} axis out of range"] = Case(
+        lambda op=_op, axis=_axis: _model(
+            [h.make_node(op, ["x", "g"] if op == "LayerNormalization" else ["x"], ["y"],
+                         name="ax1", axis=axis)], [_vi("x")], [_vi("y", None)],
+            [h.make_tensor("g", T.FLOAT, [8], [1.0] * 8)] if op == "LayerNormalization" else ()),
+        InvalidModel, ("'ax1'", _op, "axis"))
 INVALID["MaxPool dilations 0"] = Case(
     lambda: _pool("MaxPool", kernel_shape=[2, 2], dilations=[0, 1]), InvalidModel,
     ("'pool1'", "dilations"))

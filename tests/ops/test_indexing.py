@@ -12,7 +12,7 @@ from ort_compare import assert_matches_ort, make_model
 
 import segflow
 from segflow.engine.base import ExecType
-from segflow.errors import ExecutionError, InvalidModel
+from segflow.errors import InvalidModel
 
 RNG = np.random.default_rng(0)
 

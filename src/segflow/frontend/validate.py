@@ -50,19 +50,20 @@ def check_structure(model: onnx.ModelProto, newest_opset: int) -> dict[str, int]
     A model must import the ONNX opset its nodes use (onnxruntime refuses a model that
     imports none); an opset newer than ``newest_opset`` is not implemented.
     """
-    if not model.opset_import:
-        raise InvalidModel("the model imports no opset (opset_import is empty); it must "
-                           "list the ai.onnx opset its nodes use")
     opsets = {(imp.domain if imp.domain != "ai.onnx" else ""): imp.version
               for imp in model.opset_import}
+    first = next(_default_domain_nodes(model.graph), None)
+    at = f"node {node_name(first)!r} ({first.op_type})" if first is not None else "the graph"
+    if not model.opset_import:
+        raise InvalidModel(f"{at}: the model imports no opset (opset_import is empty); it must "
+                           "list the ai.onnx opset its nodes use")
     if "" not in opsets:
-        first = next(_default_domain_nodes(model.graph), None)
         if first is not None:
-            raise InvalidModel(f"node {node_name(first)!r} ({first.op_type}) is in the ai.onnx "
-                               "domain, which the model's opset_import does not list")
+            raise InvalidModel(f"{at} is in the ai.onnx domain, which the model's "
+                               "opset_import does not list")
     elif opsets[""] > newest_opset:
-        raise UnsupportedOp(f"the model imports ai.onnx opset {opsets['']}; segflow implements "
-                            f"ai.onnx opsets up to {newest_opset}")
+        raise UnsupportedOp(f"{at}: the model imports ai.onnx opset {opsets['']}; segflow "
+                            f"implements ai.onnx opsets up to {newest_opset}")
     _check_inputs(model.graph)
     _check_single_assignment(model.graph, outer={})
     return opsets
@@ -399,6 +400,21 @@ def check_slice(node: Node) -> None:
         raise _refuse(node, f"steps {steps.const.tolist()} must be non-zero")
 
 
+def _axis_within(extra: int) -> Checker:
+    """A checker that the ``axis`` attribute indexes the first input's rank ``r``:
+    ``-r <= axis < r + extra`` (``extra`` 1 where the axis may name the end, as
+    Flatten's)."""
+    def check(node: Node) -> None:
+        axis = node.attrs.get("axis")
+        shape = _shape(node.inputs[0] if node.inputs else None)
+        if axis is None or shape is None:
+            return
+        rank = len(shape)
+        if not -rank <= int(axis) < rank + extra:
+            raise _refuse(node, f"axis {axis} is out of range for a rank-{rank} input")
+    return check
+
+
 OP_CHECKS: dict[str, Checker] = {
     "Conv": check_conv,
     "ConvTranspose": check_conv,
@@ -406,6 +422,12 @@ OP_CHECKS: dict[str, Checker] = {
     "AveragePool": check_pool,
     "LpPool": check_pool,
     "Slice": check_slice,
+    # Axes onnxruntime refuses out of range (onnx's inference skips LayerNormalization's).
+    "LayerNormalization": _axis_within(0),
+    "Softmax": _axis_within(0),
+    "LogSoftmax": _axis_within(0),
+    "Hardmax": _axis_within(0),
+    "Flatten": _axis_within(1),
 }
 
 
