@@ -214,6 +214,26 @@ for _op, _axis in (("LayerNormalization", 4), ("Softmax", -5), ("LogSoftmax", 4)
                          name="ax1", axis=axis)], [_vi("x")], [_vi("y", None)],
             [h.make_tensor("g", T.FLOAT, [8], [1.0] * 8)] if op == "LayerNormalization" else ()),
         InvalidModel, ("'ax1'", _op, "axis"))
+INVALID |= {
+    "conv bias of the wrong size": Case(lambda: _model(
+        [h.make_node("Conv", ["x", "w", "b"], ["y"], name="conv1")], [_vi("x")],
+        [_vi("y", None)], [_weight((6, 4, 3, 3)), h.make_tensor("b", T.FLOAT, [4], [0.0] * 4)]),
+        InvalidModel, ("'conv1'", "'b'", "[6]"), IMAGE),
+    "batch norm scale of the wrong size": Case(lambda: _model(
+        [h.make_node("BatchNormalization", ["x", "s", "b", "m", "v"], ["y"], name="bn1")],
+        [_vi("x")], [_vi("y", None)],
+        [h.make_tensor(n, T.FLOAT, [k], [1.0] * k) for n, k in
+         (("s", 3), ("b", 4), ("m", 4), ("v", 4))]), InvalidModel,
+        ("'bn1'", "BatchNormalization"), IMAGE),
+    "layer norm scale that does not broadcast": Case(lambda: _model(
+        [h.make_node("LayerNormalization", ["x", "g"], ["y"], name="ln1")], [_vi("x")],
+        [_vi("y", None)], [h.make_tensor("g", T.FLOAT, [7], [1.0] * 7)]), InvalidModel,
+        ("'ln1'", "'g'"), IMAGE),
+    "gemm C that does not broadcast": Case(lambda: _model(
+        [h.make_node("Gemm", ["x", "w", "c"], ["y"], name="gemm1")], [_vi("x", (2, 8))],
+        [_vi("y", None)], [_weight((8, 5)), h.make_tensor("c", T.FLOAT, [4], [0.0] * 4)]),
+        InvalidModel, ("'gemm1'", "'c'"), {"x": np.ones((2, 8), np.float32)}),
+}
 INVALID["MaxPool dilations 0"] = Case(
     lambda: _pool("MaxPool", kernel_shape=[2, 2], dilations=[0, 1]), InvalidModel,
     ("'pool1'", "dilations"))

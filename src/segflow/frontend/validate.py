@@ -339,6 +339,10 @@ def check_conv(node: Node) -> None:
                                 f"channels {w[1]} (weight {weight.name!r})")
         if isinstance(w[0], int) and w[0] % group:
             raise _refuse(node, f"output channels {w[0]} are not divisible by group {group}")
+    bias = node.inputs[2] if len(node.inputs) > 2 else None
+    out_channels = w[1] * group if transpose else w[0]
+    if isinstance(out_channels, int):
+        _check_vector(node, bias, out_channels, "output channels")
     kernel = _ints(node, "kernel_shape")
     window = list(w[2:])
     if kernel is not None and all(isinstance(k, int) for k in window) and kernel != window:
@@ -400,6 +404,64 @@ def check_slice(node: Node) -> None:
         raise _refuse(node, f"steps {steps.const.tolist()} must be non-zero")
 
 
+def _check_vector(node: Node, value: Value | None, size: int, what: str) -> None:
+    """``value`` (when given, with a known shape) is a vector of ``size`` (``what``)."""
+    shape = _shape(value)
+    if value is None or shape is None or not all(isinstance(d, int) for d in shape):
+        return
+    if list(shape) != [size]:
+        raise _refuse(node, f"{value.name!r} has shape {list(shape)}, expected [{size}] "
+                            f"(the {what})")
+
+
+def _check_broadcasts(node: Node, value: Value | None, target: Sequence[Any],
+                      what: str) -> None:
+    """``value`` (when given) broadcasts one way to ``target``: no more dims, each 1 or
+    the target's."""
+    shape = _shape(value)
+    if value is None or shape is None:
+        return
+    fits = len(shape) <= len(target) and all(
+        not isinstance(d, int) or not isinstance(t, int) or d in (1, t)
+        for d, t in zip(reversed(shape), reversed(target)))
+    if not fits:
+        raise _refuse(node, f"{value.name!r} of shape {list(shape)} does not broadcast to "
+                            f"{what} {list(target)}")
+
+
+def check_batch_norm(node: Node) -> None:
+    """BatchNormalization: scale, bias, mean and variance are vectors over the channels."""
+    x = _shape(node.inputs[0] if node.inputs else None)
+    if x is None or len(x) < 2 or not isinstance(x[1], int):
+        return
+    for value in node.inputs[1:5]:
+        _check_vector(node, value, x[1], "input's channels")
+
+
+def check_layer_norm(node: Node) -> None:
+    """LayerNormalization: the axis is in range; scale and bias broadcast to the
+    normalized dims."""
+    _axis_within(0)(node)
+    x = _shape(node.inputs[0] if node.inputs else None)
+    if x is None:
+        return
+    axis = int(node.attrs.get("axis", -1))
+    normalized = list(x[axis % len(x):]) if x else []
+    for value in node.inputs[1:3]:
+        _check_broadcasts(node, value, normalized, "the normalized dims")
+
+
+def check_gemm(node: Node) -> None:
+    """Gemm: C broadcasts to the (M, N) result."""
+    a, b = (_shape(node.inputs[i]) if len(node.inputs) > i else None for i in (0, 1))
+    if a is None or b is None or len(a) != 2 or len(b) != 2:
+        return
+    m = a[1] if node.attrs.get("transA", 0) else a[0]
+    n = b[0] if node.attrs.get("transB", 0) else b[1]
+    _check_broadcasts(node, node.inputs[2] if len(node.inputs) > 2 else None, [m, n],
+                      "the result")
+
+
 def _axis_within(extra: int) -> Checker:
     """A checker that the ``axis`` attribute indexes the first input's rank ``r``:
     ``-r <= axis < r + extra`` (``extra`` 1 where the axis may name the end, as
@@ -422,8 +484,10 @@ OP_CHECKS: dict[str, Checker] = {
     "AveragePool": check_pool,
     "LpPool": check_pool,
     "Slice": check_slice,
+    "BatchNormalization": check_batch_norm,
+    "Gemm": check_gemm,
     # Axes onnxruntime refuses out of range (onnx's inference skips LayerNormalization's).
-    "LayerNormalization": _axis_within(0),
+    "LayerNormalization": check_layer_norm,
     "Softmax": _axis_within(0),
     "LogSoftmax": _axis_within(0),
     "Hardmax": _axis_within(0),
