@@ -27,6 +27,9 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from functools import partial
+from typing import Any
 
 MODEL = "bert_tiny"
 
@@ -40,31 +43,33 @@ def _lengths(shapes: int) -> list[int]:
     return list(range(1, shapes + 1))
 
 
-def child_segflow(shapes: int, cycles: int) -> dict[str, object]:
-    import segflow
-    from segflow import models
+def _measure(make: Callable[[], Callable[[dict[str, Any]], object]],
+             feeds: list[dict[str, Any]], cycles: int) -> dict[str, object]:
+    """RSS (MiB over the start) after ``make()`` loads a runner, after it runs every
+    feed, after it is deleted, and after the heap's free memory is trimmed; and the
+    median ms a run over ``cycles`` passes. One runner is made and dropped first, so
+    that what the first one leaves for the process (imports, thread pools) is not
+    counted."""
     from segflow.runtime.host_memory import release_free_heap
 
-    model = models.build(MODEL)
-    feeds = [models.example_inputs(MODEL, seq_len=n) for n in _lengths(shapes)]
-    warm = segflow.InferenceSession(model)
-    warm.run(None, feeds[0])
+    warm = make()
+    warm(feeds[0])
     del warm
     gc.collect()
     release_free_heap()
     start = _rss_mib()
-    sess = segflow.InferenceSession(model)
+    run = make()
     loaded = _rss_mib()
     for f in feeds:
-        sess.run(None, f)
+        run(f)
     ran = _rss_mib()
     per_run = []
     for _ in range(cycles):
         t0 = time.perf_counter()
         for f in feeds:
-            sess.run(None, f)
+            run(f)
         per_run.append((time.perf_counter() - t0) * 1e3 / len(feeds))
-    del sess
+    del run
     gc.collect()
     deleted = _rss_mib()
     release_free_heap()
@@ -72,42 +77,33 @@ def child_segflow(shapes: int, cycles: int) -> dict[str, object]:
     return {"start": start, "load": loaded - start, "shapes": ran - start,
             "del": deleted - start, "trim": trimmed - start,
             "ms": statistics.median(per_run) if per_run else None}
+
+
+def child_segflow(shapes: int, cycles: int) -> dict[str, object]:
+    import segflow
+    from segflow import models
+
+    model = models.build(MODEL)
+    feeds = [models.example_inputs(MODEL, seq_len=n) for n in _lengths(shapes)]
+
+    def make() -> Callable[[dict[str, Any]], object]:
+        return partial(segflow.InferenceSession(model).run, None)
+    return _measure(make, feeds, cycles)
 
 
 def child_torch(shapes: int, cycles: int) -> dict[str, object]:
     import torch
 
     from segflow import models
-    from segflow.runtime.host_memory import release_free_heap
 
     feeds = [{k: torch.from_numpy(v) for k, v in models.example_inputs(
         MODEL, seq_len=n).items()} for n in _lengths(shapes)]
-    with torch.inference_mode():
-        warm = models.torch_module(MODEL)
-        warm(**feeds[0])
-        del warm
-        gc.collect()
-        release_free_heap()
-        start = _rss_mib()
+
+    def make() -> Callable[[dict[str, Any]], object]:
         module = models.torch_module(MODEL)
-        loaded = _rss_mib()
-        for f in feeds:
-            module(**f)
-        ran = _rss_mib()
-        per_run = []
-        for _ in range(cycles):
-            t0 = time.perf_counter()
-            for f in feeds:
-                module(**f)
-            per_run.append((time.perf_counter() - t0) * 1e3 / len(feeds))
-        del module
-    gc.collect()
-    deleted = _rss_mib()
-    release_free_heap()
-    trimmed = _rss_mib()
-    return {"start": start, "load": loaded - start, "shapes": ran - start,
-            "del": deleted - start, "trim": trimmed - start,
-            "ms": statistics.median(per_run) if per_run else None}
+        return lambda f: module(**f)
+    with torch.inference_mode():
+        return _measure(make, feeds, cycles)
 
 
 def main() -> int:

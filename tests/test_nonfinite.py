@@ -298,10 +298,27 @@ def test_gelu_and_clip_at_infinity() -> None:
         np.testing.assert_array_equal(got[0], want[0])
 
 
-def test_holds_nonfinite_checks_float_feeds_only() -> None:
-    from segflow.runtime.nonfinite import holds_nonfinite
-    assert not holds_nonfinite([torch.ones(3), torch.arange(4)])
-    assert holds_nonfinite([torch.tensor([1.0, float("nan")])])
-    assert holds_nonfinite([torch.tensor([float("-inf")], dtype=torch.float16)])
-    # An ordinary half-precision image does not overflow the check's float32 sum.
-    assert not holds_nonfinite([torch.full((1, 3, 224, 224), 60000.0, dtype=torch.float16)])
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+def test_the_feed_scan_finds_nan_and_inf_in_float_feeds_only(native: bool) -> None:
+    from segflow.ops.native_library import NativeLibrary
+    from segflow.runtime.nonfinite import FeedScan
+
+    library = NativeLibrary.for_session()[0] if native else None
+    if native and library is None:
+        pytest.skip("no native library")
+    scan = FeedScan(library)
+    assert not scan([torch.ones(3), torch.arange(4), torch.empty(0)])
+    big = torch.rand(3, 5000)        # past the native scan's first block
+    assert not scan([big])
+    for value in VALUES:
+        for where in (0, 4095, 4096, 14999):
+            poisoned = big.clone()
+            poisoned.view(-1)[where] = value
+            assert scan([torch.ones(2), poisoned])
+            assert scan([poisoned.t()])            # not contiguous: torch's sum
+        assert scan([torch.tensor([value], dtype=torch.float16)])
+        assert scan([torch.tensor([2.0, value], dtype=torch.float64)])
+    # An ordinary half-precision image does not overflow the float32 sum; finite values
+    # whose sum overflows float range are sent the exact way by torch's sum only.
+    assert not scan([torch.full((1, 3, 224, 224), 60000.0, dtype=torch.float16)])
+    assert scan([torch.full((8,), 3.0e38)]) is not native

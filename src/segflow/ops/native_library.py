@@ -43,11 +43,12 @@ from segflow.settings import ENV_NATIVE, _env_bool
 
 # Compiled together into one library; dense_chain.c defines segflow_native_abi().
 SOURCES = tuple(Path(__file__).with_name("native") / name
-                for name in ("attention.c", "dense_chain.c", "gemm.c", "layer_norm.c",
-                             "replay.c", "staging.c", "stem.c", "strassen.c", "winograd.c"))
+                for name in ("attention.c", "dense_chain.c", "finite.c", "gemm.c",
+                             "layer_norm.c", "replay.c", "staging.c", "stem.c", "strassen.c",
+                             "winograd.c"))
 # Included by the sources (part of the build's key, not compiled on their own).
 HEADERS = tuple(Path(__file__).with_name("native") / name for name in ("linear.h", "panel.h"))
-ABI = 15         # segflow_native_abi() of the sources this module speaks to
+ABI = 16         # segflow_native_abi() of the sources this module speaks to
 FLAGS = ("-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 120
 # How long a process waits for another that is building the same library (then builds its own).

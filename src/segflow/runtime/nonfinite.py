@@ -14,7 +14,7 @@ them, and :class:`NonFinitePolicy` answers:
   computed value, a log, a square root, an exponential, ...) and of every
   constant holding one. Where the model's weights hold one, no node gets one.
 - Every other node may. The nodes that did are recorded, and a run whose
-  float feeds hold a NaN or an infinity (:func:`holds_nonfinite`) runs a second
+  float feeds hold a NaN or an infinity (:class:`FeedScan`) runs a second
   executor over the same plan, every kernel exact, built by the first such run
   (``InferenceSession``). Finite feeds keep the fast kernels.
 
@@ -28,13 +28,16 @@ fused kernel (an output summing to +inf and -inf, so NaN, before a ReLU post-op)
 
 from __future__ import annotations
 
+import ctypes
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from segflow.ir.graph import Graph, Node, Value, node_reads
+from segflow.ops.native_library import NativeLibrary
 from segflow.ops.registry import OpRegistry
 
 Tensor = torch.Tensor
@@ -80,20 +83,40 @@ class NonFinitePolicy:
         return lines
 
 
-def holds_nonfinite(feeds: Iterable[Tensor]) -> bool:
-    """Whether a float feed holds a NaN or an infinity.
+class FeedScan:
+    """Whether a run's float feeds hold a NaN or an infinity (``scan(feeds) -> bool``).
 
-    One sum per feed: a NaN or an infinity anywhere makes it non-finite, and a sum of
-    finite values overflowing float range only sends that run the exact way too. Half
-    types are summed in float32, so that an ordinary image does not overflow them.
+    A contiguous float32 host tensor is scanned by the native library's
+    ``segflow_any_nonfinite_f32`` (``ops/native/finite.c``: a ctypes call, where a
+    torch reduction costs a dispatch and a result tensor, which counts on a small
+    model's feed). Any other float feed, or every one without the library, is summed
+    once: a NaN or an infinity anywhere makes the sum non-finite, and a sum of finite
+    values overflowing float range only sends that run the exact way too. Half types
+    are summed in float32, so that an ordinary image does not overflow them.
     """
-    for tensor in feeds:
-        if not tensor.is_floating_point() or tensor.numel() == 0:
-            continue
-        wide = torch.float32 if tensor.element_size() < 4 else None
-        if not math.isfinite(float(tensor.sum(dtype=wide))):
-            return True
-    return False
+
+    def __init__(self, library: NativeLibrary | None) -> None:
+        self._native: Any = None
+        if library is not None:
+            fn = library.dll.segflow_any_nonfinite_f32
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+            fn.restype = ctypes.c_int
+            self._native = fn
+
+    def __call__(self, feeds: Iterable[Tensor]) -> bool:
+        native = self._native
+        for tensor in feeds:
+            if not tensor.is_floating_point() or tensor.numel() == 0:
+                continue
+            if native is not None and tensor.dtype == torch.float32 \
+                    and tensor.device.type == "cpu" and tensor.is_contiguous():
+                if native(tensor.data_ptr(), tensor.numel()):
+                    return True
+                continue
+            wide = torch.float32 if tensor.element_size() < 4 else None
+            if not math.isfinite(float(tensor.sum(dtype=wide))):
+                return True
+        return False
 
 
 def constants_finite(values: Iterable[Value]) -> bool:

@@ -30,6 +30,7 @@ from segflow.ir.types import Device, DeviceKind, Dim, DType, TensorSpec
 from segflow.ops.add_layer_norm import describe_add_layer_norms
 from segflow.ops.dense_chain import describe_chains
 from segflow.ops.native_attention import describe_attentions
+from segflow.ops.native_library import NativeLibrary
 from segflow.ops.native_library import describe_cache as describe_native_cache
 from segflow.ops.native_linear import describe_native_linears
 from segflow.ops.native_replay import describe_native_replays
@@ -52,9 +53,9 @@ from segflow.runtime.completion import SyncMode
 from segflow.runtime.executor import Executor
 from segflow.runtime.host_memory import HostMemory, apply_host_memory, release_free_heap
 from segflow.runtime.nonfinite import (
+    FeedScan,
     NonFinitePolicy,
     constants_finite,
-    holds_nonfinite,
     nonfinite_reach,
 )
 from segflow.runtime.plan import Plan, make_plan
@@ -184,6 +185,8 @@ class InferenceSession:
                                   sync_mode=sync_mode, cuda_graphs=cuda_graphs,
                                   stream_backend=stream_backend, compiler=compiler, arena=arena,
                                   nonfinite=self._nonfinite)
+        self._holds_nonfinite = FeedScan(NativeLibrary.for_session()[0]
+                                         if self._nonfinite.inexact else None)
         self._exact_args = (record, SyncMode.parse(sync_mode), stream_backend)
         self._exact: Executor | None = None
         self._exact_lock = threading.Lock()
@@ -329,7 +332,7 @@ class InferenceSession:
         """The session's executor, or where its kernels lose NaN or Inf and ``feeds`` hold
         one, the exact one: the same plan, every kernel bound to keep them (built by the
         first such run; no compiled segments, no planned arena)."""
-        if not self._nonfinite.inexact or not holds_nonfinite(feeds):
+        if not self._nonfinite.inexact or not self._holds_nonfinite(feeds):
             return self._executor
         with self._exact_lock:
             if self._exact is None:
