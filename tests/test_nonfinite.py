@@ -274,6 +274,26 @@ def test_a_nan_made_inside_the_graph_reaches_exact_kernels() -> None:
     _assert_masks(got, ref, "x / x")
 
 
+def test_a_nan_folded_into_a_constant_still_reaches_exact_kernels() -> None:
+    """0 / 0 between constants is folded away before the kernels are chosen: the walk over
+    the graph before its passes still sees it, by the folded constant's name."""
+    rng = np.random.default_rng(8)
+    zero = np.zeros((1, 16, 1, 1), np.float32)
+    zero[0, 2] = 1.0
+    model = _model([helper.make_node("Div", ["z", "z"], ["q"]),
+                    helper.make_node("Add", ["x", "q"], ["a"]),
+                    _conv("a", "w", "c", pads=[1, 1, 1, 1]),
+                    helper.make_node("Relu", ["c"], ["y"])],
+                   {"z": zero, "w": _w(rng, 16, 16, 3, 3)}, {"x": [1, 16, 8, 8]})
+    sess = segflow.InferenceSession(model)
+    assert "Div" not in {n.op_type for n in sess.graph.nodes}        # folded
+    assert "FusedConv" in {n.op_type for n in sess._nonfinite.exact or ()}
+    x = rng.standard_normal((1, 16, 8, 8)).astype(np.float32)
+    got = sess.run(None, {"x": x})
+    assert np.isnan(got[0]).all()
+    _assert_masks(got, _ort(model).run(None, {"x": x}), "folded 0 / 0")
+
+
 def test_a_divisor_that_is_a_safe_constant_creates_no_nan() -> None:
     rng = np.random.default_rng(6)
     model = _model([helper.make_node("Div", ["x", "s"], ["q"]),
@@ -301,12 +321,12 @@ def test_gelu_and_clip_at_infinity() -> None:
 @pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
 def test_the_feed_scan_finds_nan_and_inf_in_float_feeds_only(native: bool) -> None:
     from segflow.ops.native_library import NativeLibrary
-    from segflow.runtime.nonfinite import FeedScan
+    from segflow.runtime.nonfinite import NonFiniteScan
 
     library = NativeLibrary.for_session()[0] if native else None
     if native and library is None:
         pytest.skip("no native library")
-    scan = FeedScan(library)
+    scan = NonFiniteScan(library)
     assert not scan([torch.ones(3), torch.arange(4), torch.empty(0)])
     big = torch.rand(3, 5000)        # past the native scan's first block
     assert not scan([big])

@@ -14,7 +14,7 @@ them, and :class:`NonFinitePolicy` answers:
   computed value, a log, a square root, an exponential, ...) and of every
   constant holding one. Where the model's weights hold one, no node gets one.
 - Every other node may. The nodes that did are recorded, and a run whose
-  float feeds hold a NaN or an infinity (:class:`FeedScan`) runs a second
+  float feeds hold a NaN or an infinity (:class:`NonFiniteScan`) runs a second
   executor over the same plan, every kernel exact, built by the first such run
   (``InferenceSession``). Finite feeds keep the fast kernels.
 
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import math
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,13 +83,14 @@ class NonFinitePolicy:
         return lines
 
 
-class FeedScan:
-    """Whether a run's float feeds hold a NaN or an infinity (``scan(feeds) -> bool``).
+class NonFiniteScan:
+    """Whether float tensors hold a NaN or an infinity (``scan(tensors) -> bool``): a
+    run's feeds, a model's weights.
 
     A contiguous float32 host tensor is scanned by the native library's
     ``segflow_any_nonfinite_f32`` (``ops/native/finite.c``: a ctypes call, where a
     torch reduction costs a dispatch and a result tensor, which counts on a small
-    model's feed). Any other float feed, or every one without the library, is summed
+    model's feed). Any other float tensor, or every one without the library, is summed
     once: a NaN or an infinity anywhere makes the sum non-finite, and a sum of finite
     values overflowing float range only sends that run the exact way too. Half types
     are summed in float32, so that an ordinary image does not overflow them.
@@ -103,9 +104,9 @@ class FeedScan:
             fn.restype = ctypes.c_int
             self._native = fn
 
-    def __call__(self, feeds: Iterable[Tensor]) -> bool:
+    def __call__(self, tensors: Iterable[Tensor]) -> bool:
         native = self._native
-        for tensor in feeds:
+        for tensor in tensors:
             if not tensor.is_floating_point() or tensor.numel() == 0:
                 continue
             if native is not None and tensor.dtype == torch.float32 \
@@ -119,36 +120,31 @@ class FeedScan:
         return False
 
 
-def constants_finite(values: Iterable[Value]) -> bool:
-    """Whether every float constant among ``values`` is finite (packed ones skipped)."""
-    for value in values:
-        const = value.const
-        if const is None or not const.is_floating_point() or const.is_mkldnn \
-                or const.numel() == 0:
-            continue
-        if not bool(torch.isfinite(const).all()):
-            return False
-    return True
+def nonfinite_reach(graph: Graph, registry: OpRegistry, carried: Collection[str] = ()
+                    ) -> tuple[frozenset[Node], frozenset[str]]:
+    """The nodes of ``graph`` a NaN or an infinity can reach from inside it, and the
+    names of the values that may carry one: the results, at any distance, of a node
+    whose op may create one, and of a constant named in ``carried``. Graph inputs are
+    not sources: runs check their feeds.
 
-
-def nonfinite_reach(graph: Graph, registry: OpRegistry) -> frozenset[Node]:
-    """The nodes of ``graph`` a NaN or an infinity can reach from inside it: those reading,
-    at any distance, a node whose op may create one, or a constant holding one. Graph
-    inputs are not sources: runs check their feeds. Every node of a control-flow body
-    counts as reached (a body is bound on its own), and a control-flow node creates what
-    its bodies may create."""
+    ``carried`` is what the same walk found over the graph before its passes: a folded
+    constant keeps the name of the value it stands for, so a division by zero folded
+    away is still seen (the passes' packed weights come from weights checked finite).
+    Every node of a control-flow body counts as reached (a body is bound on its own),
+    and a control-flow node creates what its bodies may create.
+    """
     tainted: set[Value] = set()
     reached: set[Node] = set()
     for node in graph.nodes:
         reads = [v for v in node_reads(node) if v is not None]
-        if any(v in tainted or (v.is_const and not constants_finite([v])) for v in reads):
+        if any(v in tainted or (v.is_const and v.name in carried) for v in reads):
             reached.add(node)
             tainted.update(node.outputs)
         elif _creates(node, registry):
             tainted.update(node.outputs)
         for sub in node.subgraphs.values():
             reached.update(_body_nodes(sub))
-    return frozenset(reached)
+    return frozenset(reached), frozenset(v.name for v in tainted)
 
 
 def _creates(node: Node, registry: OpRegistry) -> bool:

@@ -53,9 +53,8 @@ from segflow.runtime.completion import SyncMode
 from segflow.runtime.executor import Executor
 from segflow.runtime.host_memory import HostMemory, apply_host_memory, release_free_heap
 from segflow.runtime.nonfinite import (
-    FeedScan,
     NonFinitePolicy,
-    constants_finite,
+    NonFiniteScan,
     nonfinite_reach,
 )
 from segflow.runtime.plan import Plan, make_plan
@@ -152,8 +151,12 @@ class InferenceSession:
         threads = configure_threads(self.options)
         memory_policy = apply_host_memory(HostMemory.resolve(host_memory), self.device)
         # Weights holding NaN or Inf: no kernel may lose them (runtime/nonfinite.py).
-        # Checked before the passes pack them into formats that cannot be read back.
-        weights_finite = constants_finite(self.graph.initializers.values())
+        # Checked before the passes pack them into formats that cannot be read back, as
+        # are the values a NaN may arise in (the passes fold some into constants).
+        self._holds_nonfinite = NonFiniteScan(NativeLibrary.for_session()[0])
+        weights_finite = not self._holds_nonfinite(
+            v.const for v in self.graph.initializers.values() if v.const is not None)
+        carried = nonfinite_reach(self.graph, self.registry)[1] if weights_finite else None
         pipeline = run_pipeline(self.graph, self.options, registry=self.registry,
                                 device=None if placement else self.device)
         self.plan: Plan = make_plan(self.graph, self.registry, self.settings, self.device,
@@ -179,14 +182,12 @@ class InferenceSession:
             arena = pool if pool else None
         # Kernels that lose NaN or Inf only where none can reach them from inside the
         # graph; a run whose feeds hold one runs _exact_executor() instead.
-        self._nonfinite = NonFinitePolicy(nonfinite_reach(self.graph, self.registry)
-                                          if weights_finite else None)
+        self._nonfinite = NonFinitePolicy(
+            None if carried is None else nonfinite_reach(self.graph, self.registry, carried)[0])
         self._executor = Executor(self.plan, self.registry, self._engine, record,
                                   sync_mode=sync_mode, cuda_graphs=cuda_graphs,
                                   stream_backend=stream_backend, compiler=compiler, arena=arena,
                                   nonfinite=self._nonfinite)
-        self._holds_nonfinite = FeedScan(NativeLibrary.for_session()[0]
-                                         if self._nonfinite.inexact else None)
         self._exact_args = (record, SyncMode.parse(sync_mode), stream_backend)
         self._exact: Executor | None = None
         self._exact_lock = threading.Lock()
