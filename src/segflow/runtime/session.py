@@ -181,7 +181,7 @@ class InferenceSession:
             pool = ArenaPool(plans, self.graph.nodes, calls_libdnnl, converts_input)
             arena = pool if pool else None
         # Kernels that lose NaN or Inf only where none can reach them from inside the
-        # graph; a run whose feeds hold one runs _exact_executor() instead.
+        # graph; a run whose feeds hold one runs the exact executor (_executor_for).
         self._nonfinite = NonFinitePolicy(
             None if carried is None else nonfinite_reach(self.graph, self.registry, carried)[0])
         self._executor = Executor(self.plan, self.registry, self._engine, record,
