@@ -220,17 +220,18 @@ def test_builtin_models_with_nonfinite_feeds(name: str, options: dict[str, int])
 
 
 @pytest.mark.parametrize("value", VALUES)
-def test_bert_with_a_nonfinite_weight(value: float) -> None:
+@pytest.mark.parametrize("name", ["bert_tiny", "bert_base"])
+def test_bert_with_a_nonfinite_weight(name: str, value: float) -> None:
     """BERT's feeds are integers: the NaN or Inf sits in a weight the ids select, so no
     kernel may lose it (attention, add + layer norm, the GELU linears)."""
-    model = models.build("bert_tiny")
-    feeds = models.example_inputs("bert_tiny")
+    model = models.build(name)
+    feeds = models.example_inputs(name)
     embedding = max(model.graph.initializer, key=lambda t: t.dims[0] if t.dims else 0)
     table = numpy_helper.to_array(embedding).copy()
     table[int(feeds["input_ids"].reshape(-1)[5]), 3] = value
     embedding.CopyFrom(numpy_helper.from_array(table, embedding.name))
     sess = segflow.InferenceSession(model)
-    _assert_masks(sess.run(None, feeds), _ort(model).run(None, feeds), f"bert_tiny with {value}")
+    _assert_masks(sess.run(None, feeds), _ort(model).run(None, feeds), f"{name} with {value}")
     assert sess._nonfinite.exact is None and not sess._nonfinite.inexact
 
 
