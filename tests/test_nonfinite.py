@@ -255,6 +255,27 @@ def test_finite_feeds_keep_the_fast_kernels_and_nonfinite_ones_run_exact() -> No
     assert "1 so far" in sess.explain()
 
 
+@pytest.mark.parametrize("backend", ["inductor", "onednn"])
+def test_segments_lowered_by_a_backend_send_nonfinite_feeds_the_exact_way(backend: str) -> None:
+    """inductor and oneDNN Graph choose their own fused post-ops: a NaN feed runs the
+    exact executor (which compiles nothing), and a segment a NaN can reach from inside
+    the graph stays generated."""
+    model, _ = GRAPHS["winograd_residual"]
+    sess = segflow.InferenceSession(model, compile=backend)
+    assert "compiled segments" in sess._nonfinite.inexact
+    rng = np.random.default_rng(9)
+    feeds = _poisoned({"x": rng.standard_normal((1, 16, 28, 28)).astype(np.float32)},
+                      np.nan, rng)
+    _assert_masks(sess.run(None, feeds), _ort(model).run(None, feeds), backend)
+    assert sess.exact_runs == 1 and sess.compile_report.first_run_compile_s == 0.0
+    inner = _model([helper.make_node("Div", ["x", "x"], ["q"]),
+                    _conv("q", "w", "c", pads=[1, 1, 1, 1]),
+                    helper.make_node("Relu", ["c"], ["y"])],
+                   {"w": _w(rng, 16, 16, 3, 3)}, {"x": [1, 16, 8, 8]})
+    kept = segflow.InferenceSession(inner, compile=backend)
+    assert kept._nonfinite.exact and "compiled segments" not in kept._nonfinite.inexact
+
+
 def test_a_nan_made_inside_the_graph_reaches_exact_kernels() -> None:
     """x / x is NaN where x is 0: finite feeds, so the run check cannot see it; the
     nodes after the division bind kernels that keep NaN."""

@@ -52,11 +52,12 @@ def test_onednn_backend_matches_onnxruntime_across_batch_sizes(name):
     report = sess.compile_report
     assert report.backend == "onednn" and sess.last_run_stats.settings["compile"] == "onednn"
     assert report.first_run_compile_s > 0
-    if name == "nonzero_mid":  # the segment after NonZero gathers by computed indices
-        assert len(report.fallbacks) == 2  # one per batch size
-        assert all("depends on input values" in f for f in report.fallbacks)
-    else:
-        assert report.fallbacks == []
+    assert report.fallbacks == []
+    if name == "nonzero_mid":
+        # The segment after NonZero divides by a computed count (a NaN can arise there):
+        # it is generated rather than lowered (runtime/nonfinite.py), so the first
+        # segment alone compiled.
+        assert {n.name for n in sess._nonfinite.exact or ()} == {"mix", "fc2"}
 
 
 def test_a_failing_fusion_falls_back_to_codegen(monkeypatch):

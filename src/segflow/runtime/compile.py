@@ -120,11 +120,15 @@ class SegmentCompiler:
 
     def __init__(self, mode: CompileMode | str = CompileMode.AUTO,
                  memory: MemoryPlan | None = None, device: torch.device | None = None,
-                 cached_packages: bool = False, replay: bool = True) -> None:
+                 cached_packages: bool = False, replay: bool = True,
+                 keeps_nonfinite: Callable[[Node], bool] | None = None) -> None:
         """``cached_packages``: ``auto`` chose ``codegen``; a small segment whose
         inductor package is already in the disk cache runs that package instead
         (:func:`uses_cached_package`). Nothing is compiled for it. ``replay``: runs
-        of direct libdnnl kernels become one :class:`DirectReplay` call."""
+        of direct libdnnl kernels become one :class:`DirectReplay` call.
+        ``keeps_nonfinite(node)``: the node must keep NaN and infinities
+        (runtime/nonfinite.py); a segment holding one is generated, not handed to
+        inductor or oneDNN Graph, whose fused kernels choose their own post-ops."""
         self.mode = CompileMode.parse(mode).resolve()
         self.memory = memory
         self.device = device or torch.device("cpu")
@@ -132,6 +136,7 @@ class SegmentCompiler:
         self.cached_packages = cached_packages and self.mode is CompileMode.CODEGEN \
             and self.device.type == "cpu" and has_packages()
         self.replay = replay
+        self.keeps_nonfinite = keeps_nonfinite
         self.report = CompileReport(self.mode.value)
 
     def compile_tasks(self, tasks: Sequence[tuple[Segment, Sequence[Step]]],
@@ -152,7 +157,10 @@ class SegmentCompiler:
             program = generate(steps, template, live_out, self.memory, self.device,
                                replay=self.replay)
             cached_only = self.cached_packages and uses_cached_package(steps)
-            if self.mode in (CompileMode.INDUCTOR, CompileMode.ONEDNN) or cached_only:
+            keeps = self.keeps_nonfinite
+            lowered = keeps is None or not any(keeps(step.node) for step in steps)
+            if lowered and (self.mode in (CompileMode.INDUCTOR, CompileMode.ONEDNN)
+                            or cached_only):
                 pure = generate(steps, template, live_out, None, self.device, pure=True,
                                 traceable=True)
                 if self.mode is CompileMode.ONEDNN:

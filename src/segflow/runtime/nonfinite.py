@@ -59,12 +59,20 @@ class NonFinitePolicy:
         """Every kernel exact: the executor that runs feeds holding NaN or Inf."""
         return cls(None)
 
+    def keeps(self, node: Node) -> bool:
+        """Whether ``node`` must run a kernel that keeps NaN and infinities."""
+        return self.exact is None or node in self.exact
+
     def allow(self, node: Node, reason: str) -> bool:
         """``BindContext.allow_inexact``: True, recorded, unless ``node`` must be exact."""
-        if self.exact is None or node in self.exact:
+        if self.keeps(node):
             return False
         self.inexact.setdefault(node.label, reason)
         return True
+
+    def note(self, what: str, reason: str) -> None:
+        """Record kernels no binder chose that may lose NaN or Inf (a compiled segment)."""
+        self.inexact.setdefault(what, reason)
 
     def describe(self, exact_runs: int) -> list[str]:
         """``explain()`` lines: the kernels that lose NaN or Inf and what runs instead."""

@@ -47,6 +47,7 @@ from segflow.passes.pipeline import (
 )
 from segflow.passes.plan_memory import PlansBySize
 from segflow.profiler.sink import active_sink
+from segflow.runtime.aot_inductor import AotInductorSegment
 from segflow.runtime.arena import ArenaPool
 from segflow.runtime.compile import SegmentCompiler
 from segflow.runtime.completion import SyncMode
@@ -57,6 +58,7 @@ from segflow.runtime.nonfinite import (
     NonFiniteScan,
     nonfinite_reach,
 )
+from segflow.runtime.onednn_graph import OneDnnGraphSegment
 from segflow.runtime.plan import Plan, make_plan
 from segflow.runtime.stats import RunStats
 from segflow.settings import BulkSettings, engine_for_plan, resolve_engine
@@ -171,23 +173,28 @@ class InferenceSession:
                                      "intra_op_threads": threads,
                                      "host_memory": memory_policy.value,
                                      **(pipeline.memory.as_record() if pipeline.memory else {})}
+        # Kernels that lose NaN or Inf only where none can reach them from inside the
+        # graph; a run whose feeds hold one runs the exact executor (_executor_for).
+        self._nonfinite = NonFinitePolicy(
+            None if carried is None else nonfinite_reach(self.graph, self.registry, carried)[0])
         compiler = SegmentCompiler(pipeline.compile, pipeline.memory, self.device.torch,
                                    cached_packages=self.options.compile is CompileMode.AUTO,
-                                   replay=self.options.onednn_replay)
+                                   replay=self.options.onednn_replay,
+                                   keeps_nonfinite=self._nonfinite.keeps)
         memory = pipeline.memory
         plans = PlansBySize(self.graph, memory) if memory is not None else None
         arena = None
         if plans is not None and self.options.arena:
             pool = ArenaPool(plans, self.graph.nodes, calls_libdnnl, converts_input)
             arena = pool if pool else None
-        # Kernels that lose NaN or Inf only where none can reach them from inside the
-        # graph; a run whose feeds hold one runs the exact executor (_executor_for).
-        self._nonfinite = NonFinitePolicy(
-            None if carried is None else nonfinite_reach(self.graph, self.registry, carried)[0])
         self._executor = Executor(self.plan, self.registry, self._engine, record,
                                   sync_mode=sync_mode, cuda_graphs=cuda_graphs,
                                   stream_backend=stream_backend, compiler=compiler, arena=arena,
                                   nonfinite=self._nonfinite)
+        if any(isinstance(fn, AotInductorSegment | OneDnnGraphSegment)
+               for fn in self._executor.compiled):
+            self._nonfinite.note("compiled segments", "inductor's or oneDNN Graph's fused "
+                                 "kernels are not checked for NaN")
         self._exact_args = (record, SyncMode.parse(sync_mode), stream_backend)
         self._exact: Executor | None = None
         self._exact_lock = threading.Lock()
