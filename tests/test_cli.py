@@ -182,6 +182,31 @@ def test_unknown_flag_is_rejected(capsys):
     assert "unrecognized arguments: --bogus" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv", [["--bogus"], ["--device", "cpu", "--bogus"]])
+def test_unknown_flag_without_a_command_is_rejected_not_run(capsys, argv):
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 2
+    out, err = capsys.readouterr()
+    assert "unrecognized arguments: --bogus" in err and "checksum" not in out
+
+
+def test_version(capsys):
+    import segflow
+
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"segflow {segflow.__version__}"
+
+
+def test_a_model_path_alone_means_run(tmp_path, capsys):
+    path = tmp_path / "mlp.onnx"
+    onnx.save(models.build("mlp_chain", layers=2, width=8), str(path))
+    code, out, _ = run_cli(capsys, str(path))
+    assert code == 0 and f"model: {path}" in out and "checksum=" in out
+
+
 def test_cache_shows_and_clears_packages(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("SEGFLOW_CACHE_DIR", str(tmp_path))
     assert cli.main(["cache"]) == 0

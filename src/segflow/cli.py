@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from segflow import __version__
 from segflow.errors import SegflowError
 
 DEFAULT_MODEL = "builtin:resnet50"
@@ -277,6 +278,7 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Run ONNX models in bulk segments through a dependency engine, "
                     "with counters (segments, pushes, syncs, kernels) that make "
                     "performance regressions visible.")
+    parser.add_argument("--version", action="version", version=f"segflow {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("run", help="run a model and print its outputs",
@@ -343,10 +345,16 @@ _EXTRA_COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (  #
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
+    words = list(sys.argv[1:] if argv is None else argv)
+    # No command means `run`: `segflow`, `segflow MODEL`, `segflow --device cpu MODEL`
+    # (an unknown flag is then run's error, not a silent run of the default model).
+    commands = next(action.choices for action in parser._actions
+                    if isinstance(action, argparse._SubParsersAction))
+    if not words or words[0] not in commands and words[0] not in ("-h", "--help",
+                                                                   "--version"):
+        words = ["run", *words]
     # train-demo passes its flags through to the demo; every other command must know them all.
-    args, extra = parser.parse_known_args(argv)
-    if args.command is None:
-        args, extra = parser.parse_known_args(["run", *(argv or [])])
+    args, extra = parser.parse_known_args(words)
     if args.command == "train-demo":
         args.rest = [*args.rest, *extra]
     elif extra:
