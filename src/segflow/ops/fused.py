@@ -685,9 +685,9 @@ def _linear_callable(node: Node, device: torch.device,
     attr, scalars, algorithm = fused if fused is not None else ("none", [], "")
     after = None if fused is not None else (act.inplace or act.apply)
     static = _static_macs(node)
-    # torch's oneDNN keeps a primitive per input shape for the process (~0.6 MiB each
-    # at BERT-tiny's sizes), which no session can free: with dynamic rows, the shapes
-    # handed to it are bounded (ops/shape_cache.py; benchmarks/shape_memory.py).
+    # torch's oneDNN keeps a primitive per input shape for the process, which no session
+    # can free: with dynamic rows, the shapes handed to it are bounded
+    # (ops/shape_cache.py; the figures: docs/performance.md).
     admission = RowAdmission() if static is None else None
 
     def large(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:

@@ -25,8 +25,8 @@ K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
 
 # Entries a per-shape cache keeps unless its owner says otherwise: a session cycling over
-# more sizes than this rebuilds (tests/test_shape_memory.py: BERT-tiny over 128 sequence
-# lengths keeps 32 per kernel). One built libdnnl primitive is tens to hundreds of KiB.
+# more sizes than this rebuilds; what each entry holds, and what the cap bounds, is
+# measured in docs/performance.md (benchmarks/shape_memory.py).
 DEFAULT_CAP = 32
 
 

@@ -11,8 +11,9 @@ them, and :class:`NonFinitePolicy` answers:
 - A node that a NaN or an infinity can reach from inside the graph never gets
   one: :func:`nonfinite_reach` follows the results of every node whose op may
   create one out of finite inputs (``OpDef.creates_nonfinite``: a division by a
-  computed value, a log, a square root, an exponential, ...) and of every
-  constant holding one. Where the model's weights hold one, no node gets one.
+  computed value, a log, a square root, an exponential, ...), and of every constant
+  the passes folded out of such a node. Where the model's weights hold one, no node
+  gets one.
 - Every other node may. The nodes that did are recorded, and a run whose
   float feeds hold a NaN or an infinity (:class:`NonFiniteScan`) runs a second
   executor over the same plan, every kernel exact, built by the first such run
