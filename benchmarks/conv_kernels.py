@@ -57,7 +57,7 @@ def _segflow_child(model: str, batch: int, threads: int, runs: int) -> dict[str,
 
     import segflow
     from segflow import models
-    from segflow.ops.onednn_direct import Library
+    from segflow.kernels.onednn.library import Library
 
     feeds = models.example_inputs(model, batch_size=batch)
     sess = segflow.InferenceSession(models.build(model), intra_op_threads=threads)

@@ -2,7 +2,7 @@
 
 For each (width, rows) it times one DenseChain op of ``--layers`` layers of
 ``width x width`` (Relu) two ways, alternating in rounds: the native kernel
-(one call into ``ops/native/dense_chain.c``) and the torch path (one ``addmm``
+(one call into ``kernels/native/dense_chain.c``) and the torch path (one ``addmm``
 with Relu per layer, MKL, torch's intra-op threads). The ratio is the
 median over rounds of native / torch. Where it crosses 1 is where
 ``NATIVE_MAX_MACS`` (multiply-adds per layer and call, ``rows x width^2``)
@@ -30,9 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import torch
 
+    from segflow.kernels.native.build import NativeLibrary
     from segflow.ops.dense_chain import NATIVE_MAX_MACS, ChainLayer, DenseChain
     from segflow.ops.fused import ACTIVATIONS
-    from segflow.ops.native_library import NativeLibrary
 
     library, why = NativeLibrary.probe()
     if library is None:

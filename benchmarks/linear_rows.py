@@ -30,7 +30,8 @@ import onnxruntime as ort
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from segflow.ops.onednn_direct import DirectLinear, Library
+from segflow.kernels.onednn.library import Library
+from segflow.kernels.onednn.linear import DirectLinear
 
 SHAPES = ["1280x1000", "2048x1000", "768x768", "768x3072", "256x256"]
 # Untimed pause around onnxruntime's calls: its pool's threads spin ~40 ms after a run and

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import segflow
-from segflow.ops.onednn_replay import DirectReplay
+from segflow.kernels.onednn.replay import DirectReplay
 
 
 def replays(sess: segflow.InferenceSession) -> list[DirectReplay]:

@@ -1,4 +1,4 @@
-"""Tests for AddLayerNorm (ops/add_layer_norm.py, ops/native/layer_norm.c) and the fuse
+"""Tests for AddLayerNorm (kernels/layer_norm.py, kernels/native/layer_norm.c) and the fuse
 pass's ``layernorm`` rule (passes/fuse/layernorm.py): a residual Add and the
 LayerNormalization after it as one kernel.
 
@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from onnx import TensorProto, helper, numpy_helper
 
 import segflow
-from segflow.ops.add_layer_norm import AddLayerNorm
-from segflow.ops.native_library import NativeLibrary
+from segflow.kernels.layer_norm import AddLayerNorm
+from segflow.kernels.native.build import NativeLibrary
 
 LIB, WHY = NativeLibrary.probe()
 needs_native = pytest.mark.skipif(LIB is None, reason=f"native kernels {WHY}")

@@ -23,8 +23,8 @@ from onnx import TensorProto, helper, numpy_helper
 import segflow
 from concurrency import run_in_threads
 from segflow import models
-from segflow.ops.native_library import NativeLibrary
-from segflow.ops.onednn_direct import Library
+from segflow.kernels.native.build import NativeLibrary
+from segflow.kernels.onednn.library import Library
 from segflow.runtime.arena import ArenaLayout, ArenaPool
 
 pytestmark = pytest.mark.skipif(Library.load() is None,

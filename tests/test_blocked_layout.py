@@ -21,8 +21,11 @@ import segflow
 from segflow import models
 from segflow.frontend.onnx_import import import_model
 from segflow.ir.types import Device, DeviceKind
+from segflow.kernels.onednn.conv import DirectConv
+from segflow.kernels.onednn.geometry import geometry
+from segflow.kernels.onednn.library import DnnlError, Library
+from segflow.kernels.onednn.pool import DirectPool
 from segflow.ops.fused import blocked_layout_preferred
-from segflow.ops.onednn_direct import DirectConv, DirectPool, DnnlError, Library, geometry
 from segflow.passes.pipeline import OptimizeOptions, optimize
 
 LIB = Library.load()

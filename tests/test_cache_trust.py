@@ -28,8 +28,8 @@ import pytest
 import segflow
 from segflow import cli, models
 from segflow.cache_store import MISSING, STALE_BUILD_S, ArtifactStore
-from segflow.ops import native_library
-from segflow.ops.native_library import NativeLibrary
+from segflow.kernels.native import build as native_library
+from segflow.kernels.native.build import NativeLibrary
 from segflow.runtime import aot_inductor
 
 OTHER_UID = 65534   # nobody
@@ -259,7 +259,7 @@ def _cached_probe(result: tuple[NativeLibrary | None, str]) -> Callable[[], obje
 # -- processes starting together ----------------------------------------------------------
 _WORKER = r"""
 import json, os, shutil, sys, time
-from segflow.ops import native_library as nl
+from segflow.kernels.native import build as nl
 
 good, counter, go = sys.argv[1:4]
 

@@ -10,10 +10,10 @@ import onnx
 import pytest
 
 from segflow import cli, models
+from segflow.kernels.linear import native_linear_preferred
+from segflow.kernels.native.build import NativeLibrary
+from segflow.kernels.onednn.library import Library
 from segflow.ops.fused import direct_linear_preferred
-from segflow.ops.native_library import NativeLibrary
-from segflow.ops.native_linear import native_linear_preferred
-from segflow.ops.onednn_direct import Library
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:

@@ -1,5 +1,5 @@
 """Tests for the dense-chain pass (passes/dense_chain.py), its op (ops/dense_chain.py) and the
-native library it calls (ops/native_library.py): changed and unchanged graphs, numerics
+native library it calls (kernels/native/build.py): changed and unchanged graphs, numerics
 against onnxruntime and torch, the torch path, and what explain() says."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from concurrency import run_in_threads
 from segflow import models
 from segflow.frontend.onnx_import import import_model
 from segflow.ir.types import Device
+from segflow.kernels.native.build import NativeLibrary
 from segflow.ops.dense_chain import (
     NATIVE_ACTIVATIONS,
     NATIVE_MAX_MACS,
@@ -27,7 +28,6 @@ from segflow.ops.dense_chain import (
     traceable_chain,
 )
 from segflow.ops.fused import ACTIVATIONS
-from segflow.ops.native_library import NativeLibrary
 from segflow.passes.dense_chain import CHAIN_MAX_WEIGHT, chain_dense, find_chains
 from segflow.passes.pipeline import OptimizeOptions, optimize
 

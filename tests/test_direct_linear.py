@@ -1,4 +1,4 @@
-"""Tests for DirectLinear (ops/onednn_direct.py): large linears through libdnnl's inner
+"""Tests for DirectLinear (kernels/onednn/): large linears through libdnnl's inner
 product, with the weight packed once by the layout pass in the library's own format.
 
 Numerics are checked against ``F.linear`` on the dense weight (float32, atol/rtol 1e-4)
@@ -19,8 +19,9 @@ import torch.nn.functional as F
 import segflow
 from concurrency import runs_match_in_threads
 from linear_model import linear_model
+from segflow.kernels.onednn.library import Library, onednn_eltwise
+from segflow.kernels.onednn.linear import DirectLinear
 from segflow.ops import fused
-from segflow.ops.onednn_direct import DirectLinear, Library, onednn_eltwise
 
 LIB = Library.load()
 pytestmark = pytest.mark.skipif(LIB is None, reason=f"libdnnl {Library.probe()[1]}")

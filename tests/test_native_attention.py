@@ -1,4 +1,4 @@
-"""Tests for the Attention kernel (ops/native_attention.py, ops/native/attention.c) and the
+"""Tests for the Attention kernel (kernels/attention.py, kernels/native/attention.c) and the
 fuse pass's ``attention`` rule absorbing the heads' split and merge
 (passes/fuse/attention.py).
 
@@ -22,8 +22,8 @@ from onnx import TensorProto, helper, numpy_helper
 import segflow
 from concurrency import run_in_threads
 from segflow import models
-from segflow.ops.native_attention import ScaledDotAttention
-from segflow.ops.native_library import NativeLibrary
+from segflow.kernels.attention import ScaledDotAttention
+from segflow.kernels.native.build import NativeLibrary
 
 LIB, WHY = NativeLibrary.probe()
 needs_native = pytest.mark.skipif(LIB is None, reason=f"native kernels {WHY}")

@@ -1,4 +1,4 @@
-"""Tests for NativeLinear (ops/native_linear.py, ops/native/gemm.c): large linears over
+"""Tests for NativeLinear (kernels/linear.py, kernels/native/gemm.c): large linears over
 a weight the layout pass packs into panels of 24 output columns (48 in an AVX-512
 build).
 
@@ -24,9 +24,7 @@ import torch.nn.functional as F
 import segflow
 from concurrency import on_one_and_more_threads, runs_match_in_threads
 from linear_model import linear_model, session_switched_off
-from segflow.ops import fused
-from segflow.ops.native_library import NativeLibrary
-from segflow.ops.native_linear import (
+from segflow.kernels.linear import (
     NativeLinear,
     kernel_activation,
     pack,
@@ -34,6 +32,8 @@ from segflow.ops.native_linear import (
     panel_width,
     unpack,
 )
+from segflow.kernels.native.build import NativeLibrary
+from segflow.ops import fused
 
 LIB, WHY = NativeLibrary.probe()
 P = panel_width(LIB) if LIB is not None else 24   # output columns per panel

@@ -1,4 +1,4 @@
-"""ops/native_replay.py: runs of native kernels recorded once and replayed in one C call.
+"""kernels/replay.py: runs of native kernels recorded once and replayed in one C call.
 
 A 2-layer encoder of BERT-base's widths (768 wide, so its linears are packed for the
 native kernel) runs its whole encoder as one replayed run: every result is checked
@@ -19,9 +19,9 @@ import torch
 import segflow
 from concurrency import run_in_threads
 from segflow import models
-from segflow.ops.native_library import NativeLibrary
-from segflow.ops.native_linear import NativeLinear, pack
-from segflow.ops.native_replay import NativeReplay, NativeStep
+from segflow.kernels.linear import NativeLinear, pack
+from segflow.kernels.native.build import NativeLibrary
+from segflow.kernels.replay import NativeReplay, NativeStep
 
 LIB, WHY = NativeLibrary.probe()
 pytestmark = pytest.mark.skipif(LIB is None, reason=f"native kernels {WHY}")

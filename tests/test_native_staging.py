@@ -1,4 +1,4 @@
-"""Tests for ChannelsLastStaging (ops/native_staging.py, ops/native/staging.c): an NCHW
+"""Tests for ChannelsLastStaging (kernels/staging.py, kernels/native/staging.c): an NCHW
 input copied into a direct convolution's channels-last staging storage. A copy is
 exact, so every check is bit for bit against torch's ``copy_``."""
 
@@ -13,9 +13,9 @@ import segflow
 from concurrency import on_one_and_more_threads
 from replays import replays
 from segflow import models
-from segflow.ops.native_library import NativeLibrary
-from segflow.ops.native_staging import ChannelsLastStaging
-from segflow.ops.onednn_direct import Library
+from segflow.kernels.native.build import NativeLibrary
+from segflow.kernels.onednn.library import Library
+from segflow.kernels.staging import ChannelsLastStaging
 
 LIB, WHY = NativeLibrary.probe()
 pytestmark = pytest.mark.skipif(LIB is None, reason=f"native kernels {WHY}")

@@ -1,4 +1,4 @@
-"""Tests for the native stem convolution (ops/native_stem.py, ops/native/stem.c).
+"""Tests for the native stem convolution (kernels/stem.py, kernels/native/stem.c).
 
 Each geometry runs a one-convolution model (with its activation) against onnxruntime,
 atol 1e-4 and rtol 1e-3 as the other direct-kernel tests: the kernel sums the taps in
@@ -22,11 +22,12 @@ import segflow
 from concurrency import on_one_and_more_threads, run_in_threads
 from replays import replays
 from segflow import models
-from segflow.ops import native_stem
-from segflow.ops.native_library import NativeLibrary
-from segflow.ops.native_stem import vector_width
-from segflow.ops.onednn_direct import DirectConv, Library
-from segflow.ops.onednn_replay import _NativeStretch
+from segflow.kernels import stem as native_stem
+from segflow.kernels.native.build import NativeLibrary
+from segflow.kernels.onednn.conv import DirectConv
+from segflow.kernels.onednn.library import Library
+from segflow.kernels.onednn.replay import _NativeStretch
+from segflow.kernels.stem import vector_width
 
 NATIVE, NATIVE_WHY = NativeLibrary.probe()
 pytestmark = [

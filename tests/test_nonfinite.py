@@ -22,7 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import segflow
 from segflow import models
-from segflow.ops.onednn_direct import Library
+from segflow.kernels.onednn.library import Library
 
 VALUES = (np.nan, np.inf, -np.inf)
 # The switches that change which kernel runs: (id, optimize, SEGFLOW_NATIVE).
@@ -342,7 +342,7 @@ def test_gelu_and_clip_at_infinity() -> None:
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
 def test_the_feed_scan_finds_nan_and_inf_in_float_feeds_only(native: bool) -> None:
-    from segflow.ops.native_library import NativeLibrary
+    from segflow.kernels.native.build import NativeLibrary
     from segflow.runtime.nonfinite import NonFiniteScan
 
     library = NativeLibrary.for_session()[0] if native else None

@@ -1,4 +1,4 @@
-"""Tests for ops/onednn_direct.py: convolutions called straight into libdnnl.
+"""Tests for kernels/onednn/: convolutions called straight into libdnnl.
 
 Each DirectConv is checked against torch's ``F.conv2d``/``F.conv3d`` (float32,
 atol/rtol 1e-4: the same oneDNN kernels, summed in a possibly different order)
@@ -28,14 +28,15 @@ from concurrency import run_in_threads
 from segflow import models
 from segflow.frontend.onnx_import import import_model
 from segflow.ir.types import Device, DeviceKind
-from segflow.ops import fused, onednn_direct
-from segflow.ops.onednn_direct import (
-    DirectConv,
-    DirectKernel,
-    Library,
-    geometry,
-    onednn_eltwise,
-)
+from segflow.kernels.onednn import conv as onednn_conv
+from segflow.kernels.onednn import geometry as onednn_geometry
+from segflow.kernels.onednn import library as onednn_library
+from segflow.kernels.onednn import pool as onednn_pool
+from segflow.kernels.onednn.conv import DirectConv
+from segflow.kernels.onednn.geometry import geometry
+from segflow.kernels.onednn.library import Library, onednn_eltwise
+from segflow.kernels.onednn.op import DirectKernel
+from segflow.ops import fused
 from segflow.passes.layout import _pack_conv, _PackParams
 from segflow.passes.pipeline import OptimizeOptions, optimize
 
@@ -183,7 +184,7 @@ def test_a_broadcast_residual_falls_back():
 def test_a_weight_format_unlike_torchs_is_copied_at_most_max_copies_times(
         monkeypatch: pytest.MonkeyPatch):
     # Pretend torch's packing never matches, and every shape wants another format.
-    monkeypatch.setattr(onednn_direct, "same_bytes", lambda packed, mine: False)
+    monkeypatch.setattr(onednn_conv, "same_bytes", lambda packed, mine: False)
     assert LIB is not None
     monkeypatch.setattr(LIB, "equal", lambda a, b: False)
     torch.manual_seed(5)
@@ -204,11 +205,11 @@ def test_same_bytes_compares_torchs_packed_buffer_byte_for_byte():
     size = torch.ops.mkldnn._nbytes(packed)
     raw = (ctypes.c_uint8 * size).from_address(torch.ops.mkldnn.data_ptr(packed))
     mine = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    assert onednn_direct.same_bytes(packed, mine)
+    assert onednn_geometry.same_bytes(packed, mine)
     flipped = mine.clone()
     flipped[size // 2] ^= 1
-    assert not onednn_direct.same_bytes(packed, flipped)
-    assert not onednn_direct.same_bytes(packed, mine[:-4])
+    assert not onednn_geometry.same_bytes(packed, flipped)
+    assert not onednn_geometry.same_bytes(packed, mine[:-4])
 
 
 def test_a_different_weight_tensor_goes_to_the_fallback():
@@ -272,10 +273,10 @@ def test_the_system_search_runs_only_when_the_wheels_library_is_absent(
     """``ctypes.util.find_library`` runs ``ldconfig`` and a compiler (~20 ms of a cold
     start): the library search asks it only after the environment's own file."""
     asked: list[str] = []
-    monkeypatch.setattr(onednn_direct.ctypes.util, "find_library",
+    monkeypatch.setattr(onednn_library.ctypes.util, "find_library",
                         lambda name: asked.append(name) or "libdnnl.so.3")
     monkeypatch.delenv("SEGFLOW_DNNL_LIBRARY", raising=False)
-    candidates = onednn_direct._library_candidates()
+    candidates = onednn_library._library_candidates()
     assert next(candidates) == str(Path(sys.prefix) / "lib" / "libdnnl.so.3")
     assert asked == []
     assert list(candidates)[-1] == "libdnnl.so.3" and asked == ["dnnl"]
@@ -359,14 +360,14 @@ def test_a_verified_torch_packing_is_read_without_comparing_bytes(
         packed = torch.ops.mkldnn._reorder_convolution_weight(
             dense, [1, 1], [1, 1], [1, 1], 1, list(size))
         geo = geometry(dense.shape, (1, 1), (1, 1), (1, 1), 1)
-        if onednn_direct.same_bytes(packed, LIB.preferred_weight(dense, geo, size)):
+        if onednn_geometry.same_bytes(packed, LIB.preferred_weight(dense, geo, size)):
             break
     else:
         pytest.skip("no torch packing of these weights is libdnnl's format on this CPU")
 
     def no_dense_copy(*args: Any) -> torch.Tensor:
         raise AssertionError("compared bytes although the weight was verified")
-    monkeypatch.setattr(onednn_direct, "_reorder_weight", no_dense_copy)
+    monkeypatch.setattr(onednn_conv, "reorder_weight", no_dense_copy)
     conv = DirectConv(LIB, geo, None, None, Fallback(), 32, 2, list(size))
     x = torch.randn(*size).contiguous(memory_format=torch.channels_last)
     torch.testing.assert_close(conv(x, packed), F.conv2d(x, dense, None, 1, 1),
@@ -389,7 +390,7 @@ def test_a_weight_in_libdnnl_packing_is_read_in_place(monkeypatch: pytest.Monkey
 
     def no_copy(*args: Any) -> torch.Tensor:
         raise AssertionError("made an own copy of a weight already in libdnnl's packing")
-    monkeypatch.setattr(onednn_direct, "_reorder_weight", no_copy)
+    monkeypatch.setattr(onednn_conv, "reorder_weight", no_copy)
     assert LIB is not None
     fallback = Fallback()
     conv = DirectConv(LIB, geo, None, None, fallback, 32, 2, size, libdnnl_packed=True)
@@ -514,11 +515,11 @@ def test_concurrent_runs_of_one_session_match_onnxruntime(engine: str):
 def _pool(kernel: list[int], strides: list[int], dilations: list[int], begin: list[int],
           end: list[int], *, ceil_mode: bool = False,
           destination: Callable[[], torch.Tensor | None] | None = None
-          ) -> tuple[onednn_direct.DirectPool, Fallback]:
+          ) -> tuple[onednn_pool.DirectPool, Fallback]:
     fallback = Fallback()
     assert LIB is not None
-    pool = onednn_direct.DirectPool(
-        LIB, onednn_direct.POOL_MAX, lambda x: (kernel, strides, dilations, begin, end),
+    pool = onednn_pool.DirectPool(
+        LIB, onednn_library.POOL_MAX, lambda x: (kernel, strides, dilations, begin, end),
         ceil_mode, fallback, 32, destination)
     return pool, fallback
 
@@ -605,8 +606,8 @@ def test_direct_global_pooling_matches_torch(algorithm: str, reference: Any, sha
     x = torch.randn(shape).contiguous(memory_format=torch.channels_last)
     fallback = Fallback()
     assert LIB is not None
-    pool = onednn_direct.DirectPool(
-        LIB, getattr(onednn_direct, algorithm),
+    pool = onednn_pool.DirectPool(
+        LIB, getattr(onednn_library, algorithm),
         lambda x: (list(x.shape[2:]), [1, 1], [1, 1], [0, 0], [0, 0]), False, fallback, 32)
     got = pool(x)
     assert fallback.calls == 0 and got.shape == (shape[0], shape[1], 1, 1)
@@ -675,7 +676,7 @@ def test_generated_code_calls_the_kernels_own_direct_convolution():
 def test_the_interpreter_and_profiled_runs_add_residuals_in_place_like_codegen(engine: str):
     """ResNet-18's 8 residual convolutions overwrite their dying residual (oneDNN's sum
     post-op) under compile="none" and in profiled runs too, not only in generated code."""
-    from segflow.ops.onednn_direct import ResidualInPlaceKernel
+    from segflow.kernels.onednn.op import ResidualInPlaceKernel
 
     model = models.build("resnet18", image_size=48)
     feeds = models.example_inputs("resnet18", batch_size=2, image_size=48)
@@ -697,7 +698,7 @@ def test_a_residual_that_is_read_later_is_not_overwritten():
     # convolution adds it with a binary post-op and r comes back intact.
     from onnx import TensorProto, helper, numpy_helper
 
-    from segflow.ops.onednn_direct import ResidualInPlaceKernel
+    from segflow.kernels.onednn.op import ResidualInPlaceKernel
 
     w = numpy_helper.from_array((np.random.default_rng(1).standard_normal((8, 8, 3, 3)) * 0.1)
                                 .astype(np.float32), "w")
@@ -792,7 +793,7 @@ def test_the_preferred_weight_format_is_asked_of_libdnnl_once_per_geometry(
         return convolution(self, *args, **kwargs)
 
     monkeypatch.setattr(Library, "convolution", counting)
-    spec = onednn_direct.geometry([24, 40, 3, 3], (1, 1), (1, 1), (1, 1), 1)
+    spec = onednn_geometry.geometry([24, 40, 3, 3], (1, 1), (1, 1), (1, 1), 1)
     first = lib.preferred_desc(spec, [1, 40, 13, 11])
     second = lib.preferred_desc(spec, [1, 40, 13, 11])
     other = lib.preferred_desc(spec, [2, 40, 13, 11])

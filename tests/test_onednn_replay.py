@@ -1,4 +1,4 @@
-"""Tests for replayed runs of direct libdnnl kernels (ops/onednn_replay.py).
+"""Tests for replayed runs of direct libdnnl kernels (kernels/onednn/replay.py).
 
 Whole models run with a new random feed every call and are compared with
 onnxruntime (atol 1e-4, rtol 1e-3, as the other direct-kernel tests): a replay
@@ -22,10 +22,11 @@ import segflow
 from concurrency import run_in_threads
 from replays import replays
 from segflow import models
-from segflow.ops.native_library import NativeLibrary
-from segflow.ops.native_linear import NativeLinear
-from segflow.ops.onednn_direct import DirectOp, DnnlError, Library
-from segflow.ops.onednn_replay import _CLASSIFIER, _VIEW, DirectReplay, _NativeStretch
+from segflow.kernels.linear import NativeLinear
+from segflow.kernels.native.build import NativeLibrary
+from segflow.kernels.onednn.library import DnnlError, Library
+from segflow.kernels.onednn.op import DirectOp
+from segflow.kernels.onednn.replay import _CLASSIFIER, _VIEW, DirectReplay, _NativeStretch
 
 LIB = Library.load()
 pytestmark = pytest.mark.skipif(LIB is None, reason=f"libdnnl {Library.probe()[1]}")
@@ -38,7 +39,7 @@ ATOL, RTOL = 1e-4, 1e-3
 def _resnet18(native_stem: bool = False) -> tuple[Any, segflow.InferenceSession, DirectReplay]:
     """onnxruntime's session, segflow's (codegen), and its one replayed run; its stem
     staged for libdnnl (a step that runs as before inside the replay), or with
-    ``native_stem`` the native stem kernel (ops/native_stem.py)."""
+    ``native_stem`` the native stem kernel (kernels/stem.py)."""
     model = models.build("resnet18", **SMALL)
     ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     sess = segflow.InferenceSession(model, compile="codegen",

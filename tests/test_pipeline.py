@@ -225,8 +225,8 @@ def test_layout_choices_from_the_api_win_over_the_environment():
 
 
 def test_winograd_switched_off_from_the_api_runs_no_winograd_convolution():
-    from segflow.ops.native_library import NativeLibrary
-    from segflow.ops.onednn_direct import Library
+    from segflow.kernels.native.build import NativeLibrary
+    from segflow.kernels.onednn.library import Library
 
     model = models.build("resnet18", num_classes=10, image_size=32)
     feeds = models.example_inputs("resnet18", batch_size=2, num_classes=10, image_size=32)
@@ -259,7 +259,7 @@ def test_siblings_packed_for_the_avx512_kernel_stay_apart_unless_named(monkeypat
     # native kernel. With AVX-512's 48-wide panels they stay three linears; with AVX2's
     # 24-wide ones (or when fuse.siblings is named on) they become one and a Split.
     import segflow.passes.pipeline as pipeline
-    from segflow.ops.native_library import NativeLibrary
+    from segflow.kernels.native.build import NativeLibrary
     if NativeLibrary.for_session()[0] is None:
         pytest.skip("no native library")
     monkeypatch.setattr(pipeline, "panel_width", lambda library: width)

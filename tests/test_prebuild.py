@@ -13,7 +13,10 @@ from onnx import TensorProto, helper, numpy_helper
 
 import segflow
 from segflow import models
-from segflow.ops.onednn_direct import DirectConv, DirectOp, DirectPool, Library
+from segflow.kernels.onednn.conv import DirectConv
+from segflow.kernels.onednn.library import Library
+from segflow.kernels.onednn.op import DirectOp
+from segflow.kernels.onednn.pool import DirectPool
 
 LIB = Library.load()
 pytestmark = pytest.mark.skipif(LIB is None, reason=f"libdnnl {Library.probe()[1]}")

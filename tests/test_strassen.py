@@ -1,4 +1,4 @@
-"""Tests for the Strassen path of NativeLinear (ops/native/strassen.c): one level of
+"""Tests for the Strassen path of NativeLinear (kernels/native/strassen.c): one level of
 Strassen over the classic kernel's packed panels, for large linears whose weight and
 rows are alike in scale.
 
@@ -22,9 +22,7 @@ import torch
 import segflow
 from concurrency import on_one_and_more_threads
 from linear_model import linear_model, session_switched_off
-from segflow.ops import fused
-from segflow.ops.native_library import NativeLibrary
-from segflow.ops.native_linear import (
+from segflow.kernels.linear import (
     ACT_NONE,
     NativeLinear,
     _Args,
@@ -34,7 +32,9 @@ from segflow.ops.native_linear import (
     strassen_preferred,
     strassen_spread,
 )
-from segflow.ops.onednn_direct import openmp_entry_points
+from segflow.kernels.native.build import NativeLibrary
+from segflow.kernels.onednn.library import openmp_entry_points
+from segflow.ops import fused
 from segflow.passes import layout
 
 LIB, WHY = NativeLibrary.probe()

@@ -1,4 +1,4 @@
-"""Tests for 3x3 convolutions as Winograd F(4x4, 3x3) (ops/winograd.py).
+"""Tests for 3x3 convolutions as Winograd F(4x4, 3x3) (kernels/winograd.py).
 
 Every model is compared with onnxruntime at atol 1e-4, rtol 1e-3, the tolerance
 of the other direct-kernel tests (Winograd's own error is ~1e-5 relative). Each
@@ -25,11 +25,14 @@ import segflow
 from concurrency import run_in_threads
 from replays import replays
 from segflow import models
-from segflow.ops import fused, winograd
-from segflow.ops.native_library import NativeLibrary
-from segflow.ops.onednn_direct import DirectConv, Library, geometry
-from segflow.ops.onednn_replay import DirectReplay, _NativeStretch
-from segflow.ops.winograd import transform_weight
+from segflow.kernels import winograd
+from segflow.kernels.native.build import NativeLibrary
+from segflow.kernels.onednn.conv import DirectConv
+from segflow.kernels.onednn.geometry import geometry
+from segflow.kernels.onednn.library import Library
+from segflow.kernels.onednn.replay import DirectReplay, _NativeStretch
+from segflow.kernels.winograd import transform_weight
+from segflow.ops import fused
 from segflow.passes import layout as layout_pass
 from segflow.passes.pipeline import OptimizeOptions
 

@@ -1,7 +1,7 @@
 """The disk cache's trust rules: only what segflow built, kept where only its user writes.
 
 What segflow keeps on disk between processes is code it will run: the native
-kernels' shared library (``ops/native_library.py``) and AOTInductor packages
+kernels' shared library (``kernels/native/build.py``) and AOTInductor packages
 (``runtime/aot_inductor.py``). Whoever can write such a file can run code in
 every process that loads it, so an :class:`ArtifactStore` (one subdirectory of
 :func:`segflow.settings.cache_dir`, one per kind of artifact) loads a file only when:

@@ -182,7 +182,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 
 def _cmd_cache(args: argparse.Namespace) -> int:
     from segflow.cache_store import ArtifactStore
-    from segflow.ops.native_library import cached_builds, clear_builds
+    from segflow.kernels.native.build import cached_builds, clear_builds
     from segflow.runtime.aot_inductor import cached_packages, clear_packages
     from segflow.settings import cache_max_bytes
 

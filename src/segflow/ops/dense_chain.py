@@ -11,8 +11,8 @@ The CPU pass :mod:`segflow.passes.dense_chain` builds it from consecutive small
 ``FusedGemm`` nodes. Why: at batch 1 a 64 x 64 layer is ~0.1 us of arithmetic
 and 3-4 us of ATen dispatch, so a chain of such layers is all overhead when
 each is its own torch call. The kernel runs the whole chain in one call into
-native code (``ops/native/dense_chain.c``, built by
-:mod:`segflow.ops.native_library`) when
+native code (``kernels/native/dense_chain.c``, built by
+:mod:`segflow.kernels.native.build`) when
 
 - the library is available (a C compiler, ``SEGFLOW_NATIVE`` not 0), and
 - the call is small: every layer at most :data:`NATIVE_MAX_MACS` multiply-adds
@@ -35,13 +35,13 @@ import torch
 import torch.nn.functional as F
 
 from segflow.ir.graph import Node
+from segflow.kernels.native.build import NativeLibrary
 from segflow.ops.fused import ACTIVATIONS, FUSED_DOMAIN, Activation, Inline
-from segflow.ops.native_library import NativeLibrary
 from segflow.ops.registry import BindContext, OpDef
 
 Tensor = torch.Tensor
 
-# The activation codes of ops/native/dense_chain.c (its ACT_* enum, in order).
+# The activation codes of kernels/native/dense_chain.c (its ACT_* enum, in order).
 NATIVE_ACTIVATIONS = ("", "Relu", "LeakyRelu", "Clip", "Sigmoid", "Tanh", "HardSigmoid",
                       "HardSwish", "Gelu", "GeluTanh")
 # Per layer and call: above this many multiply-adds (rows x K x N) the chain runs through

@@ -9,9 +9,9 @@ Each fused op is one kernel: it counts as one node and one kernel in RunStats.
 - ``Attention(Q, Kt, V, M?)``: ``softmax(Q @ Kt * scale + M) @ V`` (``Kt`` is K
   already transposed, as exporters emit it); with a ``heads`` attribute H it reads
   ``[B, S, H * D]`` activations and writes the heads merged back
-  (:mod:`segflow.ops.native_attention`).
+  (:mod:`segflow.kernels.attention`).
 - ``AddLayerNorm(A, B, Scale, Bias?)``: ``LayerNormalization(A + B)`` over the last
-  axis (:mod:`segflow.ops.add_layer_norm`).
+  axis (:mod:`segflow.kernels.layer_norm`).
 
 Every fused op has a plain-torch path that works on any device. On CPU the
 convolution runs through oneDNN (``torch.ops.mkldnn._convolution_pointwise``)
@@ -34,26 +34,22 @@ import torch
 import torch.nn.functional as F
 
 from segflow.ir.graph import Node
+from segflow.kernels.attention import AttentionKernel, ScaledDotAttention
+from segflow.kernels.layer_norm import AddLayerNorm, AddLayerNormKernel
+from segflow.kernels.linear import NativeLinear, NativeLinearKernel, kernel_activation
+from segflow.kernels.native.build import NativeLibrary
+from segflow.kernels.onednn.conv import DirectConv
+from segflow.kernels.onednn.geometry import ConvGeometry, geometry
+from segflow.kernels.onednn.library import Library, onednn_eltwise
+from segflow.kernels.onednn.linear import DirectLinear
+from segflow.kernels.onednn.op import DirectKernel
+from segflow.kernels.shape_cache import RowAdmission
+from segflow.kernels.staging import ChannelsLastStaging
+from segflow.kernels.stem import NativeStem
+from segflow.kernels.stem import vector_width as stem_vector_width
+from segflow.kernels.winograd import Winograd, inverse_transform
 from segflow.ops._common import gelu_erf, torch_pad
-from segflow.ops.add_layer_norm import AddLayerNorm, AddLayerNormKernel
-from segflow.ops.native_attention import AttentionKernel, ScaledDotAttention
-from segflow.ops.native_library import NativeLibrary
-from segflow.ops.native_linear import NativeLinear, NativeLinearKernel, kernel_activation
-from segflow.ops.native_staging import ChannelsLastStaging
-from segflow.ops.native_stem import NativeStem
-from segflow.ops.native_stem import vector_width as stem_vector_width
-from segflow.ops.onednn_direct import (
-    ConvGeometry,
-    DirectConv,
-    DirectKernel,
-    DirectLinear,
-    Library,
-    geometry,
-    onednn_eltwise,
-)
 from segflow.ops.registry import BindContext, Kernel, OpDef
-from segflow.ops.shape_cache import RowAdmission
-from segflow.ops.winograd import Winograd, inverse_transform
 
 Tensor = torch.Tensor
 FUSED_DOMAIN = "segflow"
@@ -213,7 +209,7 @@ def blocked_layout_preferred() -> bool:
 
 def native_stem_preferred(library: NativeLibrary) -> bool:
     """Whether a direct convolution over the NCHW image runs segflow's stem kernel
-    (``ops/native_stem.py``) unless told (``SEGFLOW_NATIVE_STEM``): where ``library`` is
+    (``kernels/stem.py``) unless told (``SEGFLOW_NATIVE_STEM``): where ``library`` is
     the AVX-512 build (16-float vectors), as measured (MobileNetV2 ~4% faster there,
     ResNet-50 ~0.5%). Not with AVX2: on the same VM with the kernel built without
     AVX-512 and libdnnl held to AVX2 (``ONEDNN_MAX_CPU_ISA=AVX2``), MobileNetV2's stem
@@ -325,7 +321,7 @@ def conv_reads_libdnnl_packing(node: Node) -> bool:
 
 def conv_reads_winograd_weight(node: Node) -> bool:
     """True when the layout pass made this FusedConv's weight constant the Winograd
-    transform ``U`` (``winograd``, ``[36, C, K]``: ops/winograd.py), read in place by
+    transform ``U`` (``winograd``, ``[36, C, K]``: kernels/winograd.py), read in place by
     its kernel; torch's packing is made from it only if a fallback needs it."""
     return bool(node.attrs.get("winograd"))
 
@@ -621,7 +617,7 @@ def linear_calls_libdnnl(node: Node) -> bool:
 
 def linear_calls_native(node: Node) -> bool:
     """True when the layout pass packed this FusedGemm's weight into the panels of
-    ``ops/native/gemm.c`` (``native_linear``): only :class:`NativeLinear` reads it."""
+    ``kernels/native/gemm.c`` (``native_linear``): only :class:`NativeLinear` reads it."""
     return bool(node.attrs.get("native_linear"))
 
 
@@ -687,7 +683,7 @@ def _linear_callable(node: Node, device: torch.device,
     static = _static_macs(node)
     # torch's oneDNN keeps a primitive per input shape for the process, which no session
     # can free: with dynamic rows, the shapes handed to it are bounded
-    # (ops/shape_cache.py; the figures: docs/performance.md).
+    # (kernels/shape_cache.py; the figures: docs/performance.md).
     admission = RowAdmission() if static is None else None
 
     def large(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:

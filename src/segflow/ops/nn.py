@@ -9,17 +9,17 @@ import torch
 import torch.nn.functional as F
 
 from segflow.ir.graph import Node
-from segflow.ops import _deform, _losses, _transformer, gradients
-from segflow.ops._common import has_input, resolve_pads, torch_pad
-from segflow.ops.onednn_direct import (
+from segflow.kernels.onednn.library import (
     MAX_LAYOUTS,
     POOL_AVG_EXCLUDE_PADDING,
     POOL_MAX,
-    DirectKernel,
-    DirectPool,
     Library,
     PoolWindow,
 )
+from segflow.kernels.onednn.op import DirectKernel
+from segflow.kernels.onednn.pool import DirectPool
+from segflow.ops import _deform, _losses, _transformer, gradients
+from segflow.ops._common import has_input, resolve_pads, torch_pad
 from segflow.ops.registry import BindContext, Kernel, OpDef
 
 Tensor = torch.Tensor
@@ -172,7 +172,7 @@ def _maxpool(node: Node, ctx: BindContext) -> Kernel:
 def _direct_pool(node: Node, ctx: BindContext, algorithm: int,
                  window: Callable[[Tensor], PoolWindow], ceil_mode: bool, kernel: Kernel
                  ) -> Kernel:
-    """``kernel``, or a pooling straight into libdnnl (ops/onednn_direct.py) with
+    """``kernel``, or a pooling straight into libdnnl (kernels/onednn/) with
     ``kernel`` as its fallback when the layout pass marked the node ``onednn_direct``."""
     lib = Library.load() if node.attrs.get("onednn_direct") else None
     if lib is None:

@@ -24,7 +24,7 @@ from segflow.errors import UnsupportedOp
 
 if TYPE_CHECKING:
     from segflow.ir.graph import Graph, Node, Value
-    from segflow.ops.workspace import Workspace
+    from segflow.kernels.workspace import Workspace
 
 Tensor = torch.Tensor
 Kernel = Callable[[Sequence[Tensor | None]], Sequence[Tensor]]
@@ -70,7 +70,7 @@ class BindContext(Protocol):
 
     def workspace(self) -> Workspace:
         """Scratch memory the kernels of this binding share, one kernel at a time
-        (``ops/workspace.py``)."""
+        (``kernels/workspace.py``)."""
         ...
 
     def allow_inexact(self, node: Node, reason: str) -> bool:

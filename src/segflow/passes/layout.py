@@ -10,7 +10,7 @@ convs (Add, MaxPool, GlobalAveragePool, Flatten) keep the memory format they
 are given. When oneDNN's own library is installed (``onednn-cpu-gomp``), each
 packed convolution is marked ``onednn_direct``: its kernel calls libdnnl with a
 primitive built once per input shape, reading the same packed weight
-(``ops/onednn_direct.py``); so is a max or global pooling that reads such a
+(``kernels/onednn/``); so is a max or global pooling that reads such a
 convolution's output. The weight constant of a direct convolution is then
 libdnnl's own packing instead of torch's (bytes, marked ``onednn_direct_packed``;
 torch bundles a newer oneDNN whose format can differ), so the model still holds
@@ -20,16 +20,16 @@ oneDNN's blocked ``nChw8c`` activations (``onednn_blocked``; see
 stride-1 3x3 convolution outside that region, with channels in multiples of 8
 and no activation, or ReLU, LeakyReLU or Clip, is marked ``winograd``: it runs as Winograd
 F(4x4, 3x3) on CPUs without AVX-512, and on AVX-512 ones where an image makes 32 or
-more 4x4 tiles of its output (``fused.winograd_preferred``, ``ops/winograd.py``;
+more 4x4 tiles of its output (``fused.winograd_preferred``, ``kernels/winograd.py``;
 ``SEGFLOW_WINOGRAD=0`` turns it off, ``=1`` on everywhere), and its weight constant becomes the
 transformed one (``[36, C, K]``) instead of a packed one. A large linear
 (``FusedGemm``) gets its weight packed once too: into the panels of segflow's own
 kernel where the native library loads, built with AVX2 and FMA (``native_linear``,
-``ops/native_linear.py``; ``SEGFLOW_NATIVE_LINEAR=0`` turns it off, ``=1`` on
+``kernels/linear.py``; ``SEGFLOW_NATIVE_LINEAR=0`` turns it off, ``=1`` on
 everywhere), else for libdnnl's inner product or torch's oneDNN matmul; where the
 library's panels are the AVX2 build's (``strassen_preferred``), a packed weight whose
 paired output columns are alike in scale is also marked ``strassen_wmax``, and its
-calls may run as one level of Strassen (``ops/native/strassen.c``;
+calls may run as one level of Strassen (``kernels/native/strassen.c``;
 ``SEGFLOW_STRASSEN=0`` turns it off, ``=1`` on everywhere). Measured
 on ResNet-50 / MobileNetV2 at batch 1 (see benchmarks/cpu_targets.py): torch's
 NCHW ``conv2d`` is several times slower, and its 3-channel stem conv alone costs
@@ -46,6 +46,18 @@ import torch
 
 from segflow.ir.graph import Graph, Node, Value
 from segflow.ir.types import Device, DeviceKind
+from segflow.kernels.linear import (
+    native_linear_preferred,
+    strassen_preferred,
+    strassen_spread,
+)
+from segflow.kernels.linear import pack as native_pack
+from segflow.kernels.native.build import NativeLibrary
+from segflow.kernels.onednn.geometry import geometry
+from segflow.kernels.onednn.library import BLOCK, DnnlError, Library
+from segflow.kernels.stem import unfit as stem_unfit
+from segflow.kernels.stem import vector_width as stem_vector_width
+from segflow.kernels.winograd import transform_weight, unfit
 from segflow.ops.fused import (
     FUSED_DOMAIN,
     LINEAR_PACK_MIN_WEIGHT,
@@ -57,22 +69,6 @@ from segflow.ops.fused import (
     onednn_available,
     winograd_preferred,
 )
-from segflow.ops.native_library import NativeLibrary
-from segflow.ops.native_linear import (
-    native_linear_preferred,
-    strassen_preferred,
-    strassen_spread,
-)
-from segflow.ops.native_linear import pack as native_pack
-from segflow.ops.native_stem import unfit as stem_unfit
-from segflow.ops.native_stem import vector_width as stem_vector_width
-from segflow.ops.onednn_direct import (
-    BLOCK,
-    DnnlError,
-    Library,
-    geometry,
-)
-from segflow.ops.winograd import transform_weight, unfit
 from segflow.passes.result import PassResult
 
 # The row count a linear with a dynamic batch (or sequence) is packed for: BERT-base at
@@ -93,10 +89,10 @@ def layout(graph: Graph, device: Device, *, direct: bool = True,
     ``winograd``: and run the 3x3 ones that qualify as Winograd (:func:`_winograd_fits`;
     None: where ``winograd_preferred``: on CPUs without AVX-512, and on AVX-512 ones
     for outputs of 32 or more 4x4 tiles an image);
-    ``native_linear``: pack large linears for ``ops/native_linear.py`` where the native
+    ``native_linear``: pack large linears for ``kernels/linear.py`` where the native
     library loads (None: where ``native_linear_preferred``);
     ``strassen``: and let those whose weight allows it run as Strassen (the node's
-    ``strassen_wmax``: :func:`~segflow.ops.native_linear.strassen_spread`; None: where
+    ``strassen_wmax``: :func:`~segflow.kernels.linear.strassen_spread`; None: where
     ``strassen_preferred``);
     ``native_stem``: and run a direct convolution over the NCHW image as segflow's
     stem kernel, which reads it in place, where it fits (:func:`_stem_fits`; None:
@@ -184,7 +180,7 @@ def layout(graph: Graph, device: Device, *, direct: bool = True,
         done = packed_as[id(value)]
         packed_for, verified = done.packed_for, done.verified_for
         if lib is not None:
-            node.attrs["onednn_direct"] = 1   # called through libdnnl (ops/onednn_direct.py)
+            node.attrs["onednn_direct"] = 1   # called through libdnnl (kernels/onednn/)
             if verified is not None:
                 node.attrs["onednn_direct_verified_for"] = list(verified)
             if done.libdnnl_bytes:
@@ -195,7 +191,7 @@ def layout(graph: Graph, device: Device, *, direct: bool = True,
                 if not plain_input:
                     node.attrs["onednn_blocked_input"] = 1
             elif _stem_fits(node, dense_shape, params, native_stem):
-                node.attrs["native_stem"] = 1    # ops/native_stem.py: the image in place
+                node.attrs["native_stem"] = 1    # kernels/stem.py: the image in place
         if packed_for is not None:
             # The kernel repacks for other input shapes (ops/fused.py WeightForInput).
             node.attrs["onednn_input_size"] = list(packed_for)
@@ -230,7 +226,7 @@ def _reads_graph_input(node: Node) -> bool:
 
 def _stem_fits(node: Node, shape: list[int], params: _PackParams, choice: bool | None
                ) -> bool:
-    """Whether a direct convolution runs as the native stem (``ops/native_stem.py``):
+    """Whether a direct convolution runs as the native stem (``kernels/stem.py``):
     on where ``choice`` says so (None: where ``native_stem_preferred``), over a graph
     input, a geometry and activation the kernel takes (``native_stem.unfit``: at most
     four input channels, ungrouped, undilated, output channels a multiple of its vector
@@ -390,10 +386,10 @@ def _native_for_linears(choice: bool | None) -> NativeLibrary | None:
 
 def _pack_native(graph: Graph, node: Node, packed: dict[tuple[int, _PackParams, int], Value],
                  library: NativeLibrary, strassen_wmax: dict[int, float | None] | None) -> bool:
-    """Pack a large float32 FusedGemm weight into ``ops/native/gemm.c``'s panels and
+    """Pack a large float32 FusedGemm weight into ``kernels/native/gemm.c``'s panels and
     mark the node ``native_linear``; with ``strassen_wmax`` (the check of each packing
     made, by ``id``), also ``strassen_wmax`` where the weight allows Strassen
-    (:func:`~segflow.ops.native_linear.strassen_spread`, from each output's largest
+    (:func:`~segflow.kernels.linear.strassen_spread`, from each output's largest
     ``|W|``, taken while packing). False where the weight does not qualify."""
     weight, x = node.inputs[1], node.inputs[0]
     if weight is None or weight.const is None or weight.const.is_mkldnn or x is None:
@@ -510,7 +506,7 @@ def _release(graph: Graph, dense: Value | None, released: list[Value]) -> None:
 
 def _as_winograd(graph: Graph, node: Node, weight: Value, made: dict[int, Value]) -> None:
     """Mark ``node`` ``winograd`` and give it the transformed weight as its constant
-    (``U``, ``[36, C, K]``: ops/winograd.py), made once per dense weight. Nothing
+    (``U``, ``[36, C, K]``: kernels/winograd.py), made once per dense weight. Nothing
     packs the dense one for it: its kernel reads ``U`` in place, and a fallback
     recovers the plain weight from ``U`` if it ever needs it."""
     value = made.get(id(weight))
@@ -548,7 +544,7 @@ def _kernel_eltwise(node: Node) -> tuple[bool, tuple[int, float, float] | None]:
 
 
 def _winograd_fits(node: Node, weight: torch.Tensor, params: _PackParams) -> bool:
-    """Whether a direct convolution runs as Winograd F(4x4, 3x3) (``ops/winograd.py``):
+    """Whether a direct convolution runs as Winograd F(4x4, 3x3) (``kernels/winograd.py``):
     3x3, stride 1, undilated, ungrouped, channels in multiples of 8, no activation or
     one the transforms apply (ReLU, LeakyReLU, Clip), and the native kernels available."""
     if params.groups != 1:

@@ -32,6 +32,9 @@ import torch
 from segflow.errors import InvalidSetting
 from segflow.ir.graph import Graph, Node
 from segflow.ir.types import Device, DeviceKind, DType
+from segflow.kernels.linear import native_linear_preferred, panel_width
+from segflow.kernels.native.build import NativeLibrary
+from segflow.kernels.onednn.library import Library
 from segflow.ops.fused import (
     FUSED_DOMAIN,
     LINEAR_PACK_MIN_WEIGHT,
@@ -40,9 +43,6 @@ from segflow.ops.fused import (
     linear_uses_onednn,
     onednn_graph_available,
 )
-from segflow.ops.native_library import NativeLibrary
-from segflow.ops.native_linear import native_linear_preferred, panel_width
-from segflow.ops.onednn_direct import Library
 from segflow.ops.registry import OpRegistry
 from segflow.passes.dense_chain import chain_dense
 from segflow.passes.fold_constants import fold_constants
@@ -124,30 +124,30 @@ class OptimizeOptions:
     fuse_on: frozenset[str] = frozenset()
     compile: CompileMode = CompileMode.AUTO
     intra_op_threads: int | None = None
-    # Prepacked convolutions call libdnnl directly when it is installed (ops/onednn_direct.py).
+    # Prepacked convolutions call libdnnl directly when it is installed (kernels/onednn/).
     onednn_direct: bool = True
     # ... on nChw8c activations where that is faster (depthwise regions, passes/layout.py).
     onednn_blocked: bool = True
     # Their outputs are carved out of one planned block per run (runtime/arena.py).
     arena: bool = True
-    # Runs of them are replayed from recorded addresses (ops/onednn_replay.py).
+    # Runs of them are replayed from recorded addresses (kernels/onednn/replay.py).
     onednn_replay: bool = True
     # Their primitives are built while the session loads, for the first run's shapes
     # (runtime/prebuild.py), rather than by that run.
     prebuild: bool = True
-    # 3x3 ones run as Winograd F(4x4, 3x3) where they qualify (ops/winograd.py); None:
+    # 3x3 ones run as Winograd F(4x4, 3x3) where they qualify (kernels/winograd.py); None:
     # where it was measured faster (fused.winograd_preferred: CPUs without AVX-512, and
     # on AVX-512 ones outputs of 32 or more 4x4 tiles an image).
     winograd: bool | None = None
-    # Large linears run segflow's packed-panel kernel (ops/native_linear.py); None: where
+    # Large linears run segflow's packed-panel kernel (kernels/linear.py); None: where
     # it was measured faster (native_linear_preferred: a build with AVX2 + FMA).
     native_linear: bool | None = None
     # ... and as one level of Strassen where their weight and rows allow it
-    # (ops/native/strassen.c); None: where it was measured faster (strassen_preferred:
+    # (kernels/native/strassen.c); None: where it was measured faster (strassen_preferred:
     # the AVX2 build's 24-column panels).
     strassen: bool | None = None
     # A direct convolution over the NCHW image runs segflow's stem kernel, which reads it
-    # in place (ops/native_stem.py); None: where it was measured faster
+    # in place (kernels/stem.py); None: where it was measured faster
     # (fused.native_stem_preferred: the native library's AVX-512 build).
     native_stem: bool | None = None
 
@@ -359,7 +359,7 @@ def choose_backend(graph: Graph, mode: CompileMode, device: Device | None, *,
 
     ``auto`` keeps ``codegen``: always available, builds in milliseconds, one copy of
     the weights, and on CPU its convolutions call libdnnl directly
-    (``ops/onednn_direct.py``), a primitive built once per input layout.
+    (``kernels/onednn/``), a primitive built once per input layout.
     Only where that path is off (``direct=False``, ``SEGFLOW_ONEDNN_DIRECT=0``) or
     libdnnl is missing does a CPU graph with depthwise convolutions get ``onednn``:
     oneDNN Graph then keeps the convolution primitives between runs that torch's
@@ -436,7 +436,7 @@ def _siblings_off(options: OptimizeOptions, device: Device) -> str:
     There BERT-base ran 2.4-3% faster with its query, key and value projections as three
     768 -> 768 linears than as one 768 -> 2304 (a layer's four projections 2.10 ms of
     C against 2.24, the merged one 1.71 ms against 3 x 0.52), with a run's native kernels
-    replayed (ops/native_replay.py) so that the two extra calls a layer cost no Python
+    replayed (kernels/replay.py) so that the two extra calls a layer cost no Python
     (2-core AVX-512 VM, 2026-12-06). With AVX2's 24-wide panels, and for libdnnl's or
     torch's linears, the rule runs as before."""
     if "siblings" in options.fuse_on or device.kind is not DeviceKind.CPU \
@@ -483,7 +483,7 @@ def _layout(graph: Graph, options: OptimizeOptions, backend: CompileMode,
     text = f"layout: prepacked for oneDNN: {', '.join(parts)}" if parts else "layout: prepacked"
     if native_linears:
         text += (f"; {native_linears} linear{'s' if native_linears > 1 else ''} packed for the "
-                 f"native kernel (ops/native_linear.py)")
+                 f"native kernel (kernels/linear.py)")
     if convs and options.onednn_direct:
         _, why = Library.probe()
         direct = any(n.attrs.get("onednn_direct") for n in graph.nodes)

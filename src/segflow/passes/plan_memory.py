@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from segflow.ir.graph import Graph, Node, Value
-from segflow.ops.shape_cache import ShapeCache
+from segflow.kernels.shape_cache import ShapeCache
 
 ALIGNMENT = 64
 

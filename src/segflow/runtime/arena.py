@@ -3,7 +3,7 @@
 The memory plan (``passes/plan_memory.py``) gives every computed value a
 lifetime and an offset in one arena. Most kernels are torch ops that allocate
 their own outputs, but a convolution called straight into libdnnl
-(``ops/onednn_direct.py``) writes wherever it is told. Those outputs are
+(``kernels/onednn/``) writes wherever it is told. Those outputs are
 carved out of one block per run instead of coming from malloc:
 
 - a run's storage is one ``torch.empty`` block, allocated at the first
@@ -36,8 +36,9 @@ from dataclasses import dataclass
 import torch
 
 from segflow.ir.graph import Node, Value
-from segflow.ops.onednn_direct import Destination, channels_last_strides
-from segflow.ops.shape_cache import ShapeCache
+from segflow.kernels.onednn.geometry import channels_last_strides
+from segflow.kernels.onednn.library import Destination
+from segflow.kernels.shape_cache import ShapeCache
 from segflow.passes.plan_memory import (
     Buffer,
     PlansBySize,

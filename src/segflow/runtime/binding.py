@@ -15,10 +15,10 @@ import torch
 
 from segflow.errors import ExecutionError, SegflowError, bind_failed, node_failed
 from segflow.ir.graph import Graph, Node, Value, captured_inputs, node_reads
-from segflow.ops.onednn_direct import Destination
+from segflow.kernels.onednn.library import Destination
+from segflow.kernels.workspace import Workspace
 from segflow.ops.registry import BindContext as KernelContext
 from segflow.ops.registry import Kernel, OpDef, OpRegistry, SubgraphRunner
-from segflow.ops.workspace import Workspace
 from segflow.runtime.arena import ArenaPool
 from segflow.runtime.nonfinite import NonFinitePolicy
 

@@ -48,8 +48,16 @@ from segflow.engine.base import ExecType
 from segflow.errors import ExecutionError, node_failed
 from segflow.ir.graph import Node
 from segflow.ir.types import DType
-from segflow.ops._common import OpKernel
-from segflow.ops.add_layer_norm import AddLayerNorm
+from segflow.kernels.attention import ScaledDotAttention
+from segflow.kernels.layer_norm import AddLayerNorm
+from segflow.kernels.linear import NativeLinear
+from segflow.kernels.native.build import NativeLibrary
+from segflow.kernels.onednn.conv import DirectConv
+from segflow.kernels.onednn.op import DirectKernel
+from segflow.kernels.onednn.pool import DirectPool
+from segflow.kernels.onednn.replay import DirectReplay, ReplayStep
+from segflow.kernels.replay import NativeReplay, NativeStep, Replayable
+from segflow.kernels.report import OpKernel
 from segflow.ops.dense_chain import inline_chain, traceable_chain
 from segflow.ops.fused import (
     FUSED_DOMAIN,
@@ -59,12 +67,6 @@ from segflow.ops.fused import (
     reads_libdnnl_packing,
     traceable_fused,
 )
-from segflow.ops.native_attention import ScaledDotAttention
-from segflow.ops.native_library import NativeLibrary
-from segflow.ops.native_linear import NativeLinear
-from segflow.ops.native_replay import NativeReplay, NativeStep, Replayable
-from segflow.ops.onednn_direct import DirectConv, DirectKernel, DirectPool
-from segflow.ops.onednn_replay import DirectReplay, ReplayStep
 from segflow.ops.registry import Kernel
 from segflow.passes.pipeline import CompileMode
 from segflow.passes.plan_memory import MemoryPlan
@@ -89,8 +91,8 @@ class CompileReport:
     evicted: int = 0                   # older packages deleted to keep the cache under its cap
     cache_notes: list[str] = field(default_factory=list)   # packages the cache's checks refused
     fallbacks: list[str] = field(default_factory=list)
-    replays: list[DirectReplay] = field(default_factory=list)   # ops/onednn_replay.py
-    native_replays: list[NativeReplay] = field(default_factory=list)   # ops/native_replay.py
+    replays: list[DirectReplay] = field(default_factory=list)   # kernels/onednn/replay.py
+    native_replays: list[NativeReplay] = field(default_factory=list)   # kernels/replay.py
 
     @property
     def compile_time_s(self) -> float:
@@ -377,7 +379,7 @@ def generate(steps: Sequence[Step], template: Sequence[Tensor | None], live_out:
     ``pure``: also build ``f(*inputs) -> outputs`` without the slot array (for tracing).
     ``traceable``: plain functional torch ops only (no oneDNN ops, no in-place writes).
     ``replay``: each run of two or more direct libdnnl convolutions / poolings is one
-    :class:`~segflow.ops.onednn_replay.DirectReplay` call (not with ``pure``/``traceable``).
+    :class:`~segflow.kernels.onednn.replay.DirectReplay` call (not with ``pure``/``traceable``).
     """
     device = device or torch.device("cpu")
     em = _Emitter()
@@ -529,7 +531,7 @@ def _replay_runs(steps: Sequence[Step], live_out: set[int]
 def _classifier_after(steps: Sequence[Step], end: int, live_out: set[int]) -> int:
     """2 where a run of direct kernels ending before ``end`` is followed by a Flatten at
     axis 1 of its last output and a native linear over that (a classifier after global
-    pooling), read by nothing else: the replay takes both in (``ops/onednn_replay.py``).
+    pooling), read by nothing else: the replay takes both in (``kernels/onednn/replay.py``).
     Else 0."""
     if end + 1 >= len(steps):
         return 0

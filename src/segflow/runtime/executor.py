@@ -29,11 +29,12 @@ from segflow.engine.inline import InlineEngine
 from segflow.engine.streams import StreamBackend
 from segflow.ir.graph import Node, Value
 from segflow.ir.types import Device, DeviceKind
-from segflow.ops.add_layer_norm import AddLayerNormKernel
+from segflow.kernels.attention import AttentionKernel
+from segflow.kernels.layer_norm import AddLayerNormKernel
+from segflow.kernels.linear import NativeLinearKernel
+from segflow.kernels.onednn.conv import DirectConv
+from segflow.kernels.onednn.op import DirectKernel, ResidualInPlaceKernel
 from segflow.ops.dense_chain import DenseChainKernel
-from segflow.ops.native_attention import AttentionKernel
-from segflow.ops.native_linear import NativeLinearKernel
-from segflow.ops.onednn_direct import DirectConv, DirectKernel, ResidualInPlaceKernel
 from segflow.ops.registry import OpRegistry
 from segflow.passes.segment import Segment
 from segflow.profiler.cuda import device_marker
@@ -133,18 +134,18 @@ class Executor:
         self._assign_releases(graph.outputs)
         if compiler is not None and compiler.memory is not None:
             _residual_in_place(self.tasks, compiler.memory.inplace)
-        # Kernels over libdnnl (ops/onednn_direct.py), for explain(): what fell back and why.
+        # Kernels over libdnnl (kernels/onednn/), for explain(): what fell back and why.
         self.direct_ops = [(step.node.label, step.kernel.op) for task in self.tasks
                            for step in task.steps if isinstance(step.kernel, DirectKernel)]
-        # Linears over segflow's packed panels (ops/native_linear.py): how their calls ran.
+        # Linears over segflow's packed panels (kernels/linear.py): how their calls ran.
         self.native_linears = [(step.node.label, step.kernel.op) for task in self.tasks
                                for step in task.steps
                                if isinstance(step.kernel, NativeLinearKernel)]
-        # Residual adds with their LayerNormalization (ops/add_layer_norm.py): likewise.
+        # Residual adds with their LayerNormalization (kernels/layer_norm.py): likewise.
         self.add_layer_norms = [(step.node.label, step.kernel.op) for task in self.tasks
                                 for step in task.steps
                                 if isinstance(step.kernel, AddLayerNormKernel)]
-        # Attention (ops/native_attention.py): likewise.
+        # Attention (kernels/attention.py): likewise.
         self.attentions = [(step.node.label, step.kernel.op) for task in self.tasks
                            for step in task.steps if isinstance(step.kernel, AttentionKernel)]
         # Chains of small dense layers (ops/dense_chain.py): how their calls ran.

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from segflow.ir.graph import Graph, Node, Value, node_reads
-from segflow.ops.native_library import NativeLibrary
+from segflow.kernels.native.build import NativeLibrary
 from segflow.ops.registry import OpRegistry
 
 Tensor = torch.Tensor
@@ -97,7 +97,7 @@ class NonFiniteScan:
     run's feeds, a model's weights.
 
     A contiguous float32 host tensor is scanned by the native library's
-    ``segflow_any_nonfinite_f32`` (``ops/native/finite.c``: a ctypes call, where a
+    ``segflow_any_nonfinite_f32`` (``kernels/native/finite.c``: a ctypes call, where a
     torch reduction costs a dispatch and a result tensor, which counts on a small
     model's feed). Any other float tensor, or every one without the library, is summed
     once: a NaN or an infinity anywhere makes the sum non-finite, and a sum of finite

@@ -1,6 +1,6 @@
 """Direct kernels built while a session loads, not by its first run.
 
-A convolution or pooling called straight into libdnnl (``ops/onednn_direct.py``)
+A convolution or pooling called straight into libdnnl (``kernels/onednn/``)
 builds a primitive, JIT code included, for each input layout it meets, the first
 time it meets it. Left to the first run, that made the first run the slow one
 (``benchmarks/cold_start.py``, 2-core VM: MobileNetV2's first run 46.5 ms against
@@ -28,13 +28,10 @@ from dataclasses import dataclass
 import torch
 
 from segflow.ir.graph import Value
-from segflow.ops.onednn_direct import (
-    DirectConv,
-    DirectKernel,
-    DirectPool,
-    ResidualInPlaceKernel,
-    channels_last_strides,
-)
+from segflow.kernels.onednn.conv import DirectConv
+from segflow.kernels.onednn.geometry import channels_last_strides
+from segflow.kernels.onednn.op import DirectKernel, ResidualInPlaceKernel
+from segflow.kernels.onednn.pool import DirectPool
 from segflow.passes.plan_memory import static_sizes
 from segflow.runtime.binding import Step
 

@@ -27,16 +27,17 @@ from segflow.errors import InvalidInput
 from segflow.frontend.onnx_import import import_model
 from segflow.ir.graph import Value
 from segflow.ir.types import Device, DeviceKind, Dim, DType, TensorSpec
-from segflow.ops.add_layer_norm import describe_add_layer_norms
+from segflow.kernels.attention import describe_attentions
+from segflow.kernels.layer_norm import describe_add_layer_norms
+from segflow.kernels.linear import describe_native_linears
+from segflow.kernels.native.build import NativeLibrary
+from segflow.kernels.native.build import describe_cache as describe_native_cache
+from segflow.kernels.onednn.conv import DirectConv
+from segflow.kernels.onednn.describe import describe_direct
+from segflow.kernels.onednn.replay import describe_replays
+from segflow.kernels.replay import describe_native_replays
+from segflow.kernels.staging import ChannelsLastStaging, describe_stagings
 from segflow.ops.dense_chain import describe_chains
-from segflow.ops.native_attention import describe_attentions
-from segflow.ops.native_library import NativeLibrary
-from segflow.ops.native_library import describe_cache as describe_native_cache
-from segflow.ops.native_linear import describe_native_linears
-from segflow.ops.native_replay import describe_native_replays
-from segflow.ops.native_staging import ChannelsLastStaging, describe_stagings
-from segflow.ops.onednn_direct import DirectConv, describe_direct
-from segflow.ops.onednn_replay import describe_replays
 from segflow.ops.registry import OpRegistry, default_registry
 from segflow.passes.layout import calls_libdnnl, converts_input
 from segflow.passes.pipeline import (
@@ -287,7 +288,7 @@ class InferenceSession:
     def arena_bytes(self) -> int:
         """Bytes of the planned activation blocks the session keeps between runs
         (runtime/arena.py; 0 when no kernel writes into one), and of the blocks its
-        replayed runs of native kernels write their results in (ops/native_replay.py)."""
+        replayed runs of native kernels write their results in (kernels/replay.py)."""
         arena = self._executor.arena
         held = arena.held_bytes() if arena is not None else 0
         return held + sum(r.block_bytes for r in self.compile_report.native_replays)

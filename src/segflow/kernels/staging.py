@@ -4,7 +4,7 @@ libdnnl has only reference kernels for an NCHW source with a channels-last
 destination, so a direct convolution whose input arrives NCHW (a model's image feed,
 read by the stem convolution) first copies it into channels-last storage
 (``DirectConv._staged``, into the run's staging block). :class:`ChannelsLastStaging`
-does that copy in native code (``ops/native/staging.c``), the pixels split over the
+does that copy in native code (``kernels/native/staging.c``), the pixels split over the
 OpenMP threads libdnnl uses: MobileNetV2's 3 x 224 x 224 image took 39 us against 58
 through torch's ``copy_`` in a run, ResNet-50's 73 against 100 (2-core AVX-512 VM,
 2026-12-06; MobileNetV2's run is ~3.4 ms). Anything else (not float32, not a contiguous 4-D NCHW
@@ -19,15 +19,15 @@ from collections.abc import Sequence
 
 import torch
 
-from segflow.ops._common import NativeOrTorch, describe_native_calls
-from segflow.ops.native_library import NativeLibrary
-from segflow.ops.onednn_direct import openmp_entry_points
+from segflow.kernels.native.build import NativeLibrary
+from segflow.kernels.onednn.library import openmp_entry_points
+from segflow.kernels.report import NativeOrTorch, describe_native_calls
 
 Tensor = torch.Tensor
 
 
 class _Args(ctypes.Structure):
-    """``segflow_staging_t`` of ``ops/native/staging.c``."""
+    """``segflow_staging_t`` of ``kernels/native/staging.c``."""
 
     _fields_ = [("x", ctypes.c_void_p), ("y", ctypes.c_void_p), ("n", ctypes.c_int64),
                 ("c", ctypes.c_int64), ("hw", ctypes.c_int64), ("parallel", ctypes.c_void_p),

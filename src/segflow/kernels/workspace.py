@@ -1,7 +1,7 @@
 """Scratch memory that the kernels of one binding share, one kernel at a time.
 
 A kernel that needs room only while it runs (the Winograd convolution's
-transformed tiles, ``ops/winograd.py``) would otherwise hold its own buffer
+transformed tiles, ``kernels/winograd.py``) would otherwise hold its own buffer
 between runs, thirteen of them in ResNet-50. Instead a session's kernels share
 one buffer, as large as the largest of them asks for, and hold
 :attr:`Workspace.lock` while they use it. Native code reads the buffer's

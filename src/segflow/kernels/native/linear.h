@@ -1,6 +1,6 @@
 /* segflow native kernels: what gemm.c's linear and strassen.c's share.
  *
- * The call's arguments (segflow_linear_t, which ops/native_linear.py mirrors), the
+ * The call's arguments (segflow_linear_t, which kernels/linear.py mirrors), the
  * activations applied as outputs are stored (act_t, activate(), gelu_vf()), the
  * register block's pass over one panel (block()), the largest magnitude of a weight or
  * of rows (larger_magnitude()), guided chunk claiming, and the entry points each file
@@ -21,14 +21,14 @@
 #define KC 384             /* input columns per pass over a panel */
 #endif
 
-/* The activation applied as outputs are stored (ops/native_linear.py ACT_*). */
+/* The activation applied as outputs are stored (kernels/linear.py ACT_*). */
 typedef enum {
     ACT_NONE = 0,
     ACT_CLAMP = 1,           /* min(max(max(v, slope v), lo), hi) */
     ACT_GELU = 2,            /* erf-GELU (gelu_vf) */
 } act_t;
 
-/* What ops/native_linear.py's ctypes structure mirrors. */
+/* What kernels/linear.py's ctypes structure mirrors. */
 typedef struct {
     const float *x;          /* [m][lda] */
     const float *w;          /* the packed weight: ceil(n / NR) panels of [k][NR] */

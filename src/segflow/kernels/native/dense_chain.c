@@ -4,7 +4,7 @@
  * row-major x [rows, K_1] and weights W_l stored [K_l, N_l] (input-major, so the
  * inner loop runs along contiguous output columns and vectorizes without
  * reassociating sums: every output is b[j] + x[0]*w[0][j] + x[1]*w[1][j] + ...
- * in input order). Built by segflow.ops.native_library with the system C
+ * in input order). Built by segflow.kernels.native.build with the system C
  * compiler (-O3 -march=native) on first use and cached on disk.
  *
  * It exists because a layer of 64 x 64 at batch 1 is ~4k multiply-adds, about
@@ -14,7 +14,7 @@
 #include <math.h>
 #include <stddef.h>
 
-/* The ABI of the whole library (every file in ops/native/): ops/native_library.py ABI. */
+/* The ABI of the whole library (every file in kernels/native/): kernels/native/build.py ABI. */
 #define SEGFLOW_NATIVE_ABI 16
 
 enum { ACT_NONE, ACT_RELU, ACT_LEAKY_RELU, ACT_CLIP, ACT_SIGMOID, ACT_TANH,

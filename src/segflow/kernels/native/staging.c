@@ -4,8 +4,8 @@
  * [n][hw][c]: the staging a direct convolution needs when its input arrives NCHW
  * (a model's image feed, which the stem convolution reads), since libdnnl has only
  * reference kernels for an NCHW source with a channels-last destination
- * (ops/onednn_direct.py, DirectConv._staged). The pixels are split between the OpenMP
- * threads libdnnl uses (ops/native_staging.py passes libgomp's entry points); each
+ * (kernels/onednn/, DirectConv._staged). The pixels are split between the OpenMP
+ * threads libdnnl uses (kernels/staging.py passes libgomp's entry points); each
  * thread writes its pixels' channels side by side, reading the c planes in step.
  *
  * It exists because torch's copy_ into channels-last took 58 us for MobileNetV2's
@@ -16,7 +16,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* What ops/native_staging.py's ctypes structure mirrors. */
+/* What kernels/staging.py's ctypes structure mirrors. */
 typedef struct {
     const float *x;              /* [n][c][hw] */
     float *y;                    /* [n][hw][c] */

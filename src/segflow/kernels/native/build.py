@@ -1,16 +1,16 @@
-"""Native kernels: C sources shipped in ``ops/native/``, built on first use, cached on disk.
+"""Native kernels: C sources shipped in ``kernels/native/``, built on first use, cached on disk.
 
 Some work is too small for any library call to pay: a 64 x 64 dense layer at
 batch 1 is ~4k multiply-adds, about 0.1 us of arithmetic, while one ATen call
 costs 3-4 us of dispatch (``dense_chain.c``); and a loop over recorded libdnnl
 executes costs 8-10 us a step in Python right after a kernel, well under one in C
-(``replay.c``, ``ops/onednn_replay.py``). And some work a library does, but not as
+(``replay.c``, ``kernels/onednn/replay.py``). And some work a library does, but not as
 fast as it could on the CPUs we measure: a 3x3 convolution as Winograd where libdnnl
 has none for AVX2 (``winograd.c``), a linear over a weight packed in panels
-(``gemm.c``, ``ops/native_linear.py``), a residual add and LayerNormalization in
-one pass (``layer_norm.c``, ``ops/add_layer_norm.py``), attention reading its heads in
-place (``attention.c``, ``ops/native_attention.py``), an NCHW image copied into
-channels-last (``staging.c``, ``ops/native_staging.py``). For such work segflow ships C source and
+(``gemm.c``, ``kernels/linear.py``), a residual add and LayerNormalization in
+one pass (``layer_norm.c``, ``kernels/layer_norm.py``), attention reading its heads in
+place (``attention.c``, ``kernels/attention.py``), an NCHW image copied into
+channels-last (``staging.c``, ``kernels/staging.py``). For such work segflow ships C source and
 builds it with the system C compiler (``$CC``, else ``cc``; ``-O3 -march=native``)
 the first time a process needs it, into one library in ``<cache dir>/native/``
 (see :func:`segflow.settings.cache_dir`), keyed by the sources, the compiler and
@@ -42,12 +42,12 @@ from segflow.cache_store import ArtifactStore, Cleared
 from segflow.settings import ENV_NATIVE, _env_bool
 
 # Compiled together into one library; dense_chain.c defines segflow_native_abi().
-SOURCES = tuple(Path(__file__).with_name("native") / name
+SOURCES = tuple(Path(__file__).parent / name
                 for name in ("attention.c", "dense_chain.c", "finite.c", "gemm.c",
                              "layer_norm.c", "replay.c", "staging.c", "stem.c", "strassen.c",
                              "winograd.c"))
 # Included by the sources (part of the build's key, not compiled on their own).
-HEADERS = tuple(Path(__file__).with_name("native") / name for name in ("linear.h", "panel.h"))
+HEADERS = tuple(Path(__file__).parent / name for name in ("linear.h", "panel.h"))
 ABI = 16         # segflow_native_abi() of the sources this module speaks to
 FLAGS = ("-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 120
@@ -57,7 +57,7 @@ LOCK_WAIT_S = BUILD_TIMEOUT_S + 30
 
 @dataclass(frozen=True, slots=True)
 class NativeLibrary:
-    """A loaded build of ``ops/native/*.c``: its functions, where it lives, how it got there."""
+    """A loaded build of ``kernels/native/*.c``: its functions, where it lives, how it got there."""
 
     dll: ctypes.CDLL
     path: Path

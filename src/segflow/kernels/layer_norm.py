@@ -4,7 +4,7 @@
 over the last axis (``epsilon`` attribute), what the fuse pass's ``layernorm`` rule
 makes of a transformer's residual Add and the LayerNormalization after it
 (onnxruntime's SkipLayerNormalization). On CPU, float32 ``A`` and ``B`` of one shape
-run through native code (``ops/native/layer_norm.c``): the sum, the statistics and
+run through native code (``kernels/native/layer_norm.c``): the sum, the statistics and
 the normalization in one pass per row while it sits in L1, the rows split over the
 OpenMP threads libdnnl uses. Anything else (broadcasting, other dtypes, another
 device, no native library) runs ``F.layer_norm(A + B, ...)``; ``explain()`` counts
@@ -23,16 +23,16 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from segflow.ops._common import NativeOrTorch, OpKernel, describe_native_calls
-from segflow.ops.native_library import NativeLibrary
-from segflow.ops.native_replay import Prepared
-from segflow.ops.onednn_direct import openmp_entry_points
+from segflow.kernels.native.build import NativeLibrary
+from segflow.kernels.onednn.library import openmp_entry_points
+from segflow.kernels.replay import Prepared
+from segflow.kernels.report import NativeOrTorch, OpKernel, describe_native_calls
 
 Tensor = torch.Tensor
 
 
 class _Args(ctypes.Structure):
-    """``segflow_layer_norm_t`` of ``ops/native/layer_norm.c``."""
+    """``segflow_layer_norm_t`` of ``kernels/native/layer_norm.c``."""
 
     _fields_ = [("a", ctypes.c_void_p), ("b", ctypes.c_void_p), ("gamma", ctypes.c_void_p),
                 ("beta", ctypes.c_void_p), ("y", ctypes.c_void_p), ("rows", ctypes.c_int64),
@@ -75,7 +75,7 @@ class AddLayerNorm(NativeOrTorch):
                 out: Tensor | None = None) -> Prepared | None:
         """The native call for these tensors, ready to run (None: torch's). ``out``:
         storage for the result where it has the result's shape (else a new tensor).
-        ``fields`` None (not replayable, ``ops/native_replay.py``) where an input had
+        ``fields`` None (not replayable, ``kernels/replay.py``) where an input had
         to be copied first."""
         f32 = torch.float32
         if self._fn is None or a.dtype is not f32 or b.dtype is not f32 or not a.is_cpu \

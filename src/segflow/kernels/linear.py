@@ -1,4 +1,4 @@
-"""Large linears over segflow's own packed weight (``ops/native/gemm.c``).
+"""Large linears over segflow's own packed weight (``kernels/native/gemm.c``).
 
 The layout pass (``passes/layout.py``) packs a large ``FusedGemm`` weight ``W``
 (``[N, K]``) into panels of 24 output columns (:func:`pack`) where
@@ -22,7 +22,7 @@ C in a run, onnxruntime's Gemm 325 (:func:`panel_width` says which block a build
 
 Large linears (768 inputs, an even count, and 768 outputs or more; 32 rows or
 more) can run as one level of Strassen over the same packing
-(``ops/native/strassen.c``): 7 half-size products for 8, BERT-base's linears ~0.93
+(``kernels/native/strassen.c``): 7 half-size products for 8, BERT-base's linears ~0.93
 of the classic kernel's time. Its rounding errors are bounded by whole blocks
 rather than by each output's own terms, so the layout pass allows it only for a
 weight whose paired output columns (``j`` and ``j + n2``, ``n2`` about half) are
@@ -48,17 +48,17 @@ from typing import cast
 import torch
 import torch.nn.functional as F
 
-from segflow.ops._common import NativeOrTorch, OpKernel, describe_native_calls
-from segflow.ops.native_library import NativeLibrary
-from segflow.ops.native_replay import Prepared
-from segflow.ops.onednn_direct import openmp_entry_points
-from segflow.ops.shape_cache import ShapeCache
+from segflow.kernels.native.build import NativeLibrary
+from segflow.kernels.onednn.library import openmp_entry_points
+from segflow.kernels.replay import Prepared
+from segflow.kernels.report import NativeOrTorch, OpKernel, describe_native_calls
+from segflow.kernels.shape_cache import ShapeCache
 
 Tensor = torch.Tensor
 
 
 class _Args(ctypes.Structure):
-    """``segflow_linear_t`` of ``ops/native/gemm.c``."""
+    """``segflow_linear_t`` of ``kernels/native/gemm.c``."""
 
     _fields_ = [("x", ctypes.c_void_p), ("w", ctypes.c_void_p), ("bias", ctypes.c_void_p),
                 ("y", ctypes.c_void_p), ("m", ctypes.c_int64), ("n", ctypes.c_int64),
@@ -91,7 +91,7 @@ def strassen_preferred(library: NativeLibrary) -> bool:
 
 def panel_width(library: NativeLibrary) -> int:
     """Output columns per panel of the packing: 48 where the library was built for
-    AVX-512, else 24 (``ops/native/panel.h``)."""
+    AVX-512, else 24 (``kernels/native/panel.h``)."""
     fn = library.dll.segflow_linear_panel_width
     fn.restype = ctypes.c_int64
     fn.argtypes = []
@@ -258,7 +258,7 @@ class NativeLinear(NativeOrTorch):
         ``out``: storage for the result where it has the result's shape (else a new
         tensor). Its pointer fields are the given tensors' addresses unless ``x`` had to
         be copied first, or an activation runs after the kernel (``fields`` None: not
-        replayable, ``ops/native_replay.py``)."""
+        replayable, ``kernels/replay.py``)."""
         k = self.in_features
         if x.dtype is not torch.float32 or not x.is_cpu or x.shape[-1] != k or (
                 b is not None and (b.dtype is not torch.float32 or not b.is_cpu)):

@@ -1,9 +1,9 @@
 /* segflow native kernels: a replayed run of libdnnl primitives in one call.
  *
  * segflow_replay_executes executes recorded oneDNN primitives in order
- * (ops/onednn_replay.py). Per step it re-points the source, destination and
+ * (kernels/onednn/replay.py). Per step it re-points the source, destination and
  * residual memories that point elsewhere (the step's `handles` array, shared
- * with ops/onednn_direct.py, says where each points now), then executes.
+ * with kernels/onednn/, says where each points now), then executes.
  * libdnnl's entry points arrive as function pointers: this file needs no oneDNN
  * headers and links against nothing.
  *
@@ -11,7 +11,7 @@
  * VM right after a kernel has flushed the caches (1.5 us warm): ~0.4 ms of a
  * 18 ms MobileNetV2 run, ~2 ms of ResNet-50's.
  *
- * segflow_replay_calls does the same for segflow's own kernels (ops/native_replay.py):
+ * segflow_replay_calls does the same for segflow's own kernels (kernels/replay.py):
  * each step is a kernel entry point that takes one argument structure (a linear's
  * segflow_linear_t, an add + layer norm's, an attention's segflow_attention_call_t),
  * recorded with its tensors' addresses.
@@ -22,7 +22,7 @@
 typedef int (*segflow_execute_fn)(void *primitive, void *stream, int nargs, const void *args);
 typedef int (*segflow_set_handle_fn)(void *memory, void *handle);
 
-/* One recorded execute; the layout ops/onednn_replay.py's ctypes structure mirrors. */
+/* One recorded execute; the layout kernels/onednn/replay.py's ctypes structure mirrors. */
 typedef struct {
     void *primitive;
     void *stream;
@@ -83,7 +83,7 @@ int64_t segflow_replay_calls(const segflow_call_t *calls, int64_t n, int *status
 
 /* A segflow kernel call as a step of segflow_replay_executes (`primitive` a
  * segflow_call_t, its memories NULL): the classifier's linear after a replayed run of
- * primitives (ops/onednn_replay.py) runs inside that run's one C call. */
+ * primitives (kernels/onednn/replay.py) runs inside that run's one C call. */
 int segflow_call_execute(void *call, void *stream, int nargs, const void *args) {
     (void)stream, (void)nargs, (void)args;
     const segflow_call_t *c = call;

@@ -1,6 +1,6 @@
 """A run of direct libdnnl kernels replayed from recorded addresses: one Python call.
 
-Generated code calls each direct convolution and pooling (``ops/onednn_direct.py``)
+Generated code calls each direct convolution and pooling (``kernels/onednn/``)
 in turn. Each call looks up its primitive by the input's sizes and strides, finds
 its output in the run's arena, reads the tensors' addresses and executes: 6 us of
 Python on a warm CPU, and 10-20 us right after a kernel has flushed the caches.
@@ -26,7 +26,7 @@ holds, and then only executes:
   it and the nodes after it always run the usual way.
 
 A classifier right after the run (a Flatten at axis 1 of its last output and a native
-linear over that, ``ops/native_linear.py``: MobileNetV2's and ResNet-50's) is part of
+linear over that, ``kernels/linear.py``: MobileNetV2's and ResNet-50's) is part of
 it: the Flatten's view of the pooled output is recorded like the outputs, and the
 linear, prepared once, runs from its recorded arguments into a new result at every
 call (the run's output, which the caller keeps), as the last step of the C call below
@@ -42,11 +42,11 @@ runs alternate between two arena blocks leave the first recording in place.
 
 Each execute still honours the op: its lock is held, and its memories are
 re-pointed only where they point elsewhere (another path, such as a profiled run,
-may have moved them). Where the native library loads (``ops/native_library.py``),
-each stretch of consecutive executes is one C call (``ops/native/replay.c``)
+may have moved them). Where the native library loads (``kernels/native/build.py``),
+each stretch of consecutive executes is one C call (``kernels/native/replay.c``)
 under all of that stretch's op locks, taken without waiting; a lock held by
 another thread's run sends the stretch through ``DirectOp.execute_at``, one op
-at a time, as without the library. A Winograd convolution (``ops/winograd.py``) is
+at a time, as without the library. A Winograd convolution (``kernels/winograd.py``) is
 such an execute too: its step calls the native kernel in place of libdnnl's
 execute, and the stretch also takes the lock of the workspace it shares.
 ``SEGFLOW_ONEDNN_REPLAY=0`` turns the replay off, ``SEGFLOW_NATIVE=0`` its C loop.
@@ -62,10 +62,13 @@ from typing import cast
 import torch
 
 from segflow.errors import ExecutionError, node_failed
-from segflow.ops.native_library import NativeLibrary
-from segflow.ops.native_linear import NativeLinear
-from segflow.ops.native_replay import KernelCall, Prepared
-from segflow.ops.onednn_direct import DirectConv, DirectOp, DirectPool, DnnlError, _Call
+from segflow.kernels.linear import NativeLinear
+from segflow.kernels.native.build import NativeLibrary
+from segflow.kernels.onednn.conv import DirectConv
+from segflow.kernels.onednn.library import DnnlError
+from segflow.kernels.onednn.op import Call, DirectOp
+from segflow.kernels.onednn.pool import DirectPool
+from segflow.kernels.replay import KernelCall, Prepared
 
 Tensor = torch.Tensor
 # Calls in a row a recording must fail to hold for before the run is recorded again.
@@ -87,7 +90,7 @@ class ReplayStep:
     """
 
     # A direct kernel; or, after the run's last one, a classifier: its Flatten at axis 1
-    # (None: a view of the pooled output) and its native linear (ops/native_linear.py).
+    # (None: a view of the pooled output) and its native linear (kernels/linear.py).
     op: DirectConv | DirectPool | NativeLinear | None
     inplace: bool
     args: tuple[int | None, ...]
@@ -96,7 +99,7 @@ class ReplayStep:
 
 
 class _Execute(ctypes.Structure):
-    """One step of a native stretch: ``segflow_execute_t`` in ``ops/native/replay.c``."""
+    """One step of a native stretch: ``segflow_execute_t`` in ``kernels/native/replay.c``."""
 
     _fields_ = [("primitive", ctypes.c_void_p), ("stream", ctypes.c_void_p),
                 ("args", ctypes.c_void_p), ("nargs", ctypes.c_int64),
@@ -108,18 +111,18 @@ class _NativeStretch:
     """Consecutive replayed executes run by one C call (module docstring), and the
     classifier's linear right after them where the recording has one: ``classifier``,
     (its output's value index, the prepared call, its label), run as the call's last
-    step into a new result (``segflow_call_execute`` in ``ops/native/replay.c``)."""
+    step into a new result (``segflow_call_execute`` in ``kernels/native/replay.c``)."""
 
     __slots__ = ("entries", "labels", "locks", "classifier", "_steps", "_call", "_args",
                  "_status", "_linear")
 
-    def __init__(self, entries: Sequence[tuple[DirectOp, _Call, _Addresses]],
+    def __init__(self, entries: Sequence[tuple[DirectOp, Call, _Addresses]],
                  labels: Sequence[str], native: NativeLibrary,
                  classifier: tuple[int, Prepared, str] | None = None) -> None:
         self.entries = tuple(entries)
         self.labels = tuple(labels)
         self.classifier = classifier
-        # The ops' locks, then the workspaces their native kernels share (ops/workspace.py).
+        # The ops' locks, then the workspaces their native kernels share (kernels/workspace.py).
         self.locks = tuple(dict.fromkeys(
             [op.lock for op, _, _ in self.entries]
             + [call.lock for _, call, _ in self.entries if call.lock is not None]))
@@ -457,7 +460,7 @@ def _stretches(plan: Sequence[_Entry], steps: Sequence[ReplayStep],
                 index, _, call, _ = classifier
                 linear = (steps[index].output, cast(Prepared, call), steps[index].label)
             program.append(_NativeStretch(
-                [(cast(DirectOp, steps[index].op), cast(_Call, call), addresses)
+                [(cast(DirectOp, steps[index].op), cast(Call, call), addresses)
                  for index, _, call, addresses in run],
                 [steps[index].label for index, _, _, _ in run], native, linear))
             program.extend(views)

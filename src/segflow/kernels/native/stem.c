@@ -3,7 +3,7 @@
  * segflow_stem_execute computes y = act(conv(x, w) + bias) for a convolution over
  * few input channels (an image's 1 to 4), ungrouped and undilated, any kernel size,
  * stride and padding: x is the float32 NCHW feed, y the channels-last output whose
- * channels are a multiple of the vector width (ops/native_stem.py builds the plan).
+ * channels are a multiple of the vector width (kernels/stem.py builds the plan).
  * It exists because libdnnl has only reference kernels for an NCHW source with a
  * channels-last destination: the stem convolution copied the image into
  * channels-last storage first (staging.c), and libdnnl's kernel for three input
@@ -28,7 +28,7 @@
 
 #include "panel.h"         /* vf, VW, splat_vf, select_vf */
 
-/* The layout ops/native_stem.py's ctypes structure mirrors. */
+/* The layout kernels/stem.py's ctypes structure mirrors. */
 typedef struct {
     int64_t n, c, h, w;           /* input [n][c][h][w] */
     int64_t k, oh, ow;            /* output [n][oh][ow][k] */

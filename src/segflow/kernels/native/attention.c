@@ -16,7 +16,7 @@
  * place on those rows (one pass for the maximum, one for exp and the sum, the rows'
  * exps interleaved), and the output is the register block of the probabilities over
  * V's panels, scaled by 1 / sum. The scores of those rows sit in L1; K's and V's
- * packings in L2. The OpenMP threads libdnnl uses (ops/native_attention.py passes
+ * packings in L2. The OpenMP threads libdnnl uses (kernels/attention.py passes
  * libgomp's entry points) claim the (b, h) pairs one at a time; with few pairs, each
  * pair's query rows are split too.
  *
@@ -307,7 +307,7 @@ int segflow_attention(const float *q, const float *k, const float *v, const floa
 }
 
 /* segflow_attention's arguments as one structure, so that a recorded call is one
- * pointer (replay.c's segflow_replay_calls; ops/native_attention.py mirrors it). */
+ * pointer (replay.c's segflow_replay_calls; kernels/attention.py mirrors it). */
 typedef struct {
     const float *q, *k, *v, *mask;
     float *y, *scratch;

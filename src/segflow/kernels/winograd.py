@@ -5,7 +5,7 @@ stride-1 3x3 convolution runs as a direct convolution, 9 multiply-adds per
 output and input channel. Winograd's F(4x4, 3x3) needs 36 per 4x4 tile of
 outputs, 2.25 per output: 4x fewer. The layout pass marks the convolutions
 that qualify (``winograd``; ``SEGFLOW_WINOGRAD=0`` turns it off), and their
-:class:`~segflow.ops.onednn_direct.DirectConv` builds a call through
+:class:`~segflow.kernels.onednn.conv.DirectConv` builds a call through
 :class:`Winograd` instead of a oneDNN convolution:
 
 - once, when the session is made, the layout pass transforms the weight
@@ -15,9 +15,9 @@ that qualify (``winograd``; ``SEGFLOW_WINOGRAD=0`` turns it off), and their
   A call that cannot run as Winograd (a layout it declines) goes to torch's
   convolution with the plain weight recovered from ``U``
   (:func:`inverse_transform`, made on first use);
-- at each call ``ops/native/winograd.c`` goes through the output's 4x4 tiles a
+- at each call ``kernels/native/winograd.c`` goes through the output's 4x4 tiles a
   chunk at a time (:func:`chunk_tiles`): it transforms their 6x6 input windows
-  into the session's shared :class:`~segflow.ops.workspace.Workspace` (V ``[36,
+  into the session's shared :class:`~segflow.kernels.workspace.Workspace` (V ``[36,
   chunk, C]``), runs the matmul (M = V x U), and transforms M back into the
   output, adding the bias and a residual and applying ReLU, LeakyReLU or Clip
   on the way. A chunk
@@ -42,21 +42,21 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from segflow.ops.native_library import NativeLibrary
-from segflow.ops.onednn_direct import (
-    _ARG_DST,
-    _ARG_SRC,
-    _ARG_WEIGHTS,
-    ConvGeometry,
-    _Call,
-    _ExecArg,
+from segflow.kernels.native.build import NativeLibrary
+from segflow.kernels.onednn.geometry import ConvGeometry
+from segflow.kernels.onednn.library import (
+    ARG_DST,
+    ARG_SRC,
+    ARG_WEIGHTS,
+    ExecArg,
     onednn_eltwise,
     openmp_entry_points,
 )
-from segflow.ops.workspace import Workspace
+from segflow.kernels.onednn.op import Call
+from segflow.kernels.workspace import Workspace
 
 if TYPE_CHECKING:
-    from segflow.ops.onednn_direct import DirectConv
+    from segflow.kernels.onednn.conv import DirectConv
 
 Tensor = torch.Tensor
 TILE = 4            # outputs per tile side: F(4x4, 3x3) reads 6x6 windows
@@ -145,14 +145,14 @@ def inverse_transform(u: Tensor) -> Tensor:
 
 
 class _Matmul(ctypes.Structure):
-    """``segflow_matmul_t`` in ``ops/native/winograd.c``."""
+    """``segflow_matmul_t`` in ``kernels/native/winograd.c``."""
 
     _fields_ = [("primitive", ctypes.c_void_p), ("args", ctypes.c_void_p),
                 ("nargs", ctypes.c_int64), ("src", ctypes.c_void_p), ("dst", ctypes.c_void_p)]
 
 
 class _Plan(ctypes.Structure):
-    """``segflow_winograd_t`` in ``ops/native/winograd.c``."""
+    """``segflow_winograd_t`` in ``kernels/native/winograd.c``."""
 
     _fields_ = [
         ("n", ctypes.c_int64), ("h", ctypes.c_int64), ("w", ctypes.c_int64),
@@ -209,7 +209,7 @@ class Winograd:
         return self.weight.numel() * 4
 
     def make_call(self, op: DirectConv, x: Tensor, w: Tensor, b: Tensor | None,
-                  z: Tensor | None, inplace: bool) -> tuple[_Call | None, str]:
+                  z: Tensor | None, inplace: bool) -> tuple[Call | None, str]:
         """A call of ``op`` for ``x``'s layout that runs as Winograd, or None and why."""
         spec, lib = op.spec, op.lib
         why = unfit(spec, int(x.shape[1]), op.eltwise)
@@ -258,9 +258,9 @@ class Winograd:
                 return None, f"only a reference matmul ({impl})"
             mm_src, mm_dst = lib.memory(src_md), lib.memory(dst_md)
             owned.extend(("memory", m) for m in (mm_src, mm_dst))
-            mm_args = (_ExecArg * 3)(_ExecArg(_ARG_SRC, mm_src),
-                                     _ExecArg(_ARG_WEIGHTS, mm_weights),
-                                     _ExecArg(_ARG_DST, mm_dst))
+            mm_args = (ExecArg * 3)(ExecArg(ARG_SRC, mm_src),
+                                     ExecArg(ARG_WEIGHTS, mm_weights),
+                                     ExecArg(ARG_DST, mm_dst))
             matmuls.append((prim, mm_args, mm_src, mm_dst))
         stream = op.stream()
         # The convolution's own memories: the caller points them at x, y and z, and the
@@ -293,9 +293,9 @@ class Winograd:
         omp = openmp_entry_points()
         if omp is not None:
             plan.parallel, plan.thread_num, plan.num_threads = omp
-        args = [_ExecArg(_ARG_SRC, conv_src), _ExecArg(_ARG_DST, conv_dst)]
-        call = _Call(ctypes.c_void_p(ctypes.addressof(plan)), conv_src, conv_dst, residual,
-                     (_ExecArg * len(args))(*args), in_format, tuple(out_shape),
+        args = [ExecArg(ARG_SRC, conv_src), ExecArg(ARG_DST, conv_dst)]
+        call = Call(ctypes.c_void_p(ctypes.addressof(plan)), conv_src, conv_dst, residual,
+                     (ExecArg * len(args))(*args), in_format, tuple(out_shape),
                      torch.channels_last, w, b, f"winograd F(4x4,3x3) + {impl}",
                      run=self.run, lock=self.workspace.lock,
                      keep=(plan, weight, matmuls, bias, zeros))

@@ -1,7 +1,7 @@
 """A run of segflow's own kernels replayed from recorded arguments: one C call.
 
-Generated code calls a transformer's native kernels one by one (``ops/native_linear.py``,
-``ops/add_layer_norm.py``, ``ops/native_attention.py``). Each call checks its
+Generated code calls a transformer's native kernels one by one (``kernels/linear.py``,
+``kernels/layer_norm.py``, ``kernels/attention.py``). Each call checks its
 tensors, allocates its result and fills a ctypes structure in Python, which runs
 cold right after a kernel has swept the caches: ~25 us a linear, ~45 an add + layer
 norm, ~60 an attention, ~3 ms of a 91 ms BERT-base run (2-core AVX-512 VM,
@@ -20,7 +20,7 @@ sizes (views, ``runtime/compile.py``):
 - from then on a call whose inputs from outside the run have the recorded sizes,
   strides and dtypes, on as many threads, writes their addresses (and those of new
   tensors for the results read after the run) into the structures and runs them all
-  in one C call (``ops/native/replay.c``, ``segflow_replay_calls``).
+  in one C call (``kernels/native/replay.c``, ``segflow_replay_calls``).
 
 Results read after the run are new tensors at every call; the block holds only what
 dies inside it. Inputs a kernel reads at positions other than its data (weights,
@@ -47,7 +47,7 @@ from segflow.errors import ExecutionError, node_failed
 from segflow.passes.plan_memory import Buffer, align, place
 
 if TYPE_CHECKING:
-    from segflow.ops.native_library import NativeLibrary
+    from segflow.kernels.native.build import NativeLibrary
 
 Tensor = torch.Tensor
 # Calls in a row a recording must fail to hold for before the run is noted again.
@@ -105,8 +105,8 @@ class NativeStep:
 
 
 class KernelCall(ctypes.Structure):
-    """``segflow_call_t`` of ``ops/native/replay.c``: ``fn(args)``, a recorded call of a
-    segflow kernel (also the classifier step of ``ops/onednn_replay.py``'s C loop)."""
+    """``segflow_call_t`` of ``kernels/native/replay.c``: ``fn(args)``, a recorded call of a
+    segflow kernel (also the classifier step of ``kernels/onednn/replay.py``'s C loop)."""
 
     _fields_ = [("fn", ctypes.c_void_p), ("args", ctypes.c_void_p)]
 

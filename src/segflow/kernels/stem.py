@@ -2,9 +2,9 @@
 
 A model's image feed arrives NCHW, and libdnnl has only reference kernels for an
 NCHW source with a channels-last destination: the direct stem convolution first
-copied the image into channels-last storage (``ops/native_staging.py``), then ran
+copied the image into channels-last storage (``kernels/staging.py``), then ran
 libdnnl's kernel, whose vectors mostly idle over three input channels.
-``ops/native/stem.c`` instead reads the image where it is and writes the
+``kernels/native/stem.c`` instead reads the image where it is and writes the
 channels-last output: per output row, each tap's output-channel weights times a
 broadcast input value, for a block of pixels at a time (the module docstring there).
 
@@ -15,10 +15,10 @@ ResNet-50's (3 -> 64, 7x7) ~75 plus ~830, this kernel ~760 (1.02 against 1.14 ms
 Whole models, two sessions alternating in one process: MobileNetV2 3.20 against
 3.32 ms, ResNet-50 27.81 against 27.87.
 
-:class:`NativeStem` builds a :class:`~segflow.ops.onednn_direct.DirectConv`'s call
+:class:`NativeStem` builds a :class:`~segflow.kernels.onednn.conv.DirectConv`'s call
 whose primitive is the kernel's plan and whose ``run`` is the kernel
 (``segflow_stem_execute``, dnnl_primitive_execute's signature), as
-``ops/winograd.py`` does: a replayed run (``ops/onednn_replay.py``) runs the stem in
+``kernels/winograd.py`` does: a replayed run (``kernels/onednn/replay.py``) runs the stem in
 its C loop like any other kernel, with the feed's address written in at each call.
 """
 
@@ -29,19 +29,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from segflow.ops.native_library import NativeLibrary
-from segflow.ops.onednn_direct import (
-    _ARG_DST,
-    _ARG_SRC,
-    ConvGeometry,
-    _Call,
-    _ExecArg,
-    openmp_entry_points,
-)
-from segflow.ops.winograd import clamp_activation
+from segflow.kernels.native.build import NativeLibrary
+from segflow.kernels.onednn.geometry import ConvGeometry
+from segflow.kernels.onednn.library import ARG_DST, ARG_SRC, ExecArg, openmp_entry_points
+from segflow.kernels.onednn.op import Call
+from segflow.kernels.winograd import clamp_activation
 
 if TYPE_CHECKING:
-    from segflow.ops.onednn_direct import DirectConv
+    from segflow.kernels.onednn.conv import DirectConv
 
 Tensor = torch.Tensor
 
@@ -58,7 +53,7 @@ MAX_OUTPUT_BYTES = 16 << 20
 
 
 class _Plan(ctypes.Structure):
-    """``segflow_stem_t`` of ``ops/native/stem.c``."""
+    """``segflow_stem_t`` of ``kernels/native/stem.c``."""
 
     _fields_ = [("n", ctypes.c_int64), ("c", ctypes.c_int64), ("h", ctypes.c_int64),
                 ("w", ctypes.c_int64), ("k", ctypes.c_int64), ("oh", ctypes.c_int64),
@@ -98,8 +93,8 @@ def unfit(spec: ConvGeometry, in_channels: int, width: int,
 
 
 class NativeStem:
-    """Builds a :class:`~segflow.ops.onednn_direct.DirectConv`'s call for an NCHW input
-    as ``ops/native/stem.c``'s kernel (module docstring)."""
+    """Builds a :class:`~segflow.kernels.onednn.conv.DirectConv`'s call for an NCHW input
+    as ``kernels/native/stem.c``'s kernel (module docstring)."""
 
     def __init__(self, native: NativeLibrary) -> None:
         run = native.dll.segflow_stem_execute
@@ -116,7 +111,7 @@ class NativeStem:
                 and not x.is_contiguous(memory_format=torch.channels_last))
 
     def make_call(self, op: DirectConv, x: Tensor, w: Tensor, b: Tensor | None
-                  ) -> tuple[_Call | None, str]:
+                  ) -> tuple[Call | None, str]:
         """``op``'s call for ``x`` (see :meth:`takes`) as the native kernel, or None and
         why not (the caller then stages the input for libdnnl, as before)."""
         spec, lib = op.spec, op.lib
@@ -154,8 +149,8 @@ class NativeStem:
         src, dst = lib.memory(descs[0]), lib.memory(descs[1])
         owned.extend(("memory", m) for m in (src, dst))
         op.stream()
-        args = (_ExecArg * 2)(_ExecArg(_ARG_SRC, src), _ExecArg(_ARG_DST, dst))
-        call = _Call(ctypes.c_void_p(ctypes.addressof(plan)), src, dst, None, args, None,
+        args = (ExecArg * 2)(ExecArg(ARG_SRC, src), ExecArg(ARG_DST, dst))
+        call = Call(ctypes.c_void_p(ctypes.addressof(plan)), src, dst, None, args, None,
                      tuple(out_shape), torch.channels_last, w, b,
                      f"native stem {spec.kernel[0]}x{spec.kernel[1]}",
                      run=self.run, keep=(plan, weight, bias))

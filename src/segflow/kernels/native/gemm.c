@@ -14,7 +14,7 @@
  * that a panel's KC x NR block is read from L1/L2 for every MR rows of x, and the
  * rows' KC columns stay in L2. A call of fewer than MR rows reads each panel whole,
  * in the order it is stored; a single row (a GEMV), GEMV_PANELS panels at once. The
- * OpenMP threads libdnnl uses (ops/native_linear.py passes libgomp's entry points)
+ * OpenMP threads libdnnl uses (kernels/linear.py passes libgomp's entry points)
  * claim chunks of panels as they go (a GEMV's GEMV_PANELS at a time), or of rows where
  * there are fewer panels than threads.
  *
@@ -63,7 +63,7 @@
 
 
 /* 1 where the build has AVX2 and FMA, the vector width and multiply-add the kernel was
- * measured with (ops/native_linear.py prefers it only then). */
+ * measured with (kernels/linear.py prefers it only then). */
 int segflow_linear_vector_fma(void) {
 #if defined(__AVX2__) && defined(__FMA__)
     return 1;

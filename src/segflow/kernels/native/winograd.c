@@ -2,7 +2,7 @@
  *
  * segflow_winograd_execute computes y = act(conv3x3(x, w) + bias [+ z]) for a
  * stride-1, undilated, ungrouped convolution over channels-last float32 tensors
- * (ops/winograd.py builds the plan). The output is cut into 4x4 tiles, taken a
+ * (kernels/winograd.py builds the plan). The output is cut into 4x4 tiles, taken a
  * chunk of tiles at a time: each tile's 6x6 input window is transformed
  * (V = B^T d B), the 36 transformed planes are multiplied by the transformed
  * weights (U = G g G^T, made once) in one batched libdnnl matmul
@@ -42,7 +42,7 @@ typedef struct {
     void *src, *dst;              /* pointed at the workspace */
 } segflow_matmul_t;
 
-/* The layout ops/winograd.py's ctypes structure mirrors. */
+/* The layout kernels/winograd.py's ctypes structure mirrors. */
 typedef struct {
     int64_t n, h, w, c, k;        /* input [n, h, w, c]; k output channels */
     int64_t oh, ow, pt, pl;       /* output size; top and left padding */

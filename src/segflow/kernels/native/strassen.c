@@ -112,7 +112,7 @@ int strassen_fits(const segflow_linear_t *p) {
            p->scratch_threads > 0;
 }
 
-/* SPREAD, for ops/native_linear.py to hold the weight's check to. */
+/* SPREAD, for kernels/linear.py to hold the weight's check to. */
 double segflow_linear_strassen_max_spread(void) { return SPREAD; }
 
 /* Floats of scratch a call of m rows and k inputs needs with `threads` threads. */

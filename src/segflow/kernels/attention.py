@@ -12,7 +12,7 @@ The fuse pass's ``attention`` rule writes the node in one of two forms:
 
 Either way it is ``softmax(Q K^T * scale + M) V`` per batch and head, with M an
 additive float mask broadcast to the scores. On CPU, float32 inputs with at most
-one batch dimension before the heads run through ``ops/native/attention.c``: the
+one batch dimension before the heads run through ``kernels/native/attention.c``: the
 heads are read in place through strides (no copies to split or merge them), K and V
 are packed into panels and the softmax is taken on a few rows of scores while they
 sit in L1. Anything else (other dtypes or devices, more batch dimensions, batch
@@ -33,18 +33,18 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from segflow.ops._common import NativeOrTorch, OpKernel, describe_native_calls
-from segflow.ops.native_library import NativeLibrary
-from segflow.ops.native_replay import Prepared
-from segflow.ops.onednn_direct import openmp_entry_points
+from segflow.kernels.native.build import NativeLibrary
+from segflow.kernels.onednn.library import openmp_entry_points
+from segflow.kernels.replay import Prepared
+from segflow.kernels.report import NativeOrTorch, OpKernel, describe_native_calls
 
 Tensor = torch.Tensor
 
-_Sizes = ctypes.c_int64 * 27      # segflow_attention's sizes (ops/native/attention.c)
+_Sizes = ctypes.c_int64 * 27      # segflow_attention's sizes (kernels/native/attention.c)
 
 
 class _CallArgs(ctypes.Structure):
-    """``segflow_attention_call_t`` of ``ops/native/attention.c``, with the result's
+    """``segflow_attention_call_t`` of ``kernels/native/attention.c``, with the result's
     tensor, its ``[B, Sq, H, Dv]`` sizes and what its pointers must outlive."""
 
     _fields_ = [("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p),
@@ -101,7 +101,7 @@ class ScaledDotAttention(NativeOrTorch):
         """The native call of the heads form (``heads`` > 0) for these tensors, ready to
         run (None: another form, or torch's). ``out``: storage for the result where it
         has the result's shape (else a new tensor). ``fields`` None (not replayable,
-        ``ops/native_replay.py``) where Q had to be copied or the mask is read through
+        ``kernels/replay.py``) where Q had to be copied or the mask is read through
         a copy."""
         if not self.heads or self._fn is None:
             return None

@@ -6,7 +6,7 @@
  * (y may be a or b); gamma and beta have `width` floats. A row is summed into y,
  * then its mean and its variance about that mean are taken (two passes over the
  * row while it sits in L1), then it is normalized in place. The OpenMP threads
- * libdnnl uses (ops/add_layer_norm.py passes libgomp's entry points) claim the rows
+ * libdnnl uses (kernels/layer_norm.py passes libgomp's entry points) claim the rows
  * in chunks.
  *
  * It exists because a transformer's residual Add and the LayerNormalization after
@@ -26,7 +26,7 @@ static inline float hsum(v8 v) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
-/* What ops/add_layer_norm.py's ctypes structure mirrors. */
+/* What kernels/layer_norm.py's ctypes structure mirrors. */
 typedef struct {
     const float *a, *b;           /* [rows][width]; b may be NULL */
     const float *gamma, *beta;    /* [width]; beta may be NULL */

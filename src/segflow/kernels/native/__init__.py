@@ -1,0 +1,1 @@
+"""segflow's own C kernels: the sources, their build and the trusted cache."""

@@ -1,0 +1,1 @@
+"""Kernels called straight into libdnnl (oneDNN's C API) through ctypes."""
