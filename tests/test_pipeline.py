@@ -272,8 +272,8 @@ def test_siblings_packed_for_the_avx512_kernel_stay_apart_unless_named(monkeypat
         assert splits == (1 if want else 0)
         assert ("siblings 1" in log[1]) == want
         assert log[1].endswith("siblings off (auto): 1 group of linears left separate, the "
-                               "native kernel's 48-wide panels ran BERT-base's query, key "
-                               "and value projections faster as three linears") != want
+                               "native kernel's 48-column panels run packed sibling linears "
+                               "faster as separate calls") != want
     # Small siblings (not packed for the native kernel) are merged either way.
     graph = import_model(models.build("bert_tiny"))
     optimize(graph, OptimizeOptions.resolve(None, env={}), device=CPU)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import os
 from collections.abc import Collection, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
@@ -181,3 +181,68 @@ def cache_max_bytes(env: Mapping[str, str] | None = None) -> int:
     """
     env = os.environ if env is None else env
     return _env_int(env, ENV_CACHE_MAX_MB, CACHE_MAX_MB) << 20
+
+
+# -- the inference pipeline's variables (segflow.passes.pipeline) -------------------------
+# A pass's SEGFLOW_NO_* variable: 1 switches the pass off.
+PASS_OFF_ENV = {"fold_constants": ENV_NO_FOLD, "fuse": ENV_NO_FUSE,
+                "dense_chain": ENV_NO_DENSE_CHAIN, "layout": ENV_NO_LAYOUT,
+                "plan_memory": ENV_NO_MEMORY_PLAN}
+# The layout pass's choices that default to "where measured faster" (None when unset).
+AUTO_CHOICE_ENV = {"winograd": ENV_WINOGRAD, "native_linear": ENV_NATIVE_LINEAR,
+                   "strassen": ENV_STRASSEN, "native_stem": ENV_NATIVE_STEM}
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineEnv:
+    """The pipeline's ``SEGFLOW_*`` variables, read once (``OptimizeOptions.resolve``
+    lets API values win over them)."""
+
+    optimize: bool = True                    # SEGFLOW_OPTIMIZE
+    passes_off: frozenset[str] = frozenset()  # passes whose SEGFLOW_NO_* is 1
+    fuse_rules_off: frozenset[str] = frozenset()  # SEGFLOW_NO_FUSE=rule,rule
+    compile: str = ""                        # SEGFLOW_COMPILE as given ("" unset)
+    intra_op_threads: int | None = None
+    onednn_direct: bool = True
+    onednn_blocked: bool = True
+    arena: bool = True
+    onednn_replay: bool = True
+    prebuild: bool = True
+    auto_choices: Mapping[str, bool] = field(default_factory=dict)  # AUTO_CHOICE_ENV's set
+    debug: int = 0                           # SEGFLOW_DEBUG: 1 prints one line per pass
+
+    @classmethod
+    def read(cls, env: Mapping[str, str] | None = None, *,
+             fuse_rules: Collection[str] = ()) -> PipelineEnv:
+        """``fuse_rules``: the fuse rule names ``SEGFLOW_NO_FUSE`` may list."""
+        env = os.environ if env is None else env
+        rules_off = _fuse_rules_off(env, fuse_rules)
+        passes_off = {name for name, var in PASS_OFF_ENV.items()
+                      if not (name == "fuse" and rules_off) and _env_bool(env, var, False)}
+        threads = (_env_int(env, ENV_INTRA_OP_THREADS, 1)
+                   if env.get(ENV_INTRA_OP_THREADS, "").strip() else None)
+        return cls(optimize=_env_bool(env, ENV_OPTIMIZE, True),
+                   passes_off=frozenset(passes_off), fuse_rules_off=frozenset(rules_off),
+                   compile=env.get(ENV_COMPILE, "").strip(), intra_op_threads=threads,
+                   onednn_direct=_env_bool(env, ENV_ONEDNN_DIRECT, True),
+                   onednn_blocked=_env_bool(env, ENV_ONEDNN_BLOCKED, True),
+                   arena=_env_bool(env, ENV_ARENA, True),
+                   onednn_replay=_env_bool(env, ENV_ONEDNN_REPLAY, True),
+                   prebuild=_env_bool(env, ENV_PREBUILD, True),
+                   auto_choices={name: _env_bool(env, var, True)
+                                 for name, var in AUTO_CHOICE_ENV.items()
+                                 if env.get(var, "").strip()},
+                   debug=debug_level(env))
+
+
+def _fuse_rules_off(env: Mapping[str, str], known: Collection[str]) -> set[str]:
+    """The fuse rules ``SEGFLOW_NO_FUSE`` names (comma-separated); none for 0/1 or unset."""
+    raw = env.get(ENV_NO_FUSE, "").strip()
+    if raw == "" or raw.lower() in TRUE_WORDS + FALSE_WORDS:
+        return set()          # the whole pass's switch
+    names = {name.strip() for name in raw.split(",") if name.strip()}
+    unknown = sorted(names - set(known))
+    if unknown:
+        raise InvalidSetting(f"{ENV_NO_FUSE}={raw!r}: unknown fuse rules {unknown}; expected 0, "
+                             f"1 or rule names from {', '.join(known)}")
+    return names

@@ -11,7 +11,7 @@ Not folded: nodes with subgraphs, random ops, and results larger than
 ``max_bytes`` (folding must not turn a cheap ``Expand`` into a huge weight).
 Dead nodes and unused initializers are removed afterwards.
 
->>> fold_constants(graph).modified   # doctest: +SKIP
+>>> fold_constants(graph).changed   # doctest: +SKIP
 True
 """
 

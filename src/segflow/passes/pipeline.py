@@ -23,9 +23,10 @@ Each pass adds one line to the log that ``explain()`` prints, e.g.
 from __future__ import annotations
 
 import enum
-import os
-from collections.abc import Mapping
-from dataclasses import dataclass
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 
@@ -50,41 +51,16 @@ from segflow.passes.fuse import RULE_NAMES, run_rules
 from segflow.passes.fuse.siblings import fuse_siblings
 from segflow.passes.layout import POOLS, layout
 from segflow.passes.plan_memory import MemoryPlan, plan_memory
-from segflow.settings import (
-    ENV_ARENA,
-    ENV_COMPILE,
-    ENV_INTRA_OP_THREADS,
-    ENV_NATIVE_LINEAR,
-    ENV_NATIVE_STEM,
-    ENV_NO_DENSE_CHAIN,
-    ENV_NO_FOLD,
-    ENV_NO_FUSE,
-    ENV_NO_LAYOUT,
-    ENV_NO_MEMORY_PLAN,
-    ENV_ONEDNN_BLOCKED,
-    ENV_ONEDNN_DIRECT,
-    ENV_ONEDNN_REPLAY,
-    ENV_OPTIMIZE,
-    ENV_PREBUILD,
-    ENV_STRASSEN,
-    ENV_WINOGRAD,
-    FALSE_WORDS,
-    TRUE_WORDS,
-    _env_bool,
-    _env_int,
-    parse_choice,
-)
+from segflow.passes.result import PassResult
+from segflow.settings import AUTO_CHOICE_ENV, ENV_COMPILE, PipelineEnv, parse_choice
 
+# The passes ``optimize`` switches by name (the OptimizeOptions field of the same name).
 PASSES = ("fold_constants", "fuse", "dense_chain", "layout", "plan_memory")
 # ``optimize`` keys for the layout pass's choices -> the OptimizeOptions field each sets
-# (their environment variables: SEGFLOW_ONEDNN_DIRECT, _ONEDNN_BLOCKED, SEGFLOW_WINOGRAD,
-# SEGFLOW_NATIVE_LINEAR, SEGFLOW_STRASSEN, SEGFLOW_NATIVE_STEM).
+# (their environment variables: settings.py).
 LAYOUT_CHOICES = {"layout.direct": "onednn_direct", "layout.blocked": "onednn_blocked",
                   "layout.winograd": "winograd", "layout.native_linear": "native_linear",
                   "layout.strassen": "strassen", "layout.native_stem": "native_stem"}
-_PASS_ENV = {"fold_constants": ENV_NO_FOLD, "fuse": ENV_NO_FUSE,
-             "dense_chain": ENV_NO_DENSE_CHAIN, "layout": ENV_NO_LAYOUT,
-             "plan_memory": ENV_NO_MEMORY_PLAN}
 
 
 class CompileMode(enum.Enum):
@@ -150,13 +126,16 @@ class OptimizeOptions:
     # in place (kernels/stem.py); None: where it was measured faster
     # (fused.native_stem_preferred: the native library's AVX-512 build).
     native_stem: bool | None = None
+    # SEGFLOW_DEBUG: 1 prints each pass's log line to stderr as the pipeline runs it.
+    debug: int = 0
 
     @classmethod
     def resolve(cls, optimize: bool | Mapping[str, bool] | None = None, *,
                 compile: str | CompileMode | None = None, intra_op_threads: int | None = None,
                 env: Mapping[str, str] | None = None) -> OptimizeOptions:
-        """API values first, then ``SEGFLOW_*`` variables, then the defaults (all on)."""
-        env = os.environ if env is None else env
+        """API values first, then ``SEGFLOW_*`` variables (read by
+        :class:`segflow.settings.PipelineEnv`), then the defaults (all on)."""
+        read = PipelineEnv.read(env, fuse_rules=RULE_NAMES)
         explicit: Mapping[str, bool] = {}
         rules_off: set[str] = set()
         rules_on: set[str] = set()
@@ -176,42 +155,30 @@ class OptimizeOptions:
                        if k in LAYOUT_CHOICES}
             enabled = True
         elif optimize is None:
-            enabled = _env_bool(env, ENV_OPTIMIZE, True)
+            enabled = read.optimize
         else:
             enabled = bool(optimize)
-        switches = {}
-        env_rules_off = _fuse_rules_off(env)
-        for name in PASSES:
-            if name in explicit:
-                switches[name] = bool(explicit[name])
-            elif name == "fuse" and env_rules_off:
-                switches[name] = enabled      # some rules off, the pass itself on
-            else:
-                switches[name] = enabled and not _env_bool(env, _PASS_ENV[name], False)
+        switches = {name: bool(explicit[name]) if name in explicit
+                    else enabled and name not in read.passes_off for name in PASSES}
         if not (isinstance(optimize, Mapping) and any(k.startswith("fuse.") for k in optimize)):
-            rules_off = env_rules_off
+            rules_off = set(read.fuse_rules_off)
         if compile is not None:
             mode = CompileMode.parse(compile)
         else:
-            mode = CompileMode.parse(env.get(ENV_COMPILE, "").strip() or CompileMode.AUTO,
-                                     source=ENV_COMPILE)
-        threads = intra_op_threads
-        if threads is None and env.get(ENV_INTRA_OP_THREADS, "").strip():
-            threads = _env_int(env, ENV_INTRA_OP_THREADS, 1)
+            mode = CompileMode.parse(read.compile or CompileMode.AUTO, source=ENV_COMPILE)
+        threads = intra_op_threads if intra_op_threads is not None else read.intra_op_threads
         if threads is not None and threads < 1:
             raise InvalidSetting(f"intra_op_threads={threads}: expected a positive integer")
-        direct = choices.get("onednn_direct", _env_bool(env, ENV_ONEDNN_DIRECT, True))
-        arena = _env_bool(env, ENV_ARENA, True)
-        blocked = choices.get("onednn_blocked", _env_bool(env, ENV_ONEDNN_BLOCKED, True))
-        replay = _env_bool(env, ENV_ONEDNN_REPLAY, True)
-        prebuild = _env_bool(env, ENV_PREBUILD, True)
-        return cls(compile=mode, intra_op_threads=threads, onednn_direct=direct, arena=arena,
-                   onednn_blocked=blocked, onednn_replay=replay, prebuild=prebuild,
-                   winograd=_auto(env, ENV_WINOGRAD, choices.get("winograd")),
-                   native_linear=_auto(env, ENV_NATIVE_LINEAR, choices.get("native_linear")),
-                   strassen=_auto(env, ENV_STRASSEN, choices.get("strassen")),
-                   native_stem=_auto(env, ENV_NATIVE_STEM, choices.get("native_stem")),
-                   fuse_off=frozenset(rules_off), fuse_on=frozenset(rules_on), **switches)
+        auto = {name: choices.get(name, read.auto_choices.get(name)) for name in AUTO_CHOICE_ENV}
+        return cls(compile=mode, intra_op_threads=threads,
+                   onednn_direct=choices.get("onednn_direct", read.onednn_direct),
+                   arena=read.arena,
+                   onednn_blocked=choices.get("onednn_blocked", read.onednn_blocked),
+                   onednn_replay=read.onednn_replay, prebuild=read.prebuild,
+                   winograd=auto["winograd"], native_linear=auto["native_linear"],
+                   strassen=auto["strassen"], native_stem=auto["native_stem"],
+                   fuse_off=frozenset(rules_off), fuse_on=frozenset(rules_on),
+                   debug=read.debug, **switches)
 
     def as_record(self) -> dict[str, object]:
         """The options in force, for RunStats settings and benchmark records."""
@@ -226,27 +193,6 @@ class OptimizeOptions:
                 "native_linear": "auto" if self.native_linear is None else self.native_linear,
                 "strassen": "auto" if self.strassen is None else self.strassen,
                 "native_stem": "auto" if self.native_stem is None else self.native_stem}
-
-
-def _auto(env: Mapping[str, str], name: str, chosen: bool | None) -> bool | None:
-    """A layout choice that defaults to "where measured faster": the API's value, else
-    the ``SEGFLOW_*`` variable ``name``'s where set, else None (auto)."""
-    if chosen is not None:
-        return chosen
-    return _env_bool(env, name, True) if env.get(name, "").strip() else None
-
-
-def _fuse_rules_off(env: Mapping[str, str]) -> set[str]:
-    """The fuse rules ``SEGFLOW_NO_FUSE`` names (comma-separated); none for 0/1 or unset."""
-    raw = env.get(ENV_NO_FUSE, "").strip()
-    if raw == "" or raw.lower() in TRUE_WORDS + FALSE_WORDS:
-        return set()          # the whole pass's switch (_env_bool reads it)
-    names = {name.strip() for name in raw.split(",") if name.strip()}
-    unknown = sorted(names - set(RULE_NAMES))
-    if unknown:
-        raise InvalidSetting(f"{ENV_NO_FUSE}={raw!r}: unknown fuse rules {unknown}; expected 0, "
-                             f"1 or rule names from {', '.join(RULE_NAMES)}")
-    return names
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,6 +216,61 @@ def configure_threads(options: OptimizeOptions) -> int:
     return torch.get_num_threads()
 
 
+class PassTarget(Protocol):
+    """What the target offers the passes (the libraries its kernels can call)."""
+
+    def native_library(self) -> NativeLibrary | None:
+        """segflow's native kernel library, None where it is off or does not build."""
+        ...
+
+    def libdnnl(self) -> tuple[bool, str]:
+        """Whether libdnnl can be called directly, and a phrase saying why (for the log)."""
+        ...
+
+
+class LoadedLibraries:
+    """The process's libraries, looked up when a pass first asks (a pipeline for a CUDA
+    device never loads them)."""
+
+    __slots__ = ()
+
+    def native_library(self) -> NativeLibrary | None:
+        return NativeLibrary.for_session()[0]
+
+    def libdnnl(self) -> tuple[bool, str]:
+        library, why = Library.probe()
+        return library is not None, why
+
+
+@dataclass(frozen=True, slots=True)
+class PassContext:
+    """What every pass is given besides the graph: where it will run, the options
+    resolved once, what the target offers, and the segment backend (chosen before
+    the first pass that needs it)."""
+
+    device: Device | None          # None: a custom placement names the imported nodes
+    options: OptimizeOptions
+    target: PassTarget
+    registry: OpRegistry | None = None
+    backend: CompileMode = CompileMode.CODEGEN
+    training: bool = False         # the graph is differentiated after the pipeline
+
+
+Pass = Callable[[Graph, PassContext], PassResult]
+
+
+@dataclass(frozen=True, slots=True)
+class PassEntry:
+    """One row of the pipeline: a pass, the OptimizeOptions field that switches it
+    (None: it always runs), and whether it runs for training graphs."""
+
+    name: str
+    run: Pass
+    switch: str | None
+    training: bool = False
+    needs_backend: bool = False    # reads ``context.backend``
+
+
 def optimize(graph: Graph, options: OptimizeOptions, *, registry: OpRegistry | None = None,
              device: Device | None = None) -> list[str]:
     """Run the enabled passes on ``graph`` in place; returns one log line per pass."""
@@ -277,63 +278,58 @@ def optimize(graph: Graph, options: OptimizeOptions, *, registry: OpRegistry | N
 
 
 def run_pipeline(graph: Graph, options: OptimizeOptions, *, registry: OpRegistry | None = None,
-                 device: Device | None = None) -> PipelineResult:
-    """Like :func:`optimize`, also returning the memory plan.
+                 device: Device | None = None, target: PassTarget | None = None,
+                 training: bool = False) -> PipelineResult:
+    """Run :data:`PIPELINE`'s enabled passes, then plan memory; one log line each.
 
     ``device``: where the graph will run; None means a custom placement, whose
     rules name the imported nodes and op types: fusion and layout are skipped
     so the rules keep matching (and nothing fuses across devices).
+    ``training``: only the rows marked for training run (the graph is differentiated
+    next, and its gradients need the forward ops as imported); no memory plan.
     """
+    context = PassContext(device, options, target or LoadedLibraries(), registry,
+                          training=training)
     log: list[str] = []
-    before = len(graph.nodes)
-    if options.fold_constants:
-        consts = len(graph.initializers)
-        result = fold_constants(graph, registry)
-        log.append(f"fold_constants: {before} -> {len(graph.nodes)} nodes"
-                   + (f", {len(graph.initializers) - consts:+d} constants" if result.modified
-                      else " (nothing to fold)"))
-    else:
-        log.append("fold_constants: off")
-    if options.fuse and device is None:
-        log.append("fuse: skipped (custom placement names the imported nodes)")
-    elif options.fuse:
-        start = len(graph.nodes)
-        rules = [r for r in RULE_NAMES if r not in options.fuse_off]
-        auto_off = (_siblings_off(options, device) if "siblings" in rules and device is not None
-                    else "")
-        if auto_off:
-            rules.remove("siblings")
-        counts = run_rules(graph, rules)
-        left = 0
-        if auto_off:        # siblings whose own weights the native kernel takes stay apart
-            def apart(nodes: list[Node]) -> bool:
-                nonlocal left
-                packed = all(_weight_numel(n) >= LINEAR_PACK_MIN_WEIGHT for n in nodes)
-                left += packed
-                return packed
-            counts["siblings"] = fuse_siblings(graph, apart)
-        done = ", ".join(f"{name} {n}" for name, n in counts.items() if n)
-        off = [r for r in RULE_NAMES if r in options.fuse_off]
-        log.append(f"fuse: {start} -> {len(graph.nodes)} nodes ({done or 'nothing to fuse'})"
-                   + (f"; rules off: {', '.join(off)}" if off else "")
-                   + (f"; siblings off (auto): {left} group{'s' if left > 1 else ''} of "
-                      f"linears left separate, {auto_off}" if left else ""))
-    else:
-        log.append("fuse: off")
-    log.append(_dense_chain(graph, options, device))
-    backend, why = choose_backend(graph, options.compile, device,
-                                  direct=options.onednn_direct)
-    log.append(_layout(graph, options, backend, device))
-    contiguous_constants(graph)
+    why = ""
+    chosen = False
+    for entry in PIPELINE:
+        if entry.needs_backend and not chosen:
+            context, why = _with_backend(graph, context)
+            chosen = True
+        if training and not entry.training:
+            lines: tuple[str, ...] = (f"{entry.name}: off (training)",)
+        elif entry.switch is not None and not getattr(options, entry.switch):
+            lines = (f"{entry.name}: off",)
+        else:
+            lines = entry.run(graph, context).log
+        _note(options, lines, log)
+    if not chosen:
+        context, why = _with_backend(graph, context)
     memory = None
-    if options.plan_memory:
+    if training:
+        _note(options, ("plan_memory: off (training)",), log)
+    elif options.plan_memory:
         memory = plan_memory(graph)
-        log.append(f"plan_memory: {memory.summary()}")
+        _note(options, (f"plan_memory: {memory.summary()}",), log)
     else:
-        log.append("plan_memory: off")
-    log.append(f"compile: {backend.value} ({why})")
-    return PipelineResult(tuple(log), memory, backend)
+        _note(options, ("plan_memory: off",), log)
+    if not training:
+        _note(options, (f"compile: {context.backend.value} ({why})",), log)
+    return PipelineResult(tuple(log), memory, context.backend)
 
+
+def _with_backend(graph: Graph, context: PassContext) -> tuple[PassContext, str]:
+    backend, why = choose_backend(graph, context.options.compile, context.device,
+                                  direct=context.options.onednn_direct, target=context.target)
+    return replace(context, backend=backend), why
+
+
+def _note(options: OptimizeOptions, lines: tuple[str, ...], log: list[str]) -> None:
+    log.extend(lines)
+    if options.debug >= 1:
+        for line in lines:
+            print(f"segflow pass: {line}", file=sys.stderr)
 
 def contiguous_constants(graph: Graph) -> int:
     """Make every strided constant of ``graph`` contiguous; returns how many were.
@@ -354,7 +350,8 @@ def contiguous_constants(graph: Graph) -> int:
 
 
 def choose_backend(graph: Graph, mode: CompileMode, device: Device | None, *,
-                   direct: bool = True) -> tuple[CompileMode, str]:
+                   direct: bool = True, target: PassTarget | None = None
+                   ) -> tuple[CompileMode, str]:
     """The segment backend for ``graph`` and why.
 
     ``auto`` keeps ``codegen``: always available, builds in milliseconds, one copy of
@@ -381,7 +378,7 @@ def choose_backend(graph: Graph, mode: CompileMode, device: Device | None, *,
     convs = [node for node in graph.nodes if _is_conv2d(node)]
     depthwise = sum(1 for node in convs if _is_depthwise(node))
     if depthwise and on_cpu:
-        if direct and Library.load() is not None:
+        if direct and (target or LoadedLibraries()).libdnnl()[0]:
             return CompileMode.CODEGEN, (f"auto: {len(convs)} convolutions, {depthwise} "
                                          "depthwise, called straight into libdnnl")
         if onednn_graph_available():
@@ -407,69 +404,105 @@ def _is_depthwise(node: Node) -> bool:
     return int(node.attrs.get("group", 1)) > 1 and shape is not None and shape[1] == 1
 
 
-def _dense_chain(graph: Graph, options: OptimizeOptions, device: Device | None) -> str:
-    if not options.dense_chain:
-        return "dense_chain: off"
+# -- the passes, one signature: (graph, context) -> PassResult ---------------------------
+def fold_constants_pass(graph: Graph, context: PassContext) -> PassResult:
+    """Evaluate the nodes whose inputs are all constants (passes/fold_constants.py)."""
+    before, consts = len(graph.nodes), len(graph.initializers)
+    result = fold_constants(graph, context.registry)
+    line = (f"fold_constants: {before} -> {len(graph.nodes)} nodes"
+            + (f", {len(graph.initializers) - consts:+d} constants" if result.changed
+               else " (nothing to fold)"))
+    return PassResult(graph, result.changed, (line,))
+
+
+def fuse_pass(graph: Graph, context: PassContext) -> PassResult:
+    """Run the fuse rules that are on (passes/fuse/)."""
+    options, device = context.options, context.device
     if device is None:
-        return "dense_chain: skipped (custom placement)"
+        return PassResult(graph, False,
+                          ("fuse: skipped (custom placement names the imported nodes)",))
+    start = len(graph.nodes)
+    rules = [r for r in RULE_NAMES if r not in options.fuse_off]
+    auto_off = _siblings_off(context) if "siblings" in rules else ""
+    if auto_off:
+        rules.remove("siblings")
+    counts = run_rules(graph, rules)
+    left = 0
+    if auto_off:        # siblings whose own weights the native kernel takes stay apart
+        def apart(nodes: list[Node]) -> bool:
+            nonlocal left
+            packed = all(_weight_numel(n) >= LINEAR_PACK_MIN_WEIGHT for n in nodes)
+            left += packed
+            return packed
+        counts["siblings"] = fuse_siblings(graph, apart)
+    done = ", ".join(f"{name} {n}" for name, n in counts.items() if n)
+    off = [r for r in RULE_NAMES if r in options.fuse_off]
+    line = (f"fuse: {start} -> {len(graph.nodes)} nodes ({done or 'nothing to fuse'})"
+            + (f"; rules off: {', '.join(off)}" if off else "")
+            + (f"; siblings off (auto): {left} group{'s' if left > 1 else ''} of "
+               f"linears left separate, {auto_off}" if left else ""))
+    return PassResult(graph, any(counts.values()), (line,))
+
+
+def dense_chain_pass(graph: Graph, context: PassContext) -> PassResult:
+    """Chain runs of small dense layers into one native call (passes/dense_chain.py)."""
+    device = context.device
+    if device is None:
+        return PassResult(graph, False, ("dense_chain: skipped (custom placement)",))
     if device.kind is not DeviceKind.CPU:
-        return "dense_chain: skipped (not a CPU device)"
+        return PassResult(graph, False, ("dense_chain: skipped (not a CPU device)",))
     before = len(graph.nodes)
-    if not chain_dense(graph).modified:
-        return "dense_chain: nothing to chain (no runs of small dense layers)"
+    if not chain_dense(graph).changed:
+        return PassResult(graph, False, (
+            "dense_chain: nothing to chain (no runs of small dense layers)",))
     chains = [n for n in graph.nodes if n.op_type == "DenseChain" and n.domain == FUSED_DOMAIN]
     layers = sum(len(n.attrs["activations"]) for n in chains)
-    return (f"dense_chain: {before} -> {len(graph.nodes)} nodes ({len(chains)} "
-            f"chain{'s' if len(chains) > 1 else ''} of {layers} small dense layers, one native "
-            "call each)")
+    return PassResult(graph, True, (
+        f"dense_chain: {before} -> {len(graph.nodes)} nodes ({len(chains)} "
+        f"chain{'s' if len(chains) > 1 else ''} of {layers} small dense layers, one native "
+        "call each)",))
 
 
-def _weight_numel(node: Node) -> int:
-    weight = node.inputs[1] if len(node.inputs) > 1 else None
-    return weight.const.numel() if weight is not None and weight.const is not None else 0
-
-
-def _siblings_off(options: OptimizeOptions, device: Device) -> str:
-    """Why linears whose weights are each packed for the native kernel are not merged by
-    the ``siblings`` rule unless it is named on ("" where they are): on CPU, where
-    large linears will run the native kernel built for AVX-512 (48-wide panels).
-    There BERT-base ran 2.4-3% faster with its query, key and value projections as three
-    768 -> 768 linears than as one 768 -> 2304 (a layer's four projections 2.10 ms of
-    C against 2.24, the merged one 1.71 ms against 3 x 0.52), with a run's native kernels
-    replayed (kernels/replay.py) so that the two extra calls a layer cost no Python
-    (2-core AVX-512 VM, 2026-12-06). With AVX2's 24-wide panels, and for libdnnl's or
-    torch's linears, the rule runs as before."""
-    if "siblings" in options.fuse_on or device.kind is not DeviceKind.CPU \
-            or not options.layout or options.native_linear is False:
-        return ""
-    library, _ = NativeLibrary.for_session()
-    if library is None or (options.native_linear is None
-                           and not native_linear_preferred(library)):
-        return ""
-    if panel_width(library) != 48:
-        return ""
-    return ("the native kernel's 48-wide panels ran BERT-base's query, key and value "
-            "projections faster as three linears")
-
-
-def _layout(graph: Graph, options: OptimizeOptions, backend: CompileMode,
-            device: Device | None) -> str:
-    if not options.layout:
-        return "layout: off"
+def layout_pass(graph: Graph, context: PassContext) -> PassResult:
+    """Prepack weights and pick the CPU kernels (passes/layout.py)."""
+    options, device, backend = context.options, context.device, context.backend
     if backend is CompileMode.INDUCTOR:
-        return "layout: skipped (inductor packs its own weights)"
+        return PassResult(graph, False, ("layout: skipped (inductor packs its own weights)",))
     if backend is CompileMode.ONEDNN:
-        return "layout: skipped (oneDNN Graph packs its own weights)"
+        return PassResult(graph, False,
+                          ("layout: skipped (oneDNN Graph packs its own weights)",))
     if device is None:
-        return "layout: skipped (custom placement)"
+        return PassResult(graph, False, ("layout: skipped (custom placement)",))
     if device.kind is not DeviceKind.CPU:
-        return "layout: skipped (not a CPU device)"
+        return PassResult(graph, False, ("layout: skipped (not a CPU device)",))
     packed = layout(graph, device, direct=options.onednn_direct,
                     blocked=options.onednn_blocked, winograd=options.winograd,
                     native_linear=options.native_linear, strassen=options.strassen,
                     native_stem=options.native_stem)
-    if not packed.modified:
-        return "layout: nothing to do (no oneDNN-eligible convolutions or linears)"
+    if not packed.changed:
+        return PassResult(graph, False, (
+            "layout: nothing to do (no oneDNN-eligible convolutions or linears)",))
+    return PassResult(graph, True, (_layout_line(graph, context),))
+
+
+def contiguous_constants_pass(graph: Graph, context: PassContext) -> PassResult:
+    """:func:`contiguous_constants` (no log line: it is bookkeeping between passes)."""
+    return PassResult(graph, contiguous_constants(graph) > 0)
+
+
+# The inference pipeline, in order. A row's switch is its OptimizeOptions field (and its
+# ``optimize`` key); ``training``: the row also runs before a graph is differentiated.
+PIPELINE: tuple[PassEntry, ...] = (
+    PassEntry("fold_constants", fold_constants_pass, "fold_constants"),
+    PassEntry("fuse", fuse_pass, "fuse"),
+    PassEntry("dense_chain", dense_chain_pass, "dense_chain"),
+    PassEntry("layout", layout_pass, "layout", needs_backend=True),
+    PassEntry("contiguous_constants", contiguous_constants_pass, None, training=True),
+)
+
+
+def _layout_line(graph: Graph, context: PassContext) -> str:
+    options = context.options
     convs = sum(1 for n in graph.nodes if n.attrs.get("channels_last"))
     linears = sum(1 for n in graph.nodes if n.op_type == "FusedGemm" and linear_uses_onednn(n))
     direct_linears = sum(1 for n in graph.nodes if n.op_type == "FusedGemm"
@@ -485,7 +518,7 @@ def _layout(graph: Graph, options: OptimizeOptions, backend: CompileMode,
         text += (f"; {native_linears} linear{'s' if native_linears > 1 else ''} packed for the "
                  f"native kernel (kernels/linear.py)")
     if convs and options.onednn_direct:
-        _, why = Library.probe()
+        _, why = context.target.libdnnl()
         direct = any(n.attrs.get("onednn_direct") for n in graph.nodes)
         pools = sum(1 for n in graph.nodes if n.op_type in POOLS and n.attrs.get(
             "onednn_direct"))
@@ -502,3 +535,38 @@ def _layout(graph: Graph, options: OptimizeOptions, backend: CompileMode,
             text += (f"; {stems} stem convolution{'s' if stems > 1 else ''} native "
                      "(reading the NCHW image in place)")
     return text
+
+
+def _weight_numel(node: Node) -> int:
+    weight = node.inputs[1] if len(node.inputs) > 1 else None
+    return weight.const.numel() if weight is not None and weight.const is not None else 0
+
+
+# The native kernel's panel width (output columns) at which sibling linears with packed
+# weights stay separate: the AVX-512 build's (kernels/native/panel.h).
+SEPARATE_SIBLINGS_PANEL = 48
+
+
+def _siblings_off(context: PassContext) -> str:
+    """Why linears that share an input and whose K x N weights are each packed for the
+    native kernel are not merged by the ``siblings`` rule unless it is named on ("" where
+    they are): on a CPU whose native kernel uses 48-column panels (AVX-512).
+
+    Merging S such linears gives one K x (S*N) product over the same rows. Where the
+    native kernel's panels are 48 columns wide (its AVX-512 build), the S separate
+    products measured faster than the merged one, with a run's native calls replayed
+    (kernels/replay.py) so that the S - 1 extra calls cost no Python
+    (docs/performance.md, "Sibling linears"). With 24-column panels (AVX2), and for
+    libdnnl's or torch's linears, the rule runs."""
+    options, device = context.options, context.device
+    if device is None or "siblings" in options.fuse_on or device.kind is not DeviceKind.CPU \
+            or not options.layout or options.native_linear is False:
+        return ""
+    library = context.target.native_library()
+    if library is None or (options.native_linear is None
+                           and not native_linear_preferred(library)):
+        return ""
+    if panel_width(library) != SEPARATE_SIBLINGS_PANEL:
+        return ""
+    return (f"the native kernel's {SEPARATE_SIBLINGS_PANEL}-column panels run packed "
+            "sibling linears faster as separate calls")

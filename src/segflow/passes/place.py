@@ -28,7 +28,7 @@ def place(graph: Graph, default: Device, rules: Mapping[str, str | Device] | Non
         node.device = _match(node, parsed) or default
     home: dict[int, Device] = {id(v): default for v in graph.inputs}
     copies: dict[tuple[int, Device], Value] = {}
-    modified = False
+    changed = False
     for node in list(graph.nodes):
         assert node.device is not None
         for index, value in enumerate(node.inputs):
@@ -48,12 +48,12 @@ def place(graph: Graph, default: Device, rules: Mapping[str, str | Device] | Non
                 copies[key] = copy
                 home[id(copy)] = node.device
             graph.set_input(node, index, copy)
-            modified = True
+            changed = True
         for value in node.outputs:
             home[id(value)] = node.device
-    if modified:
+    if changed:
         graph.opsets.setdefault(COPY_DOMAIN, 1)
-    return PassResult(graph, modified)
+    return PassResult(graph, changed)
 
 
 def _match(node: Node, rules: list[tuple[str, Device]]) -> Device | None:

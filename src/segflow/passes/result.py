@@ -9,7 +9,20 @@ from segflow.ir.graph import Graph
 
 @dataclass(frozen=True, slots=True)
 class PassResult:
-    """The (possibly rewritten) graph and whether the pass changed anything."""
+    """The (possibly rewritten) graph, whether the pass changed anything, and its log.
+
+    ``log`` holds the pass's report lines (the pipeline prints one line per pass,
+    ``explain()`` shows them); a pass called on its own may leave it empty.
+
+    >>> PassResult(graph, False).changed       # doctest: +SKIP
+    False
+    """
 
     graph: Graph
-    modified: bool
+    changed: bool
+    log: tuple[str, ...] = ()
+
+    @property
+    def modified(self) -> bool:
+        """``changed``, by the name onnx-ir's pass contract uses."""
+        return self.changed
