@@ -327,3 +327,26 @@ def test_a_reduce_over_no_axes_does_not_hand_out_its_input_storage():
         want = ort.InferenceSession(model.SerializeToString(),
                                     providers=["CPUExecutionProvider"]).run(None, feeds)[0]
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-3, err_msg=compile)
+
+
+def test_the_plan_holds_the_memory_plan_its_consumers_read():
+    # One memory plan per session: the Plan keeps it, and the compiler's in-place
+    # decisions, the arena and the re-sizing for runs all read that same object.
+    model = models.build("resnet18", num_classes=10, image_size=32)
+    sess = segflow.InferenceSession(model)
+    memory = sess.plan.memory
+    assert memory is not None and sess.plan.memory_by_size is not None
+    assert sess.plan.memory_by_size.base is memory
+    arena = sess._executor.arena
+    assert arena is None or arena.plans is sess.plan.memory_by_size
+    off = segflow.InferenceSession(model, optimize={"plan_memory": False})
+    assert off.plan.memory is None and off.plan.memory_by_size is None
+
+
+def test_placement_reuses_space_of_buffers_that_do_not_overlap_in_time():
+    from segflow.ir.memory import Buffer, align, block_bytes, place
+    placed = place([Buffer(("a",), 128, 0, 1), Buffer(("b",), 64, 2, 3),
+                    Buffer(("c",), 64, 1, 2)])
+    assert [b.values[0] for b in placed] == ["a", "b", "c"]   # the order given
+    assert placed[1].offset == 0 and placed[2].offset == 128
+    assert block_bytes(placed) == 192 and align(65) == 128

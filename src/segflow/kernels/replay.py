@@ -15,8 +15,9 @@ sizes (views, ``runtime/compile.py``):
   sizes;
 - the next call with inputs of the same sizes, strides and dtypes places the results
   that die inside the run in one block the replay owns (by their lifetimes in the
-  run: ``passes/plan_memory.place``), runs each step through ``prepare(..., out=)``
-  and ``run_prepared``, and records each kernel's argument structure;
+  run, with the memory plan's placement rule, ``ir/memory.place``), runs each step
+  through ``prepare(..., out=)`` and ``run_prepared``, and records each kernel's
+  argument structure;
 - from then on a call whose inputs from outside the run have the recorded sizes,
   strides and dtypes, on as many threads, writes their addresses (and those of new
   tensors for the results read after the run) into the structures and runs them all
@@ -44,7 +45,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from segflow.errors import ExecutionError, node_failed
-from segflow.passes.plan_memory import Buffer, align, place
+from segflow.ir.memory import Buffer, align, place
 
 if TYPE_CHECKING:
     from segflow.kernels.native.build import NativeLibrary

@@ -30,9 +30,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from segflow.ir.graph import Graph, Node, Value
+from segflow.ir.memory import Buffer, align, block_bytes, place
 from segflow.kernels.shape_cache import ShapeCache
-
-ALIGNMENT = 64
 
 # Ops whose kernels always return a freshly allocated output (never a view of an input).
 FRESH_OUTPUT_OPS = frozenset({
@@ -51,24 +50,6 @@ INPLACE_INPUTS: Mapping[str, tuple[int, ...]] = {
     "Abs": (0,), "Sqrt": (0,), "Add": (0, 1), "Mul": (0, 1), "Sub": (0,), "Div": (0,),
     "FusedConv": (3,),
 }
-
-
-@dataclass(frozen=True, slots=True)
-class Buffer:
-    """One planned allocation: the values stored in it and where it sits in the arena."""
-
-    values: tuple[str, ...]   # the owner first, then in-place results stored over it
-    nbytes: int
-    start: int                # index of the node that writes it first
-    end: int                  # index of its last reader (len(nodes) for graph outputs)
-    offset: int = 0
-
-    def overlaps_in_time(self, other: Buffer) -> bool:
-        return self.start <= other.end and other.start <= self.end
-
-    def overlaps_in_space(self, other: Buffer) -> bool:
-        return (self.offset < other.offset + other.nbytes
-                and other.offset < self.offset + self.nbytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,7 +248,7 @@ def plan_memory(graph: Graph, order: Sequence[Node] | None = None, *,
     placed = place(buffers)
     return MemoryPlan(
         buffers=tuple(placed),
-        arena_bytes=max((b.offset + b.nbytes for b in placed), default=0),
+        arena_bytes=block_bytes(placed),
         naive_bytes=sum(b.nbytes for b in placed) + sum(
             nbytes(node.outputs[0], dims) or 0 for node in chosen),
         live_peak_bytes=_live_peak(placed, end_of_graph),
@@ -345,29 +326,6 @@ def _buffers(nodes: Sequence[Node], groups: _Groups, pinned: set[Value],
         buffers.append(Buffer((value.name, *extra), align(size), defined[value],
                               max(group_end.get(root, defined[value]), defined[value])))
     return buffers, unplanned
-
-
-def align(n: int) -> int:
-    return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
-
-
-def place(buffers: list[Buffer]) -> list[Buffer]:
-    """Greedy by size: largest first, at the lowest offset free for its whole lifetime."""
-    order = sorted(range(len(buffers)), key=lambda i: (-buffers[i].nbytes, buffers[i].start))
-    placed: list[Buffer] = []
-    result: list[Buffer | None] = [None] * len(buffers)
-    for i in order:
-        buf = buffers[i]
-        busy = sorted((p.offset, p.offset + p.nbytes) for p in placed if p.overlaps_in_time(buf))
-        offset = 0
-        for lo, hi in busy:
-            if offset + buf.nbytes <= lo:
-                break
-            offset = max(offset, hi)
-        done = Buffer(buf.values, buf.nbytes, buf.start, buf.end, offset)
-        placed.append(done)
-        result[i] = done
-    return [b for b in result if b is not None]
 
 
 def _live_peak(buffers: Sequence[Buffer], steps: int) -> int:

@@ -36,17 +36,11 @@ from dataclasses import dataclass
 import torch
 
 from segflow.ir.graph import Node, Value
+from segflow.ir.memory import Buffer, align, block_bytes, place
 from segflow.kernels.onednn.geometry import channels_last_strides
 from segflow.kernels.onednn.library import Destination
 from segflow.kernels.shape_cache import ShapeCache
-from segflow.passes.plan_memory import (
-    Buffer,
-    PlansBySize,
-    align,
-    nbytes,
-    place,
-    static_sizes,
-)
+from segflow.passes.plan_memory import PlansBySize, nbytes, static_sizes
 
 Tensor = torch.Tensor
 
@@ -207,8 +201,7 @@ class ArenaPool:
             entries.append(Placed(index, buf.values[0], buf.offset, sizes,
                                   tuple(channels_last_strides(sizes)), value.spec.dtype.torch,
                                   buf.start, buf.end))
-        layout = ArenaLayout(max((b.offset + b.nbytes for b in placed), default=0),
-                             tuple(entries), len(self.index), key)
+        layout = ArenaLayout(block_bytes(placed), tuple(entries), len(self.index), key)
         self._layouts.put(key, layout)
         return layout
 

@@ -10,6 +10,7 @@ from segflow.ir.graph import Graph, Node
 from segflow.ir.types import Device
 from segflow.ops.registry import OpDef, OpRegistry
 from segflow.passes.place import COPY_DOMAIN, COPY_OP, place
+from segflow.passes.plan_memory import MemoryPlan, PlansBySize
 from segflow.passes.segment import Phase, Segment, segment_nodes
 from segflow.settings import BulkSettings
 
@@ -24,6 +25,11 @@ class Plan:
     settings: BulkSettings
     default_device: Device
     pass_log: tuple[str, ...] = field(default=())
+    # The memory plan the pipeline made (None: that pass was off), and the same plan
+    # re-sized for the symbolic dims runs bind. The compiler's in-place decisions, the
+    # activation arena and RunStats read these; nothing plans the graph again.
+    memory: MemoryPlan | None = None
+    memory_by_size: PlansBySize | None = field(default=None, compare=False, repr=False)
 
     @property
     def compute_nodes(self) -> int:
@@ -48,8 +54,11 @@ def resolve_opdefs(graph: Graph, registry: OpRegistry) -> dict[Node, OpDef]:
 
 def make_plan(graph: Graph, registry: OpRegistry, settings: BulkSettings,
               default_device: Device, placement: Mapping[str, str | Device] | None = None,
-              pass_log: tuple[str, ...] = ()) -> Plan:
-    """Place the graph's nodes, resolve their OpDefs and segment them for inference."""
+              pass_log: tuple[str, ...] = (), memory: MemoryPlan | None = None) -> Plan:
+    """Place the graph's nodes, resolve their OpDefs and segment them for inference.
+
+    ``memory``: the pipeline's memory plan, kept with the plan (with its re-sizing).
+    """
     graph.validate()
     place(graph, default_device, placement)
     opdefs = resolve_opdefs(graph, registry)
@@ -59,4 +68,6 @@ def make_plan(graph: Graph, registry: OpRegistry, settings: BulkSettings,
 
     segments = segment_nodes(graph.nodes, exec_type_of, settings,
                              phase_of=lambda node: Phase.INFERENCE)
-    return Plan(graph, tuple(segments), opdefs, settings, default_device, pass_log)
+    by_size = PlansBySize(graph, memory) if memory is not None else None
+    return Plan(graph, tuple(segments), opdefs, settings, default_device, pass_log,
+                memory=memory, memory_by_size=by_size)

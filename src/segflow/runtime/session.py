@@ -46,7 +46,6 @@ from segflow.passes.pipeline import (
     configure_threads,
     run_pipeline,
 )
-from segflow.passes.plan_memory import PlansBySize
 from segflow.profiler.sink import active_sink
 from segflow.runtime.aot_inductor import AotInductorSegment
 from segflow.runtime.arena import ArenaPool
@@ -163,7 +162,8 @@ class InferenceSession:
         pipeline = run_pipeline(self.graph, self.options, registry=self.registry,
                                 device=None if placement else self.device)
         self.plan: Plan = make_plan(self.graph, self.registry, self.settings, self.device,
-                                    placement, pass_log=pipeline.log)
+                                    placement, pass_log=pipeline.log, memory=pipeline.memory)
+        memory = self.plan.memory
         self.engine_name = engine_for_plan(self.engine_name,
                                            {s.device for s in self.plan.segments})
         self._engine = make_engine(self.engine_name)
@@ -173,17 +173,16 @@ class InferenceSession:
                                      "compile": pipeline.compile.value,
                                      "intra_op_threads": threads,
                                      "host_memory": memory_policy.value,
-                                     **(pipeline.memory.as_record() if pipeline.memory else {})}
+                                     **(memory.as_record() if memory is not None else {})}
         # Kernels that lose NaN or Inf only where none can reach them from inside the
         # graph; a run whose feeds hold one runs the exact executor (_executor_for).
         self._nonfinite = NonFinitePolicy(
             None if carried is None else nonfinite_reach(self.graph, self.registry, carried)[0])
-        compiler = SegmentCompiler(pipeline.compile, pipeline.memory, self.device.torch,
+        compiler = SegmentCompiler(pipeline.compile, memory, self.device.torch,
                                    cached_packages=self.options.compile is CompileMode.AUTO,
                                    replay=self.options.onednn_replay,
                                    keeps_nonfinite=self._nonfinite.keeps)
-        memory = pipeline.memory
-        plans = PlansBySize(self.graph, memory) if memory is not None else None
+        plans = self.plan.memory_by_size
         arena = None
         if plans is not None and self.options.arena:
             pool = ArenaPool(plans, self.graph.nodes, calls_libdnnl, converts_input)
