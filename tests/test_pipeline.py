@@ -278,3 +278,105 @@ def test_siblings_packed_for_the_avx512_kernel_stay_apart_unless_named(monkeypat
     graph = import_model(models.build("bert_tiny"))
     optimize(graph, OptimizeOptions.resolve(None, env={}), device=CPU)
     assert sum(1 for n in graph.nodes if n.op_type == "Split") == 2
+
+
+# -- the table: every pass has one signature and reports changed / unchanged -----------------
+def _context(device=CPU, **optimize):  # type: ignore[no-untyped-def]
+    from segflow.passes.pipeline import LoadedLibraries, PassContext
+    return PassContext(device, OptimizeOptions.resolve(optimize or None, env={}),
+                       LoadedLibraries())
+
+
+def _relu_graph():  # type: ignore[no-untyped-def]
+    from segflow.frontend.builder import GraphBuilder
+    from segflow.ir import DType
+    b = GraphBuilder("relu")
+    b.output(b.op("Relu", b.input("x", DType.FLOAT32, [2, 3])), "y")
+    return b.to_graph()
+
+
+def test_the_table_rows_are_the_switchable_passes_in_order():
+    from segflow.passes.pipeline import PIPELINE
+    switched = [entry.switch for entry in PIPELINE if entry.switch is not None]
+    assert [*switched, "plan_memory"] == list(PASSES)
+    assert [entry.name for entry in PIPELINE if entry.training] == ["contiguous_constants"]
+
+
+def test_fold_constants_pass_changed_and_unchanged():
+    from segflow.frontend.builder import GraphBuilder
+    from segflow.ir import DType
+    from segflow.passes.pipeline import fold_constants_pass
+    b = GraphBuilder("fold")
+    two = b.op("Add", b.param("a", np.ones(3, np.float32)), b.param("b", np.ones(3, np.float32)))
+    b.output(b.op("Mul", b.input("x", DType.FLOAT32, [3]), two), "y")
+    graph = b.to_graph()
+    result = fold_constants_pass(graph, _context())
+    assert result.changed and result.graph is graph and len(result.log) == 1
+    assert result.log[0].startswith("fold_constants: 2 -> 1 nodes")
+    unchanged = fold_constants_pass(_relu_graph(), _context())
+    assert not unchanged.changed and unchanged.log == ("fold_constants: 1 -> 1 nodes "
+                                                       "(nothing to fold)",)
+
+
+def test_fuse_pass_changed_and_unchanged():
+    from segflow.passes.pipeline import fuse_pass
+    graph = import_model(models.build("resnet18", num_classes=10, image_size=32))
+    result = fuse_pass(graph, _context())
+    assert result.changed and result.log[0].startswith("fuse: 69 -> 24 nodes")
+    assert not fuse_pass(_relu_graph(), _context()).changed
+    skipped = fuse_pass(import_model(models.build("mlp_chain", layers=2)), _context(None))
+    assert not skipped.changed and "custom placement" in skipped.log[0]
+
+
+def test_dense_chain_pass_changed_and_unchanged():
+    from segflow.passes.pipeline import dense_chain_pass, fuse_pass
+    graph = import_model(models.build("mlp_chain", layers=3, width=8))
+    fuse_pass(graph, _context())
+    result = dense_chain_pass(graph, _context())
+    assert result.changed and "1 chain of 3 small dense layers" in result.log[0]
+    assert not dense_chain_pass(_relu_graph(), _context()).changed
+    gpu = dense_chain_pass(_relu_graph(), _context(Device.parse("cuda:0")))
+    assert not gpu.changed and gpu.log == ("dense_chain: skipped (not a CPU device)",)
+
+
+def test_layout_pass_changed_and_unchanged():
+    from segflow.passes.pipeline import fuse_pass, layout_pass
+    graph = import_model(models.build("resnet18", num_classes=10, image_size=32))
+    fuse_pass(graph, _context())
+    result = layout_pass(graph, _context())
+    assert result.changed and result.log[0].startswith("layout: prepacked for oneDNN")
+    unchanged = layout_pass(_relu_graph(), _context())
+    assert not unchanged.changed and unchanged.log[0].startswith("layout: nothing to do")
+
+
+def test_contiguous_constants_pass_changed_and_unchanged():
+    from segflow.passes.pipeline import contiguous_constants_pass
+    graph = _relu_graph()
+    assert not contiguous_constants_pass(graph, _context()).changed
+    from segflow.ir import Value
+    from segflow.ir.types import DType, TensorSpec
+    graph.add_initializer(Value("w", TensorSpec(DType.FLOAT32, (3, 2)),
+                                const=torch.ones(2, 3).t()))
+    result = contiguous_constants_pass(graph, _context())
+    assert result.changed and result.log == () and graph.initializers["w"].const.is_contiguous()
+
+
+def test_training_runs_only_the_training_rows():
+    graph = import_model(models.build("resnet18", num_classes=10, image_size=32))
+    before = [n.op_type for n in graph.nodes]
+    result = run_pipeline(graph, OptimizeOptions.resolve(env={}), device=CPU, training=True)
+    assert [n.op_type for n in graph.nodes] == before and result.memory is None
+    assert result.log == ("fold_constants: off (training)", "fuse: off (training)",
+                          "dense_chain: off (training)", "layout: off (training)",
+                          "plan_memory: off (training)")
+
+
+def test_debug_prints_one_line_per_pass(capsys):
+    graph = import_model(models.build("mlp_chain", layers=2))
+    options = OptimizeOptions.resolve(compile="codegen", env={"SEGFLOW_DEBUG": "1"})
+    log = optimize(graph, options, device=CPU)
+    printed = capsys.readouterr().err.splitlines()
+    assert printed == [f"segflow pass: {line}" for line in log]
+    optimize(import_model(models.build("mlp_chain", layers=2)),
+             OptimizeOptions.resolve(compile="codegen", env={}), device=CPU)
+    assert capsys.readouterr().err == ""

@@ -44,8 +44,13 @@ class Differentiated:
     unreachable: tuple[Value, ...]     # wrt values the loss does not depend on
 
     @property
-    def modified(self) -> bool:
+    def changed(self) -> bool:
         return bool(self.backward_nodes)
+
+    @property
+    def modified(self) -> bool:
+        """``changed``, as :class:`segflow.passes.result.PassResult` names it too."""
+        return self.changed
 
 
 class GradContext:

@@ -292,7 +292,7 @@ def run_pipeline(graph: Graph, options: OptimizeOptions, *, registry: OpRegistry
                           training=training)
     log: list[str] = []
     why = ""
-    chosen = False
+    chosen = training          # a training graph runs no compiled segments: no backend
     for entry in PIPELINE:
         if entry.needs_backend and not chosen:
             context, why = _with_backend(graph, context)

@@ -32,14 +32,19 @@ from segflow.engine.base import Engine, ExecType, Var
 from segflow.errors import InvalidInput, InvalidModel
 from segflow.frontend.onnx_import import import_model, load_model
 from segflow.ir.graph import Graph, Node, Value
-from segflow.ir.types import Device, DType, TensorSpec
+from segflow.ir.types import Device, DeviceKind
 from segflow.ops.registry import OpRegistry, default_registry
 from segflow.optim import Optimizer, ParamState
+from segflow.passes.attach_loss import CrossEntropyLoss, attach_loss
 from segflow.passes.autodiff import Differentiated, differentiate
+from segflow.passes.lift_state import lift_state
+from segflow.passes.pipeline import OptimizeOptions, run_pipeline
 from segflow.passes.place import place
 from segflow.passes.segment import Phase, segment_nodes
+from segflow.passes.training_mode import training_mode
 from segflow.profiler.sink import active_sink
 from segflow.runtime.executor import Executor
+from segflow.runtime.feeds import FeedValidator
 from segflow.runtime.host_memory import HostMemory, apply_host_memory
 from segflow.runtime.plan import Plan, make_plan, resolve_opdefs
 from segflow.runtime.stats import RunStats
@@ -60,20 +65,6 @@ class GradReq(enum.Enum):
     WRITE = "write"  # the buffer holds this step's gradient
     ADD = "add"      # the buffer accumulates gradients until ``zero_grad``
     NULL = "null"    # no gradient, no update (a frozen parameter)
-
-
-@dataclass(frozen=True, slots=True)
-class CrossEntropyLoss:
-    """Append ``SoftmaxCrossEntropyLoss(logits, labels)`` to a model that outputs class scores.
-
-    ``logits`` names the graph output (default: the only output); ``labels``
-    becomes a new int64 graph input.
-    """
-
-    labels: str = "labels"
-    logits: str | None = None
-    reduction: str = "mean"
-    name: str = "loss"
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +89,8 @@ class _Update:
 
 def make_training_plan(graph: Graph, registry: OpRegistry, settings: BulkSettings,
                        device: Device, backward: frozenset[Node],
-                       gradient_outputs: frozenset[Value]) -> Plan:
+                       gradient_outputs: frozenset[Value],
+                       pass_log: tuple[str, ...] = ("autodiff",)) -> Plan:
     """Segment a forward+backward graph with the training policy (see DESIGN.md)."""
     graph.validate()
     place(graph, device, None)
@@ -112,7 +104,7 @@ def make_training_plan(graph: Graph, registry: OpRegistry, settings: BulkSetting
 
     segments = segment_nodes(graph.nodes, exec_type_of, settings, phase_of=phase_of,
                              gradient_outputs=gradient_outputs)
-    return Plan(graph, tuple(segments), opdefs, settings, device, ("autodiff",))
+    return Plan(graph, tuple(segments), opdefs, settings, device, pass_log)
 
 
 class TrainingExecutor(Executor):
@@ -206,15 +198,27 @@ class TrainingSession:
         self._vars = {name: Var(name) for name in state_names}
         inference = clone_graph(graph)
 
-        loss_value = _attach_loss(graph, loss)
+        # The training rewrites (passes/), then the pipeline's rows that run for
+        # training, then the gradients.
+        attached = attach_loss(graph, loss)
+        assert attached.loss is not None
+        loss_value = attached.loss
         self.loss_name = loss_value.name
         self.data_inputs = [v.name for v in graph.inputs]
-        _lift_state(graph, state_names)
-        running = _training_mode(graph) if train_mode else {}
+        lifted = lift_state(graph, state_names)
+        modes = training_mode(graph) if train_mode else None
+        running = dict(modes.running) if modes is not None else {}
+        pipeline = run_pipeline(graph, OptimizeOptions.resolve(), registry=self.registry,
+                                device=self.device, training=True)
         wrt = [graph_input(graph, n) for n in self.param_names
                if self.grad_req[n] is not GradReq.NULL]
         self.differentiated: Differentiated = differentiate(graph, loss_value, wrt, self.registry)
         self.unreachable = tuple(v.name for v in self.differentiated.unreachable)
+        pass_log = (*attached.log, *lifted.log,
+                    *(modes.log if modes is not None else ("training_mode: off",)),
+                    *pipeline.log,
+                    f"autodiff: {len(self.differentiated.backward_nodes)} backward nodes, "
+                    f"{len(self.differentiated.gradients)} gradients")
         grads = {w.name: g for w, g in self.differentiated.gradients.items()}
         user_outputs = list(graph.outputs)
         extra = [loss_value, *grads.values(), *running.values()]
@@ -222,7 +226,7 @@ class TrainingSession:
         self.output_names = [v.name for v in user_outputs]
         self.plan = make_training_plan(graph, self.registry, self.settings, self.device,
                                        frozenset(self.differentiated.backward_nodes),
-                                       frozenset(grads.values()))
+                                       frozenset(grads.values()), pass_log)
         self.engine_name = engine_for_plan(resolve_engine(engine),
                                            {s.device for s in self.plan.segments})
         self._engine = make_engine(self.engine_name)
@@ -240,6 +244,8 @@ class TrainingSession:
         self._aliased_outputs = {v.name for v in user_outputs if v in aliases}
         self._inference_graph = inference
         self._inference: Executor | None = None
+        self._check_feeds = FeedValidator([v for v in graph.inputs if v.name not in self.state])
+        self._check_predict_feeds: FeedValidator | None = None
         self._update_tasks: dict[bool, list[_Update]] = {}  # built once per mode
         self.last_run_stats: RunStats | None = None
 
@@ -334,8 +340,10 @@ class TrainingSession:
         if self._inference is None:
             self._inference = self._build_inference()
         graph = self._inference.plan.graph
-        data = [v for v in graph.inputs if v.name not in self.state]
-        tensors = _feed_tensors(data, feeds, self.device)
+        if self._check_predict_feeds is None:
+            self._check_predict_feeds = FeedValidator(
+                [v for v in graph.inputs if v.name not in self.state])
+        tensors = self._on_device(self._check_predict_feeds(feeds)[0])
         tensors += [self.state[v.name] for v in graph.inputs if v.name in self.state]
         self._engine.wait_all()
         outputs, stats = self._inference.run(tensors)
@@ -362,8 +370,13 @@ class TrainingSession:
         return [v.name for v in self.graph.inputs if v.name in self.state]
 
     def _feeds(self, feeds: Mapping[str, Any]) -> list[Tensor]:
-        data = [v for v in self.graph.inputs if v.name not in self.state]
-        return _feed_tensors(data, feeds, self.device)
+        """The data feeds checked as inference checks them, on the session's device."""
+        return self._on_device(self._check_feeds(feeds)[0])
+
+    def _on_device(self, tensors: list[Tensor]) -> list[Tensor]:
+        if self.device.kind is DeviceKind.CPU:
+            return tensors
+        return [t.to(self.device.torch) for t in tensors]
 
     def _updates(self, apply: bool) -> list[_Update]:
         """Update tasks, one per task that produces gradients or running statistics."""
@@ -412,7 +425,7 @@ class TrainingSession:
 
     def _build_inference(self) -> Executor:
         graph = self._inference_graph
-        _lift_state(graph, list(self.state))
+        lift_state(graph, list(self.state))
         plan = make_plan(graph, self.registry, BulkSettings.resolve(), self.device)
         return Executor(plan, self.registry, self._engine, {"device": str(self.device)})
 
@@ -515,84 +528,6 @@ def graph_input(graph: Graph, name: str) -> Value:
     raise KeyError(name)
 
 
-def _find_value(graph: Graph, name: str) -> Value:
-    for value in graph.values():
-        if value.name == name:
-            return value
-    raise InvalidModel(f"the model has no value named {name!r}; its outputs are "
-                       f"{', '.join(v.name for v in graph.outputs)}")
-
-
-def _attach_loss(graph: Graph, loss: str | CrossEntropyLoss | None) -> Value:
-    if isinstance(loss, str):
-        return _find_value(graph, loss)
-    if loss is None:
-        scalars = [v for v in graph.outputs if v.spec.shape == ()]
-        if len(scalars) == 1:
-            return scalars[0]
-        raise InvalidModel("say which value is the loss: loss='name' or "
-                           "loss=CrossEntropyLoss(labels=...)")
-    if loss.logits is not None:
-        logits = _find_value(graph, loss.logits)
-    elif len(graph.outputs) == 1:
-        logits = graph.outputs[0]
-    else:
-        raise InvalidModel(f"the model has {len(graph.outputs)} outputs; name the class "
-                           "scores with CrossEntropyLoss(logits=...)")
-    shape = logits.spec.shape
-    label_shape = (shape[0], *shape[2:]) if shape is not None and len(shape) >= 2 else None
-    labels = graph.add_input(Value(loss.labels, TensorSpec(DType.INT64, label_shape)))
-    out = Value(loss.name, TensorSpec(logits.spec.dtype, ()))
-    opset = max(graph.opsets.get("", 17), 13)
-    graph.append(Node("SoftmaxCrossEntropyLoss", [logits, labels], [out],
-                      {"reduction": loss.reduction}, name=loss.name, opset=opset))
-    return out
-
-
-def _lift_state(graph: Graph, names: Sequence[str]) -> None:
-    """Turn initializers into graph inputs the session feeds (its mutable state)."""
-    for name in names:
-        value = graph.initializers.pop(name, None)
-        if value is None:
-            continue
-        value.const = None
-        graph.add_input(value)
-
-
-def _training_mode(graph: Graph) -> dict[str, Value]:
-    """BatchNorm uses batch statistics and returns running ones; Dropout drops.
-
-    Returns running-statistic name -> the value holding its update.
-    """
-    running: dict[str, Value] = {}
-    for node in list(graph.nodes):
-        if node.domain != "":
-            continue
-        if node.op_type == "BatchNormalization":
-            node.attrs["training_mode"] = 1
-            for index in (1, 2):
-                out = _ensure_output(node, index)
-                stat = node.inputs[2 + index]
-                if stat is not None and stat in graph.inputs:
-                    running[stat.name] = out
-        elif node.op_type == "Dropout" and node.opset >= 12:
-            flag = Value(f"{node.name}:training", TensorSpec(DType.BOOL, ()),
-                         const=torch.tensor(True))
-            graph.add_initializer(flag)
-            if len(node.inputs) < 3:
-                node.inputs = (*node.inputs, *([None] * (3 - len(node.inputs))))
-            graph.set_input(node, 2, flag)
-    return running
-
-
-def _ensure_output(node: Node, index: int) -> Value:
-    while len(node.outputs) <= index:
-        value = Value(f"{node.name}:out{len(node.outputs)}")
-        value.producer = node
-        node.outputs = (*node.outputs, value)
-    return node.outputs[index]
-
-
 def _state_aliases(graph: Graph, state: Mapping[Value, Var]) -> dict[Value, frozenset[Var]]:
     """For every value that may be (a view of) a state tensor, the Vars it aliases."""
     aliases: dict[Value, frozenset[Var]] = {v: frozenset([var]) for v, var in state.items()}
@@ -612,36 +547,6 @@ def _copy_into(targets: list[Tensor]) -> Callable[[list[Tensor]], None]:
 
 
 # -- feeds and outputs --------------------------------------------------------------------
-def _feed_tensors(inputs: Sequence[Value], feeds: Mapping[str, Any], device: Device
-                  ) -> list[Tensor]:
-    if not isinstance(feeds, Mapping):
-        raise InvalidInput(f"feeds must be a dict of input name -> array, "
-                           f"got {type(feeds).__name__}")
-    expected = {v.name for v in inputs}
-    for name in feeds:
-        if name not in expected:
-            raise InvalidInput(f"unknown input name {name!r}; the model's inputs are "
-                               f"{', '.join(sorted(expected)) or '(none)'}")
-    tensors = []
-    for value in inputs:
-        if value.name not in feeds:
-            raise InvalidInput(f"missing input {value.name!r} (expected {value.spec.describe()})")
-        data = feeds[value.name]
-        tensor = data if isinstance(data, Tensor) else torch.from_numpy(
-            np.ascontiguousarray(np.asarray(data)))
-        spec = value.spec
-        if spec.dtype is not None and DType.from_torch(tensor.dtype) is not spec.dtype:
-            raise InvalidInput(f"input {value.name!r} has dtype {tensor.dtype}, expected "
-                               f"{spec.describe()}")
-        if spec.shape is not None and (
-                len(spec.shape) != tensor.dim() or any(
-                    isinstance(d, int) and d != s for d, s in zip(spec.shape, tensor.shape))):
-            raise InvalidInput(f"input {value.name!r} has shape {list(tensor.shape)}, expected "
-                               f"{spec.describe()}")
-        tensors.append(tensor.to(device.torch) if device.kind.value != "cpu" else tensor)
-    return tensors
-
-
 def _to_numpy(tensor: Tensor) -> np.ndarray:
     t = tensor.detach()
     if t.dtype == torch.bfloat16:
