@@ -1,20 +1,21 @@
-"""The inference optimization pipeline: which passes run, with what switches.
+"""The inference optimization pipeline: a table of passes, run in order.
 
 ``InferenceSession`` runs it between import and segmentation::
 
-    fold_constants -> fuse -> dense_chain -> layout -> plan_memory
+    fold_constants -> fuse -> dense_chain -> layout -> (contiguous constants) -> plan_memory
 
-Every pass can be switched off, from the API (``optimize=False`` or
-``optimize={"fuse": False}``) or the environment (``SEGFLOW_OPTIMIZE=0``,
-``SEGFLOW_NO_FOLD``, ``SEGFLOW_NO_FUSE``, ``SEGFLOW_NO_DENSE_CHAIN``,
-``SEGFLOW_NO_LAYOUT``, ``SEGFLOW_NO_MEMORY_PLAN``); the API wins. So can each of the
-fuse pass's rules (``passes/fuse/``): ``optimize={"fuse.batchnorm": False}``, or
-``SEGFLOW_NO_FUSE=batchnorm,conv`` (rule names in place of ``1``), and the layout
-pass's choices: ``optimize={"layout.winograd": False}`` (also ``layout.direct``,
-``layout.blocked``, ``layout.native_linear``, ``layout.strassen``, ``layout.native_stem``;
-``SEGFLOW_WINOGRAD``, ``SEGFLOW_ONEDNN_DIRECT``, ``SEGFLOW_ONEDNN_BLOCKED``,
-``SEGFLOW_NATIVE_LINEAR``, ``SEGFLOW_STRASSEN``, ``SEGFLOW_NATIVE_STEM``).
-Each pass adds one line to the log that ``explain()`` prints, e.g.
+Every pass has one signature, ``(graph, PassContext) -> PassResult(graph, changed,
+log)``: the context holds the device, the options (``passes/options.py``, resolved
+once) and what the target offers. :data:`PIPELINE` lists them with the option that
+switches each, from the API (``optimize=False``, ``optimize={"fuse": False}``,
+``{"fuse.batchnorm": False}`` per fuse rule, ``{"layout.winograd": False}`` per
+layout choice) or the environment (``SEGFLOW_OPTIMIZE=0``, ``SEGFLOW_NO_<PASS>``,
+``SEGFLOW_NO_FUSE=batchnorm,conv``; all in ``settings.py``); the API wins. A row
+marked ``training`` also runs for a :class:`segflow.TrainingSession`, whose graph is
+differentiated afterwards; the others are off there.
+
+Each pass adds one line to the log that ``explain()`` prints (``SEGFLOW_DEBUG=1``
+also prints it as the pass runs), e.g.
 ``fuse: 175 -> 57 nodes (batchnorm 53, conv 53, activation 49, linear 1)``.
 
 >>> log = optimize(graph, OptimizeOptions.resolve(True))   # doctest: +SKIP
@@ -22,15 +23,13 @@ Each pass adds one line to the log that ``explain()`` prints, e.g.
 
 from __future__ import annotations
 
-import enum
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
 
-from segflow.errors import InvalidSetting
 from segflow.ir.graph import Graph, Node
 from segflow.ir.types import Device, DeviceKind, DType
 from segflow.kernels.linear import native_linear_preferred, panel_width
@@ -50,149 +49,21 @@ from segflow.passes.fold_constants import fold_constants
 from segflow.passes.fuse import RULE_NAMES, run_rules
 from segflow.passes.fuse.siblings import fuse_siblings
 from segflow.passes.layout import POOLS, layout
+from segflow.passes.options import (
+    LAYOUT_CHOICES,
+    PASSES,
+    CompileMode,
+    OptimizeOptions,
+    configure_threads,
+)
 from segflow.passes.plan_memory import MemoryPlan, plan_memory
 from segflow.passes.result import PassResult
-from segflow.settings import AUTO_CHOICE_ENV, ENV_COMPILE, PipelineEnv, parse_choice
 
-# The passes ``optimize`` switches by name (the OptimizeOptions field of the same name).
-PASSES = ("fold_constants", "fuse", "dense_chain", "layout", "plan_memory")
-# ``optimize`` keys for the layout pass's choices -> the OptimizeOptions field each sets
-# (their environment variables: settings.py).
-LAYOUT_CHOICES = {"layout.direct": "onednn_direct", "layout.blocked": "onednn_blocked",
-                  "layout.winograd": "winograd", "layout.native_linear": "native_linear",
-                  "layout.strassen": "strassen", "layout.native_stem": "native_stem"}
-
-
-class CompileMode(enum.Enum):
-    """Which backend lowers bulk segments (see :mod:`segflow.runtime.compile`)."""
-
-    AUTO = "auto"
-    CODEGEN = "codegen"
-    INDUCTOR = "inductor"
-    ONEDNN = "onednn"
-    NONE = "none"
-
-    @classmethod
-    def parse(cls, text: str | CompileMode, source: str = "compile") -> CompileMode:
-        """``source`` names where the value came from, for the error message."""
-        return parse_choice(cls, text, source)
-
-    def resolve(self) -> CompileMode:
-        """The backend ``auto`` stands for without a graph: codegen (builds in ms).
-
-        With a graph, :func:`run_pipeline` may pick ``onednn`` instead (see there).
-        """
-        return CompileMode.CODEGEN if self is CompileMode.AUTO else self
-
-
-@dataclass(frozen=True, slots=True)
-class OptimizeOptions:
-    """Switches for each pass, the compile backend and the intra-op thread count."""
-
-    fold_constants: bool = True
-    fuse: bool = True
-    dense_chain: bool = True
-    layout: bool = True
-    plan_memory: bool = True
-    # The fuse rules switched off (names from passes.fuse.RULE_NAMES), and those switched
-    # on by name (``siblings`` is otherwise off where _siblings_off says).
-    fuse_off: frozenset[str] = frozenset()
-    fuse_on: frozenset[str] = frozenset()
-    compile: CompileMode = CompileMode.AUTO
-    intra_op_threads: int | None = None
-    # Prepacked convolutions call libdnnl directly when it is installed (kernels/onednn/).
-    onednn_direct: bool = True
-    # ... on nChw8c activations where that is faster (depthwise regions, passes/layout.py).
-    onednn_blocked: bool = True
-    # Their outputs are carved out of one planned block per run (runtime/arena.py).
-    arena: bool = True
-    # Runs of them are replayed from recorded addresses (kernels/onednn/replay.py).
-    onednn_replay: bool = True
-    # Their primitives are built while the session loads, for the first run's shapes
-    # (runtime/prebuild.py), rather than by that run.
-    prebuild: bool = True
-    # 3x3 ones run as Winograd F(4x4, 3x3) where they qualify (kernels/winograd.py); None:
-    # where it was measured faster (fused.winograd_preferred: CPUs without AVX-512, and
-    # on AVX-512 ones outputs of 32 or more 4x4 tiles an image).
-    winograd: bool | None = None
-    # Large linears run segflow's packed-panel kernel (kernels/linear.py); None: where
-    # it was measured faster (native_linear_preferred: a build with AVX2 + FMA).
-    native_linear: bool | None = None
-    # ... and as one level of Strassen where their weight and rows allow it
-    # (kernels/native/strassen.c); None: where it was measured faster (strassen_preferred:
-    # the AVX2 build's 24-column panels).
-    strassen: bool | None = None
-    # A direct convolution over the NCHW image runs segflow's stem kernel, which reads it
-    # in place (kernels/stem.py); None: where it was measured faster
-    # (fused.native_stem_preferred: the native library's AVX-512 build).
-    native_stem: bool | None = None
-    # SEGFLOW_DEBUG: 1 prints each pass's log line to stderr as the pipeline runs it.
-    debug: int = 0
-
-    @classmethod
-    def resolve(cls, optimize: bool | Mapping[str, bool] | None = None, *,
-                compile: str | CompileMode | None = None, intra_op_threads: int | None = None,
-                env: Mapping[str, str] | None = None) -> OptimizeOptions:
-        """API values first, then ``SEGFLOW_*`` variables (read by
-        :class:`segflow.settings.PipelineEnv`), then the defaults (all on)."""
-        read = PipelineEnv.read(env, fuse_rules=RULE_NAMES)
-        explicit: Mapping[str, bool] = {}
-        rules_off: set[str] = set()
-        rules_on: set[str] = set()
-        choices: dict[str, bool] = {}     # OptimizeOptions field -> the API's value
-        if isinstance(optimize, Mapping):
-            rule_keys = {f"fuse.{rule}": rule for rule in RULE_NAMES}
-            unknown = sorted(set(optimize) - set(PASSES) - set(rule_keys) - set(LAYOUT_CHOICES))
-            if unknown:
-                raise InvalidSetting(f"optimize: unknown passes {unknown}; known: "
-                                     f"{', '.join(PASSES)}, fuse.<rule> for a fuse rule "
-                                     f"({', '.join(RULE_NAMES)}) and "
-                                     f"{', '.join(LAYOUT_CHOICES)}")
-            explicit = {k: v for k, v in optimize.items() if k in PASSES}
-            rules_off = {rule_keys[k] for k, v in optimize.items() if k in rule_keys and not v}
-            rules_on = {rule_keys[k] for k, v in optimize.items() if k in rule_keys and v}
-            choices = {LAYOUT_CHOICES[k]: bool(v) for k, v in optimize.items()
-                       if k in LAYOUT_CHOICES}
-            enabled = True
-        elif optimize is None:
-            enabled = read.optimize
-        else:
-            enabled = bool(optimize)
-        switches = {name: bool(explicit[name]) if name in explicit
-                    else enabled and name not in read.passes_off for name in PASSES}
-        if not (isinstance(optimize, Mapping) and any(k.startswith("fuse.") for k in optimize)):
-            rules_off = set(read.fuse_rules_off)
-        if compile is not None:
-            mode = CompileMode.parse(compile)
-        else:
-            mode = CompileMode.parse(read.compile or CompileMode.AUTO, source=ENV_COMPILE)
-        threads = intra_op_threads if intra_op_threads is not None else read.intra_op_threads
-        if threads is not None and threads < 1:
-            raise InvalidSetting(f"intra_op_threads={threads}: expected a positive integer")
-        auto = {name: choices.get(name, read.auto_choices.get(name)) for name in AUTO_CHOICE_ENV}
-        return cls(compile=mode, intra_op_threads=threads,
-                   onednn_direct=choices.get("onednn_direct", read.onednn_direct),
-                   arena=read.arena,
-                   onednn_blocked=choices.get("onednn_blocked", read.onednn_blocked),
-                   onednn_replay=read.onednn_replay, prebuild=read.prebuild,
-                   winograd=auto["winograd"], native_linear=auto["native_linear"],
-                   strassen=auto["strassen"], native_stem=auto["native_stem"],
-                   fuse_off=frozenset(rules_off), fuse_on=frozenset(rules_on),
-                   debug=read.debug, **switches)
-
-    def as_record(self) -> dict[str, object]:
-        """The options in force, for RunStats settings and benchmark records."""
-        return {"fold_constants": self.fold_constants, "fuse": self.fuse,
-                "fuse_off": ",".join(r for r in RULE_NAMES if r in self.fuse_off),
-                "dense_chain": self.dense_chain, "layout": self.layout,
-                "plan_memory": self.plan_memory, "compile": self.compile.resolve().value,
-                "onednn_direct": self.onednn_direct, "onednn_blocked": self.onednn_blocked,
-                "arena": self.arena, "onednn_replay": self.onednn_replay,
-                "prebuild": self.prebuild,
-                "winograd": "auto" if self.winograd is None else self.winograd,
-                "native_linear": "auto" if self.native_linear is None else self.native_linear,
-                "strassen": "auto" if self.strassen is None else self.strassen,
-                "native_stem": "auto" if self.native_stem is None else self.native_stem}
+# The options' names stay importable from here, where the pipeline's callers look.
+__all__ = ["LAYOUT_CHOICES", "PASSES", "PIPELINE", "CompileMode", "OptimizeOptions",
+           "PassContext", "PassEntry", "PassResult", "PassTarget", "PipelineResult",
+           "choose_backend", "configure_threads", "contiguous_constants", "optimize",
+           "run_pipeline"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,17 +74,6 @@ class PipelineResult:
     log: tuple[str, ...]
     memory: MemoryPlan | None
     compile: CompileMode = CompileMode.CODEGEN
-
-
-def configure_threads(options: OptimizeOptions) -> int:
-    """Apply ``intra_op_threads`` (process-wide: torch has one intra-op pool); returns the count.
-
-    Left unset, torch's default stands: ``OMP_NUM_THREADS`` or one thread per core,
-    which measured fastest for every builder model on the 2-core benchmark machine.
-    """
-    if options.intra_op_threads is not None and torch.get_num_threads() != options.intra_op_threads:
-        torch.set_num_threads(options.intra_op_threads)
-    return torch.get_num_threads()
 
 
 class PassTarget(Protocol):
@@ -361,11 +221,10 @@ def choose_backend(graph: Graph, mode: CompileMode, device: Device | None, *,
     libdnnl is missing does a CPU graph with depthwise convolutions get ``onednn``:
     oneDNN Graph then keeps the convolution primitives between runs that torch's
     oneDNN op rebuilds on every call, at the price of its own packed copy of the
-    weights (MobileNetV2 +46 MiB). Measured with benchmarks/cpu_targets.py,
-    MobileNetV2 at batch 1 ran 1.07x onnxruntime with codegen against 1.22x with
-    oneDNN Graph on a Zen 3 VM (AVX2, 20 rounds), and 1.03 against 1.02 on an
-    AVX-512 one, after 4 ms of compile instead of ~290. Without convolutions oneDNN
-    Graph is slower (BERT, the MLP chain). ``compile="onednn"`` opts in for any
+    weights. With the direct path, codegen measured at least as fast for depthwise
+    graphs and compiles in milliseconds instead of a fraction of a second; without
+    convolutions oneDNN Graph measured slower (docs/performance.md, "Segment backend
+    for depthwise graphs"). ``compile="onednn"`` opts in for any
     graph. A small segment still runs an inductor package found in the disk cache
     (:func:`segflow.runtime.compile.uses_cached_package`): nothing is compiled for it.
     """

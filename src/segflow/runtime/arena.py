@@ -1,7 +1,7 @@
 """The activation arena: planned storage for the outputs of kernels that can take it.
 
-The memory plan (``passes/plan_memory.py``) gives every computed value a
-lifetime and an offset in one arena. Most kernels are torch ops that allocate
+The memory plan (``passes/plan_memory.py``, held by the Plan) gives every
+computed value a lifetime and an offset in one arena. Most kernels are torch ops that allocate
 their own outputs, but a convolution called straight into libdnnl
 (``kernels/onednn/``) writes wherever it is told. Those outputs are
 carved out of one block per run instead of coming from malloc:
@@ -17,9 +17,9 @@ carved out of one block per run instead of coming from malloc:
   than the plan's peak), once per set of symbolic dims a run binds (batch size).
 
 Why: glibc spreads a run's freed activations over the heap, and the pages a
-run touches above its live peak are what it costs in memory (ResNet-50 at
-batch 1: a planned peak of 5.0 MiB, but a run faulted in 15-17 MiB above the
-loaded session). A block that a run fills by plan touches only its own pages.
+run touches above its live peak are what it costs in memory: a run faulted in
+about three times its planned peak above the loaded session (docs/performance.md,
+"Activation arena"). A block that a run fills by plan touches only its own pages.
 
 Safety rests on the plan's order being the order nodes run in. The pool is
 only built for an executor that runs its tasks one after another, in the
