@@ -28,7 +28,7 @@ import onnx
 import torch
 
 from segflow.engine import make_engine
-from segflow.engine.base import Engine, ExecType, Var
+from segflow.engine.base import Var
 from segflow.errors import InvalidInput, InvalidModel
 from segflow.frontend.onnx_import import import_model, load_model
 from segflow.ir.graph import Graph, Node, Value
@@ -39,15 +39,14 @@ from segflow.passes.attach_loss import CrossEntropyLoss, attach_loss
 from segflow.passes.autodiff import Differentiated, differentiate
 from segflow.passes.lift_state import lift_state
 from segflow.passes.pipeline import OptimizeOptions, run_pipeline
-from segflow.passes.place import place
-from segflow.passes.segment import Phase, segment_nodes
+from segflow.passes.segment import Phase
 from segflow.passes.training_mode import training_mode
-from segflow.profiler.sink import active_sink
 from segflow.runtime.executor import Executor
 from segflow.runtime.feeds import FeedValidator
 from segflow.runtime.host_memory import HostMemory, apply_host_memory
-from segflow.runtime.plan import Plan, make_plan, resolve_opdefs
+from segflow.runtime.plan import make_plan
 from segflow.runtime.stats import RunStats
+from segflow.runtime.training_plan import TrainingExecutor, Update, make_training_plan
 from segflow.settings import BulkSettings, engine_for_plan, resolve_engine
 
 Tensor = torch.Tensor
@@ -74,81 +73,6 @@ class StepResult:
     loss: float
     outputs: dict[str, np.ndarray]
     stats: RunStats
-
-
-@dataclass(frozen=True, slots=True)
-class _Update:
-    """An engine task pushed after the step's segments (gradient store, optimizer, stats)."""
-
-    after: int | None                 # the task producing what it reads (None: nothing)
-    slots: tuple[int, ...]            # env slots it reads
-    apply: Callable[[list[Tensor]], None]
-    writes: tuple[Var, ...]
-    name: str
-
-
-def make_training_plan(graph: Graph, registry: OpRegistry, settings: BulkSettings,
-                       device: Device, backward: frozenset[Node],
-                       gradient_outputs: frozenset[Value],
-                       pass_log: tuple[str, ...] = ("autodiff",)) -> Plan:
-    """Segment a forward+backward graph with the training policy (see DESIGN.md)."""
-    graph.validate()
-    place(graph, device, None)
-    opdefs = resolve_opdefs(graph, registry)
-
-    def exec_type_of(node: Node) -> ExecType:
-        return opdefs[node].exec_type_of(node)
-
-    def phase_of(node: Node) -> Phase:
-        return Phase.BACKWARD if node in backward else Phase.FORWARD
-
-    segments = segment_nodes(graph.nodes, exec_type_of, settings, phase_of=phase_of,
-                             gradient_outputs=gradient_outputs)
-    return Plan(graph, tuple(segments), opdefs, settings, device, pass_log)
-
-
-class TrainingExecutor(Executor):
-    """An Executor whose tasks also read state Vars, followed by update tasks."""
-
-    def __init__(self, plan: Plan, registry: OpRegistry, engine: Engine,
-                 settings_record: dict[str, object], aliases: Mapping[Value, frozenset[Var]]
-                 ) -> None:
-        super().__init__(plan, registry, engine, settings_record)
-        self.task_of: dict[Node, int] = {}
-        for index, task in enumerate(self.tasks):
-            found: set[Var] = set()
-            for step in task.steps:
-                self.task_of[step.node] = index
-                for value in step.node.inputs:
-                    if value is not None:
-                        found.update(aliases.get(value, ()))
-            self.extra_reads[index] = tuple(sorted(found, key=lambda v: v.name))
-        self._direct = None  # runs order against parameter updates through the engine's Vars
-        self.phase_counts = {phase: sum(1 for s in plan.segments if s.phase is phase)
-                             for phase in (Phase.FORWARD, Phase.BACKWARD)}
-
-    def run_step(self, feeds: Sequence[Tensor], updates: Sequence[_Update]
-                 ) -> tuple[list[Tensor], RunStats]:
-        """One forward+backward run, with ``updates`` pushed after the plan's tasks."""
-        engine, device = self.engine, self.plan.default_device
-
-        def push_updates(run_vars: list[Var], env: list[Tensor | None]) -> int:
-            for update in updates:
-                reads = [] if update.after is None else [run_vars[update.after]]
-                engine.push(_update_fn(update, env), reads, update.writes, ExecType.SYNC,
-                            device, update.name)
-            return len(updates)
-
-        outputs, stats = self.run(feeds, active_sink(), after_tasks=push_updates)
-        return outputs, replace(stats, forward_segments=self.phase_counts[Phase.FORWARD],
-                                backward_segments=self.phase_counts[Phase.BACKWARD],
-                                updates=len(updates))
-
-
-def _update_fn(update: _Update, env: list[Tensor | None]) -> Callable[[], None]:
-    def task() -> None:
-        update.apply([env[s] for s in update.slots])  # type: ignore[misc]
-    return task
 
 
 class TrainingSession:
@@ -246,7 +170,7 @@ class TrainingSession:
         self._inference: Executor | None = None
         self._check_feeds = FeedValidator([v for v in graph.inputs if v.name not in self.state])
         self._check_predict_feeds: FeedValidator | None = None
-        self._update_tasks: dict[bool, list[_Update]] = {}  # built once per mode
+        self._update_tasks: dict[bool, list[Update]] = {}  # built once per mode
         self.last_run_stats: RunStats | None = None
 
     @property
@@ -378,7 +302,7 @@ class TrainingSession:
             return tensors
         return [t.to(self.device.torch) for t in tensors]
 
-    def _updates(self, apply: bool) -> list[_Update]:
+    def _updates(self, apply: bool) -> list[Update]:
         """Update tasks, one per task that produces gradients or running statistics."""
         executor = self._executor
         slots = executor.slots
@@ -389,7 +313,7 @@ class TrainingSession:
         updates = []
         for task, group in by_task.items():
             names = tuple(n for n, _ in group)
-            updates.append(_Update(task, tuple(slots[v] for _, v in group),
+            updates.append(Update(task, tuple(slots[v] for _, v in group),
                                    self._apply_fn(names, apply),
                                    tuple(self._vars[n] for n in names),
                                    f"update {', '.join(names)}"))
@@ -400,7 +324,7 @@ class TrainingSession:
         for task, group in stats.items():
             names = tuple(n for n, _ in group)
             targets = [self.state[n] for n in names]
-            updates.append(_Update(task, tuple(slots[v] for _, v in group),
+            updates.append(Update(task, tuple(slots[v] for _, v in group),
                                    _copy_into(targets), tuple(self._vars[n] for n in names),
                                    f"running stats {', '.join(names)}"))
         return updates
