@@ -263,7 +263,7 @@ def configure_threads(options: OptimizeOptions) -> int:
     """Apply ``intra_op_threads`` (process-wide: torch has one intra-op pool); returns the count.
 
     Left unset, torch's default stands: ``OMP_NUM_THREADS`` or one thread per core,
-    which measured fastest for every builder model on the 2-core benchmark machine.
+    which measured fastest for every built-in model on two cores.
     """
     if options.intra_op_threads is not None and torch.get_num_threads() != options.intra_op_threads:
         torch.set_num_threads(options.intra_op_threads)
@@ -364,11 +364,10 @@ def choose_backend(graph: Graph, mode: CompileMode, device: Device | None, *,
     libdnnl is missing does a CPU graph with depthwise convolutions get ``onednn``:
     oneDNN Graph then keeps the convolution primitives between runs that torch's
     oneDNN op rebuilds on every call, at the price of its own packed copy of the
-    weights (MobileNetV2 +46 MiB). Measured with benchmarks/cpu_targets.py,
-    MobileNetV2 at batch 1 ran 1.07x onnxruntime with codegen against 1.22x with
-    oneDNN Graph on a Zen 3 VM (AVX2, 20 rounds), and 1.03 against 1.02 on an
-    AVX-512 one, after 4 ms of compile instead of ~290. Without convolutions oneDNN
-    Graph is slower (BERT, the MLP chain). ``compile="onednn"`` opts in for any
+    weights. With direct calls, codegen runs depthwise graphs as fast as oneDNN Graph
+    on AVX-512 and faster on AVX2, after milliseconds of compile instead of hundreds
+    (benchmarks/cpu_targets.py; docs/performance.md). Without convolutions oneDNN
+    Graph is slower. ``compile="onednn"`` opts in for any
     graph. A small segment still runs an inductor package found in the disk cache
     (:func:`segflow.runtime.compile.uses_cached_package`): nothing is compiled for it.
     """
@@ -433,12 +432,10 @@ def _siblings_off(options: OptimizeOptions, device: Device) -> str:
     """Why linears whose weights are each packed for the native kernel are not merged by
     the ``siblings`` rule unless it is named on ("" where they are): on CPU, where
     large linears will run the native kernel built for AVX-512 (48-wide panels).
-    There BERT-base ran 2.4-3% faster with its query, key and value projections as three
-    768 -> 768 linears than as one 768 -> 2304 (a layer's four projections 2.10 ms of
-    C against 2.24, the merged one 1.71 ms against 3 x 0.52), with a run's native kernels
-    replayed (kernels/replay.py) so that the two extra calls a layer cost no Python
-    (2-core AVX-512 VM, 2026-12-06). With AVX2's 24-wide panels, and for libdnnl's or
-    torch's linears, the rule runs as before."""
+    There three 768 -> 768 linears over one input measured faster than one 768 -> 2304
+    (docs/performance.md), with a run's native kernels replayed (kernels/replay.py) so
+    that the two extra calls cost no Python. With
+    AVX2's 24-wide panels, and for libdnnl's or torch's linears, the rule merges them."""
     if "siblings" in options.fuse_on or device.kind is not DeviceKind.CPU \
             or not options.layout or options.native_linear is False:
         return ""

@@ -17,9 +17,9 @@ carved out of one block per run instead of coming from malloc:
   than the plan's peak), once per set of symbolic dims a run binds (batch size).
 
 Why: glibc spreads a run's freed activations over the heap, and the pages a
-run touches above its live peak are what it costs in memory (ResNet-50 at
-batch 1: a planned peak of 5.0 MiB, but a run faulted in 15-17 MiB above the
-loaded session). A block that a run fills by plan touches only its own pages.
+run touches above its live peak are what it costs in memory (a run can fault in
+several times its planned peak above the loaded session; docs/performance.md). A
+block that a run fills by plan touches only its own pages.
 
 Safety rests on the plan's order being the order nodes run in. The pool is
 only built for an executor that runs its tasks one after another, in the
