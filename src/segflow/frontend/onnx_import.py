@@ -64,7 +64,7 @@ def import_model(model: str | os.PathLike[str] | bytes | onnx.ModelProto,
                  registry: OpRegistry | None = None) -> Graph:
     """Parse and check a model; return the segflow graph.
 
-    >>> graph = import_model("resnet50.onnx")  # doctest: +SKIP
+    >>> graph = import_model("model.onnx")  # doctest: +SKIP
     """
     proto = load_model(model)
     opsets = check_structure(proto, NEWEST_ONNX_OPSET)
