@@ -13,9 +13,9 @@ of each kernel in turn, the median of per-round ratios to onnxruntime):
   before and after it (its thread pool spins after a call).
 
 At one row (a classifier at batch 1) the packed kernel ran 0.9-1.2x onnxruntime's
-time on the 2-core Zen 3 VM, and an ad hoc one-thread C matrix-vector kernel over the
+time on two AVX2 cores, and an ad hoc one-thread C matrix-vector kernel over the
 packing 1.5-1.75x on the large weights: the layer is bound by reading the weight,
-and one thread cannot (docs/benchmarking.md, ninth session).
+and one thread cannot (docs/performance.md, ZEN3).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Each subcommand is one ``_cmd_*`` function; ``_build_parser`` is the dispatch table.
 Models are given as an ONNX path or as ``builtin:NAME`` (see ``segflow run --list``);
-with no model the built-in ResNet-50 is used.
+with no model the default built-in model (``builtin:resnet50``) is used.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ def parse_inputs(specs: Sequence[str], sess, seed: int = 0,  # type: ignore[no-u
     """``NAME=FILE.npy`` or ``NAME=rand:1x3x224x224``; unnamed inputs get random data.
 
     A built-in model (``label`` ``builtin:NAME``) given no ``--input`` runs on its own
-    example inputs (``segflow.models.example_inputs``: BERT at sequence 128), not on
-    random data with every symbolic dimension 1.
+    example inputs (``segflow.models.example_inputs``: a transformer's at sequence 128),
+    not on random data with every symbolic dimension 1.
     """
     if not specs and label is not None and label.startswith("builtin:"):
         from segflow import models

@@ -140,8 +140,8 @@ def engine_for_plan(choice: str, devices: Collection[object]) -> str:
 
     A plan on one device is a chain of tasks the host waits for anyway; handing it
     to a worker thread costs a thread switch per run and, on CPU, a second OpenMP
-    thread team that oversubscribes the cores (measured: MobileNetV2 5.4 ms inline
-    vs 8.0 ms threaded on 2 cores). Plans spanning devices get the threaded engine.
+    thread team that oversubscribes the cores (docs/performance.md). Plans spanning
+    devices get the threaded engine.
     """
     if choice != "auto":
         return choice

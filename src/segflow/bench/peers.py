@@ -71,8 +71,8 @@ def _onnxruntime(source: ModelSource, feeds: Mapping[str, np.ndarray],
     def run() -> list[np.ndarray]:
         return list(sess.run(None, inputs))
 
-    # onnxruntime's intra-op threads spin for ~40 ms after a run (measured: segflow's
-    # ResNet-50 batch-1 run right after one took 88-95 ms instead of 50).
+    # onnxruntime's intra-op threads spin for ~40 ms after a run, and a run right after
+    # one shares the cores with them (docs/benchmarking.md, "settle").
     return PeerRunner("onnxruntime", name, ort.__version__, run, own_pool=True)
 
 

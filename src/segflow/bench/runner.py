@@ -11,16 +11,15 @@ would not.
 Between a peer with its own spinning thread pool (onnxruntime) and the next
 variant, and before such a peer, the runner idles ``settle_s`` seconds
 (untimed): otherwise whichever variant runs right after onnxruntime shares the
-cores with its still-spinning workers (segflow's ResNet-50 batch-1 run took
-88-95 ms instead of 50 there), and onnxruntime likewise after torch's OpenMP
-threads. segflow and torch eager share one OpenMP pool and need no pause.
+cores with its still-spinning workers (up to twice its time on two cores), and
+onnxruntime likewise after torch's OpenMP threads. segflow and torch eager share one
+OpenMP pool and need no pause.
 Whenever the variant changes, the next one runs once more untimed before its
-timed run: on the 2-core VM a call right after an idle gap can run slow while the
-cores come back (MobileNetV2 under segflow: 15-17 ms for the first calls after a
-0.1 s sleep, 13.6 from the fifth on, ad hoc, 2026-12-05), and the first call after
-another variant's finds its weights gone from the caches. Until 2026-12-06 only
-the changes to and from onnxruntime had that call, so onnxruntime's timed calls
-never were such a first call and every other variant's were.
+timed run: on a VM a call right after an idle gap can run slow while the cores
+come back (~10-25% for the first few calls after a 0.1 s sleep), and the first call
+after another variant's finds its weights gone from the caches. Every change of
+variant gets that call, so no variant's timed calls are such a first call more
+often than another's.
 
 >>> from segflow.bench.runner import BenchSettings, run_benchmark, resolve_models
 >>> result = run_benchmark(resolve_models(["mlp_chain:layers=4"]), BenchSettings(runs=5))

@@ -64,7 +64,7 @@ def import_model(model: str | os.PathLike[str] | bytes | onnx.ModelProto,
                  registry: OpRegistry | None = None) -> Graph:
     """Parse and check a model; return the segflow graph.
 
-    >>> graph = import_model("resnet50.onnx")  # doctest: +SKIP
+    >>> graph = import_model("model.onnx")  # doctest: +SKIP
     """
     proto = load_model(model)
     opsets = check_structure(proto, NEWEST_ONNX_OPSET)
@@ -86,7 +86,7 @@ def _with_inferred_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
     invalid where onnxruntime would.
 
     Inference round-trips the whole model through serialized bytes several
-    times (ResNet-50: +360 MiB at its peak for 98 MiB of weights), so it runs
+    times (a peak of several times the weights' size), so it runs
     on a copy whose large initializers keep their name, type and dims but not
     their data; the caller takes the data from the original model.
 
@@ -294,7 +294,7 @@ def _raw_dtype(code: int) -> np.dtype[Any] | None:
 def _data_bytes(tp: onnx.TensorProto) -> int:
     """The bytes of ``tp``'s elements, from its dims and type (8 an element for a type
     :func:`_raw_dtype` does not size): reading ``raw_data`` to measure it would copy
-    it (BERT-base: 420 MB, ~0.1 s)."""
+    it (~0.1 s for 420 MB of weights)."""
     numel = 1
     for d in tp.dims:
         numel *= int(d)
@@ -307,8 +307,8 @@ def _tensor(tp: onnx.TensorProto) -> torch.Tensor:
     if dtype is not None and tp.HasField("raw_data") and sys.byteorder == "little" \
             and tp.data_location != onnx.TensorProto.EXTERNAL:
         # The common case in one copy, where numpy_helper.to_array and a copy after it
-        # made two (BERT-base's initializers with their pages mapped: 0.27 -> 0.14 s; in
-        # a fresh process the new pages' faults make both ~0.28 s).
+        # make two (half the time for initializers whose pages are mapped; in a fresh
+        # process the new pages' faults dominate either way).
         raw = tp.raw_data
         if len(raw) == _data_bytes(tp):
             return torch.from_numpy(np.frombuffer(raw, dtype).reshape(tuple(tp.dims)).copy())

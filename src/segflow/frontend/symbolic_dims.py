@@ -1,11 +1,11 @@
 """Name the dims ONNX shape inference leaves anonymous, when the graph says what they are.
 
 ONNX's shape inference gives a fresh symbol (``unk__0``, ``unk__1``, ...) to
-a dim it cannot tie to a known one: BERT's position ids
+a dim it cannot tie to a known one: a transformer's position ids
 ``Range(0, Shape(ids)[1], 1)`` get ``unk__0`` instead of ``seq``, and the
 ``Add`` of ``[batch, seq, 768]`` word embeddings and ``[unk__0, 768]``
 position embeddings gets ``unk__1``. Everything downstream inherits the
-anonymous name (all of BERT's hidden states), so the memory planner cannot
+anonymous name (all of the hidden states), so the memory planner cannot
 size them from the input dims, and specs that should be equal compare unequal.
 
 :func:`unify_dims` walks the nodes in order and recomputes two kinds of

@@ -45,11 +45,9 @@ Tensor = torch.Tensor
 NATIVE_ACTIVATIONS = ("", "Relu", "LeakyRelu", "Clip", "Sigmoid", "Tanh", "HardSigmoid",
                       "HardSwish", "Gelu", "GeluTanh")
 # Per layer and call: above this many multiply-adds (rows x K x N) the chain runs through
-# torch. Measured on the 2-core EPYC (python benchmarks/dense_chain.py, 20 Relu layers),
-# native / torch per layer (MKL addmm, 2 threads): width 64 at 1-64 rows 0.13-0.54; 128 at
-# 16 rows (262k) 0.53, at 64 rows (1M) 0.94; 256 at 4 rows (262k) 0.45, at 16 rows (1M)
-# 0.95; 512 at 1 row (262k) 0.74, at 4 rows (1M) 1.58. So the threshold sits where native
-# still wins at every width measured.
+# torch. At 262,144 multiply-adds a layer the native call beats MKL's two-thread addmm at
+# every width from 64 to 512; at ~1M it gains 6% at most or loses (benchmarks/dense_chain.py; the
+# table is in docs/performance.md). So the threshold sits where native still wins.
 NATIVE_MAX_MACS = 1 << 18
 
 

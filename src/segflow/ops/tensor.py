@@ -143,8 +143,8 @@ def _gather(node: Node, ctx: BindContext) -> Kernel:
         if idx.dim() and x.is_cpu and idx.is_cpu:
             # On the CPU index_select refuses negative indices (an IndexError along axis
             # 0, a RuntimeError along others): the common case (none) is one op, where
-            # wrapping them first took three more (BERT-base's word embeddings: 217 ->
-            # 157 us in a run, most of it those ops' Python).
+            # wrapping them first would take three more, mostly their Python (a large
+            # embedding gather pays it on every run).
             try:
                 out = x.index_select(a, idx.reshape(-1))
             except (IndexError, RuntimeError):

@@ -9,28 +9,25 @@ package runs through inductor's C++ wrapper: no Python between kernels.
 
 Why ahead of time rather than ``torch.compile``: with freezing on CPU, inductor
 prepacks weights into oneDNN tensors, which its FX graph cache cannot pickle,
-so every process recompiled (ResNet-50: ~8 s before the first run even with a
-warm kernel cache). A package is keyed by what determines it (the segment's
+so every process would recompile (seconds before the first run even with a warm
+kernel cache). A package is keyed by what determines it (the segment's
 nodes and generated source, every constant's bytes, the input signature, the
 segflow and torch versions, the device): a second process hashes and loads it
-through the C++ loader without exporting, or even importing inductor.
-Measured on the 2-core VM, ResNet-50 at batch 1: compile ~20-35 s cold, first
-run 0.5 s from the cache, runs 43-47 ms (codegen: 45-49 ms; ``torch.compile``
-with freezing: 49-52 ms). The cost is memory (``benchmarks/cpu_targets.py
---memory``): ResNet-50 holds ~215 MiB more after a cached first run (~315 MiB
-cold, with torch's export/inductor modules), mostly the loaded package's
-weights, in the shared library's image and unpacked, beside segflow's dense
-weights, which the ``codegen`` fallback needs.
+through the C++ loader without exporting, or even importing inductor. A cold
+compile takes tens of seconds, a cached first run well under one (the figures:
+docs/performance.md). The cost is memory (``benchmarks/cpu_targets.py --memory``):
+a session holds the loaded package's weights twice, in the shared library's image
+and unpacked, beside segflow's dense weights, which the ``codegen`` fallback needs,
+and a cold compile adds torch's export/inductor modules.
 
 How a segment is compiled depends on what it holds (:func:`inductor_options`):
 convolutions get oneDNN-prepacked weights; linear layers over constant weights
 get their GEMMs autotuned between inductor's C++ GEMM template and ATen. The
 template matters for small layers: a prepacked oneDNN linear pays ~20 us of
-setup per call (the 200-layer MLP chain ran 4.6 ms that way) and MKL's
-``addmm`` ~2.5 us of dispatch, while the template's generated micro-kernels
-are called straight from the package's C++ (MLP chain: see
-benchmarks/cpu_targets.py). Autotuning adds to a cold compile (the MLP chain:
-~60 s against ~30 s), once per machine.
+setup per call and MKL's ``addmm`` ~2.5 us of dispatch, while the template's
+generated micro-kernels are called straight from the package's C++
+(benchmarks/cpu_targets.py). Autotuning about doubles a cold compile, once per
+machine.
 
 Exporting and compiling swap ``sys.stderr`` for the duration (a failed export
 prints its whole graph there, autotuning its timing tables), so another
@@ -94,7 +91,7 @@ def inductor_options(nodes: Iterable[Node], device: torch.device) -> dict[str, A
     autotuned between inductor's C++ GEMM template (micro-kernels generated
     for the exact shape, called without any dispatch) and ATen's kernels; a
     segment with convolutions gets its weights prepacked for oneDNN. Tiny
-    linears (the MLP chain's 64x64) run ~5x faster through the template than
+    linears (64x64) run ~5x faster through the template than
     through MKL's ``addmm`` or oneDNN's prepacked linear, which pays ~20 us of
     setup per call. The template needs prepacked weights, so either case sets
     ``cpp.weight_prepack``; a segment with neither leaves it off.

@@ -21,12 +21,12 @@ the outputs. A compiled segment does the same work without the dispatch:
   (:mod:`segflow.runtime.onednn_graph`).
 - ``none``: the interpreter.
 
-``auto`` picks ``onednn`` for CPU graphs with depthwise convolutions (MobileNetV2:
-~35% faster, at the cost of a second, packed copy of the weights) and ``codegen``
-otherwise: always available, fastest to build, one copy of the weights, and
-measured fastest on BERT and ResNet-50 among the backends that build in
-seconds (benchmarks/cpu_targets.py). :func:`segflow.passes.pipeline.choose_backend`
-decides. Under ``auto``, a small segment (:func:`uses_cached_package`) whose
+``auto`` picks ``codegen``: always available, fastest to build, one copy of the
+weights, and on CPU its convolutions call libdnnl directly. Only where libdnnl is
+not called directly does a CPU graph with depthwise convolutions get ``onednn``
+(at the cost of a second, packed copy of the weights; benchmarks/cpu_targets.py,
+docs/performance.md). :func:`segflow.passes.pipeline.choose_backend` decides. Under
+``auto``, a small segment (:func:`uses_cached_package`) whose
 inductor package is already in the disk cache, because the model ran once with
 ``compile="inductor"``, runs that package: the fastest backend that is
 available without compiling.
@@ -189,9 +189,9 @@ def uses_cached_package(steps: Sequence[Step]) -> bool:
     Small segments only: every constant dense, at most ``CACHED_PACKAGE_MAX_BYTES``
     in all. There a package has no Python or ATen dispatch between small kernels,
     its second copy of the weights is cheap, and hashing the weights for its key
-    takes milliseconds. (The MLP chain, whose layers the ``dense_chain`` pass already
-    runs as one native call, ran 72-100 us a run from its package against 83-109 us
-    native, interleaved: about even, and the package is kept when present.) A package gets
+    takes milliseconds. (A chain of tiny layers, which the ``dense_chain`` pass already
+    runs as one native call, runs about as fast from its package as native
+    (docs/performance.md), and the package is kept when present.) A package gets
     there by running the model once with ``compile="inductor"``; ``auto`` never
     compiles one (a cold compile takes a minute or more).
     """
@@ -316,11 +316,10 @@ def _inline_split(node: Node, consts: Sequence[Tensor | None]
                   ) -> tuple[list[int], int] | None:
     """``(sizes, axis)`` where a Split's sizes are constant (its ``split`` attribute before
     opset 13, a constant input after) and one per output: generated code then splits in
-    one line (``v1, v2, v3, = x.split(sizes, axis)``, views as the kernel's). The sibling
-    rule's Split after BERT-base's merged query/key/value linear cost ~75 us a call as a
-    kernel in a profiled run (it reads its sizes tensor each call), 12 a run
-    (2-core AVX-512 VM, 2026-12-06). Sizes that do not add up to the input's extent
-    fail in ``split`` at run time, naming the node, as the kernel does."""
+    one line (``v1, v2, v3, = x.split(sizes, axis)``, views as the kernel's). As a kernel
+    the Split after the sibling rule's merged linear reads its sizes tensor each call,
+    tens of microseconds, once a transformer layer. Sizes that do not add up to the
+    input's extent fail in ``split`` at run time, naming the node, as the kernel does."""
     if node.domain != "" or node.op_type != "Split" or node.inputs[0] is None:
         return None
     if node.opset < 13:
@@ -337,9 +336,9 @@ def _inline_split(node: Node, consts: Sequence[Tensor | None]
 def _inline_flatten(node: Node) -> Inline | None:
     """Flatten at axis 1 of an input of known rank 2 or more: ``x.flatten(1)``, the same
     ``[d0, d1 * d2 ...]`` view or copy the kernel's reshape makes. A classifier's
-    Flatten after global pooling is one per run, but as a kernel call it cost ~35 us
-    between the pooling and the Gemm in MobileNetV2's run (its Python cold after the
-    convolutions; 2-core AVX-512 VM, 2026-12-06)."""
+    Flatten after global pooling is one per run, but as a kernel call it costs tens of
+    microseconds between the pooling and the Gemm (its Python cold after the
+    convolutions)."""
     x = node.inputs[0]
     shape = x.spec.shape if x is not None else None
     axis = int(node.attrs.get("axis", 1))

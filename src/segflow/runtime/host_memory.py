@@ -4,15 +4,11 @@ torch allocates every CPU tensor through malloc, and a run frees its activations
 when it ends. glibc serves a block above its mmap threshold (dynamic, at most
 32 MiB) with fresh ``mmap`` pages and returns free memory at the top of the heap
 beyond its trim threshold to the OS, so once activations reach a few MiB each run
-faults its memory in again, page by page, zero-filled by the kernel. Measured on
-the 2-core benchmark VM (``ru_minflt`` per run, segflow alone in the process):
-
-- ResNet-50 at batch 8: 12,512 faults a run (49 MiB); oneDNN's summed convolution
-  time (``ONEDNN_VERBOSE``) drops from 362.8 to 346.4 ms without them, the stem
-  convolution alone from 17.6 to 10.7 ms, as it writes the first fresh pages.
-- ResNet-18 at batch 32: 56,418 faults a run (220 MiB), 674-699 ms a run against
-  556-613 ms without them.
-- Batch-1 ResNet-50, MobileNetV2 and BERT: no faults either way.
+faults its memory in again, page by page, zero-filled by the kernel, inside the
+kernels that first write the pages. Activations of tens of MiB (convolutions at
+batch 8 and up) fault tens of thousands of pages a run; batch-1 activations stay
+under the thresholds and fault none (``ru_minflt`` per run; the figures are in
+docs/performance.md and docs/benchmarking.md).
 
 ``retain`` (the default for CPU sessions) raises both glibc thresholds
 (``mallopt``), so freed blocks stay in the heap and the next run reuses them: the
@@ -27,9 +23,9 @@ in 1-3 runs instead of every run, and its process held 546 MiB against 386 MiB
 Loading a model frees a lot at once: the imported weights that the layout pass
 replaced by their packed copies, the intermediate tensors of folded constants.
 Under ``retain`` nothing would give those pages back, so a session ends its load
-with :func:`release_free_heap` (glibc's ``malloc_trim(0)``), whatever the policy.
-Measured (RSS over the process before the session, ad hoc): BERT-base 786 ->
-411 MiB (30 ms), ResNet-50 223 -> 104 MiB (10 ms), MobileNetV2 62 -> 48 MiB.
+with :func:`release_free_heap` (glibc's ``malloc_trim(0)``), whatever the policy:
+a model's load can leave about as much free heap as its packed weights take, and the
+trim takes tens of milliseconds.
 
 ``system`` leaves malloc as it is. The setting is process-wide (malloc has one
 configuration per process) and one-way: a later ``system`` session does not

@@ -12,11 +12,12 @@ convolution / linear / elementwise ops with compiled partitions that
 - fuse a 1x1 convolution with the depthwise convolution after it into one
   primitive (oneDNN's depthwise post-op), which the per-node path cannot express.
 
-Measured at batch 1 (benchmarks/cpu_targets.py, interleaved with ``codegen``):
-MobileNetV2 ~35% faster, ResNet-50 0-9%; on BERT and the MLP chain (no
-convolutions) it is slower. It costs memory: oneDNN Graph caches packed weights
-beside the dense ones the frozen graph references. So ``auto`` picks it only for
-graphs with depthwise convolutions (:func:`segflow.passes.pipeline.choose_backend`).
+Against torch's per-call oneDNN ops this pays most on depthwise convolution stacks;
+on graphs without convolutions it is slower (benchmarks/cpu_targets.py;
+docs/performance.md). It costs memory: oneDNN Graph caches packed weights beside the
+dense ones the frozen graph references. So ``auto`` picks it only for graphs with
+depthwise convolutions where libdnnl is not called directly
+(:func:`segflow.passes.pipeline.choose_backend`).
 
 Safety: a compiled shape is used only after its outputs matched the ``codegen``
 function on the same inputs (:class:`segflow.runtime.verified_segment.VerifiedSegment`);

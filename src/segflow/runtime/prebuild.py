@@ -2,11 +2,9 @@
 
 A convolution or pooling called straight into libdnnl (``kernels/onednn/``)
 builds a primitive, JIT code included, for each input layout it meets, the first
-time it meets it. Left to the first run, that made the first run the slow one
-(``benchmarks/cold_start.py``, 2-core VM: MobileNetV2's first run 46.5 ms against
-11.2 for the next ones, ResNet-50's 1.8x a steady run, onnxruntime's 1.15x), and it
-faulted in ~4.7 MiB of libdnnl's own code pages that the memory benchmark then
-charged to runs.
+time it meets it. Left to the first run, that makes the first run several times
+a steady one (``benchmarks/cold_start.py``; docs/performance.md), and it faults in
+libdnnl's own code pages that the memory benchmark then charges to runs.
 
 :func:`prebuild` builds them while the session loads, for the layouts a run at the
 memory plan's dims (a symbolic batch at 1) brings: a graph input arrives contiguous,

@@ -217,8 +217,8 @@ class InferenceSession:
         self._all_outputs = tuple(range(len(self.graph.outputs)))
         # run() hands back numpy arrays, so its tensors never meet autograd: on the host
         # it runs under inference_mode, which skips torch's autograd dispatch layer on
-        # every op (~0.2-0.4 us an addmm; the 200-layer MLP chain 1-2% faster, ResNet-50
-        # and BERT within noise: benchmarks/grad_mode.py). run_tensors() returns torch
+        # every op (~0.2-0.4 us an addmm, which counts where layers are tiny:
+        # benchmarks/grad_mode.py). run_tensors() returns torch
         # tensors that may meet autograd later, so it keeps them ordinary tensors.
         default = self.plan.default_device
         host_only = all((s.device or default).kind is DeviceKind.CPU
@@ -230,7 +230,7 @@ class InferenceSession:
         self._checked_shapes: dict[str, tuple[int, ...]] = {}
         # What loading freed (dense weights replaced by packed ones, folded constants'
         # intermediates) goes back to the OS: under host_memory="retain" glibc would
-        # keep it (runtime/host_memory.py). BERT-base: 786 -> 411 MiB.
+        # keep it (runtime/host_memory.py).
         self.released_at_load = release_free_heap()
 
     # -- description -------------------------------------------------------------------

@@ -67,7 +67,7 @@ def _bn_into_conv(graph: Graph, conv: Node, bn: Node, scale: torch.Tensor,
         return False
     shape = [-1] + [1] * (weight.dim() - 1)
     # A float32 weight is scaled in float32 (one rounding more than float64, under an
-    # ulp; ResNet-50's 25M weights in float64 took ~0.1 s of its load); narrower
+    # ulp; tens of millions of weights in float64 take ~0.1 s of a load); narrower
     # weights in float64, where a rounded scale would cost precision.
     wide = torch.float32 if weight.dtype == torch.float32 else torch.float64
     new_w = (weight.to(wide) * scale.to(wide).reshape(shape)).to(weight.dtype)

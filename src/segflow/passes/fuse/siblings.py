@@ -5,12 +5,12 @@ activations; as one linear over the three weights stacked (``[Nq + Nk + Nv, K]``
 they are one kernel call instead of three, the input is read once, and the wider
 output gives the threads more columns to share. A Split along the last axis hands
 each former output on as a view of the merged one (no copy; the Attention node
-reads its heads through strides). BERT-base's 36 projections of 768 -> 768 ran
-0.9-2.9 ms a run faster as 12 of 768 -> 2304 through the native kernel.
+reads its heads through strides). With AVX2's 24-wide panels three 768 -> 768
+projections run faster as one 768 -> 2304 through the native kernel.
 
 On CPUs where the native linear kernel is the AVX-512 build's, the pipeline keeps
-siblings whose weights it packs each apart (``passes/pipeline.py``, ``_siblings_off``:
-BERT-base 2.4-3% faster so there), unless ``optimize={"fuse.siblings": True}``.
+siblings whose weights it packs each apart (``passes/pipeline.py``, ``_siblings_off``;
+measured faster there: docs/performance.md), unless ``optimize={"fuse.siblings": True}``.
 
 Merged: two or more FusedGemms reading the same float32 input (of known rank), each with a
 constant 2-D float32 weight of the same K, all with a bias or none, the same
