@@ -21,7 +21,7 @@ from segflow.engine.streams import FakeBackend
 from segflow.frontend.onnx_import import import_model
 from segflow.ir.graph import Node, Value
 from segflow.ir.types import Device
-from segflow.ops.registry import default_registry
+from segflow.ops import default_registry
 from segflow.passes.segment import Phase, Segment
 from segflow.runtime.binding import UploadInputs
 from segflow.runtime.cudagraph import (

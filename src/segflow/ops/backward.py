@@ -139,10 +139,6 @@ UNARY_GRADS: dict[str, UnaryFn] = {
     "Clip": lambda dy, x, y, a, e: dy * _clip_mask(x, a, e),
     "Scale": lambda dy, x, y, a, e: dy * float(a["alpha"]),
 }
-UNARY_READS: dict[str, str] = {
-    "Relu": "y", "Sigmoid": "y", "Tanh": "y", "Sqrt": "y", "Exp": "y", "Reciprocal": "y",
-    "Scale": "",
-}
 
 
 def _unary_grad(node: Node, ctx: BindContext) -> Kernel:

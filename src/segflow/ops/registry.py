@@ -109,6 +109,9 @@ class OpDef:
     # results flow, no kernel that loses a NaN is chosen (runtime/nonfinite.py). Plain
     # arithmetic overflowing float range is not counted.
     creates_nonfinite: Callable[[Node], bool] | None = None
+    # Whether the gradient rule reads the op's output instead of its input (Relu's
+    # gradient is a function of y): autodiff then keeps y alive for the backward pass.
+    grad_reads_output: bool = False
 
     def exec_type_of(self, node: Node) -> ExecType:
         return self.classify(node) if self.classify else self.exec_type
@@ -158,13 +161,3 @@ class OpRegistry:
 
     def names(self) -> list[str]:
         return sorted(f"{d + '.' if d else ''}{n}" for d, n in self.rows)
-
-
-def default_registry() -> OpRegistry:
-    """A registry holding every op family segflow ships."""
-    from segflow.ops import ALL_FAMILIES
-
-    registry = OpRegistry()
-    for family in ALL_FAMILIES:
-        registry.extend(family.OPS)
-    return registry

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -74,49 +74,9 @@ from segflow.passes.segment import Segment
 from segflow.runtime.aot_inductor import AotInductorSegment, has_packages
 from segflow.runtime.binding import Step, UploadInputs
 from segflow.runtime.onednn_graph import OneDnnGraphSegment
+from segflow.runtime.program import CompileReport, Program, SegmentFn
 
 Tensor = torch.Tensor
-SegmentFn = Callable[[list[Any]], None]
-
-
-@dataclass(slots=True)
-class CompileReport:
-    """What compilation did, for explain() and RunStats settings."""
-
-    backend: str
-    segments: int = 0
-    build_time_s: float = 0.0          # generating / tracing (at session creation)
-    first_run_compile_s: float = 0.0   # inductor / onednn: compiling on the first run
-    cache_hits: int = 0                # inductor packages loaded from the disk cache
-    evicted: int = 0                   # older packages deleted to keep the cache under its cap
-    cache_notes: list[str] = field(default_factory=list)   # packages the cache's checks refused
-    fallbacks: list[str] = field(default_factory=list)
-    replays: list[DirectReplay] = field(default_factory=list)   # kernels/onednn/replay.py
-    native_replays: list[NativeReplay] = field(default_factory=list)   # kernels/replay.py
-
-    @property
-    def compile_time_s(self) -> float:
-        return self.build_time_s + self.first_run_compile_s
-
-    def describe(self) -> str:
-        text = (f"compile: backend={self.backend} segments={self.segments} "
-                f"build={self.build_time_s * 1e3:.1f} ms")
-        if self.first_run_compile_s:
-            text += f" first-run compile={self.first_run_compile_s:.1f} s"
-        if self.cache_hits and self.backend != "inductor":
-            text += f" ({self.cache_hits} segments run cached inductor packages)"
-        elif self.cache_hits:
-            text += f" ({self.cache_hits} loaded from the disk cache)"
-        if self.evicted:
-            text += f" ({self.evicted} least recently used packages evicted)"
-        if self.fallbacks:
-            text += f" ({len(self.fallbacks)} segments interpreted: {self.fallbacks[0]})"
-        if self.cache_notes:
-            more = f"; {len(self.cache_notes) - 1} more" if len(self.cache_notes) > 1 else ""
-            text += f" (disk cache: {self.cache_notes[0]}{more})"
-        return text
-
-
 class SegmentCompiler:
     """Lowers the bulk segments of an executor's plan through one backend."""
 
@@ -234,21 +194,6 @@ def _reads_by_task(tasks: Sequence[tuple[Segment, Sequence[Step]]],
 
 
 # -- code generation -------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class Program:
-    """A generated segment: its source, the callable, and (pure form) its signature."""
-
-    source: str
-    fn: SegmentFn
-    inputs: tuple[int, ...] = ()     # pure form: env slots passed as arguments
-    outputs: tuple[int, ...] = ()    # pure form: env slots the returned tuple fills
-    pure_fn: Callable[..., tuple[Tensor, ...]] | None = None
-    constants: tuple[Tensor, ...] = ()  # pure form: passed first, so tracing sees them
-    released: tuple[int, ...] = ()   # pure form: input slots no other task reads afterwards
-    replays: tuple[DirectReplay, ...] = ()   # the replayed runs of direct kernels it calls
-    native_replays: tuple[NativeReplay, ...] = ()   # and of segflow's own kernels
-
-
 _FLOAT = (DType.FLOAT32, DType.FLOAT64, DType.FLOAT16, DType.BFLOAT16)
 
 @dataclass(frozen=True, slots=True)

@@ -33,13 +33,15 @@ from segflow.errors import InvalidInput, InvalidModel
 from segflow.frontend.onnx_import import import_model, load_model
 from segflow.ir.graph import Graph, Node, Value
 from segflow.ir.types import Device, DType, TensorSpec
-from segflow.ops.registry import OpRegistry, default_registry
+from segflow.ops import default_registry
+from segflow.ops.registry import OpRegistry
 from segflow.optim import Optimizer, ParamState
 from segflow.passes.autodiff import Differentiated, differentiate
 from segflow.passes.place import place
 from segflow.passes.segment import Phase, segment_nodes
 from segflow.profiler.sink import active_sink
 from segflow.runtime.executor import Executor
+from segflow.runtime.explain import format_plan
 from segflow.runtime.host_memory import HostMemory, apply_host_memory
 from segflow.runtime.plan import Plan, make_plan, resolve_opdefs
 from segflow.runtime.stats import RunStats
@@ -257,7 +259,7 @@ class TrainingSession:
     # -- description -------------------------------------------------------------------
     def explain(self) -> str:
         """Forward and backward segments with boundary reasons, then the update tasks."""
-        lines = [self.plan.explain()]
+        lines = [format_plan(self.plan)]
         counts = self._executor.phase_counts
         lines.append(f"training: {counts[Phase.FORWARD]} forward segments, "
                      f"{counts[Phase.BACKWARD]} backward segments, "
