@@ -9,7 +9,7 @@ is still a dependency); imports under ``if TYPE_CHECKING:`` are left out (they n
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,7 +86,7 @@ def _imports(module: str) -> list[Import]:
                 targets.append(full if full in MODULES else _known(base))
         edges += [Import(module, target, stmt.lineno) for target in targets
                   if target and target != module]
-    return edges
+    return list(dict.fromkeys(edges))   # one edge per statement and module imported
 
 
 IMPORTS = {module: _imports(module) for module in MODULES}
@@ -200,7 +200,8 @@ def _ir_forbidden(imported: str) -> bool:
     return _within(imported, PACKAGE) and not _within(imported, "segflow.ir")
 
 
-def _violations(importer_package: str, forbidden) -> set[tuple[str, str]]:  # type: ignore[no-untyped-def]
+def _violations(importer_package: str, forbidden: Callable[[str], bool]
+                ) -> set[tuple[str, str]]:
     return {(e.importer, e.imported) for m, edges in IMPORTS.items()
             if _within(m, importer_package) for e in edges if forbidden(e.imported)}
 
