@@ -24,7 +24,7 @@ from segflow import models
 from segflow.errors import UnsupportedOp
 from segflow.frontend.builder import GraphBuilder, Sym
 from segflow.ir import DType
-from segflow.ops.registry import default_registry
+from segflow.ops import default_registry
 from segflow.passes.autodiff import differentiate
 
 OP_RTOL, OP_ATOL = 1e-7, 1e-9

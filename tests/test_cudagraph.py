@@ -21,7 +21,7 @@ from segflow.engine.streams import FakeBackend
 from segflow.frontend.onnx_import import import_model
 from segflow.ir.graph import Node, Value
 from segflow.ir.types import Device
-from segflow.ops.registry import default_registry
+from segflow.ops import default_registry
 from segflow.passes.segment import Phase, Segment
 from segflow.runtime.binding import UploadInputs
 from segflow.runtime.cudagraph import (
@@ -30,7 +30,6 @@ from segflow.runtime.cudagraph import (
     capture_decision,
     host_data_inputs,
     host_only_constants,
-    host_read_inputs,
     host_values,
 )
 from segflow.runtime.plan import make_plan
@@ -59,6 +58,11 @@ def _node(plan, name):
     return next(n for n in plan.graph.nodes if n.name == name)
 
 
+def _host_reads(plan, name):
+    node = _node(plan, name)
+    return plan.opdefs[node].host_read_inputs(node)
+
+
 # -- which inputs are read on the host ----------------------------------------------------
 
 
@@ -75,18 +79,18 @@ def _reshape_model(opset=17, shape_from_input=False):
 
 def test_host_read_inputs_follow_opset_and_index_rank():
     plan = _plan(_reshape_model())
-    assert host_read_inputs(_node(plan, "r")) == (1,)
+    assert _host_reads(plan, "r") == (1,)
     x = helper.make_tensor_value_info("x", FLOAT, [4, 3])
     y = helper.make_tensor_value_info("y", FLOAT, None)
     z = helper.make_tensor_value_info("z", FLOAT, None)
     nodes = [helper.make_node("Gather", ["x", "i0"], ["y"], name="scalar", axis=0),
              helper.make_node("Gather", ["x", "i1"], ["z"], name="vector", axis=0)]
     plan = _plan(_model(nodes, [x], [y, z], [_ints("i0", 1), _ints("i1", [0, 2])]))
-    assert host_read_inputs(_node(plan, "scalar")) == (1,)
-    assert host_read_inputs(_node(plan, "vector")) == ()
+    assert _host_reads(plan, "scalar") == (1,)
+    assert _host_reads(plan, "vector") == ()
     nodes = [helper.make_node("Relu", ["x"], ["y"], name="relu")]
     plan = _plan(_model(nodes, [x], [y]))
-    assert host_read_inputs(_node(plan, "relu")) == ()
+    assert _host_reads(plan, "relu") == ()
 
 
 def test_host_only_constants_excludes_constants_also_used_as_data():
@@ -105,7 +109,7 @@ def test_host_only_constants_excludes_constants_also_used_as_data():
              _ints("limit", 4), _ints("delta", 1)]
     plan = _plan(_model(nodes, [x], [y, z, r], inits))
     names = {v.name for v in plan.graph.initializers.values()
-             if id(v) in host_only_constants(plan.graph.nodes)}
+             if id(v) in host_only_constants(plan.graph.nodes, plan.opdefs)}
     # Range reads all three bounds on the host (its arange is made on the device);
     # `both` is also Reshape data through Cast, so it goes to the device.
     assert names == {"shape", "limit", "start", "delta"}
@@ -119,10 +123,11 @@ def test_shape_arithmetic_stays_on_the_host_and_its_data_reader_uploads():
     host = host_values(nodes)
     on_host = {n.name for n in nodes if any(id(v) in host for v in n.outputs)}
     assert on_host == {"count", "count_float", "count_plus_one"}
-    uploads = {n.name: host_data_inputs(n, host) for n in nodes if host_data_inputs(n, host)}
+    uploads = {n.name: host_data_inputs(n, plan.opdefs[n], host) for n in nodes
+               if host_data_inputs(n, plan.opdefs[n], host)}
     assert uploads == {"table_mean": (1,)}
     consts = {v.name for v in plan.graph.initializers.values()
-              if id(v) in host_only_constants(nodes)}
+              if id(v) in host_only_constants(nodes, plan.opdefs)}
     assert "float.1" in consts and "float.0" not in consts
 
 
@@ -139,8 +144,9 @@ def test_host_values_stop_at_device_data_and_growing_ops():
     names = {v.name for n in plan.graph.nodes for v in n.outputs if id(v) in host}
     assert names == {"s", "sf"}
     by_name = {n.name: n for n in plan.graph.nodes}
-    assert host_data_inputs(by_name["with_data"], host) == (0,)
-    assert host_data_inputs(by_name["fill"], host) == ()  # its shape is read on the host
+    with_data, fill = by_name["with_data"], by_name["fill"]
+    assert host_data_inputs(with_data, plan.opdefs[with_data], host) == (0,)
+    assert host_data_inputs(fill, plan.opdefs[fill], host) == ()  # its shape is read on the host
 
 
 def test_upload_inputs_moves_only_the_named_host_inputs():
@@ -168,13 +174,13 @@ def test_executor_binds_host_only_constants_in_host_memory():
 
 def test_constant_shape_is_capturable():
     plan = _plan(_reshape_model())
-    decision = capture_decision(plan.segments[0], managed=True)
+    decision = capture_decision(plan.segments[0], managed=True, opdefs=plan.opdefs)
     assert decision.eligible and "capturable (1 nodes)" in decision.reason
 
 
 def test_computed_shape_is_not_capturable():
     plan = _plan(_reshape_model(shape_from_input=True))
-    decision = capture_decision(plan.segments[0], managed=True)
+    decision = capture_decision(plan.segments[0], managed=True, opdefs=plan.opdefs)
     assert not decision.eligible
     assert "Reshape [r] reads computed input 1 ('s') on the host" in decision.reason
 
@@ -192,7 +198,7 @@ def test_shape_derived_values_are_static_per_key():
     ]
     inits = [_ints("zero", 0), _ints("axes0", [0]), _ints("rest", [2, 3])]
     plan = _plan(_model(nodes, [x], [y], inits))
-    assert capture_decision(plan.segments[0], managed=True).eligible
+    assert capture_decision(plan.segments[0], managed=True, opdefs=plan.opdefs).eligible
 
 
 def test_data_derived_shape_breaks_eligibility():
@@ -205,24 +211,25 @@ def test_data_derived_shape_breaks_eligibility():
         helper.make_node("Expand", ["x", "k"], ["y"], name="expand"),
     ]
     plan = _plan(_model(nodes, [x], [y], [_ints("axes0", [0])]))
-    decision = capture_decision(plan.segments[0], managed=True)
+    decision = capture_decision(plan.segments[0], managed=True, opdefs=plan.opdefs)
     assert not decision.eligible and "Expand [expand]" in decision.reason
 
 
 def test_local_random_and_unmanaged_segments_are_not_capturable():
     plan = _plan(models.build("nonzero_mid"))
     local = next(s for s in plan.segments if s.exec_type.value == "local")
-    decision = capture_decision(local, managed=True)
+    decision = capture_decision(local, managed=True, opdefs=plan.opdefs)
     assert not decision.eligible and "local task NonZero" in decision.reason
     sync = plan.segments[0]
-    assert "has no CUDA streams" in capture_decision(sync, managed=False).reason
+    assert "has no CUDA streams" in capture_decision(sync, managed=False,
+                                                opdefs=plan.opdefs).reason
     # Built directly: whether RandomNormalLike is registered does not matter here.
     x, noise, y = Value("x"), Value("noise"), Value("y")
     random = Node("RandomNormalLike", [x], [noise], name="noise")
     add = Node("Add", [x, noise], [y], name="add")
     seg = Segment(0, (random, add), ExecType.SYNC, Device.parse("cuda:0"), Phase.INFERENCE,
                   "end of graph")
-    decision = capture_decision(seg, managed=True)
+    decision = capture_decision(seg, managed=True, opdefs={})
     assert not decision.eligible and "random op RandomNormalLike [noise]" in decision.reason
 
 

@@ -245,7 +245,8 @@ def test_a_kernel_that_cannot_bind_names_its_node():
     InvalidModel naming the node, not the factory's IndexError."""
     from onnx import TensorProto, helper
 
-    from segflow.ops.registry import OpDef, default_registry
+    from segflow.ops import default_registry
+    from segflow.ops.registry import OpDef
 
     def broken(node, ctx):
         raise IndexError("list index out of range")

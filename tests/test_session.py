@@ -13,7 +13,8 @@ from onnx import TensorProto, helper
 
 import segflow
 from segflow import models
-from segflow.ops.registry import OpDef, OpRegistry, default_registry
+from segflow.ops import default_registry
+from segflow.ops.registry import OpDef, OpRegistry
 
 ATOL, RTOL = 1e-4, 1e-3
 

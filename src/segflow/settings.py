@@ -148,6 +148,35 @@ def engine_for_plan(choice: str, devices: Collection[object]) -> str:
     return "threaded" if len(set(devices)) > 1 else "inline"
 
 
+def environment(env: Mapping[str, str] | None = None) -> Mapping[str, str]:
+    """The variables to obey: ``env`` where a caller gives them (tests), else the process's.
+
+    The one place segflow reads ``os.environ``; every setting goes through it.
+    """
+    return os.environ if env is None else env
+
+
+def native_kernels(env: Mapping[str, str] | None = None) -> bool:
+    """``SEGFLOW_NATIVE``: whether segflow builds and loads its native kernels (default on)."""
+    return _env_bool(environment(env), ENV_NATIVE, True)
+
+
+def c_compiler(env: Mapping[str, str] | None = None) -> str:
+    """The C compiler the native kernels are built with: ``$CC``, else ``cc``."""
+    return environment(env).get("CC", "").strip() or "cc"
+
+
+def dnnl_library(env: Mapping[str, str] | None = None) -> str:
+    """``SEGFLOW_DNNL_LIBRARY``: the libdnnl file to load; "" to look where the wheel puts it."""
+    return environment(env).get(ENV_DNNL_LIBRARY, "").strip()
+
+
+def host_memory(env: Mapping[str, str] | None = None) -> str:
+    """``SEGFLOW_HOST_MEMORY`` as given (``retain`` where unset): what a CPU run's freed
+    memory does (``runtime/host_memory.py`` parses it)."""
+    return environment(env).get(ENV_HOST_MEMORY, "").strip() or "retain"
+
+
 def debug_level(env: Mapping[str, str] | None = None) -> int:
     env = os.environ if env is None else env
     try:

@@ -17,7 +17,8 @@ from onnx import TensorProto, helper
 
 import segflow
 from segflow import models
-from segflow.ops.registry import OpDef, default_registry
+from segflow.ops import default_registry
+from segflow.ops.registry import OpDef
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not requires_cuda, reason="needs a CUDA device")]

@@ -1,17 +1,18 @@
 """The ``segflow bench`` and ``segflow profile`` subcommands (see docs/benchmarking.md).
 
-``register(subparsers)`` is called by :mod:`segflow.cli`.
+``register(subparsers)`` is called by :mod:`segflow.cli` (run them as ``segflow bench``);
+the model arguments they share with it live in :mod:`segflow.model_args`.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from segflow.bench import baseline as gate
 from segflow.bench.modes import DEFAULT_MODELS, DEFAULT_MODES, DEFAULT_PEERS, MODES
+from segflow.model_args import add_model_args, open_session, parse_inputs
 
 DEFAULT_SECONDS = 8.0  # timed seconds per model; keeps the default set under ~2 minutes
 
@@ -87,9 +88,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def _cmd_profile(args: argparse.Namespace) -> int:
     import segflow
-    from segflow.cli import _session, parse_inputs
 
-    sess, label = _session(args)
+    sess, label = open_session(args)
     feeds = parse_inputs(args.input, sess, args.seed, label)
     for _ in range(args.warmup):
         sess.run(None, feeds)
@@ -152,26 +152,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_bench)
 
-    from segflow.cli import _add_model_args
-
     p = sub.add_parser(
         "profile", help="profile a model: per-op and per-engine-call table, Chrome trace",
         description="Run a model under segflow.profile(); print the aggregate tables "
                     "(per engine call and per op type) and optionally write a Chrome trace.")
-    _add_model_args(p)
+    add_model_args(p)
     p.add_argument("--trace", metavar="PATH", help="write a Chrome trace JSON file")
     p.add_argument("--runs", type=int, default=1, help="profiled runs (1)")
     p.add_argument("--warmup", type=int, default=1, help="unprofiled runs first (1)")
     p.add_argument("--limit", type=int, default=25, help="op rows shown (25; 0 = all)")
     p.set_defaults(func=_cmd_profile)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m segflow.bench.cli`` runs ``segflow bench``."""
-    from segflow.cli import main as segflow_main
-
-    return segflow_main(["bench", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

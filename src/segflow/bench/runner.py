@@ -1,5 +1,10 @@
 """The benchmark runner: segflow modes and peers, measured in interleaved rounds.
 
+Why one module near ~500 lines: the measuring protocol (interleaved rounds, settling,
+paired ratios) and the record it writes are one contract with the gate in
+:mod:`segflow.bench.baseline`; the modes and peers it runs live in ``modes.py`` and
+``peers.py``.
+
 For each model every variant (a segflow mode or a peer) is prepared once,
 run once to record its counters and check its outputs, run once more under
 the memory probe, warmed up, and then timed in rounds: each round runs every

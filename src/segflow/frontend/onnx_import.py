@@ -31,7 +31,8 @@ from segflow.frontend.validate import (
 )
 from segflow.ir.graph import Graph, Node, Value
 from segflow.ir.types import Dim, DType, TensorSpec
-from segflow.ops.registry import NEWEST_ONNX_OPSET, OpRegistry, default_registry
+from segflow.ops import default_registry
+from segflow.ops.registry import NEWEST_ONNX_OPSET, OpRegistry
 
 # Initializers with more data bytes than this go to shape inference without their data.
 INFERENCE_DATA_LIMIT = 4096

@@ -1,5 +1,9 @@
 """Model checks at load: what onnxruntime refuses, segflow refuses before it runs anything.
 
+Why one module at ~500 lines: its four layers are one contract, the refusals onnxruntime
+makes, each with the same one-line message naming the node; the op checks
+(:data:`OP_CHECKS`) are the part that grows and the first to move to a module of their own.
+
 Each failure is a :class:`segflow.errors.InvalidModel` (an ``UnsupportedOp`` for
 what segflow does not implement) whose one-line message names the node (or
 graph input), its op and what is wrong. Four layers, in the order the frontend

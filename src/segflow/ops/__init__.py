@@ -21,9 +21,19 @@ from segflow.ops import (
     rnn,
     tensor,
 )
-from segflow.ops.registry import BindContext, Kernel, OpDef, OpRegistry, default_registry
+from segflow.ops.registry import BindContext, Kernel, OpDef, OpRegistry
 
 ALL_FAMILIES = (elementwise, nn, tensor, reduce, indexing, image, control, rnn, quant, linalg,
                 misc, copy, backward, fused, dense_chain)
+
+
+
+def default_registry() -> OpRegistry:
+    """A registry holding every op family segflow ships."""
+    registry = OpRegistry()
+    for family in ALL_FAMILIES:
+        registry.extend(family.OPS)
+    return registry
+
 
 __all__ = ["ALL_FAMILIES", "BindContext", "Kernel", "OpDef", "OpRegistry", "default_registry"]

@@ -1,5 +1,10 @@
 """Backward kernels (domain ``segflow.train``): the nodes gradient rules emit.
 
+Why one module past ~500 lines: it is one table, the ``segflow.train`` domain's rows and
+their kernels, which share one convention (a ``need`` attribute, None for gradients nobody
+reads) and its attribute helpers; each kernel is found from its rule in
+:mod:`segflow.ops.gradients` by its op name here.
+
 The rules themselves live in :mod:`segflow.ops.gradients` and are referenced
 from each forward op's row. Kernels here use torch's own backward functions
 (``convolution_backward``, ``native_batch_norm_backward`` ...) so a training
@@ -18,7 +23,7 @@ import torch.nn.functional as F
 
 from segflow.ir.graph import Node
 from segflow.ops._common import ints, resolve_pads, torch_pad
-from segflow.ops.registry import BindContext, Kernel, OpDef
+from segflow.ops.registry import BindContext, Kernel, OpDef, ViewOfInput
 
 Tensor = torch.Tensor
 aten = torch.ops.aten
@@ -138,10 +143,6 @@ UNARY_GRADS: dict[str, UnaryFn] = {
     "Cos": lambda dy, x, y, a, e: -dy * torch.sin(x),
     "Clip": lambda dy, x, y, a, e: dy * _clip_mask(x, a, e),
     "Scale": lambda dy, x, y, a, e: dy * float(a["alpha"]),
-}
-UNARY_READS: dict[str, str] = {
-    "Relu": "y", "Sigmoid": "y", "Tanh": "y", "Sqrt": "y", "Exp": "y", "Reciprocal": "y",
-    "Scale": "",
 }
 
 
@@ -534,8 +535,10 @@ def _reduce_grad(node: Node, ctx: BindContext) -> Kernel:
 
 
 OPS: list[OpDef] = [
-    OpDef("SumToShape", _sum_to_shape, domain=DOMAIN, doc="sum a broadcast gradient to a shape"),
-    OpDef("ReshapeTo", _reshape_to, domain=DOMAIN, doc="reshape a gradient to a shape tensor"),
+    OpDef("SumToShape", _sum_to_shape, domain=DOMAIN, doc="sum a broadcast gradient to a shape",
+          view_of_input=ViewOfInput.MAY_ALIAS),
+    OpDef("ReshapeTo", _reshape_to, domain=DOMAIN, doc="reshape a gradient to a shape tensor",
+          view_of_input=ViewOfInput.RESHAPE),
     OpDef("OnesLike", _ones_like, domain=DOMAIN, doc="the loss seed when its shape is unknown"),
     OpDef("UnaryGrad", _unary_grad, domain=DOMAIN, doc="elementwise activation backward"),
     OpDef("BinaryGrad", _binary_grad, domain=DOMAIN, doc="broadcasting arithmetic backward"),

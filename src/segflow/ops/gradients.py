@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from segflow.ir.graph import Node, Value
-from segflow.ops.backward import UNARY_READS
 
 if TYPE_CHECKING:
     from segflow.passes.autodiff import GradContext
@@ -35,10 +34,11 @@ def _input(node: Node, index: int) -> Value | None:
 
 # -- elementwise --------------------------------------------------------------------------
 def unary(ctx: GradContext, node: Node, douts: Sequence[Value | None]) -> Grads:
-    """Activations and unary math: one UnaryGrad node reading x or y as the op needs."""
-    reads = UNARY_READS.get(node.op_type, "x")
-    x = node.inputs[0] if reads == "x" else None
-    y = node.outputs[0] if reads == "y" else None
+    """Activations and unary math: one UnaryGrad node reading x, or y where the op's row
+    says its gradient reads the output (``OpDef.grad_reads_output``)."""
+    reads_output = ctx.opdef(node).grad_reads_output
+    x = None if reads_output else node.inputs[0]
+    y = node.outputs[0] if reads_output else None
     extra = list(node.inputs[1:]) if node.op_type == "Clip" else []
     attrs: dict[str, Any] = {k: v for k, v in node.attrs.items()
                              if isinstance(v, int | float | str)}

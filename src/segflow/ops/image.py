@@ -28,7 +28,7 @@ from segflow.ops._resize import (
     plan_sizes,
     resize,
 )
-from segflow.ops.registry import BindContext, Kernel, OpDef
+from segflow.ops.registry import BindContext, Kernel, OpDef, reads_on_host
 
 Tensor = torch.Tensor
 Inputs = Sequence[Tensor | None]
@@ -377,19 +377,20 @@ def _col2im(node: Node, ctx: BindContext) -> Kernel:
 
 
 OPS: list[OpDef] = [
-    OpDef("Resize", _resize, since=10),
-    OpDef("Upsample", _upsample, doc="deprecated since opset 10; Resize semantics"),
-    OpDef("Pad", _pad),
+    OpDef("Resize", _resize, since=10, host_reads=reads_on_host(1, 2, 3)),
+    OpDef("Upsample", _upsample, doc="deprecated since opset 10; Resize semantics",
+          host_reads=reads_on_host(1, since=9)),
+    OpDef("Pad", _pad, host_reads=reads_on_host(1, 2, 3, since=11)),
     OpDef("DepthToSpace", _depth_to_space),
     OpDef("SpaceToDepth", _space_to_depth),
     OpDef("GridSample", _grid_sample),
-    OpDef("AffineGrid", _affine_grid),
+    OpDef("AffineGrid", _affine_grid, host_reads=reads_on_host(1)),
     OpDef("RoiAlign", _roi.bind_roi_align),
     OpDef("MaxRoiPool", _roi.bind_max_roi_pool),
-    OpDef("MaxUnpool", _pooling.bind_max_unpool),
+    OpDef("MaxUnpool", _pooling.bind_max_unpool, host_reads=reads_on_host(2)),
     OpDef("LpPool", _pooling.bind_lp_pool),
     OpDef("LpNormalization", _lp_normalization),
     OpDef("MeanVarianceNormalization", _mvn),
-    OpDef("CenterCropPad", _center_crop_pad),
-    OpDef("Col2Im", _col2im),
+    OpDef("CenterCropPad", _center_crop_pad, host_reads=reads_on_host(1)),
+    OpDef("Col2Im", _col2im, host_reads=reads_on_host(1, 2)),
 ]

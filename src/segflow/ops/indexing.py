@@ -19,7 +19,7 @@ from segflow.errors import InvalidModel
 from segflow.ir.graph import Node
 from segflow.ir.types import DType
 from segflow.ops._common import ints, normalize_axis
-from segflow.ops.registry import BindContext, Kernel, OpDef
+from segflow.ops.registry import BindContext, Kernel, OpDef, reads_on_host
 
 Tensor = torch.Tensor
 
@@ -363,12 +363,12 @@ OPS: list[OpDef] = [
     OpDef("Scatter", _scatter_elements, until=10, doc="ScatterElements before opset 11"),
     OpDef("ScatterND", _scatter_nd),
     OpDef("TensorScatter", _tensor_scatter),
-    OpDef("TopK", _topk, classify=_topk_exec,
+    OpDef("TopK", _topk, classify=_topk_exec, host_reads=reads_on_host(1, since=10),
           doc="LOCAL when k is computed: the output shape depends on it"),
     OpDef("Unique", _unique, exec_type=ExecType.LOCAL),
     OpDef("NonMaxSuppression", _nms, exec_type=ExecType.LOCAL),
     OpDef("Compress", _compress, exec_type=ExecType.LOCAL),
-    OpDef("OneHot", _one_hot),
-    OpDef("Trilu", _trilu),
+    OpDef("OneHot", _one_hot, host_reads=reads_on_host(1)),
+    OpDef("Trilu", _trilu, host_reads=reads_on_host(1)),
     OpDef("EyeLike", _eye_like),
 ]

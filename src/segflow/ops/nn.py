@@ -1,4 +1,10 @@
-"""Neural-network ops: convolution, pooling, normalization, dense layers, softmax."""
+"""Neural-network ops: convolution, pooling, normalization, dense layers, softmax.
+
+Why one module past ~500 lines: it is one family's ``OPS`` table with the kernels that
+are a few lines each; the larger ones already live in ``_losses``, ``_transformer``,
+``_deform`` and ``_pooling``, and the direct libdnnl pooling binder leaves for ``kernels/``
+with the other kernel binders.
+"""
 
 from __future__ import annotations
 
@@ -20,7 +26,7 @@ from segflow.kernels.onednn.op import DirectKernel
 from segflow.kernels.onednn.pool import DirectPool
 from segflow.ops import _deform, _losses, _transformer, gradients
 from segflow.ops._common import has_input, resolve_pads, torch_pad
-from segflow.ops.registry import BindContext, Kernel, OpDef
+from segflow.ops.registry import BindContext, Kernel, OpDef, ViewOfInput
 
 Tensor = torch.Tensor
 
@@ -508,8 +514,8 @@ OPS: list[OpDef] = [
     OpDef("Softmax", _softmax_family(torch.softmax), grad=gradients.softmax),
     OpDef("LogSoftmax", _softmax_family(torch.log_softmax), grad=gradients.softmax),
     OpDef("Hardmax", _hardmax),
-    OpDef("Dropout", _dropout, grad=gradients.dropout),
-    OpDef("Flatten", _flatten, grad=gradients.reshape),
+    OpDef("Dropout", _dropout, grad=gradients.dropout, view_of_input=ViewOfInput.MAY_ALIAS),
+    OpDef("Flatten", _flatten, grad=gradients.reshape, view_of_input=ViewOfInput.RESHAPE),
     OpDef("SoftmaxCrossEntropyLoss", _softmax_cross_entropy, since=12,
           grad=gradients.softmax_cross_entropy),
     OpDef("NegativeLogLikelihoodLoss", _losses.bind_nll, since=12),

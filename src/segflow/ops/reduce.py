@@ -19,7 +19,7 @@ from segflow.errors import InvalidModel
 from segflow.ir.graph import Node
 from segflow.ops import gradients
 from segflow.ops._common import always, ints
-from segflow.ops.registry import BindContext, Kernel, OpDef
+from segflow.ops.registry import BindContext, Kernel, OpDef, reads_on_host
 
 Tensor = torch.Tensor
 Dims = tuple[int, ...]
@@ -246,7 +246,8 @@ _GRADS = {"ReduceSum": gradients.reduce, "ReduceMean": gradients.reduce}
 OPS: list[OpDef] = [
     *(OpDef(name, _bind_reduce(spec), doc=f"{spec.kind.value} reduction",
             grad=_GRADS.get(name),
-            creates_nonfinite=always if name == "ReduceLogSum" else None)
+            creates_nonfinite=always if name == "ReduceLogSum" else None,
+            host_reads=reads_on_host(1))
       for name, spec in _SPECS.items()),
     OpDef("ArgMax", _bind_arg(largest=True)),
     OpDef("ArgMin", _bind_arg(largest=False)),

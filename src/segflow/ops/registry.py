@@ -13,6 +13,7 @@ Adding an op is one row in one family module (see CONTRIBUTING.md)::
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -88,6 +89,38 @@ NEWEST_ONNX_OPSET = 28
 """The newest ai.onnx opset whose operator versions the rows follow; a model importing a
 newer one is refused at load (its ops may have changed meaning)."""
 GradRule = Callable[..., Any]
+HostRead = Callable[["Node"], tuple[int, ...]]
+"""A node -> the indices of the inputs whose values its kernel reads on the host."""
+
+
+def reads_on_host(*indices: int, since: int = 1) -> HostRead:
+    """:attr:`OpDef.host_reads` for an op that reads ``indices`` on the host from opset
+    ``since`` on (``Reshape``'s shape became an input in opset 5)."""
+    return lambda node: indices if node.opset >= since else ()
+
+
+class ViewOfInput(enum.Enum):
+    """How an op's first output relates to its first input's storage."""
+
+    NONE = "none"          # new storage
+    MAY_ALIAS = "alias"    # possibly a view of input 0, or input 0 itself (Slice, Cast)
+    RESHAPE = "reshape"    # input 0's elements in order under a new shape: a view where
+                           # input 0 is contiguous, input 0 itself where the shape holds
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class InlineOp:
+    """How generated code calls an op directly, with its kernel's semantics.
+
+    ``expr`` is a Python expression over ``{in0}``, ``{in1}`` ... and the names of
+    ``bound`` (closure constants); ``inplace`` maps an input index to the expression that
+    overwrites that input instead. Used by codegen (``runtime/compile.py``).
+    """
+
+    expr: str
+    inplace: Mapping[int, str]
+    float_only: bool               # integer types go through the kernel (ONNX int semantics)
+    bound: Mapping[str, object]
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,12 +142,29 @@ class OpDef:
     # results flow, no kernel that loses a NaN is chosen (runtime/nonfinite.py). Plain
     # arithmetic overflowing float range is not counted.
     creates_nonfinite: Callable[[Node], bool] | None = None
+    # Whether the gradient rule reads the op's output instead of its input (Relu's
+    # gradient is a function of y): autodiff then keeps y alive for the backward pass.
+    grad_reads_output: bool = False
+    # The inputs whose values the kernel reads on the host (Reshape's shape, Slice's
+    # starts): a CUDA graph bakes them in, so it captures the node only where they are
+    # constants or fixed by the input shapes (runtime/cudagraph.py).
+    host_reads: HostRead | None = None
+    # Whether output 0 may share input 0's storage: a training session's state aliases
+    # follow it (runtime/training.py), and the no-op rule drops a RESHAPE that keeps the
+    # shape (passes/fuse/noops.py).
+    view_of_input: ViewOfInput = ViewOfInput.NONE
+    # The direct call codegen emits in place of the kernel, for core ops that have one.
+    inline: InlineOp | None = None
 
     def exec_type_of(self, node: Node) -> ExecType:
         return self.classify(node) if self.classify else self.exec_type
 
     def covers(self, opset: int) -> bool:
         return self.since <= opset and (self.until is None or opset <= self.until)
+
+    def host_read_inputs(self, node: Node) -> tuple[int, ...]:
+        """Indices of the inputs whose values ``node``'s kernel reads on the host."""
+        return self.host_reads(node) if self.host_reads is not None else ()
 
 
 _DOMAIN_ALIASES = {"ai.onnx": ""}
@@ -158,13 +208,3 @@ class OpRegistry:
 
     def names(self) -> list[str]:
         return sorted(f"{d + '.' if d else ''}{n}" for d, n in self.rows)
-
-
-def default_registry() -> OpRegistry:
-    """A registry holding every op family segflow ships."""
-    from segflow.ops import ALL_FAMILIES
-
-    registry = OpRegistry()
-    for family in ALL_FAMILIES:
-        registry.extend(family.OPS)
-    return registry

@@ -12,7 +12,7 @@ from segflow.ir.graph import Node
 from segflow.ir.types import DType
 from segflow.ops import gradients
 from segflow.ops._common import ints
-from segflow.ops.registry import BindContext, Kernel, OpDef
+from segflow.ops.registry import BindContext, Kernel, OpDef, ViewOfInput, reads_on_host
 
 Tensor = torch.Tensor
 
@@ -332,25 +332,45 @@ def _nonzero(node: Node, ctx: BindContext) -> Kernel:
     return kernel
 
 
+
+def _scalar_index(node: Node) -> tuple[int, ...]:
+    # Gather with a 0-d index selects with int(index): a host read of the index.
+    index = node.inputs[1] if len(node.inputs) > 1 else None
+    if index is None:
+        return ()
+    if index.is_const:
+        assert index.const is not None
+        return (1,) if index.const.dim() == 0 else ()
+    shape = index.spec.shape if index.spec is not None else None
+    return (1,) if shape is not None and len(shape) == 0 else ()
+
+
 OPS: list[OpDef] = [
-    OpDef("Reshape", _reshape, grad=gradients.reshape),
-    OpDef("Transpose", _transpose, grad=gradients.transpose),
+    OpDef("Reshape", _reshape, grad=gradients.reshape, host_reads=reads_on_host(1, since=5),
+          view_of_input=ViewOfInput.RESHAPE),
+    OpDef("Transpose", _transpose, grad=gradients.transpose, view_of_input=ViewOfInput.MAY_ALIAS),
     OpDef("Concat", _concat, grad=gradients.concat),
-    OpDef("Split", _split),
-    OpDef("Slice", _slice, grad=gradients.slice_),
-    OpDef("Gather", _gather),
-    OpDef("Unsqueeze", _unsqueeze, grad=gradients.reshape),
-    OpDef("Squeeze", _squeeze, grad=gradients.reshape),
+    OpDef("Split", _split, host_reads=reads_on_host(1, since=13),
+          view_of_input=ViewOfInput.MAY_ALIAS),
+    OpDef("Slice", _slice, grad=gradients.slice_, host_reads=reads_on_host(1, 2, 3, 4, since=10),
+          view_of_input=ViewOfInput.MAY_ALIAS),
+    OpDef("Gather", _gather, host_reads=_scalar_index, view_of_input=ViewOfInput.MAY_ALIAS),
+    OpDef("Unsqueeze", _unsqueeze, grad=gradients.reshape, host_reads=reads_on_host(1, since=13),
+          view_of_input=ViewOfInput.RESHAPE),
+    OpDef("Squeeze", _squeeze, grad=gradients.reshape, host_reads=reads_on_host(1, since=13),
+          view_of_input=ViewOfInput.RESHAPE),
     OpDef("Shape", _shape),
     OpDef("Size", _size),
-    OpDef("Cast", _cast, grad=gradients.cast),
+    OpDef("Cast", _cast, grad=gradients.cast, view_of_input=ViewOfInput.MAY_ALIAS),
     OpDef("BitCast", _bitcast, since=26),
-    OpDef("CastLike", _cast_like),
-    OpDef("Identity", _identity, grad=gradients.identity),
-    OpDef("ConstantOfShape", _constant_of_shape, creates_nonfinite=_fills_nonfinite),
-    OpDef("Range", _range),
-    OpDef("Expand", _expand, grad=gradients.expand),
-    OpDef("Tile", _tile),
+    OpDef("CastLike", _cast_like, view_of_input=ViewOfInput.MAY_ALIAS),
+    OpDef("Identity", _identity, grad=gradients.identity, view_of_input=ViewOfInput.MAY_ALIAS),
+    OpDef("ConstantOfShape", _constant_of_shape, creates_nonfinite=_fills_nonfinite,
+          host_reads=reads_on_host(0)),
+    OpDef("Range", _range, host_reads=reads_on_host(0, 1, 2)),
+    OpDef("Expand", _expand, grad=gradients.expand, host_reads=reads_on_host(1),
+          view_of_input=ViewOfInput.MAY_ALIAS),
+    OpDef("Tile", _tile, host_reads=reads_on_host(1)),
     OpDef("NonZero", _nonzero, exec_type=ExecType.LOCAL,
           doc="output shape depends on the data: runs on the host after a sync"),
 ]

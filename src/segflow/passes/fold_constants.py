@@ -24,7 +24,8 @@ import torch
 from segflow.ir.graph import Graph, Node, Value
 from segflow.ir.types import shape_window
 from segflow.kernels.workspace import Workspace
-from segflow.ops.registry import OpRegistry, SubgraphRunner, default_registry
+from segflow.ops import default_registry
+from segflow.ops.registry import OpRegistry, SubgraphRunner
 from segflow.passes._rewrite import new_const, remove_dead
 from segflow.passes.result import PassResult
 

@@ -70,7 +70,7 @@ from segflow.runtime.verified_segment import VerifiedSegment
 from segflow.settings import cache_dir, cache_max_bytes
 
 if TYPE_CHECKING:
-    from segflow.runtime.compile import CompileReport, Program, SegmentFn
+    from segflow.runtime.program import CompileReport, Program, SegmentFn
 
 Tensor = torch.Tensor
 

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -58,6 +57,7 @@ from segflow.kernels.onednn.pool import DirectPool
 from segflow.kernels.onednn.replay import DirectReplay, ReplayStep
 from segflow.kernels.replay import NativeReplay, NativeStep, Replayable
 from segflow.kernels.report import OpKernel
+from segflow.ops import default_registry
 from segflow.ops.dense_chain import inline_chain, traceable_chain
 from segflow.ops.fused import (
     FUSED_DOMAIN,
@@ -67,56 +67,16 @@ from segflow.ops.fused import (
     reads_libdnnl_packing,
     traceable_fused,
 )
-from segflow.ops.registry import Kernel
+from segflow.ops.registry import InlineOp, Kernel
 from segflow.passes.pipeline import CompileMode
 from segflow.passes.plan_memory import MemoryPlan
 from segflow.passes.segment import Segment
 from segflow.runtime.aot_inductor import AotInductorSegment, has_packages
 from segflow.runtime.binding import Step, UploadInputs
 from segflow.runtime.onednn_graph import OneDnnGraphSegment
+from segflow.runtime.program import CompileReport, Program, SegmentFn
 
 Tensor = torch.Tensor
-SegmentFn = Callable[[list[Any]], None]
-
-
-@dataclass(slots=True)
-class CompileReport:
-    """What compilation did, for explain() and RunStats settings."""
-
-    backend: str
-    segments: int = 0
-    build_time_s: float = 0.0          # generating / tracing (at session creation)
-    first_run_compile_s: float = 0.0   # inductor / onednn: compiling on the first run
-    cache_hits: int = 0                # inductor packages loaded from the disk cache
-    evicted: int = 0                   # older packages deleted to keep the cache under its cap
-    cache_notes: list[str] = field(default_factory=list)   # packages the cache's checks refused
-    fallbacks: list[str] = field(default_factory=list)
-    replays: list[DirectReplay] = field(default_factory=list)   # kernels/onednn/replay.py
-    native_replays: list[NativeReplay] = field(default_factory=list)   # kernels/replay.py
-
-    @property
-    def compile_time_s(self) -> float:
-        return self.build_time_s + self.first_run_compile_s
-
-    def describe(self) -> str:
-        text = (f"compile: backend={self.backend} segments={self.segments} "
-                f"build={self.build_time_s * 1e3:.1f} ms")
-        if self.first_run_compile_s:
-            text += f" first-run compile={self.first_run_compile_s:.1f} s"
-        if self.cache_hits and self.backend != "inductor":
-            text += f" ({self.cache_hits} segments run cached inductor packages)"
-        elif self.cache_hits:
-            text += f" ({self.cache_hits} loaded from the disk cache)"
-        if self.evicted:
-            text += f" ({self.evicted} least recently used packages evicted)"
-        if self.fallbacks:
-            text += f" ({len(self.fallbacks)} segments interpreted: {self.fallbacks[0]})"
-        if self.cache_notes:
-            more = f"; {len(self.cache_notes) - 1} more" if len(self.cache_notes) > 1 else ""
-            text += f" (disk cache: {self.cache_notes[0]}{more})"
-        return text
-
-
 class SegmentCompiler:
     """Lowers the bulk segments of an executor's plan through one backend."""
 
@@ -234,60 +194,16 @@ def _reads_by_task(tasks: Sequence[tuple[Segment, Sequence[Step]]],
 
 
 # -- code generation -------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class Program:
-    """A generated segment: its source, the callable, and (pure form) its signature."""
-
-    source: str
-    fn: SegmentFn
-    inputs: tuple[int, ...] = ()     # pure form: env slots passed as arguments
-    outputs: tuple[int, ...] = ()    # pure form: env slots the returned tuple fills
-    pure_fn: Callable[..., tuple[Tensor, ...]] | None = None
-    constants: tuple[Tensor, ...] = ()  # pure form: passed first, so tracing sees them
-    released: tuple[int, ...] = ()   # pure form: input slots no other task reads afterwards
-    replays: tuple[DirectReplay, ...] = ()   # the replayed runs of direct kernels it calls
-    native_replays: tuple[NativeReplay, ...] = ()   # and of segflow's own kernels
-
-
 _FLOAT = (DType.FLOAT32, DType.FLOAT64, DType.FLOAT16, DType.BFLOAT16)
 
-@dataclass(frozen=True, slots=True)
-class _CoreOp:
-    """How generated code calls a core ONNX op directly (same semantics as its kernel)."""
 
-    expr: str
-    inplace: Mapping[int, str]     # input index -> expression that overwrites that input
-    float_only: bool               # integer types go through the kernel (ONNX int semantics)
-    bound: Mapping[str, object]
+def _core_forms() -> Mapping[str, InlineOp]:
+    """The core ops' direct calls, from their rows (``OpDef.inline``, ops/elementwise.py)."""
+    return {name: row.inline for (domain, name), rows in default_registry().rows.items()
+            if domain == "" for row in rows if row.inline is not None}
 
 
-def _unary(fn: Callable[..., Tensor], method_: str, float_only: bool = False) -> _CoreOp:
-    # In place as a method call: ``x.relu_()`` parses fewer arguments than ``torch.relu_(x)``
-    # (0.65 vs 0.82 us a call, measured), which shows on chains of tiny layers.
-    return _CoreOp("{f}({in0})", {0: "{in0}." + method_ + "()"}, float_only, {"f": fn})
-
-
-def _binary(fn: Callable[..., Tensor], method_: Callable[..., Tensor], commutative: bool
-            ) -> _CoreOp:
-    inplace = {0: "{f_}({in0}, {in1})"}
-    if commutative:
-        inplace[1] = "{f_}({in1}, {in0})"
-    return _CoreOp("{f}({in0}, {in1})", inplace, True, {"f": fn, "f_": method_})
-
-
-_CORE: Mapping[str, _CoreOp] = {
-    "Relu": _unary(torch.relu, "relu_"),
-    "Sigmoid": _unary(torch.sigmoid, "sigmoid_"),
-    "Tanh": _unary(torch.tanh, "tanh_"),
-    "Neg": _unary(torch.neg, "neg_"),
-    "Erf": _unary(torch.erf, "erf_", float_only=True),
-    "Exp": _unary(torch.exp, "exp_", float_only=True),
-    "Sqrt": _unary(torch.sqrt, "sqrt_", float_only=True),
-    "Add": _binary(torch.add, Tensor.add_, True),
-    "Sub": _binary(torch.sub, Tensor.sub_, False),
-    "Mul": _binary(torch.mul, Tensor.mul_, True),
-    "Div": _binary(torch.div, Tensor.div_, False),
-}
+_CORE: Mapping[str, InlineOp] = _core_forms()
 
 
 def _inline(node: Node, inplace_input: int | None, device: torch.device,

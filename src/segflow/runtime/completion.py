@@ -240,7 +240,7 @@ class StreamCompletion:
             for i, task in enumerate(tasks):
                 seg = task.segment
                 managed = self.plans[i].stream_device is not None
-                decision = capture_decision(seg, managed)
+                decision = capture_decision(seg, managed, plan.opdefs)
                 self.decisions.append(decision)
                 if decision.eligible:
                     graph = SegmentGraph(seg, task.steps, capacity=graph_cache_size,

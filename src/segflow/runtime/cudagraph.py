@@ -8,7 +8,7 @@ constant inputs (:func:`capture_decision`):
 - only bulk ``SYNC`` segments on a device with streams are captured (LOCAL,
   COPY and ASYNC tasks run on the host or across devices);
 - an op that reads an input's *values* on the host (the shape of Reshape,
-  Expand, Slice starts/ends, Range bounds, ...; table :data:`HOST_READ_INPUTS`)
+  Expand, Slice starts/ends, Range bounds, ...: its row's ``OpDef.host_reads``)
   is capturable only when that input is a constant or a value fixed by the
   input shapes (a ``Shape``/``Size`` output, or a pure function of such values
   and constants): those values are baked into the graph, and the graph cache
@@ -38,6 +38,7 @@ from segflow.engine.base import ExecType
 from segflow.engine.streams import GraphHandle, StreamBackend, StreamHandle
 from segflow.errors import ExecutionError
 from segflow.ir.graph import Node
+from segflow.ops.registry import OpDef
 from segflow.passes.segment import Segment
 from segflow.runtime.binding import Step, node_reads, run_steps
 
@@ -50,71 +51,13 @@ DEFAULT_WARMUP = 1
 
 
 # -- which inputs an op reads on the host -----------------------------------------------
-
-HostRead = Callable[[Node], tuple[int, ...]]
-
-
-def _always(*indices: int) -> HostRead:
-    return lambda node: indices
-
-
-def _since(opset: int, *indices: int) -> HostRead:
-    return lambda node: indices if node.opset >= opset else ()
-
-
-def _scalar_index(node: Node) -> tuple[int, ...]:
-    # Gather with a 0-d index selects with int(index): a host read of the index.
-    index = node.inputs[1] if len(node.inputs) > 1 else None
-    if index is None:
-        return ()
-    if index.is_const:
-        assert index.const is not None
-        return (1,) if index.const.dim() == 0 else ()
-    shape = index.spec.shape if index.spec is not None else None
-    return (1,) if shape is not None and len(shape) == 0 else ()
-
-
-_REDUCE = ("ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1",
-           "ReduceL2", "ReduceSumSquare", "ReduceLogSum", "ReduceLogSumExp")
-
-HOST_READ_INPUTS: Mapping[str, HostRead] = {
-    "Reshape": _since(5, 1),
-    "Expand": _always(1),
-    "Slice": _since(10, 1, 2, 3, 4),
-    "Tile": _always(1),
-    "Unsqueeze": _since(13, 1),
-    "Squeeze": _since(13, 1),
-    "Split": _since(13, 1),
-    "TopK": _since(10, 1),
-    "Pad": _since(11, 1, 2, 3),
-    "Resize": _always(1, 2, 3),
-    "Upsample": _since(9, 1),
-    "OneHot": _always(1),
-    "Trilu": _always(1),
-    "ConstantOfShape": _always(0),
-    "Range": _always(0, 1, 2),
-    "Gather": _scalar_index,
-    "AffineGrid": _always(1),
-    "CenterCropPad": _always(1),
-    "Col2Im": _always(1, 2),
-    "MaxUnpool": _always(2),
-    **{name: _always(1) for name in _REDUCE},
-}
-"""op type (default domain) -> the input indices whose values its kernel reads on the host."""
+# Each op's row says (``OpDef.host_reads``, ``OpDef.host_read_inputs``).
 
 RANDOM_OPS = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike",
                         "RandomUniformLike", "Multinomial", "Bernoulli"})
 """Ops whose output is not a function of their inputs: never captured."""
 
 SHAPE_OPS = frozenset({"Shape", "Size"})
-
-
-def host_read_inputs(node: Node) -> tuple[int, ...]:
-    """Indices of the inputs whose values ``node``'s kernel reads on the host."""
-    if node.domain not in ("", "ai.onnx"):
-        return ()
-    rule = HOST_READ_INPUTS.get(node.op_type)
-    return rule(node) if rule is not None else ()
 
 
 HOST_ARITHMETIC = frozenset({
@@ -153,26 +96,26 @@ def _runs_on_host(node: Node, host: set[int]) -> bool:
     return any(v is not None and id(v) in host for v in node.outputs)
 
 
-def host_data_inputs(node: Node, host: set[int]) -> tuple[int, ...]:
+def host_data_inputs(node: Node, opdef: OpDef, host: set[int]) -> tuple[int, ...]:
     """Inputs of ``node`` that hold host values (:func:`host_values`) but that its
     kernel reads as device data: on a device, the executor uploads them first
-    (``Div(sum, Cast(Shape(x)))`` on CUDA)."""
+    (``Div(sum, Cast(Shape(x)))`` on CUDA). ``opdef``: the node's row."""
     if _runs_on_host(node, host) or node.subgraphs or node.op_type in SHAPE_OPS:
         return ()
-    on_host = set(host_read_inputs(node))
+    on_host = set(opdef.host_read_inputs(node))
     return tuple(i for i, v in enumerate(node.inputs)
                  if v is not None and id(v) in host and i not in on_host)
 
 
-def host_only_constants(nodes: Iterable[Node], computed_on_host: set[int] | None = None
-                        ) -> set[int]:
+def host_only_constants(nodes: Iterable[Node], opdefs: Mapping[Node, OpDef],
+                        computed_on_host: set[int] | None = None) -> set[int]:
     """ids of constants that every reader only reads on the host.
 
     The executor keeps these on the CPU even on a CUDA device: reading a shape
     from device memory is a hidden host synchronization per run (and illegal
     inside a capture), and shape arithmetic on the host (:func:`host_values`)
-    must find its constants there. ``computed_on_host``: :func:`host_values` of
-    ``nodes`` if the caller has it.
+    must find its constants there. ``opdefs``: each node's row (a plan's);
+    ``computed_on_host``: :func:`host_values` of ``nodes`` if the caller has it.
     """
     nodes = list(nodes)
     if computed_on_host is None:
@@ -184,7 +127,7 @@ def host_only_constants(nodes: Iterable[Node], computed_on_host: set[int] | None
         if _runs_on_host(node, computed_on_host):
             on_host = set(range(len(reads)))
         else:
-            on_host = set(host_read_inputs(node))
+            on_host = set(opdefs[node].host_read_inputs(node))
         for index, value in enumerate(reads):
             if value is None or not value.is_const:
                 continue
@@ -204,8 +147,10 @@ class CaptureDecision:
     reason: str
 
 
-def capture_decision(segment: Segment, managed: bool) -> CaptureDecision:
-    """Decide from the nodes and their constant inputs whether ``segment`` is capturable."""
+def capture_decision(segment: Segment, managed: bool, opdefs: Mapping[Node, OpDef]
+                     ) -> CaptureDecision:
+    """Decide from the nodes, their rows (``opdefs``, a plan's) and their constant inputs
+    whether ``segment`` is capturable."""
     index = segment.index
     if segment.exec_type is not ExecType.SYNC:
         node = segment.first
@@ -219,7 +164,7 @@ def capture_decision(segment: Segment, managed: bool) -> CaptureDecision:
             return CaptureDecision(index, False, f"random op {node.op_type} [{node.name}]")
         if node.subgraphs:
             return CaptureDecision(index, False, f"control flow {node.op_type} [{node.name}]")
-        for i in host_read_inputs(node):
+        for i in opdefs[node].host_read_inputs(node):
             value = node.inputs[i] if i < len(node.inputs) else None
             if value is None or value.is_const or id(value) in static:
                 continue

@@ -106,7 +106,7 @@ class Executor:
         const_slots: list[tuple[int, Tensor]] = []
         # Shapes, axes and other constants read only on the host stay in host memory.
         host_vals = host_values(graph.nodes)  # shapes and shape arithmetic: host memory
-        host_consts = host_only_constants(graph.nodes, host_vals)
+        host_consts = host_only_constants(graph.nodes, plan.opdefs, host_vals)
         for seg in plan.segments:
             ctx = context(seg.device)
             steps = []
@@ -122,7 +122,8 @@ class Executor:
                     elif value in producer_task and producer_task[value] != len(self.tasks):
                         deps.add(producer_task[value])
                 kernel = bind_kernel(plan.opdefs[node], node, ctx)
-                uploads = host_data_inputs(node, host_vals) if ctx.device.type != "cpu" else ()
+                uploads = (host_data_inputs(node, plan.opdefs[node], host_vals)
+                           if ctx.device.type != "cpu" else ())
                 if uploads:
                     kernel = UploadInputs(kernel, uploads, ctx.device)
                 steps.append(Step(node, kernel, tuple(self.slots[v] for v in reads),

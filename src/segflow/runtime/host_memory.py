@@ -42,7 +42,7 @@ import platform
 from collections.abc import Callable, Mapping
 
 from segflow.ir.types import Device, DeviceKind
-from segflow.settings import ENV_HOST_MEMORY, parse_choice
+from segflow.settings import ENV_HOST_MEMORY, host_memory, parse_choice
 
 # glibc's mallopt parameters (malloc.h).
 _M_TRIM_THRESHOLD = -1
@@ -66,9 +66,7 @@ class HostMemory(enum.Enum):
         """The API value first, then ``SEGFLOW_HOST_MEMORY``, then ``retain``."""
         if value is not None:
             return parse_choice(cls, value, "host_memory")
-        env = os.environ if env is None else env
-        return parse_choice(cls, env.get(ENV_HOST_MEMORY, "").strip() or "retain",
-                            ENV_HOST_MEMORY)
+        return parse_choice(cls, host_memory(env), ENV_HOST_MEMORY)
 
 
 def _glibc_mallopt() -> Callable[[int, int], int] | None:

@@ -41,11 +41,6 @@ class Plan:
     def copy_tasks(self) -> int:
         return sum(1 for s in self.segments if s.exec_type is ExecType.COPY)
 
-    def explain(self) -> str:
-        """The segment table with boundary reasons, then totals."""
-        from segflow.runtime.explain import format_plan
-        return format_plan(self)
-
 
 def resolve_opdefs(graph: Graph, registry: OpRegistry) -> dict[Node, OpDef]:
     return {node: registry.lookup(node.domain, node.op_type, node.opset, node.name)

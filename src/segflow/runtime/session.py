@@ -37,8 +37,9 @@ from segflow.kernels.onednn.describe import describe_direct
 from segflow.kernels.onednn.replay import describe_replays
 from segflow.kernels.replay import describe_native_replays
 from segflow.kernels.staging import ChannelsLastStaging, describe_stagings
+from segflow.ops import default_registry
 from segflow.ops.dense_chain import describe_chains
-from segflow.ops.registry import OpRegistry, default_registry
+from segflow.ops.registry import OpRegistry
 from segflow.passes.layout import calls_libdnnl, converts_input
 from segflow.passes.pipeline import (
     CompileMode,
@@ -52,6 +53,7 @@ from segflow.runtime.arena import ArenaPool
 from segflow.runtime.compile import SegmentCompiler
 from segflow.runtime.completion import SyncMode
 from segflow.runtime.executor import Executor
+from segflow.runtime.explain import format_plan
 from segflow.runtime.feeds import FeedValidator
 from segflow.runtime.host_memory import HostMemory, apply_host_memory, release_free_heap
 from segflow.runtime.nonfinite import (
@@ -253,7 +255,7 @@ class InferenceSession:
         if self.released_at_load >= 1 << 20:
             lines.append(f"load: returned {self.released_at_load / 2**20:.0f} MiB freed while "
                          "loading (weights replaced by packed copies) to the OS")
-        return "\n".join([self.plan.explain(), *lines]) if lines else self.plan.explain()
+        return "\n".join([format_plan(self.plan), *lines]) if lines else format_plan(self.plan)
 
     def kernel_report(self) -> list[str]:
         """What the CPU kernels did so far: those calling libdnnl, the input layouts they

@@ -33,7 +33,8 @@ from segflow.errors import InvalidInput, InvalidModel
 from segflow.frontend.onnx_import import import_model, load_model
 from segflow.ir.graph import Graph, Node, Value
 from segflow.ir.types import Device, DeviceKind
-from segflow.ops.registry import OpRegistry, default_registry
+from segflow.ops import default_registry
+from segflow.ops.registry import OpDef, OpRegistry, ViewOfInput
 from segflow.optim import Optimizer, ParamState
 from segflow.passes.attach_loss import CrossEntropyLoss, attach_loss
 from segflow.passes.autodiff import Differentiated, differentiate
@@ -42,6 +43,7 @@ from segflow.passes.pipeline import OptimizeOptions, run_pipeline
 from segflow.passes.segment import Phase
 from segflow.passes.training_mode import training_mode
 from segflow.runtime.executor import Executor
+from segflow.runtime.explain import format_plan
 from segflow.runtime.feeds import FeedValidator
 from segflow.runtime.host_memory import HostMemory, apply_host_memory
 from segflow.runtime.plan import make_plan
@@ -52,10 +54,6 @@ from segflow.settings import BulkSettings, engine_for_plan, resolve_engine
 Tensor = torch.Tensor
 ModelSource = str | os.PathLike[str] | bytes | onnx.ModelProto | Graph
 
-# Ops whose output may be a view of (or the same tensor as) their first input.
-_VIEW_OPS = frozenset({"Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose",
-                       "Expand", "Slice", "Split", "Gather", "Cast", "CastLike", "Dropout",
-                       "ReshapeTo", "SumToShape"})
 
 
 class GradReq(enum.Enum):
@@ -157,7 +155,7 @@ class TrainingSession:
         record: dict[str, object] = {"device": str(self.device), **self.settings.as_dict(),
                                      "host_memory": memory_policy.value}
         aliases = _state_aliases(graph, {graph_input(graph, n): self._vars[n]
-                                         for n in state_names})
+                                         for n in state_names}, self.plan.opdefs)
         self._executor = TrainingExecutor(self.plan, self.registry, self._engine, record,
                                           aliases)
         self.graph = graph
@@ -187,7 +185,7 @@ class TrainingSession:
     # -- description -------------------------------------------------------------------
     def explain(self) -> str:
         """Forward and backward segments with boundary reasons, then the update tasks."""
-        lines = [self.plan.explain()]
+        lines = [format_plan(self.plan)]
         counts = self._executor.phase_counts
         lines.append(f"training: {counts[Phase.FORWARD]} forward segments, "
                      f"{counts[Phase.BACKWARD]} backward segments, "
@@ -452,11 +450,14 @@ def graph_input(graph: Graph, name: str) -> Value:
     raise KeyError(name)
 
 
-def _state_aliases(graph: Graph, state: Mapping[Value, Var]) -> dict[Value, frozenset[Var]]:
-    """For every value that may be (a view of) a state tensor, the Vars it aliases."""
+def _state_aliases(graph: Graph, state: Mapping[Value, Var], opdefs: Mapping[Node, OpDef]
+                   ) -> dict[Value, frozenset[Var]]:
+    """For every value that may be (a view of) a state tensor, the Vars it aliases: through
+    the ops whose rows say their output may share their first input's storage."""
     aliases: dict[Value, frozenset[Var]] = {v: frozenset([var]) for v, var in state.items()}
     for node in graph.nodes:
-        if node.op_type in _VIEW_OPS and node.inputs and node.inputs[0] in aliases:
+        if opdefs[node].view_of_input is not ViewOfInput.NONE and node.inputs \
+                and node.inputs[0] in aliases:
             source = aliases[node.inputs[0]]  # type: ignore[index]
             for value in node.outputs:
                 aliases[value] = source

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from segflow.runtime.compile import CompileReport, Program, SegmentFn
+    from segflow.runtime.program import CompileReport, Program, SegmentFn
 
 Tensor = torch.Tensor
 Signature = tuple[tuple[tuple[int, ...], tuple[int, ...], torch.dtype], ...]

@@ -29,7 +29,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
-import os
 import platform
 import shutil
 import subprocess
@@ -39,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from segflow.cache_store import ArtifactStore, Cleared
-from segflow.settings import ENV_NATIVE, _env_bool
+from segflow.settings import ENV_NATIVE, c_compiler, environment, native_kernels
 
 # Compiled together into one library; dense_chain.c defines segflow_native_abi().
 SOURCES = tuple(Path(__file__).parent / name
@@ -69,7 +68,7 @@ class NativeLibrary:
     def for_session() -> tuple[NativeLibrary | None, str]:
         """:meth:`probe`, unless ``SEGFLOW_NATIVE=0`` now: read when a session binds its
         kernels, so that one process can hold sessions with and without them."""
-        if not _env_bool(os.environ, ENV_NATIVE, True):
+        if not native_kernels():
             return None, f"are off ({ENV_NATIVE}=0)"
         return NativeLibrary.probe()
 
@@ -85,10 +84,10 @@ class NativeLibrary:
     @staticmethod
     def find(env: Mapping[str, str] | None = None) -> tuple[NativeLibrary | None, str]:
         """:meth:`probe` without the per-process cache (``env``: the variables to obey)."""
-        env = os.environ if env is None else env
-        if not _env_bool(env, ENV_NATIVE, True):
+        env = environment(env)
+        if not native_kernels(env):
             return None, f"are off ({ENV_NATIVE}=0)"
-        compiler = env.get("CC", "").strip() or "cc"
+        compiler = c_compiler(env)
         exe = shutil.which(compiler)
         if exe is None:
             return None, f"need a C compiler and found none ({compiler!r} is not on PATH; set CC)"
@@ -145,7 +144,7 @@ class NativeLibrary:
 def describe_cache() -> list[str]:
     """``explain()``'s line for this process's library when the cache's checks refused
     something on the way to it (nothing when it was never looked for)."""
-    if not _env_bool(os.environ, ENV_NATIVE, True):
+    if not native_kernels():
         return []
     calls = getattr(NativeLibrary.probe, "cache_info", None)   # absent where a test stands in
     if calls is not None and not calls().currsize:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
-import os
 import site
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -43,7 +42,7 @@ from segflow.kernels.onednn.geometry import (
     channels_last_format,
     channels_last_strides,
 )
-from segflow.settings import ENV_DNNL_LIBRARY
+from segflow.settings import dnnl_library
 
 Tensor = torch.Tensor
 # Where a direct kernel writes its output in a run: the storage planned for it, or None.
@@ -117,7 +116,7 @@ def _library_candidates() -> Iterator[str]:
     puts it), the user base, then the system's library path. Lazily: the last asks
     ``ctypes.util.find_library``, which runs ``ldconfig`` and a compiler (tens of
     milliseconds of a cold start), only when the wheel's file is not there."""
-    named = os.environ.get(ENV_DNNL_LIBRARY, "").strip()
+    named = dnnl_library()
     if named:
         yield named
         return

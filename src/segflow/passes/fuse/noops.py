@@ -8,14 +8,15 @@ when they cancel).
 
 from __future__ import annotations
 
+from segflow.errors import UnsupportedOp
 from segflow.ir.graph import Graph, Node, Value
+from segflow.ops import default_registry
+from segflow.ops.registry import OpRegistry, ViewOfInput
 from segflow.passes._rewrite import bypass, can_bypass, replace_nodes
 from segflow.passes.fuse._match import is_op, live_nodes, only_consumer
 
-_VIEW_OPS = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze"})
 
-
-def _noop_source(node: Node) -> Value | None:
+def _noop_source(node: Node, registry: OpRegistry) -> Value | None:
     """The input ``node`` merely passes through, when it is a no-op."""
     if node.domain != "" or not node.inputs or node.inputs[0] is None:
         return None
@@ -31,7 +32,7 @@ def _noop_source(node: Node) -> Value | None:
     if op == "Cast":
         to = node.attrs.get("to")
         return x if x.spec.dtype is not None and to == x.spec.dtype.value else None
-    if op in _VIEW_OPS:
+    if _reshapes(node, registry):
         out = node.outputs[0]
         return x if x.spec.is_static and out.spec.shape == x.spec.shape else None
     if op == "Transpose":
@@ -65,10 +66,22 @@ def _merge_transposes(graph: Graph, node: Node) -> bool:
     return True
 
 
+def _reshapes(node: Node, registry: OpRegistry) -> bool:
+    """Whether the row says output 0 is input 0's elements under a new shape (Reshape,
+    Flatten, Squeeze, Unsqueeze): with the same static shape, the node does nothing."""
+    try:
+        opdef = registry.lookup(node.domain, node.op_type, node.opset, node.name)
+    except UnsupportedOp:
+        return False
+    return opdef.view_of_input is ViewOfInput.RESHAPE
+
+
 def fuse_noops(graph: Graph) -> int:
+    # The rules see only the graph; the rows of the ops segflow ships say which ops reshape.
+    registry = default_registry()
     count = 0
     for node in live_nodes(graph):
-        source = _noop_source(node)
+        source = _noop_source(node, registry)
         if source is not None and can_bypass(graph, node, source):
             bypass(graph, node, source)
             count += 1
