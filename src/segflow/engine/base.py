@@ -12,6 +12,7 @@ import enum
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from segflow.engine.counters import RunCounters
 from segflow.ir.types import Device
 
 
@@ -49,14 +50,20 @@ class Engine(Protocol):
 
     def push(self, fn: Task | AsyncTask, reads: Sequence[Var], writes: Sequence[Var],
              exec_type: ExecType = ExecType.SYNC, device: Device | None = None,
-             name: str = "") -> None:
-        """Schedule ``fn`` after every earlier task that conflicts on a Var."""
+             name: str = "", counts: RunCounters | None = None) -> None:
+        """Schedule ``fn`` after every earlier task that conflicts on a Var.
+
+        ``counts`` (the pushing run's): one push, and one host wait for a LOCAL
+        task that reads a Var an earlier task writes (it runs on the pushing
+        thread once that task is done).
+        """
         ...
 
-    def wait(self, var: Var) -> None:
-        """Block until every task pushed so far that writes ``var`` has finished.
+    def wait(self, *vars: Var, counts: RunCounters | None = None) -> None:
+        """Block until every task pushed so far that writes one of ``vars`` has finished.
 
-        Re-raises the first error of a task this var depends on.
+        One host wait, counted in ``counts``. Re-raises the first error of a task
+        these vars depend on.
         """
         ...
 

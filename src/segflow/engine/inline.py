@@ -2,7 +2,9 @@
 
 Deterministic and easy to debug: a failing kernel raises straight out of
 ``push`` with the node named. Dependencies are trivially satisfied because
-every earlier task has already finished.
+every earlier task has already finished. Its waits still count: a wait for
+outputs, or a LOCAL task's wait for a Var an earlier task wrote, is the same
+host wait under every engine; here it returns at once.
 """
 
 from __future__ import annotations
@@ -10,7 +12,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from segflow.engine.base import AsyncTask, ExecType, Task, Var
+from segflow.engine.counters import RunCounters
 from segflow.ir.types import Device
+
+_WRITTEN = "written"  # a Var's state here: some pushed task wrote it
 
 
 class InlineEngine:
@@ -18,7 +23,13 @@ class InlineEngine:
 
     def push(self, fn: Task | AsyncTask, reads: Sequence[Var], writes: Sequence[Var],
              exec_type: ExecType = ExecType.SYNC, device: Device | None = None,
-             name: str = "") -> None:
+             name: str = "", counts: RunCounters | None = None) -> None:
+        if counts is not None:
+            counts.count_push()
+            if exec_type is ExecType.LOCAL and any(v._state is _WRITTEN for v in reads):
+                counts.count_wait()
+        for var in writes:
+            var._state = _WRITTEN
         if exec_type is ExecType.ASYNC:
             errors: list[BaseException] = []
             done: list[bool] = []
@@ -36,8 +47,9 @@ class InlineEngine:
             return
         fn()  # type: ignore[call-arg]
 
-    def wait(self, var: Var) -> None:
-        return None
+    def wait(self, *vars: Var, counts: RunCounters | None = None) -> None:
+        if counts is not None and vars:
+            counts.count_wait()
 
     def wait_all(self) -> None:
         return None

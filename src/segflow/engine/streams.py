@@ -8,6 +8,11 @@ and replay a CUDA graph). :class:`TorchCudaBackend` implements it with
 every call, so the stream/event accounting of both sync modes is tested
 exactly on machines without a GPU.
 
+A backend counts the host waits on the device made through it, by anyone
+(:class:`SyncCount`): in all (``syncs``), and for the run a thread is working
+for (:meth:`SyncCount.count_into`), so a kernel that synchronizes behind the
+plan's back shows in its run's ``RunStats.syncs``.
+
 Streams are created once per device and role and reused (:class:`StreamPool`,
 owned by one executor): creating streams per run is a known, measurable cost.
 """
@@ -24,6 +29,7 @@ from typing import Any, Protocol
 
 import torch
 
+from segflow.engine.counters import RunCounters
 from segflow.ir.types import Device, DeviceKind
 
 Tensor = torch.Tensor
@@ -68,11 +74,21 @@ class StreamBackend(Protocol):
         ...
 
     def synchronize_stream(self, stream: StreamHandle) -> None:
-        """Host wait for all work on ``stream``."""
+        """Host wait for all work on ``stream`` (counted)."""
         ...
 
     def synchronize_event(self, event: EventHandle) -> None:
-        """Host wait for ``event``."""
+        """Host wait for ``event`` (counted)."""
+        ...
+
+    @property
+    def syncs(self) -> int:
+        """Host waits on the device made through this backend so far, by anyone."""
+        ...
+
+    def count_into(self, counts: RunCounters | None) -> RunCounters | None:
+        """Count the calling thread's host waits through this backend into ``counts``
+        from now on (None: no run's); returns the counts they went to before."""
         ...
 
     def use_stream(self, stream: StreamHandle) -> contextlib.AbstractContextManager[None]:
@@ -100,7 +116,8 @@ class StreamBackend(Protocol):
         ...
 
     def capture(self, body: Callable[[], None], stream: StreamHandle) -> GraphHandle:
-        """Capture the device work of ``body`` on ``stream`` into a replayable graph."""
+        """Capture the device work of ``body`` on ``stream`` into a replayable graph
+        (a capture begins with a device synchronize: counted)."""
         ...
 
     def replay(self, graph: GraphHandle) -> None:
@@ -147,10 +164,50 @@ class _CurrentStream:
         _SET_STREAM(stream_id=stream_id, device_index=index, device_type=kind)
 
 
+class SyncCount:
+    """The host waits on a device made through one backend: all of them, and each
+    thread's into the run it works for. Thread-safe: the threaded engine's workers
+    synchronize at once."""
+
+    __slots__ = ("_lock", "_total", "_local")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._total = 0
+        self._local = threading.local()
+
+    @property
+    def total(self) -> int:
+        return self._total
+
+    def count_into(self, counts: RunCounters | None) -> RunCounters | None:
+        previous: RunCounters | None = getattr(self._local, "counts", None)
+        self._local.counts = counts
+        return previous
+
+    def __call__(self) -> None:
+        """One host wait, made now on the calling thread."""
+        with self._lock:
+            self._total += 1
+        counts: RunCounters | None = getattr(self._local, "counts", None)
+        if counts is not None:
+            counts.count_device_sync()
+
+
 class TorchCudaBackend:
     """The real backend: ``torch.cuda`` streams, events and graphs."""
 
     name = "cuda"
+
+    def __init__(self) -> None:
+        self._synced = SyncCount()
+
+    @property
+    def syncs(self) -> int:
+        return self._synced.total
+
+    def count_into(self, counts: RunCounters | None) -> RunCounters | None:
+        return self._synced.count_into(counts)
 
     def manages(self, device: Device) -> bool:
         return device.kind is DeviceKind.CUDA
@@ -171,9 +228,11 @@ class TorchCudaBackend:
         stream.wait_event(event)
 
     def synchronize_stream(self, stream: StreamHandle) -> None:
+        self._synced()
         stream.synchronize()
 
     def synchronize_event(self, event: EventHandle) -> None:
+        self._synced()
         event.synchronize()
 
     def use_stream(self, stream: StreamHandle) -> contextlib.AbstractContextManager[None]:
@@ -210,6 +269,7 @@ class TorchCudaBackend:
 
     def capture(self, body: Callable[[], None], stream: StreamHandle) -> GraphHandle:
         graph = torch.cuda.CUDAGraph()
+        self._synced()  # torch.cuda.graph synchronizes the device before capturing
         # thread_local: unsafe calls made by *other* threads (a LOCAL op's .item() on
         # the caller thread) must not invalidate this capture.
         with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
@@ -273,6 +333,7 @@ class FakeBackend:
         self.calls: list[FakeCall] = []
         self._ids = itertools.count(1)
         self._local = threading.local()
+        self._synced = SyncCount()
 
     # -- queries used by tests -----------------------------------------------------------
     def count(self, op: str) -> int:
@@ -285,6 +346,13 @@ class FakeBackend:
 
     def ops(self) -> list[str]:
         return [call.op for call in self.calls]
+
+    @property
+    def syncs(self) -> int:
+        return self._synced.total
+
+    def count_into(self, counts: RunCounters | None) -> RunCounters | None:
+        return self._synced.count_into(counts)
 
     def clear(self) -> None:
         self.calls.clear()
@@ -320,9 +388,11 @@ class FakeBackend:
         self._log("wait_event", stream.id, event.id)
 
     def synchronize_stream(self, stream: StreamHandle) -> None:
+        self._synced()
         self._log("synchronize_stream", stream.id)
 
     def synchronize_event(self, event: EventHandle) -> None:
+        self._synced()
         self._log("synchronize_event", event.id)
 
     @contextlib.contextmanager
@@ -358,6 +428,7 @@ class FakeBackend:
 
     def capture(self, body: Callable[[], None], stream: StreamHandle) -> GraphHandle:
         graph = FakeGraph(next(self._ids), body)
+        self._synced()
         self._log("capture", stream.id, graph.id)
         if self.fail_capture:
             raise RuntimeError("operation not permitted when stream is capturing (fake)")

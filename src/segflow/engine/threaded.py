@@ -18,6 +18,7 @@ import weakref
 from collections.abc import Callable, Sequence
 
 from segflow.engine.base import AsyncTask, ExecType, Task, Var
+from segflow.engine.counters import RunCounters
 from segflow.ir.types import Device
 
 
@@ -66,7 +67,7 @@ class ThreadedEngine:
     # -- pushing -----------------------------------------------------------------------
     def push(self, fn: Task | AsyncTask, reads: Sequence[Var], writes: Sequence[Var],
              exec_type: ExecType = ExecType.SYNC, device: Device | None = None,
-             name: str = "") -> None:
+             name: str = "", counts: RunCounters | None = None) -> None:
         if exec_type is ExecType.COPY:
             worker = self.COPY_WORKER
         else:
@@ -74,6 +75,7 @@ class ThreadedEngine:
         task = _Task(fn, exec_type, worker, name)
         if exec_type is ExecType.LOCAL:
             task.event = threading.Event()
+        written = False  # a read Var has a writer: a LOCAL task waits for it (counted)
         with self._lock:
             if self._closed:
                 raise RuntimeError("engine is closed")
@@ -81,8 +83,10 @@ class ThreadedEngine:
             for var in reads:
                 state = self._state(var)
                 writer = state.last_writer
-                if writer is not None and not writer.done:
-                    self._depend(task, writer)
+                if writer is not None:
+                    written = True
+                    if not writer.done:
+                        self._depend(task, writer)
                 state.readers.append(task)
             for var in writes:
                 state = self._state(var)
@@ -95,6 +99,12 @@ class ThreadedEngine:
                 state.readers = []
                 state.last_writer = task
             ready = task.pending == 0
+        if counts is not None:
+            counts.count_push()
+            # Counted whether or not the writer has finished yet: the count must not
+            # depend on timing.
+            if written and exec_type is ExecType.LOCAL:
+                counts.count_wait()
         if exec_type is ExecType.LOCAL:
             if not ready:
                 assert task.event is not None
@@ -194,7 +204,13 @@ class ThreadedEngine:
             self._dispatch(dep)
 
     # -- waiting -----------------------------------------------------------------------
-    def wait(self, var: Var) -> None:
+    def wait(self, *vars: Var, counts: RunCounters | None = None) -> None:
+        if counts is not None and vars:
+            counts.count_wait()
+        for var in vars:
+            self._wait_one(var)
+
+    def _wait_one(self, var: Var) -> None:
         with self._lock:
             state = var._state
             writer = state.last_writer if isinstance(state, _VarState) else None

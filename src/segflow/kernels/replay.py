@@ -48,6 +48,7 @@ from segflow.errors import ExecutionError, node_failed
 from segflow.ir.memory import Buffer, align, place
 
 if TYPE_CHECKING:
+    from segflow.engine.counters import RunCounters
     from segflow.kernels.native.build import NativeLibrary
 
 Tensor = torch.Tensor
@@ -162,20 +163,33 @@ class NativeReplay:
         rec = self._recording
         return rec.block.numel() if rec is not None and rec.block is not None else 0
 
-    def __call__(self, *inputs: Tensor | None) -> tuple[Tensor | None, ...]:
+    def __call__(self, *inputs: Tensor | None, counts: RunCounters | None = None
+                 ) -> tuple[Tensor | None, ...]:
+        """The run's outputs; its kernels (every step, Splits included) and its calls
+        into native code (one for a replay, else one per kernel) counted in ``counts``."""
+        if counts is not None:
+            counts.count_kernels(len(self.steps))
         if not self._busy.acquire(blocking=False):
+            if counts is not None:
+                counts.count_native_calls(self.kernels)
             return self._usual(inputs)       # another thread's run holds the block
         try:
             rec = self._recording
             if rec is not None:
                 if self._holds(rec, inputs):
                     self._misses = 0
+                    if counts is not None:
+                        counts.count_native_calls()
                     return self._replay(rec, inputs)
                 self._misses += 1
                 if self._misses < RECORD_AFTER_MISSES:
+                    if counts is not None:
+                        counts.count_native_calls(self.kernels)
                     return self._usual(inputs)
                 self._recording = None
                 self._seen = None
+            if counts is not None:  # the usual way, or recording: kernel by kernel
+                counts.count_native_calls(self.kernels)
             seen = self._seen
             if self.why_not or seen is None or seen[0] != self._signatures(inputs):
                 return self._usual(inputs, note=not self.why_not)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from segflow.engine.counters import RunCounters
 from segflow.errors import ExecutionError, SegflowError, bind_failed, node_failed
 from segflow.ir.graph import Graph, Node, Value, captured_inputs, node_reads
 from segflow.kernels.onednn.library import Destination
@@ -69,19 +70,27 @@ def bind_kernel(opdef: OpDef, node: Node, ctx: KernelContext) -> Kernel:
         raise bind_failed(node.label, exc) from exc
 
 
-def run_steps(steps: Sequence[Step], env: list[Tensor | None]) -> None:
-    """Run ``steps`` in order over ``env``; kernel errors name the node."""
-    for step in steps:
-        try:
-            outs = step.kernel([env[i] for i in step.inputs])
-        except ExecutionError:
-            raise
-        except Exception as exc:
-            raise node_failed(step.node.label, exc) from exc
-        for slot, tensor in zip(step.outputs, outs):
-            env[slot] = tensor
-        for slot in step.release:
-            env[slot] = None
+def run_steps(steps: Sequence[Step], env: list[Tensor | None],
+              counts: RunCounters | None = None) -> None:
+    """Run ``steps`` in order over ``env``; kernel errors name the node. Each kernel
+    called is counted in ``counts`` (those that ran, when one fails)."""
+    ran = 0
+    try:
+        for step in steps:
+            try:
+                outs = step.kernel([env[i] for i in step.inputs])
+            except ExecutionError:
+                raise
+            except Exception as exc:
+                raise node_failed(step.node.label, exc) from exc
+            ran += 1
+            for slot, tensor in zip(step.outputs, outs):
+                env[slot] = tensor
+            for slot in step.release:
+                env[slot] = None
+    finally:
+        if counts is not None:
+            counts.count_kernels(ran)
 
 
 class SlotMap:

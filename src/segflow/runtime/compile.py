@@ -32,7 +32,9 @@ inductor package is already in the disk cache, because the model ran once with
 available without compiling.
 
 The counters do not change: a compiled segment is still one task and its
-nodes are still one kernel each.
+nodes are still one kernel each. A generated segment counts its kernel calls
+itself when it runs (its replays count theirs); a segment another backend
+compiled counts its nodes, as the executor runs it.
 """
 
 from __future__ import annotations
@@ -330,6 +332,7 @@ def generate(steps: Sequence[Step], template: Sequence[Tensor | None], live_out:
     native_runs = {} if library is None else _native_runs(steps, template, produced, live_out)
     replays: list[DirectReplay] = []
     native_replays: list[NativeReplay] = []
+    kernels = 0  # the kernel calls of the body outside replays (counted when it runs)
     skip_to = 0
     for index, step in enumerate(steps):
         if index < skip_to:
@@ -351,8 +354,9 @@ def generate(steps: Sequence[Step], template: Sequence[Tensor | None], live_out:
                 replay_fn, reads, returns = _replay_call(run, inplace_input, read_after)
                 replays.append(replay_fn)
             targets = "".join(f"v{slot}, " for slot in returns)
+            # The replay counts the kernels it runs and its calls into native code.
             body.append(f"({targets}) = {em.bind(replay_fn, 'r')}"
-                        f"({', '.join(ref(s) for s in reads)})")
+                        f"({''.join(ref(s) + ', ' for s in reads)}counts=counts)")
             for slot in returns:
                 local.add(slot)
                 if slot in live_out:
@@ -365,6 +369,7 @@ def generate(steps: Sequence[Step], template: Sequence[Tensor | None], live_out:
         consts = _constants(step, template, produced)
         slot_inplace = inplace_input(step)
         body.append(f"_i = {index}")
+        kernels += 1  # one kernel call below: a torch op, a view, or the bound kernel
         # A kernel that uploads host inputs first is called as it is.
         inline = (_inline(node, None if traceable else slot_inplace, device, consts, traceable,
                           step.kernel)
@@ -405,7 +410,7 @@ def generate(steps: Sequence[Step], template: Sequence[Tensor | None], live_out:
     # into Python stay closure constants, so a tracer does not see them as traced values.
     lifted = [name for name, obj in em.bound.items()
               if pure and isinstance(obj, Tensor) and obj.is_floating_point()]
-    source = _assemble(em, body, loaded, cleared, outputs, pure, lifted)
+    source = _assemble(em, body, loaded, cleared, outputs, pure, lifted, kernels)
     namespace: dict[str, Any] = {}
     exec(compile(source, f"<segflow segment {steps[0].node.name}>", "exec"), namespace)
     labels = [step.node.label for step in steps]
@@ -583,8 +588,11 @@ def _native_replay_call(run: Sequence[Step], template: Sequence[Tensor | None],
 
 
 def _assemble(em: _Emitter, body: list[str], loaded: list[int], cleared: list[int],
-              outputs: tuple[int, ...], pure: bool, lifted: Sequence[str] = ()) -> str:
-    """The factory source. Pure form: ``segment(*lifted, *inputs) -> outputs``, no env."""
+              outputs: tuple[int, ...], pure: bool, lifted: Sequence[str] = (),
+              kernels: int = 0) -> str:
+    """The factory source. Pure form: ``segment(*lifted, *inputs) -> outputs``, no env.
+    Env form: ``segment(env, counts=None)``, which adds its ``kernels`` calls to
+    ``counts`` (a RunCounters) when its body has run."""
     params = ", ".join(["_fail", *(k for k in em.bound if k not in lifted)])
     lines = [f"def _factory({params}):"]
     if pure:
@@ -596,7 +604,7 @@ def _assemble(em: _Emitter, body: list[str], loaded: list[int], cleared: list[in
         lines.append(f"        return ({values}{',' if len(outputs) == 1 else ''})")
         lines.append("    return segment")
         return "\n".join(lines) + "\n"
-    lines.append("    def segment(env):")
+    lines.append("    def segment(env, counts=None):")
     for slot in loaded:
         lines.append(f"        v{slot} = env[{slot}]")
     for slot in cleared:
@@ -607,6 +615,9 @@ def _assemble(em: _Emitter, body: list[str], loaded: list[int], cleared: list[in
     lines.extend(f"            {line}" for line in body)
     lines.append("        except Exception as exc:")
     lines.append("            _fail(_i, exc)")
+    if kernels:
+        lines.append("        if counts is not None:")
+        lines.append(f"            counts.count_kernels({kernels})")
     lines.append("    return segment")
     return "\n".join(lines) + "\n"
 

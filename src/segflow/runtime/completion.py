@@ -22,10 +22,12 @@ Chosen once, at bind time, from the plan's devices and the sync mode:
   stream runs every task (one device, no cross-device copies), nothing could
   overlap with those copies: they go on the compute stream, without events.
 
-``RunStats.syncs`` stays exact: the executor counts the output wait and the
-LOCAL tasks' waits; :attr:`RunCompletion.extra_syncs` adds the rest (stream
-mode's per-task synchronizations, host-side tasks waiting on device events,
-graph captures).
+``RunStats.syncs`` is counted, not planned: the engine counts the output wait
+and the LOCAL tasks' waits for their inputs; the stream backend counts every
+device synchronization made through it while a thread works for the run
+(each task, with its kernels, and the output wait: :meth:`StreamBackend.count_into`).
+A device wait that finishes a wait the engine counted (the outputs' event, a
+LOCAL task's events) is marked joined, so that host wait counts once.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from typing import Any, Protocol
 import torch
 
 from segflow.engine.base import ExecType
+from segflow.engine.counters import RunCounters
 from segflow.engine.streams import (
     EventHandle,
     StreamBackend,
@@ -108,7 +111,7 @@ class TaskPlan:
     host_waits: tuple[int, ...]    # tasks whose events the host waits for first
     feed_waits: tuple[int, ...]    # graph inputs (indices) whose upload this task waits for
     slots: tuple[int, ...]         # COPY: slots used across streams (allocator safety)
-    counted_syncs: int             # host waits this adds per run beyond the executor's count
+    counted_syncs: int             # device waits it makes per run beyond the engine's (explain)
 
 
 class RunCompletion(Protocol):
@@ -130,15 +133,12 @@ class RunCompletion(Protocol):
         """The output wait a deferred :meth:`finish` left (nothing otherwise)."""
         ...
 
-    @property
-    def extra_syncs(self) -> int:
-        ...
-
 
 class Completion(Protocol):
     sync_mode: SyncMode
 
-    def start(self, env: list[Tensor | None]) -> RunCompletion:
+    def start(self, env: list[Tensor | None], counts: RunCounters) -> RunCompletion:
+        """One run's state; its device waits are counted into ``counts``."""
         ...
 
     def describe(self) -> list[str]:
@@ -164,10 +164,6 @@ class _HostRun:
     def wait(self) -> None:
         pass
 
-    @property
-    def extra_syncs(self) -> int:
-        return 0
-
 
 class HostCompletion:
     """No device has streams: tasks complete when their function returns."""
@@ -178,7 +174,7 @@ class HostCompletion:
         self.sync_mode = sync_mode
         self.cuda_graphs = cuda_graphs
 
-    def start(self, env: list[Tensor | None]) -> RunCompletion:
+    def start(self, env: list[Tensor | None], counts: RunCounters) -> RunCompletion:
         return self._RUN
 
     def describe(self) -> list[str]:
@@ -260,8 +256,8 @@ class StreamCompletion:
             return self.pool.copy(task.stream_device)
         return self.pool.compute(task.stream_device)
 
-    def start(self, env: list[Tensor | None]) -> RunCompletion:
-        return _StreamRun(self, env)
+    def start(self, env: list[Tensor | None], counts: RunCounters) -> RunCompletion:
+        return _StreamRun(self, env, counts)
 
     def describe(self) -> list[str]:
         devices = sorted({str(p.stream_device) for p in self.plans if p.stream_device})
@@ -318,7 +314,7 @@ def _plan_tasks(plan: Plan, tasks: Sequence[BoundTask], input_slots: Sequence[in
         slots = tuple(sorted(reads | {s for step in task.steps for s in step.outputs})) \
             if kind is ExecType.COPY and stream_device is not None else ()
         counted = 1 if end is End.SYNC_STREAM else 0
-        # A LOCAL task's wait is counted by the executor; on a device with streams its
+        # A LOCAL task's wait is counted by the engine; on a device with streams its
         # events are joined into that one wait, on the host each event is one more wait.
         if host_waits and stream_device is None:
             counted += len(host_waits) - (1 if kind is ExecType.LOCAL else 0)
@@ -358,24 +354,16 @@ def _slots_read_after(tasks: Sequence[BoundTask], output_slots: Sequence[int]
 class _StreamRun:
     """One run's events and counters under a :class:`StreamCompletion`."""
 
-    __slots__ = ("owner", "env", "events", "feed_events", "_extra", "_lock", "_deferred")
+    __slots__ = ("owner", "env", "counts", "events", "feed_events", "_deferred")
 
-    def __init__(self, owner: StreamCompletion, env: list[Tensor | None]) -> None:
+    def __init__(self, owner: StreamCompletion, env: list[Tensor | None],
+                 counts: RunCounters) -> None:
         self.owner = owner
         self.env = env
+        self.counts = counts
         self.events: list[EventHandle | None] = [None] * len(owner.plans)
         self.feed_events: list[EventHandle | None] = []
-        self._extra = owner.syncs_per_run
-        self._lock = threading.Lock()
         self._deferred: list[EventHandle] = []
-
-    @property
-    def extra_syncs(self) -> int:
-        return self._extra
-
-    def _count(self, n: int = 1) -> None:
-        with self._lock:
-            self._extra += n
 
     # -- inputs ------------------------------------------------------------------------------
     def stage_inputs(self, feeds: Sequence[Tensor]) -> Sequence[Tensor]:
@@ -410,15 +398,23 @@ class _StreamRun:
         owner = self.owner
         plan = owner.plans[index]
         graph = None if profiled else owner.graphs.get(index)
+        counts = self.counts
         if plan.stream_device is None:
             if not plan.host_waits:
                 return fn
             backend = owner.backend
+            local = owner.exec_types[index] is ExecType.LOCAL
 
             def host_task(*args: Any) -> None:
-                for d in plan.host_waits:
-                    backend.synchronize_event(self.events[d])
-                fn(*args)
+                previous = backend.count_into(counts)
+                try:
+                    for d in plan.host_waits:
+                        backend.synchronize_event(self.events[d])
+                    if local:  # its first event wait is the wait the engine counted
+                        counts.count_joined()
+                    fn(*args)
+                finally:
+                    backend.count_into(previous)
             return host_task
 
         stream = owner.stream_of(index)
@@ -426,37 +422,51 @@ class _StreamRun:
             return self._wrap_async(index, fn, stream)
         env = self.env
 
+        kernels = len(graph.steps) if graph is not None else 0
+
         def body() -> None:
-            if graph is not None:
-                graph.run(env, owner, self._count, fn)
-            else:
+            if graph is None:
                 fn()
+            elif graph.run(env, owner, _counted_by_backend, fn):
+                # A replay launches the captured kernels in one call, none from Python.
+                counts.count_kernels(kernels)
+                counts.count_native_calls()
 
         def task() -> None:
             backend = owner.backend
-            if plan.host_waits:
-                self._host_wait(stream, plan.host_waits)
-            with backend.use_stream(stream):
-                self._device_waits(stream, plan)
-                body()
-            self._end(index, plan, stream)
+            previous = backend.count_into(counts)
+            try:
+                if plan.host_waits:
+                    self._host_wait(stream, plan.host_waits)
+                with backend.use_stream(stream):
+                    self._device_waits(stream, plan)
+                    body()
+                self._end(index, plan, stream)
+            finally:
+                backend.count_into(previous)
         return task
 
     def _wrap_async(self, index: int, fn: TaskFn, stream: StreamHandle) -> TaskFn:
         plan = self.owner.plans[index]
 
+        backend, counts = self.owner.backend, self.counts
+
         def task(on_complete: Callable[[BaseException | None], None]) -> None:
-            if plan.host_waits:
-                self._host_wait(stream, plan.host_waits)
+            previous = backend.count_into(counts)
+            try:
+                if plan.host_waits:
+                    self._host_wait(stream, plan.host_waits)
 
-            def done(error: BaseException | None = None) -> None:
-                if error is None:
-                    self._end(index, plan, stream)
-                on_complete(error)
+                def done(error: BaseException | None = None) -> None:
+                    if error is None:
+                        self._end(index, plan, stream)
+                    on_complete(error)
 
-            with self.owner.backend.use_stream(stream):
-                self._device_waits(stream, plan)
-                fn(done)
+                with backend.use_stream(stream):
+                    self._device_waits(stream, plan)
+                    fn(done)
+            finally:
+                backend.count_into(previous)
         return task
 
     def _device_waits(self, stream: StreamHandle, plan: TaskPlan) -> None:
@@ -469,13 +479,12 @@ class _StreamRun:
                 backend.wait_event(stream, event)
 
     def _host_wait(self, stream: StreamHandle, deps: Sequence[int]) -> None:
-        """One host wait for several events: join them on ``stream`` first."""
-        self._join([self.events[d] for d in deps], stream)
-
-    def _join(self, events: Sequence[EventHandle | None], stream: StreamHandle) -> None:
-        event = self._joined(events, stream)
+        """One host wait for several events: join them on ``stream`` first. Only a LOCAL
+        task waits so on a device with streams: the engine counted this wait."""
+        event = self._joined([self.events[d] for d in deps], stream)
         if event is not None:
             self.owner.backend.synchronize_event(event)
+            self.counts.count_joined()
 
     def _joined(self, events: Sequence[EventHandle | None], stream: StreamHandle
                 ) -> EventHandle | None:
@@ -534,19 +543,34 @@ class _StreamRun:
             joined = self._joined(events, owner.pool.compute(_first_device(owner)))
             final.append(joined)
             waits = 1
-        # The executor counted one output wait if any task produces an output.
-        counted = 1 if owner.output_tasks else 0
-        if waits > counted:
-            self._count(waits - counted)
+        # The engine counted one output wait if any task produces an output: the first
+        # device wait finishes it.
+        joined = 1 if owner.output_tasks and waits else 0
         self._deferred = final
-        if not defer:
+        if defer:
+            # The run's stats go back before these waits are made: they are counted
+            # now, when the run hands them to the caller (who makes them, uncounted).
+            if final:
+                self.counts.count_device_sync(len(final))
+                self.counts.count_joined(joined)
+            return outputs
+        previous = backend.count_into(self.counts)
+        try:
             self.wait()
+        finally:
+            backend.count_into(previous)
+        if joined:
+            self.counts.count_joined(joined)
         return outputs
 
     def wait(self) -> None:
         events, self._deferred = self._deferred, []
         for event in events:
             self.owner.backend.synchronize_event(event)
+
+
+def _counted_by_backend() -> None:
+    """A graph capture's device synchronize: the backend counts it (``capture``)."""
 
 
 def _first_device(owner: StreamCompletion) -> Device:

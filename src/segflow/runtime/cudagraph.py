@@ -324,18 +324,19 @@ class SegmentGraph:
 
     def run(self, env: list[Tensor | None], host: CaptureHost,
             on_host_wait: Callable[[], None],
-            eager: Callable[[], None] | None = None) -> None:
+            eager: Callable[[], None] | None = None) -> bool:
         """Run the segment over ``env``: eager, capture-then-replay, or replay.
 
         ``eager``: the segment's uncaptured form over ``env`` (its generated function);
-        by default its steps one by one.
+        by default its steps one by one. True where a captured graph was replayed
+        (its kernels were launched by the graph, not by ``eager``).
         """
         if eager is None:
             def eager() -> None:
                 run_steps(self.steps, env)
         if self.failure is not None:
             eager()
-            return
+            return False
         inputs = [env[s] for s in self.input_slots]
         key = CaptureKey.of(inputs)
         with self._lock:
@@ -346,21 +347,22 @@ class SegmentGraph:
             if isinstance(entry, _Uncapturable):
                 self.last_reason = f"{key.describe()}: {entry.reason}"
                 eager()
-                return
+                return False
             if isinstance(entry, _Warming):
                 if entry.runs < self.warmup:
                     entry.runs += 1
                     eager()
-                    return
+                    return False
                 try:
                     captured = self._capture(inputs, env, host, on_host_wait)
                 except Exception as exc:  # noqa: BLE001 - any capture error means "don't"
                     self.failure = f"capture failed: {_root_cause(exc)}"
                     eager()
-                    return
+                    return False
                 self.cache.put(key, captured)
                 entry = captured
             self._replay(entry, inputs, env, host)
+        return True
 
     def _first_sight(self, inputs: Sequence[Tensor | None], host: CaptureHost) -> _Entry:
         backend = host.backend

@@ -7,8 +7,12 @@ segment in plan order, with one engine Var per task: a task reads the Vars of
 the tasks that produce its inputs and writes its own. The host then waits
 once for the tasks that produce the outputs. Under the inline engine on host
 devices, where every push would run its task at once and in order anyway, an
-unprofiled run calls the task functions directly and counts the same pushes
-and syncs.
+unprofiled run calls the task functions directly, counting each call as the
+push it stands for.
+
+A run's counters are counted where the work happens (:class:`RunCounters`):
+the engine counts pushes and host waits, the completion strategy's stream
+backend device synchronizations, the task functions the kernels they call.
 
 Each run owns its slot array, Vars and counters, so one Executor can serve
 many threads at once.
@@ -25,6 +29,7 @@ from functools import partial
 import torch
 
 from segflow.engine.base import Engine, ExecType, Var
+from segflow.engine.counters import RunCounters
 from segflow.engine.inline import InlineEngine
 from segflow.engine.streams import StreamBackend
 from segflow.ir.graph import Node, Value
@@ -163,7 +168,6 @@ class Executor:
         self._var_names = [t.segment.first.name for t in self.tasks]
         # Vars a task reads besides its producers' (e.g. parameters a training step updates).
         self.extra_reads: list[tuple[Var, ...]] = [() for _ in self.tasks]
-        self.kernels_per_run = sum(len(t.steps) for t in self.tasks)
         self.compute_nodes = plan.compute_nodes  # a scan of the plan: counted once
         self.copies_per_run = sum(1 for t in self.tasks if t.segment.exec_type is ExecType.COPY)
         # Streams, events and CUDA graphs on CUDA devices; a no-op on CPU devices.
@@ -177,16 +181,18 @@ class Executor:
             compiler.compile_tasks([(t.segment, t.steps) for t in self.tasks], self.template,
                                    self.output_slots)
             if compiler is not None else [None] * len(self.tasks))
+        # Per task: ``fn(env, counts)``, which counts the kernels it calls.
+        self._runners: list[TaskRunner] = [_runner(t.steps, fn)
+                                           for t, fn in zip(self.tasks, self.compiled)]
         # The inline engine on host-only devices runs each task at push, in order: a run
-        # needs no Vars, pushes or waits, only the task functions (see _run_direct).
-        self._direct: list[Callable[[list[Tensor | None]], None]] | None = None
+        # needs no Vars, only the task functions (see _run_direct); with each, whether the
+        # engine would make the host wait for its inputs first (a LOCAL task with some).
+        self._direct: list[tuple[TaskRunner, bool]] | None = None
         if isinstance(engine, InlineEngine) and isinstance(self.completion, HostCompletion) \
                 and all(t.segment.exec_type is not ExecType.ASYNC for t in self.tasks):
-            self._direct = [fn if fn is not None else partial(run_steps, t.steps)
-                            for t, fn in zip(self.tasks, self.compiled)]
-        # The host waits of every run: each host-waiting task, and the one for the outputs.
-        self.host_syncs = sum(1 for t in self.tasks if t.waits_on_host) \
-            + (1 if self.output_tasks else 0)
+            self._direct = [(fn, t.waits_on_host) for t, fn in zip(self.tasks, self._runners)]
+        # Runs on another engine count from its worker threads too.
+        self._shared_counts = not isinstance(engine, InlineEngine)
 
     def prebuild(self, dims: Mapping[str, int]) -> PrebuildReport:
         """Build the direct kernels' primitives for a first run at ``dims`` now
@@ -238,9 +244,10 @@ class Executor:
         wait is recorded; without one the uninstrumented task functions run.
         ``host_outputs``: return outputs in host memory (copied back on the
         device's copy stream within the one output wait). ``after_tasks(run_vars,
-        env)`` pushes further tasks once the plan's are pushed (a training step's
-        parameter updates) and returns how many; they count as pushes. ``dims``: the
-        symbolic dims the feeds bind (sizes the run's arena; None: no arena).
+        env, counts)`` pushes further tasks once the plan's are pushed (a training
+        step's parameter updates), with the run's counts, so the engine counts them as
+        pushes. ``dims``: the symbolic dims the feeds bind (sizes the run's arena;
+        None: no arena).
         """
         outputs, stats, _ = self.start(feeds, sink, host_outputs=host_outputs,
                                        after_tasks=after_tasks, dims=dims, defer_wait=False)
@@ -272,7 +279,8 @@ class Executor:
             return outputs, stats, _done
         start = time.perf_counter()
         env = list(self.template)
-        completion = self.completion.start(env)
+        counts = RunCounters(shared=self._shared_counts)
+        completion = self.completion.start(env, counts)
         for slot, tensor in zip(self.input_slots, completion.stage_inputs(feeds)):
             env[slot] = tensor
         engine = self.engine
@@ -282,8 +290,8 @@ class Executor:
         pushed_at = [0]  # the current push's start, for a LOCAL task's host-wait span
         for index, task in enumerate(self.tasks):
             seg = task.segment
-            fn = (self._task_fn(task.steps, env, self.compiled[index]) if sink is None
-                  else _profiled_task(task, env, sink, pushed_at))
+            fn = (partial(self._runners[index], env, counts) if sink is None
+                  else _profiled_task(task, env, counts, sink, pushed_at))
             fn = completion.wrap(index, fn, sink is not None)
             t0 = pushed_at[0] = time.perf_counter_ns() if sink is not None else 0
             reads = [run_vars[d] for d in task.reads]
@@ -291,68 +299,88 @@ class Executor:
             if extra:
                 reads.extend(extra)
             engine.push(fn, reads, (run_vars[index],), seg.exec_type, seg.device,
-                        names[index])
+                        names[index], counts)
             if sink is not None:
                 sink.span("push", f"push {_task_name(task)}", t0, time.perf_counter_ns(),
                           device=str(seg.device), args={"segment": seg.index})
-        extra_pushes = after_tasks(run_vars, env) if after_tasks is not None else 0
+        if after_tasks is not None:
+            after_tasks(run_vars, env, counts)
         if self.output_tasks:
             t0 = time.perf_counter_ns() if sink is not None else 0
-            for index in self.output_tasks:
-                engine.wait(run_vars[index])
+            engine.wait(*[run_vars[index] for index in self.output_tasks], counts=counts)
             if sink is not None:
                 sink.span("sync", "wait for outputs", t0, time.perf_counter_ns(),
                           device=str(self.plan.default_device))
         # A profiled run waits here: its spans must close inside the run.
         defer = defer_wait and sink is None
         results = completion.finish([env[s] for s in self.output_slots], host_outputs, defer)
-        syncs = self.host_syncs + completion.extra_syncs
         if sink is not None:
             sink.span("run", "run", run_t0, time.perf_counter_ns(),
                       device=str(self.plan.default_device),
-                      args={"segments": len(self.tasks), "syncs": syncs})
-        stats = self._stats(extra_pushes, syncs, start)
+                      args={"segments": len(self.tasks), "syncs": counts.syncs})
+        stats = self._stats(counts, start)
         return results, stats, completion.wait if defer else _done  # type: ignore[return-value]
 
     def _run_direct(self, feeds: Sequence[Tensor]) -> tuple[list[Tensor], RunStats]:
-        """:meth:`run` for the inline engine on the host: the same tasks in the same order
-        and the same counters, without the engine's bookkeeping (a few us a run, which
-        is most of a small model's fixed cost)."""
+        """:meth:`run` for the inline engine on the host: the same tasks in the same order,
+        without the engine's bookkeeping (a few us a run, which is most of a small
+        model's fixed cost). It counts what the inline engine would: a push per task
+        function it calls, a host wait before a LOCAL task with inputs (satisfied at
+        once: every earlier task has run) and the output wait."""
         start = time.perf_counter()
         env = list(self.template)
         for slot, tensor in zip(self.input_slots, feeds):
             env[slot] = tensor
         assert self._direct is not None
-        for fn in self._direct:
-            fn(env)
+        counts = RunCounters()
+        pushes = 0
+        for fn, waits in self._direct:
+            if waits:
+                counts.count_wait()
+            pushes += 1
+            fn(env, counts)
+        counts.count_push(pushes)
+        if self.output_tasks:
+            counts.count_wait()
         outputs = [env[s] for s in self.output_slots]
-        return outputs, self._stats(0, self.host_syncs, start)  # type: ignore[return-value]
+        return outputs, self._stats(counts, start)  # type: ignore[return-value]
 
-    def _stats(self, extra_pushes: int, syncs: int, start: float) -> RunStats:
-        """A run's counters: one push per task (plus ``extra_pushes``), ``syncs``."""
+    def _stats(self, counts: RunCounters, start: float) -> RunStats:
+        """A run's stats: the plan's shape, and what ``counts`` counted."""
         return RunStats(
             nodes=self.compute_nodes,
             segments=len(self.tasks),
-            pushes=len(self.tasks) + extra_pushes,
-            syncs=syncs,
-            kernels=self.kernels_per_run,
+            pushes=counts.pushes,
+            syncs=counts.syncs,
+            kernels=counts.kernels,
             copies=self.copies_per_run,
             engine=self.engine.name,
             settings=self.settings_record,
             wall_time_s=time.perf_counter() - start,
+            native_calls=counts.native_calls,
         )
 
-    @staticmethod
-    def _task_fn(steps: list[Step], env: list[Tensor | None],
-                 compiled: SegmentFn | None = None) -> Callable[[], None]:
-        if compiled is not None:
-            return partial(compiled, env)
-        def task() -> None:
-            run_steps(steps, env)
-        return task
+
+AfterTasks = Callable[[list[Var], list[Tensor | None], RunCounters], None]
+TaskRunner = Callable[[list[Tensor | None], RunCounters], None]
+"""A task's function over the run's slot array, counting its kernels into the counts."""
 
 
-AfterTasks = Callable[[list[Var], list[Tensor | None]], int]
+def _runner(steps: list[Step], compiled: SegmentFn | None) -> TaskRunner:
+    """How a task runs: its steps one by one, its generated function (which counts its
+    own kernel calls), or another backend's compiled form (AOTInductor, oneDNN Graph),
+    whose kernels Python does not see: it counts the task's nodes when it has run."""
+    if compiled is None:
+        return partial(run_steps, steps)
+    if isinstance(compiled, (AotInductorSegment, OneDnnGraphSegment)):
+        return partial(_run_opaque, compiled, len(steps))
+    return compiled
+
+
+def _run_opaque(compiled: SegmentFn, nodes: int, env: list[Tensor | None],
+                counts: RunCounters) -> None:
+    compiled(env)
+    counts.count_kernels(nodes)
 
 
 def _task_name(task: _BoundTask) -> str:
@@ -362,8 +390,8 @@ def _task_name(task: _BoundTask) -> str:
     return f"segment {seg.index} ({len(seg.nodes)} nodes)"
 
 
-def _profiled_task(task: _BoundTask, env: list[Tensor | None], sink: EventSink,
-                   pushed_at: list[int]) -> Callable[[], None]:
+def _profiled_task(task: _BoundTask, env: list[Tensor | None], counts: RunCounters,
+                   sink: EventSink, pushed_at: list[int]) -> Callable[[], None]:
     """The task function with a span per node and one for the whole task.
 
     A LOCAL task that waits on the host also records that wait (from its push
@@ -389,7 +417,7 @@ def _profiled_task(task: _BoundTask, env: list[Tensor | None], sink: EventSink,
                 args = {"op": step.node.op_type, "segment": seg.index}
                 mark = marker.begin(step.node.name) if marker is not None else None
                 t0 = clock()
-                run_steps((step,), env)
+                run_steps((step,), env, counts)
                 t1 = clock()
                 if marker is not None:
                     marker.end(mark, "device", step.node.name, args)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,7 +20,8 @@ if TYPE_CHECKING:
     from segflow.kernels.replay import NativeReplay
 
 Tensor = torch.Tensor
-SegmentFn = Callable[[list[Any]], None]
+SegmentFn = Callable[..., None]
+"""``fn(env)``; a generated segment's also takes the run's counts: ``fn(env, counts)``."""
 
 
 @dataclass(slots=True)

@@ -10,17 +10,28 @@ from typing import Any
 class RunStats:
     """What one ``run`` did. The counters are exact and deterministic.
 
+    ``pushes``, ``syncs``, ``kernels`` and ``native_calls`` are counted where the
+    thing happens (:class:`segflow.engine.counters.RunCounters`), not derived from
+    the plan: a kernel that synchronizes, or calls one more kernel, shows here.
+
     - ``nodes``: compute nodes in the plan (COPY nodes excluded)
     - ``segments``: engine tasks in the plan (bulk segments plus non-SYNC tasks)
-    - ``pushes``: engine pushes this run made
-    - ``syncs``: host waits on a device or worker: the output wait (1), one per
-      LOCAL task with inputs, and on CUDA one per SYNC/COPY task in
-      ``sync_mode="stream"``, one per event a CPU-device task waits for, and one
-      per CUDA-graph capture (see :mod:`segflow.runtime.completion`)
-    - ``kernels``: kernel invocations of top-level nodes
+    - ``pushes``: engine pushes this run made (counted by the engine)
+    - ``syncs``: host waits on a device or worker, each once: the engine's (the
+      output wait, a LOCAL task's wait for its inputs) and the device
+      synchronizations made through the stream backend (on CUDA one per SYNC/COPY
+      task in ``sync_mode="stream"``, one per event a CPU-device task waits for,
+      one per CUDA-graph capture; see :mod:`segflow.runtime.completion`)
+    - ``kernels``: kernel calls the run made for its top-level nodes (counted by the
+      step runner, by generated segments and by replays, which count every step
+      they run; a captured CUDA graph's replay counts the kernels it launches)
     - ``copies``: cross-device copies
     - ``forward_segments``, ``backward_segments``: the training plan's tasks per phase
       (0 for inference); ``updates``: optimizer/statistics tasks a training step pushed
+    - ``native_calls``: calls from Python into native code that replays made (a
+      replayed run is one call for many kernels; the same run the usual way one per
+      kernel); 0 where no replay ran. Not part of :meth:`counters`: it depends on
+      whether the native library loads on the machine.
     """
 
     nodes: int
@@ -35,6 +46,7 @@ class RunStats:
     forward_segments: int = 0
     backward_segments: int = 0
     updates: int = 0
+    native_calls: int = 0
 
     def counters(self) -> dict[str, int]:
         """The deterministic counters only (what the benchmark gate compares)."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from segflow.engine.base import Engine, ExecType, Var
+from segflow.engine.counters import RunCounters
 from segflow.ir.graph import Graph, Node, Value
 from segflow.ir.types import Device
 from segflow.ops.registry import OpRegistry
@@ -84,12 +85,12 @@ class TrainingExecutor(Executor):
         """One forward+backward run, with ``updates`` pushed after the plan's tasks."""
         engine, device = self.engine, self.plan.default_device
 
-        def push_updates(run_vars: list[Var], env: list[Tensor | None]) -> int:
+        def push_updates(run_vars: list[Var], env: list[Tensor | None],
+                         counts: RunCounters) -> None:
             for update in updates:
                 reads = [] if update.after is None else [run_vars[update.after]]
                 engine.push(_update_fn(update, env), reads, update.writes, ExecType.SYNC,
-                            device, update.name)
-            return len(updates)
+                            device, update.name, counts)
 
         outputs, stats = self.run(feeds, active_sink(), after_tasks=push_updates)
         return outputs, replace(stats, forward_segments=self.phase_counts[Phase.FORWARD],

@@ -57,7 +57,7 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -69,6 +69,9 @@ from segflow.kernels.onednn.library import DnnlError
 from segflow.kernels.onednn.op import Call, DirectOp
 from segflow.kernels.onednn.pool import DirectPool
 from segflow.kernels.replay import KernelCall, Prepared
+
+if TYPE_CHECKING:
+    from segflow.engine.counters import RunCounters
 
 Tensor = torch.Tensor
 # Calls in a row a recording must fail to hold for before the run is recorded again.
@@ -158,7 +161,8 @@ class _NativeStretch:
                       ctypes.cast(dll.dnnl_memory_set_data_handle, ctypes.c_void_p).value,
                       ctypes.addressof(self._status))
 
-    def __call__(self, values: list[Tensor | None]) -> None:
+    def __call__(self, values: list[Tensor | None]) -> int:
+        """Run the stretch; the calls into native code it made (1: the C loop)."""
         classifier = self.classifier
         locks = self.locks
         for taken, lock in enumerate(locks):
@@ -178,7 +182,7 @@ class _NativeStretch:
                 if classifier is not None:
                     cast(NativeLinear, classifier[1].op).count_native_call()
                     values[classifier[0]] = out
-                return
+                return 1
             if done == len(self.entries):    # the classifier's linear (a status it returned)
                 assert classifier is not None
                 raise node_failed(classifier[2], RuntimeError(
@@ -199,6 +203,7 @@ class _NativeStretch:
                 values[index] = _run_classifier(prepared)
             except Exception as exc:
                 raise node_failed(label, exc) from exc
+        return len(self.entries) + (classifier is not None)
 
 
 class _Recording:
@@ -250,15 +255,21 @@ class DirectReplay:
         self._misses = 0           # calls in a row the recording did not hold for
         self.replays = 0           # calls that replayed (counted for tests and explain)
 
-    def __call__(self, *inputs: Tensor | None) -> tuple[Tensor | None, ...]:
+    def __call__(self, *inputs: Tensor | None, counts: RunCounters | None = None
+                 ) -> tuple[Tensor | None, ...]:
+        """The run's outputs; its kernels (every step) and its calls into native code
+        are counted in ``counts``."""
         recording = self._recording
         if recording is not None:
             if self._holds(recording, inputs):
                 self._misses = 0
-                return self._replay(recording)
+                return self._replay(recording, counts)
             self._misses += 1
         values: list[Tensor | None] = [*inputs, *([None] * len(self.steps))]
-        self._run_from(0, values)
+        calls = self._run_from(0, values)
+        if counts is not None:
+            counts.count_kernels(len(self.steps))
+            counts.count_native_calls(calls)
         # Recorded again after a second call in a row it did not hold for: a new size
         # (another arena block) is replayed from its third run on, while two threads
         # running at once (two blocks) do not record over each other at every call.
@@ -267,7 +278,10 @@ class DirectReplay:
             self._misses = 0
         return tuple(values[i] for i in self.outputs)
 
-    def _run_from(self, first: int, values: list[Tensor | None]) -> None:
+    def _run_from(self, first: int, values: list[Tensor | None]) -> int:
+        """Run the steps from ``first`` on the usual way; the op calls made (a Flatten
+        is a view, not a call)."""
+        calls = 0
         for step in self.steps[first:]:
             try:
                 values[step.output] = _call(step, values)
@@ -275,6 +289,8 @@ class DirectReplay:
                 raise
             except Exception as exc:
                 raise node_failed(step.label, exc) from exc
+            calls += step.op is not None
+        return calls
 
     # -- replaying -------------------------------------------------------------------
     def _holds(self, rec: _Recording, inputs: Sequence[Tensor | None]) -> bool:
@@ -305,17 +321,23 @@ class DirectReplay:
             values[i] = None
         return result
 
-    def _replay(self, rec: _Recording) -> tuple[Tensor | None, ...]:
+    def _replay(self, rec: _Recording, counts: RunCounters | None
+                ) -> tuple[Tensor | None, ...]:
         values = rec.values
         steps = self.steps
+        if counts is not None:
+            # Every step runs: replayed, the usual way, or as the recorded view.
+            counts.count_kernels(len(steps))
+        calls = 0  # calls into native code
         for entry in rec.program:
             if entry.__class__ is _NativeStretch:
-                entry(values)               # type: ignore[operator]
+                calls += entry(values)      # type: ignore[operator]
                 continue
             index, execute_at, call, (src, dst, res) = entry   # type: ignore[misc]
             step = steps[index]
             if execute_at is _VIEW or execute_at is _IN_STRETCH:
                 continue                    # the recorded view; the linear the C call ran
+            calls += 1
             try:
                 if execute_at is _CLASSIFIER:
                     values[step.output] = _run_classifier(call)   # type: ignore[arg-type]
@@ -333,11 +355,15 @@ class DirectReplay:
                 # the usual way, and the recording is dropped (made again next call).
                 values = list(values)
                 values[step.output] = out
-                self._run_from(index + 1, values)
+                calls += self._run_from(index + 1, values)
                 self._recording = None
+                if counts is not None:
+                    counts.count_native_calls(calls)
                 return tuple(values[i] for i in self.outputs)
         if rec.rest < len(steps):
-            self._run_from(rec.rest, values)
+            calls += self._run_from(rec.rest, values)
+        if counts is not None:
+            counts.count_native_calls(calls)
         self.replays += 1
         return self._result(values, rec.transient)
 
