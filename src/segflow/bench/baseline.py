@@ -3,8 +3,11 @@
 Two kinds of checks:
 
 - counters (segments, pushes, syncs, kernels, copies per run) of every segflow
-  mode are compared exactly; any increase fails. They are deterministic, so
-  this gate is cheap and runs on every push (``segflow bench --counters-only``).
+  mode are compared exactly; any increase fails. Pushes, syncs and kernels are
+  counted as the run makes them (``RunStats``), so a change that adds a host
+  wait or a kernel call the plan does not show fails here. They are
+  deterministic, so this gate is cheap and runs on every push
+  (``segflow bench --counters-only``).
 - timings are compared only as ratios measured within one run (e.g.
   ``bulk/onnxruntime``, ``bulk/nobulk``), never as absolute times: a ratio that
   grew by more than ``max_slowdown`` fails. Absolute times on shared machines

@@ -70,6 +70,13 @@ def bind_kernel(opdef: OpDef, node: Node, ctx: KernelContext) -> Kernel:
         raise bind_failed(node.label, exc) from exc
 
 
+def counts_own_calls(kernel: Kernel) -> bool:
+    """Whether ``kernel`` counts the kernel calls it makes itself: it has a true
+    ``counts_own_calls`` attribute and is called as ``kernel(inputs, counts)``, with
+    the run's :class:`RunCounters` (or None). Any other kernel is one call."""
+    return getattr(kernel, "counts_own_calls", False) is True
+
+
 def run_steps(steps: Sequence[Step], env: list[Tensor | None],
               counts: RunCounters | None = None) -> None:
     """Run ``steps`` in order over ``env``; kernel errors name the node. Each kernel
@@ -77,8 +84,13 @@ def run_steps(steps: Sequence[Step], env: list[Tensor | None],
     ran = 0
     try:
         for step in steps:
+            kernel = step.kernel
             try:
-                outs = step.kernel([env[i] for i in step.inputs])
+                if counts_own_calls(kernel):
+                    outs = kernel([env[i] for i in step.inputs], counts)  # type: ignore[call-arg]
+                    ran -= 1
+                else:
+                    outs = kernel([env[i] for i in step.inputs])
             except ExecutionError:
                 raise
             except Exception as exc:

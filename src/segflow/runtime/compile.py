@@ -74,7 +74,7 @@ from segflow.passes.pipeline import CompileMode
 from segflow.passes.plan_memory import MemoryPlan
 from segflow.passes.segment import Segment
 from segflow.runtime.aot_inductor import AotInductorSegment, has_packages
-from segflow.runtime.binding import Step, UploadInputs
+from segflow.runtime.binding import Step, UploadInputs, counts_own_calls
 from segflow.runtime.onednn_graph import OneDnnGraphSegment
 from segflow.runtime.program import CompileReport, Program, SegmentFn
 
@@ -389,6 +389,9 @@ def generate(steps: Sequence[Step], template: Sequence[Tensor | None], live_out:
         else:
             kernel = em.bind(step.kernel, "k")
             call = f"{kernel}(({', '.join(args)}{',' if len(args) == 1 else ''}))"
+            if not pure and counts_own_calls(step.kernel):
+                call = f"{call[:-1]}, counts)"   # it counts its calls itself
+                kernels -= 1
             if len(step.outputs) == 1:
                 body.append(f"v{step.outputs[0]} = {call}[0]")
             else:
