@@ -196,7 +196,7 @@ def test_counts_do_not_depend_on_the_engine(engine):
 def test_engines_count_pushes_and_host_waits(make):
     engine = make()
     try:
-        counts = RunCounters(shared=True)
+        counts = RunCounters()
         a, b, c = Var("a"), Var("b"), Var("c")
         engine.push(lambda: None, [], [a], counts=counts)
         engine.push(lambda: None, [a], [b], counts=counts)
@@ -215,7 +215,7 @@ def test_engines_count_pushes_and_host_waits(make):
 
 
 def test_shared_counters_lose_nothing_across_threads():
-    counts = RunCounters(shared=True)
+    counts = RunCounters()
 
     def work(_: int) -> None:
         for _ in range(2000):
@@ -236,7 +236,7 @@ def test_the_backend_counts_syncs_by_anyone_and_each_threads_into_its_run():
     stream = fake.create_stream(Device.parse("cpu:0"), StreamRole.COMPUTE)
     fake.synchronize_stream(stream)
     assert fake.syncs == 1
-    counts = RunCounters(shared=True)
+    counts = RunCounters()
     previous = fake.count_into(counts)
     assert previous is None
     fake.synchronize_event(fake.record_event(stream))

@@ -191,8 +191,6 @@ class Executor:
         if isinstance(engine, InlineEngine) and isinstance(self.completion, HostCompletion) \
                 and all(t.segment.exec_type is not ExecType.ASYNC for t in self.tasks):
             self._direct = [(fn, t.waits_on_host) for t, fn in zip(self.tasks, self._runners)]
-        # Runs on another engine count from its worker threads too.
-        self._shared_counts = not isinstance(engine, InlineEngine)
 
     def prebuild(self, dims: Mapping[str, int]) -> PrebuildReport:
         """Build the direct kernels' primitives for a first run at ``dims`` now
@@ -279,7 +277,7 @@ class Executor:
             return outputs, stats, _done
         start = time.perf_counter()
         env = list(self.template)
-        counts = RunCounters(shared=self._shared_counts)
+        counts = RunCounters()
         completion = self.completion.start(env, counts)
         for slot, tensor in zip(self.input_slots, completion.stage_inputs(feeds)):
             env[slot] = tensor
