@@ -23,7 +23,8 @@ from segflow.engine import ExecType, InlineEngine, ThreadedEngine, Var
 from segflow.engine.counters import RunCounters
 from segflow.engine.streams import FakeBackend, FakeStream, StreamRole
 from segflow.ir.types import Device
-from segflow.ops.registry import OpDef, OpRegistry, default_registry
+from segflow.ops import default_registry
+from segflow.ops.registry import OpDef, OpRegistry
 
 ENGINES = ["inline", "threaded"]
 
