@@ -18,11 +18,14 @@ from onnx import TensorProto, helper
 
 import segflow
 from concurrency import run_in_threads
+from replays import replays
 from segflow import models
 from segflow.engine import ExecType, InlineEngine, ThreadedEngine, Var
 from segflow.engine.counters import RunCounters
 from segflow.engine.streams import FakeBackend, FakeStream, StreamRole
 from segflow.ir.types import Device
+from segflow.kernels.native.build import NativeLibrary
+from segflow.kernels.onednn.library import Library
 from segflow.ops import default_registry
 from segflow.ops.registry import OpDef, OpRegistry
 
@@ -278,3 +281,37 @@ def test_cuda_graph_replays_count_the_kernels_they_launch():
     assert fake.count("replay") == 3  # the capturing run replays too
     assert "native_calls" in stats.as_dict()
     assert list(stats.counters()) == ["segments", "pushes", "syncs", "kernels", "copies"]
+
+
+# -- replays -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+def test_a_replayed_run_counts_every_step_and_its_native_calls(native):
+    """The first run calls each direct kernel from Python; later runs replay the recorded
+    executes (one C call for a stretch where the native library loads): the same
+    kernels, fewer calls into native code."""
+    if Library.load() is None:
+        pytest.skip("libdnnl unavailable")
+    if native and NativeLibrary.probe()[0] is None:
+        pytest.skip("native kernels unavailable")
+    small = {"image_size": 64}
+    model = models.build("resnet18", **small)
+    feeds = models.example_inputs("resnet18", batch_size=1, **small)
+    sess = segflow.InferenceSession(model, compile="codegen")
+    (replay,) = replays(sess)
+    if not native:
+        replay.native = None
+    runs = []
+    for _ in range(3):
+        sess.run(None, feeds)
+        runs.append(sess.last_run_stats)
+    assert replay.replays == 2
+    assert [s.kernels for s in runs] == [runs[0].nodes] * 3
+    first, replayed = runs[0].native_calls, runs[-1].native_calls
+    executes = sum(1 for step in replay.steps if step.op is not None)
+    assert first == executes
+    if native:
+        assert 1 <= replayed < first
+    else:
+        assert replayed == first  # each execute, from Python
