@@ -1,0 +1,166 @@
+"""The CPU a session runs on, as the kernel choices see it.
+
+A :class:`CpuTarget` is built once per session (``runtime/session.py``) and passed
+explicitly to the pass that chooses kernels (``passes/select_kernels.py``), to binding
+and to codegen: the ISA torch's kernels were dispatched for, the native library
+(``kernels/native/build.py``) and libdnnl (``kernels/onednn/library.py``) with the
+reason either is absent, the intra-op thread count and the cache sizes. Every
+heuristic that says where one kernel is preferred over another reads it here, in
+terms of those facts (the measurements behind them: ``docs/performance.md``).
+
+>>> target = CpuTarget.detect()                     # doctest: +SKIP
+>>> target.winograd_preferred(tiles=196)            # doctest: +SKIP
+True
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from segflow.kernels.linear import native_linear_preferred, panel_width
+from segflow.kernels.native.build import NativeLibrary
+from segflow.kernels.onednn.library import Library
+from segflow.kernels.stem import vector_width
+
+# Tiles (4x4 outputs) one image must give a 3x3 convolution for Winograd to be the
+# default where libdnnl's direct kernels are AVX-512: each call reads the whole
+# transformed weight (36 C K floats) for its tiles, and with few tiles the transforms
+# and that read cost more than they save (docs/performance.md, "Winograd").
+WINOGRAD_MIN_TILES = 32
+
+
+@dataclass(frozen=True, slots=True)
+class CpuTarget:
+    """ISA facts, kernel libraries and threads of the CPU a session runs on."""
+
+    capability: str                 # torch's CPU dispatch: "AVX512", "AVX2", "DEFAULT", ...
+    avx512: bool                    # torch's (and libdnnl's) kernels are AVX-512 ones
+    avx2: bool
+    fma: bool
+    vnni: bool                      # AVX-512 VNNI (int8 dot products)
+    bf16: bool                      # AVX-512 BF16
+    vector_floats: int              # floats per vector of torch's kernels
+    native: NativeLibrary | None    # segflow's own kernels (kernels/native/)
+    native_why: str                 # what built it, or why there is none
+    dnnl: Library | None            # libdnnl, called directly (kernels/onednn/)
+    dnnl_why: str
+    threads: int                    # torch's intra-op threads
+    onednn_ops: bool                # torch ships the fused oneDNN CPU ops
+    l1d_bytes: int = 0              # data cache sizes (0: not known)
+    l2_bytes: int = 0
+    l3_bytes: int = 0
+    native_fma: bool = False        # the native build has its AVX2+FMA linear block
+    native_panel_width: int = 0     # output columns per panel of the native linear packing
+    native_vector_floats: int = 0   # floats per vector of the native build (the stem's)
+
+    @staticmethod
+    def detect() -> CpuTarget:
+        """This process's CPU as a session sees it now (``SEGFLOW_NATIVE`` is read here,
+        once, so that one process can hold sessions with and without native kernels)."""
+        capability = cpu_capability()
+        flags = _cpu_flags()
+        native, native_why = NativeLibrary.for_session()
+        dnnl, dnnl_why = Library.probe()
+        avx512 = capability.startswith("AVX512")
+        return CpuTarget(
+            capability=capability, avx512=avx512,
+            avx2=avx512 or capability.startswith("AVX2") or "avx2" in flags,
+            fma="fma" in flags or avx512, vnni="avx512_vnni" in flags,
+            bf16="avx512_bf16" in flags, vector_floats=16 if avx512 else 8,
+            native=native, native_why=native_why, dnnl=dnnl, dnnl_why=dnnl_why,
+            threads=torch.get_num_threads(), onednn_ops=onednn_ops_available(),
+            l1d_bytes=_sysconf("SC_LEVEL1_DCACHE_SIZE"), l2_bytes=_sysconf("SC_LEVEL2_CACHE_SIZE"),
+            l3_bytes=_sysconf("SC_LEVEL3_CACHE_SIZE"),
+            native_fma=native_linear_preferred(native),
+            native_panel_width=panel_width(native) if native is not None else 0,
+            native_vector_floats=vector_width(native) if native is not None else 0)
+
+    def with_isa(self, *, avx512: bool) -> CpuTarget:
+        """This target as a CPU with (or without) AVX-512 kernels: what tests use to see
+        the other CPU's choices on this one (the kernels themselves run on either)."""
+        return replace(self, avx512=avx512, vector_floats=16 if avx512 else 8)
+
+    # -- where a kernel is preferred (the measurements: docs/performance.md) -----------
+    def direct_linear_preferred(self) -> bool:
+        """Whether large linears run libdnnl's inner product rather than torch's oneDNN
+        matmul, where libdnnl loads: with AVX2 kernels, where libdnnl's inner product
+        measured faster; with AVX-512 ones torch's matmul is the measured path."""
+        return not self.avx512
+
+    def blocked_layout_preferred(self) -> bool:
+        """Whether a depthwise region may run on nChw8c activations: where 8 floats are
+        the vector width (AVX2), as measured; AVX-512 CPUs keep NHWC."""
+        return not self.avx512
+
+    def native_stem_preferred(self) -> bool:
+        """Whether a direct convolution over the NCHW image runs the native stem kernel
+        (``kernels/stem.py``) unless told: where the native build's vectors hold 16
+        floats (AVX-512); with 8-float vectors staging plus libdnnl measured as fast."""
+        return self.native is not None and self.native_vector_floats == 16
+
+    def winograd_preferred(self, tiles: int | None) -> bool:
+        """Whether a 3x3 convolution runs as Winograd unless told, given the 4x4 tiles
+        one image makes of its output (None: not known at load): always with AVX2
+        kernels; with AVX-512 ones, whose direct kernels are twice as wide, only where an
+        image makes at least :data:`WINOGRAD_MIN_TILES` tiles."""
+        if not self.avx512:
+            return True
+        return tiles is not None and tiles >= WINOGRAD_MIN_TILES
+
+    def native_linear_preferred(self) -> bool:
+        """Whether large linears run the native packed-panel kernel (``kernels/linear.py``):
+        the native library loads and was built with its AVX2+FMA (or AVX-512) block."""
+        return self.native is not None and self.native_fma
+
+    def strassen_preferred(self) -> bool:
+        """Whether native linears run as one level of Strassen where their weight allows:
+        with the AVX2 build's 24-column panels. An AVX-512 build's kernel reads its
+        panel blocks from L1, and Strassen's sums cost what its products save."""
+        return self.native is not None and self.native_panel_width == 24
+
+    def fuses_transcendental_post_ops(self) -> bool:
+        """Whether oneDNN's matmul should fuse a transcendental activation (sigmoid, tanh,
+        GELU) as its post-op: on AVX-512 kernels. AVX2's brg_matmul evaluates it far
+        slower than torch's in-place kernel run after the matmul."""
+        return self.avx512
+
+
+def cpu_capability() -> str:
+    """torch's CPU dispatch level (``"AVX512"``, ``"AVX2"``, ``"DEFAULT"``, ...)."""
+    return str(torch.backends.cpu.get_cpu_capability())
+
+
+def onednn_ops_available() -> bool:
+    """Whether torch ships the oneDNN fused CPU ops the convolution and linear kernels use."""
+    return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn,
+                                                                  "_convolution_pointwise")
+
+
+def onednn_graph_available() -> bool:
+    """Whether this torch can fuse TorchScript graphs with oneDNN Graph (``compile="onednn"``)."""
+    return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.jit,
+                                                                  "enable_onednn_fusion")
+
+
+def _cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from ``/proc/cpuinfo`` (empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()
+
+
+def _sysconf(name: str) -> int:
+    try:
+        return max(0, int(os.sysconf(name)))
+    except (ValueError, OSError, AttributeError):
+        return 0
+
