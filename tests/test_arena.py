@@ -67,7 +67,7 @@ def test_convolution_and_pool_outputs_live_in_one_block(resnet, native_stem):
     sess = segflow.InferenceSession(model.SerializeToString(), compile="codegen",
                                     optimize={"layout.native_stem": native_stem})
     pool = _pool(sess)
-    direct = [n for n in sess.graph.nodes if n.attrs.get("onednn_direct")]
+    direct = [n for n in sess.graph.nodes if sess.plan.choices.calls_libdnnl(n)]
     assert sorted({n.op_type for n in direct}) == ["FusedConv", "GlobalAveragePool", "MaxPool"]
     assert len(pool.values) == len(direct)
     # The stem reads the NCHW image: staged into the block's channels-last storage for

@@ -21,12 +21,13 @@ import segflow
 from segflow import models
 from segflow.frontend.onnx_import import import_model
 from segflow.ir.types import Device, DeviceKind
+from segflow.kernels.choice import KernelChoices
 from segflow.kernels.onednn.conv import DirectConv
 from segflow.kernels.onednn.geometry import geometry
 from segflow.kernels.onednn.library import DnnlError, Library
 from segflow.kernels.onednn.pool import DirectPool
-from segflow.ops.fused import blocked_layout_preferred
-from segflow.passes.pipeline import OptimizeOptions, optimize
+from segflow.kernels.target import CpuTarget
+from segflow.passes.pipeline import OptimizeOptions, run_pipeline
 
 LIB = Library.load()
 pytestmark = pytest.mark.skipif(LIB is None, reason=f"libdnnl {Library.probe()[1]}")
@@ -34,15 +35,17 @@ CPU = Device(DeviceKind.CPU, 0)
 MOBILENET = {"image_size": 64}
 
 
-def _plan(name: str, env: dict[str, str], **options: Any) -> tuple[list[str], Any]:
+def _plan(name: str, env: dict[str, str], **options: Any
+          ) -> tuple[list[str], Any, KernelChoices]:
     graph = import_model(models.build(name, **options))
-    log = optimize(graph, OptimizeOptions.resolve(compile="codegen", env=env), device=CPU)
-    return log, graph
+    result = run_pipeline(graph, OptimizeOptions.resolve(compile="codegen", env=env),
+                          device=CPU)
+    return list(result.log), graph, result.choices
 
 
 def _blocked_kernel_available() -> bool:
     assert LIB is not None
-    if not blocked_layout_preferred():
+    if not CpuTarget.detect().blocked_layout_preferred():
         return False
     geo = geometry([16, 1, 3, 3], (1, 1), (1, 1), (1, 1), 16)
     return LIB.blocked_kernel(geo, (1, 16, 8, 8), False) is not None
@@ -56,29 +59,29 @@ def _ort(model: Any, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
 def test_mobilenet_runs_blocked_and_resnet_does_not():
     if not _blocked_kernel_available():
         pytest.skip("this libdnnl has no nChw8c depthwise kernel on this CPU")
-    log, graph = _plan("mobilenet_v2", {}, **MOBILENET)
+    log, graph, choices = _plan("mobilenet_v2", {}, **MOBILENET)
     convs = [n for n in graph.nodes if n.op_type == "FusedConv"]
-    blocked = [n for n in convs if n.attrs.get("onednn_blocked")]
+    blocked = [n for n in convs if choices[n].blocked]
     assert len(blocked) == len(convs) == 52
     # The stem reads the plain graph input; every other convolution a blocked tensor.
-    assert [n for n in blocked if not n.attrs.get("onednn_blocked_input")] == [convs[0]]
+    assert [n for n in blocked if not choices[n].blocked_input] == [convs[0]]
     pools = [n for n in graph.nodes if n.op_type == "GlobalAveragePool"]
-    assert [p.attrs.get("onednn_blocked_input") for p in pools] == [1]
+    assert [choices[p].blocked_input for p in pools] == [True]
     assert "52 convolutions on nChw8c activations" in log[3]
     # No blocked tensor reaches a node outside the region.
     region = {id(n) for n in blocked}
     for node in blocked:
         for user in node.outputs[0].uses:
             assert id(user) in region or user.op_type == "GlobalAveragePool"
-    _, graph = _plan("resnet18", {}, num_classes=10, image_size=32)
-    assert not any(n.attrs.get("onednn_blocked") for n in graph.nodes)
+    _, graph, choices = _plan("resnet18", {}, num_classes=10, image_size=32)
+    assert not any(choices[n].blocked for n in graph.nodes)
 
 
 def test_the_option_turns_the_region_off():
-    log, graph = _plan("mobilenet_v2", {"SEGFLOW_ONEDNN_BLOCKED": "0"}, **MOBILENET)
-    assert not any(n.attrs.get("onednn_blocked") for n in graph.nodes)
+    log, graph, choices = _plan("mobilenet_v2", {"SEGFLOW_ONEDNN_BLOCKED": "0"}, **MOBILENET)
+    assert not any(choices[n].blocked for n in graph.nodes)
     assert "nChw8c" not in log[3]
-    assert any(n.attrs.get("onednn_direct") for n in graph.nodes)
+    assert any(choices.calls_libdnnl(n) for n in graph.nodes)
 
 
 def test_a_depthwise_output_that_is_a_graph_output_stays_plain():
@@ -86,9 +89,10 @@ def test_a_depthwise_output_that_is_a_graph_output_stays_plain():
     # graph output, so it (and the stem that feeds it) leaves the region, which then
     # holds no depthwise convolution and is dropped.
     graph = import_model(models.build("mobilenet_v2", **MOBILENET))
-    optimize(graph, OptimizeOptions.resolve(compile="codegen", env={}), device=CPU)
+    choices = run_pipeline(graph, OptimizeOptions.resolve(compile="codegen", env={}),
+                           device=CPU).choices
     convs = [n for n in graph.nodes if n.op_type == "FusedConv"]
-    if not convs[1].attrs.get("onednn_blocked"):
+    if not choices[convs[1]].blocked:
         pytest.skip("no blocked region on this CPU")
     from onnx import shape_inference, utils
     model = shape_inference.infer_shapes(models.build("mobilenet_v2", **MOBILENET))

@@ -10,10 +10,8 @@ import onnx
 import pytest
 
 from segflow import cli, models
-from segflow.kernels.linear import native_linear_preferred
-from segflow.kernels.native.build import NativeLibrary
 from segflow.kernels.onednn.library import Library
-from segflow.ops.fused import direct_linear_preferred
+from segflow.kernels.target import CpuTarget
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
@@ -31,8 +29,9 @@ def test_run_with_no_arguments_runs_builtin_resnet50(capsys):
     if Library.load() is not None:   # what the kernels did: libdnnl, fallbacks, the arena
         # The classifier goes through segflow's native linear, else libdnnl's inner
         # product, on CPUs that prefer them.
-        native = native_linear_preferred(NativeLibrary.probe()[0])
-        linear = ", 1 linear" if direct_linear_preferred() and not native else ""
+        target = CpuTarget.detect()
+        native = target.native_linear_preferred()
+        linear = ", 1 linear" if target.direct_linear_preferred() and not native else ""
         assert f"direct kernels (libdnnl): 53 convolutions, 2 poolings{linear}; " in out
         assert ("native linears: 1 node (" in out) == native
         assert "arena: 40 views in 5.0 MiB at batch=1" in out

@@ -3,7 +3,7 @@ product, with the weight packed once by the layout pass in the library's own for
 
 Numerics are checked against ``F.linear`` on the dense weight (float32, atol/rtol 1e-4)
 and, at session level, against onnxruntime. Whether the layout pass chooses this path
-depends on the CPU (``fused.direct_linear_preferred``: not on AVX-512) and on the
+depends on the CPU (``CpuTarget.direct_linear_preferred``: not on AVX-512) and on the
 native linear (``SEGFLOW_NATIVE_LINEAR``, off here); the tests that need one choice or
 the other set it.
 """
@@ -19,9 +19,10 @@ import torch.nn.functional as F
 import segflow
 from concurrency import runs_match_in_threads
 from linear_model import linear_model
+from segflow.kernels.choice import KernelKind
 from segflow.kernels.onednn.library import Library, onednn_eltwise
 from segflow.kernels.onednn.linear import DirectLinear
-from segflow.ops import fused
+from targets import as_cpu, kind
 
 LIB = Library.load()
 pytestmark = pytest.mark.skipif(LIB is None, reason=f"libdnnl {Library.probe()[1]}")
@@ -107,12 +108,12 @@ def _linear_model(k: int, n: int, act: str | None, batch: str | int = "batch"):
 @pytest.mark.parametrize("act", [None, "Relu", "Tanh"])
 def test_session_runs_large_linears_through_libdnnl_where_preferred(monkeypatch, compile_mode,
                                                                     act):
-    monkeypatch.setattr(fused, "_cpu_has_avx512", lambda: False)
+    as_cpu(monkeypatch, avx512=False)
     model, w = _linear_model(768, 768, act)
     ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     sess = segflow.InferenceSession(model, compile=compile_mode)
     (node,) = sess.graph.nodes
-    assert fused.linear_calls_libdnnl(node) and fused.linear_uses_onednn(node)
+    assert kind(sess, node) is KernelKind.DIRECT_LINEAR
     weight = node.inputs[1]
     assert weight is not None and weight.const is not None
     # The packed bytes are the model's only copy of the weight: no dense or torch-packed one.
@@ -132,41 +133,44 @@ def test_session_runs_large_linears_through_libdnnl_where_preferred(monkeypatch,
 
 def test_avx512_cpus_and_the_switch_keep_torchs_packing(monkeypatch):
     model, _ = _linear_model(768, 768, "Relu", batch=2)
-    monkeypatch.setattr(fused, "_cpu_has_avx512", lambda: True)
-    (node,) = segflow.InferenceSession(model).graph.nodes
-    assert not fused.linear_calls_libdnnl(node) and fused.linear_uses_onednn(node)
+    as_cpu(monkeypatch, avx512=True)
+    sess = segflow.InferenceSession(model)
+    (node,) = sess.graph.nodes
+    assert kind(sess, node) is KernelKind.ONEDNN_LINEAR
     assert node.inputs[1] is not None and node.inputs[1].const is not None
     assert node.inputs[1].const.is_mkldnn
-    monkeypatch.setattr(fused, "_cpu_has_avx512", lambda: False)
+    as_cpu(monkeypatch, avx512=False)
     monkeypatch.setenv("SEGFLOW_ONEDNN_DIRECT", "0")
-    (node,) = segflow.InferenceSession(model).graph.nodes
-    assert not fused.linear_calls_libdnnl(node) and fused.linear_uses_onednn(node)
+    sess = segflow.InferenceSession(model)
+    (node,) = sess.graph.nodes
+    assert kind(sess, node) is KernelKind.ONEDNN_LINEAR
 
 
 def test_a_small_linear_stays_dense_for_mkl(monkeypatch):
-    monkeypatch.setattr(fused, "_cpu_has_avx512", lambda: False)
+    as_cpu(monkeypatch, avx512=False)
     model, _ = _linear_model(64, 64, "Relu")
-    (node,) = segflow.InferenceSession(model).graph.nodes
-    assert not fused.linear_uses_onednn(node)
+    sess = segflow.InferenceSession(model)
+    (node,) = sess.graph.nodes
+    assert kind(sess, node) is KernelKind.REFERENCE
 
 
 def test_concurrent_runs_of_one_session_match_onnxruntime(monkeypatch):
 
-    monkeypatch.setattr(fused, "_cpu_has_avx512", lambda: False)
+    as_cpu(monkeypatch, avx512=False)
     model, _ = _linear_model(768, 1024, "Relu")
     ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     sess = segflow.InferenceSession(model, engine="threaded")
-    assert fused.linear_calls_libdnnl(sess.graph.nodes[0])
+    assert kind(sess, sess.graph.nodes[0]) is KernelKind.DIRECT_LINEAR
     runs_match_in_threads(sess, ref, 768, atol=ATOL, rtol=RTOL)
 
 
 def test_a_segment_with_a_direct_linear_never_looks_for_an_inductor_package(monkeypatch):
     from segflow.runtime.compile import uses_cached_package
 
-    monkeypatch.setattr(fused, "_cpu_has_avx512", lambda: False)
+    as_cpu(monkeypatch, avx512=False)
     model, _ = _linear_model(768, 768, "Relu")
     sess = segflow.InferenceSession(model)   # auto: 2.3 MiB of weights, under the size cap
     steps = [step for task in sess._executor.tasks for step in task.steps]
-    assert fused.linear_calls_libdnnl(steps[0].node)
+    assert kind(sess, steps[0].node) is KernelKind.DIRECT_LINEAR
     assert not uses_cached_package(steps)
     assert sess.compile_report.backend == "codegen"

@@ -18,8 +18,12 @@ from onnx import TensorProto, helper, numpy_helper
 import segflow
 from segflow import models
 from segflow.frontend.onnx_import import import_model
+from segflow.kernels import conv as conv_kernels
+from segflow.kernels.choice import KernelKind
+from segflow.kernels.target import CpuTarget
 from segflow.ops import fused
 from segflow.passes.fuse import RULE_NAMES, RULES, fuse, run_rules
+from targets import as_cpu
 
 ATOL, RTOL = 1e-4, 1e-3
 RNG = np.random.default_rng(0)
@@ -311,13 +315,14 @@ def test_matmul_add_gelu_becomes_fused_gemm():
 def test_transcendental_post_ops_of_a_linear_follow_the_cpu(monkeypatch, avx512):
     """Sigmoid/Tanh/GELU are fused into oneDNN's matmul only on AVX-512 CPUs; elsewhere
     the linear runs plain and torch applies them in place. Relu/Clip are always fused."""
-    monkeypatch.setattr(fused, "_cpu_has_avx512", lambda: avx512)
+    as_cpu(monkeypatch, avx512=avx512)
+    fuses = CpuTarget.detect().fuses_transcendental_post_ops()
     for name in ("Sigmoid", "Tanh", "Gelu", "GeluTanh"):
         act = fused.ACTIVATIONS[name]
-        assert (fused.linear_post_op(act, []) is not None) is avx512
+        assert (fused.linear_post_op(act, [], fuses) is not None) is avx512
         assert act.inplace is not None
-    assert fused.linear_post_op(fused.ACTIVATIONS["Relu"], []) == ("relu", [], "")
-    assert fused.linear_post_op(fused.ACTIVATIONS["Clip"], [0.0, 6.0]) == (
+    assert fused.linear_post_op(fused.ACTIVATIONS["Relu"], [], fuses) == ("relu", [], "")
+    assert fused.linear_post_op(fused.ACTIVATIONS["Clip"], [0.0, 6.0], fuses) == (
         "hardtanh", [0.0, 6.0], "")
 
 
@@ -326,11 +331,11 @@ def test_transcendental_post_ops_of_a_linear_follow_the_cpu(monkeypatch, avx512)
 @pytest.mark.parametrize("act", ["Sigmoid", "Tanh", "Gelu", "GeluTanh"])
 def test_prepacked_linear_with_a_transcendental_activation_matches_onnxruntime(
         monkeypatch, avx512, compile_mode, act):
-    # 768 x 768 is above LINEAR_PACK_MIN_WEIGHT: the layout pass prepacks it for oneDNN,
+    # 768 x 768 is above LINEAR_PACK_MIN_WEIGHT: the kernel selection packs it for oneDNN,
     # or for the native linear where that is preferred (AVX2 + FMA, no AVX-512).
     k = n = 768
     assert k * n >= fused.LINEAR_PACK_MIN_WEIGHT
-    monkeypatch.setattr(fused, "_cpu_has_avx512", lambda: avx512)
+    as_cpu(monkeypatch, avx512=avx512)
     inits = {"w": _rand(k, n, scale=0.05), "b": _rand(n)}
     nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]),
              helper.make_node("Add", ["m", "b"], ["y"])]
@@ -345,7 +350,8 @@ def test_prepacked_linear_with_a_transcendental_activation_matches_onnxruntime(
     sess = _check(model, {"x": _rand(2, 16, k)}, ["FusedGemm"], compile=compile_mode)
     assert sess.graph.nodes[0].attrs["activation"] == act
     node = sess.graph.nodes[0]
-    assert fused.linear_uses_onednn(node) or fused.linear_calls_native(node)
+    assert sess.plan.choices[node].kind in (KernelKind.ONEDNN_LINEAR, KernelKind.DIRECT_LINEAR,
+                                            KernelKind.NATIVE_LINEAR)
     # The output is the activation's, not the plain linear's (the unfused path applies it).
     out = sess.run(None, {"x": np.zeros((1, 16, k), np.float32)})[0]
     expect = {"Sigmoid": torch.sigmoid, "Tanh": torch.tanh, "Gelu": F.gelu,
@@ -537,8 +543,8 @@ def test_layout_switch_keeps_results():
     on = segflow.InferenceSession(model, engine="inline", compile="codegen")
     off = segflow.InferenceSession(model, engine="inline", optimize={"layout": False},
                                    compile="codegen")
-    assert any(n.attrs.get("channels_last") for n in on.graph.nodes)
-    assert not any(n.attrs.get("channels_last") for n in off.graph.nodes)
+    assert any(on.plan.choices[n].channels_last for n in on.graph.nodes)
+    assert not any(off.plan.choices[n].channels_last for n in off.graph.nodes)
     np.testing.assert_allclose(on.run(None, feeds)[0], off.run(None, feeds)[0],
                                atol=ATOL, rtol=RTOL)
 
@@ -547,7 +553,8 @@ def test_conv_weights_are_repacked_once_per_new_input_shape():
     model = models.build("resnet18", num_classes=10, image_size=32)
     sess = segflow.InferenceSession(model, engine="inline", compile="none")
     conv = next(n for n in sess.graph.nodes if n.op_type == "FusedConv")
-    assert conv.attrs["onednn_input_size"] == [1, 3, 32, 32]  # symbolic batch packed as 1
+    # A symbolic batch is packed as 1.
+    assert sess.plan.choices[conv].packed_for == (1, 3, 32, 32)
     for batch in (1, 3, 3, 1):
         feeds = models.example_inputs("resnet18", batch_size=batch, num_classes=10,
                                       image_size=32)
@@ -557,8 +564,8 @@ def test_conv_weights_are_repacked_once_per_new_input_shape():
 
 
 def _packed_conv(shape: list[int], ic: int, oc: int, k: int) -> tuple[Any, torch.Tensor]:
-    spec = fused._ConvSpec(spatial=2, strides=[1, 1], pads=[k // 2] * 2, begin_end=[],
-                           dilations=[1, 1], group=1, has_bias=False, has_residual=False)
+    spec = fused.ConvSpec(spatial=2, strides=[1, 1], pads=[k // 2] * 2, begin_end=[],
+                          dilations=[1, 1], group=1, has_bias=False, has_residual=False)
     w = torch.ops.mkldnn._reorder_convolution_weight(
         torch.randn(oc, ic, k, k), spec.pads, spec.strides, spec.dilations, 1, shape)
     return spec, w
@@ -567,13 +574,13 @@ def _packed_conv(shape: list[int], ic: int, oc: int, k: int) -> tuple[Any, torch
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 def test_weight_for_a_new_shape_shares_the_packed_weight_when_the_format_is_the_same():
     spec, w = _packed_conv([1, 16, 8, 8], 16, 16, 3)
-    weight_for = fused.WeightForInput(spec, [1, 16, 8, 8])
+    weight_for = conv_kernels.WeightForInput(spec, [1, 16, 8, 8])
     x = torch.randn(4, 16, 8, 8).contiguous(memory_format=torch.channels_last)
     packed = weight_for(x, w)
     fresh = torch.ops.mkldnn._reorder_convolution_weight(
         w.to_dense(), spec.pads, spec.strides, spec.dilations, 1, list(x.shape))
-    same_format = fused._blocked_layout(fresh) == fused._blocked_layout(w)
-    if fused._blocked_layout(w) is not None and same_format:
+    same_format = conv_kernels.blocked_layout(fresh) == conv_kernels.blocked_layout(w)
+    if conv_kernels.blocked_layout(w) is not None and same_format:
         assert packed is w and weight_for.copies == 0     # no second copy of the weight
     else:
         assert packed is not w and weight_for.copies == 1
@@ -589,10 +596,10 @@ def test_weight_for_keeps_at_most_max_repacks_copies(monkeypatch: pytest.MonkeyP
     # Pretend every shape gets its own format: copies stop at MAX_REPACKS, and
     # later shapes run on the weight as packed (oneDNN reorders on the fly).
     formats = iter(range(1000))
-    monkeypatch.setattr(fused, "_blocked_layout", lambda t: bytes([next(formats)]))
+    monkeypatch.setattr(conv_kernels, "blocked_layout", lambda t: bytes([next(formats)]))
     spec, w = _packed_conv([1, 8, 6, 6], 8, 8, 1)
-    weight_for = fused.WeightForInput(spec, [1, 8, 6, 6])
+    weight_for = conv_kernels.WeightForInput(spec, [1, 8, 6, 6])
     results = [weight_for(torch.randn(b, 8, 6, 6), w) for b in (2, 3, 4, 5)]
-    assert weight_for.copies == fused.MAX_REPACKS == 2
+    assert weight_for.copies == conv_kernels.MAX_REPACKS == 2
     assert [r is w for r in results] == [False, False, True, True]
     assert len({id(r) for r in results[:2]}) == 2

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 import segflow
 from concurrency import on_one_and_more_threads, runs_match_in_threads
 from linear_model import linear_model, session_switched_off
+from segflow.kernels.choice import KernelKind
 from segflow.kernels.linear import (
     NativeLinear,
     kernel_activation,
@@ -34,6 +35,7 @@ from segflow.kernels.linear import (
 )
 from segflow.kernels.native.build import NativeLibrary
 from segflow.ops import fused
+from targets import as_cpu, choice, kind
 
 LIB, WHY = NativeLibrary.probe()
 P = panel_width(LIB) if LIB is not None else 24   # output columns per panel
@@ -231,7 +233,7 @@ def _linear_model(k: int, n: int, act: str | None, batch: str | int = "batch"):
 @pytest.fixture
 def preferred(monkeypatch):
     """This CPU as one the native linear is preferred on (the kernel itself runs on any)."""
-    monkeypatch.setattr(fused, "_cpu_has_avx512", lambda: False)
+    as_cpu(monkeypatch, avx512=False)
     monkeypatch.delenv("SEGFLOW_NATIVE_LINEAR", raising=False)
     assert LIB is not None
     if not LIB.dll.segflow_linear_vector_fma():
@@ -245,8 +247,8 @@ def test_session_packs_large_linears_for_the_native_kernel(preferred, compile_mo
     ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     sess = segflow.InferenceSession(model, compile=compile_mode)
     (node,) = sess.graph.nodes
-    assert fused.linear_calls_native(node) and not fused.linear_uses_onednn(node)
-    assert fused.reads_libdnnl_packing(node)
+    assert kind(sess, node) is KernelKind.NATIVE_LINEAR
+    assert choice(sess, node).reads_own_format
     # The panels are the model's only copy of the weight (1000 columns padded to 1008,
     # 21 panels of 48 or 42 of 24).
     consts = [v.const for v in sess.graph.initializers.values() if v.const is not None]
@@ -268,7 +270,7 @@ def test_the_switch_sends_linears_to_libdnnl(preferred, monkeypatch, how):
     sess = session_switched_off(model, how, monkeypatch, "SEGFLOW_NATIVE_LINEAR",
                                 "layout.native_linear")
     (node,) = sess.graph.nodes
-    assert not fused.linear_calls_native(node) and fused.linear_calls_libdnnl(node)
+    assert kind(sess, node) is KernelKind.DIRECT_LINEAR
     x = RNG.standard_normal((2, 16, 768)).astype(np.float32)
     sess.run(None, {"x": x})
     assert sess.last_run_stats.settings["native_linear"] is False
@@ -280,31 +282,36 @@ def test_by_default_the_build_decides(monkeypatch):
     assert LIB is not None
     model, _ = _linear_model(768, 768, None)
     monkeypatch.delenv("SEGFLOW_NATIVE_LINEAR", raising=False)
-    (node,) = segflow.InferenceSession(model).graph.nodes
-    assert fused.linear_calls_native(node) == bool(LIB.dll.segflow_linear_vector_fma())
+    sess = segflow.InferenceSession(model)
+    (node,) = sess.graph.nodes
+    assert (kind(sess, node) is KernelKind.NATIVE_LINEAR) == bool(
+        LIB.dll.segflow_linear_vector_fma())
     monkeypatch.setenv("SEGFLOW_NATIVE_LINEAR", "1")
-    (node,) = segflow.InferenceSession(model).graph.nodes
-    assert fused.linear_calls_native(node)
+    sess = segflow.InferenceSession(model)
+    (node,) = sess.graph.nodes
+    assert kind(sess, node) is KernelKind.NATIVE_LINEAR
 
 
 def test_without_native_kernels_linears_go_to_libdnnl(preferred, monkeypatch):
     monkeypatch.setenv("SEGFLOW_NATIVE", "0")
     model, _ = _linear_model(768, 768, None)
-    (node,) = segflow.InferenceSession(model).graph.nodes
-    assert not fused.linear_calls_native(node)
+    sess = segflow.InferenceSession(model)
+    (node,) = sess.graph.nodes
+    assert kind(sess, node) is not KernelKind.NATIVE_LINEAR
 
 
 def test_a_small_linear_stays_dense(preferred):
     model, _ = _linear_model(64, 64, "Relu")
-    (node,) = segflow.InferenceSession(model).graph.nodes
-    assert not fused.linear_calls_native(node) and not fused.linear_uses_onednn(node)
+    sess = segflow.InferenceSession(model)
+    (node,) = sess.graph.nodes
+    assert kind(sess, node) is KernelKind.REFERENCE
 
 
 def test_concurrent_runs_of_one_session_match_onnxruntime(preferred):
     model, _ = _linear_model(768, 1024, "Relu")
     ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     sess = segflow.InferenceSession(model, engine="threaded")
-    assert fused.linear_calls_native(sess.graph.nodes[0])
+    assert kind(sess, sess.graph.nodes[0]) is KernelKind.NATIVE_LINEAR
     runs_match_in_threads(sess, ref, 768, atol=ATOL, rtol=RTOL)
 
 
@@ -314,5 +321,5 @@ def test_a_segment_with_a_native_linear_never_looks_for_an_inductor_package(pref
     model, _ = _linear_model(768, 768, "Relu")
     sess = segflow.InferenceSession(model)
     steps = [step for task in sess._executor.tasks for step in task.steps]
-    assert fused.linear_calls_native(steps[0].node)
+    assert kind(sess, steps[0].node) is KernelKind.NATIVE_LINEAR
     assert not uses_cached_package(steps)

@@ -23,11 +23,13 @@ from concurrency import on_one_and_more_threads, run_in_threads
 from replays import replays
 from segflow import models
 from segflow.kernels import stem as native_stem
+from segflow.kernels.choice import KernelKind
 from segflow.kernels.native.build import NativeLibrary
 from segflow.kernels.onednn.conv import DirectConv
 from segflow.kernels.onednn.library import Library
 from segflow.kernels.onednn.replay import _NativeStretch
 from segflow.kernels.stem import vector_width
+from targets import count, kind
 
 NATIVE, NATIVE_WHY = NativeLibrary.probe()
 pytestmark = [
@@ -96,11 +98,11 @@ def test_matches_onnxruntime(cin, cout, kernel, stride, pads, size, activation, 
     model = _conv_model(cin, cout, kernel, stride, pads, size, activation)
     sess = segflow.InferenceSession(model, compile="codegen", optimize=ON)
     if cout % WIDTH:
-        assert not any(n.attrs.get("native_stem") for n in sess.graph.nodes)
+        assert count(sess, KernelKind.NATIVE_STEM) == 0
         _check(model, sess, (batch, cin, *size))
         return
-    assert [n.attrs.get("native_stem") for n in sess.graph.nodes
-            if n.op_type == "FusedConv"] == [1]
+    assert [kind(sess, n) for n in sess.graph.nodes
+            if n.op_type == "FusedConv"] == [KernelKind.NATIVE_STEM]
     _check(model, sess, (batch, cin, *size))
     calls = _stem_calls(sess)
     if cin == 1:
@@ -128,20 +130,20 @@ def test_what_it_does_not_take_is_staged_for_libdnnl(why, args):
                         [1, 1, 1, 1], (12, 12), args.get("activation", "relu"),
                         dilation=args.get("dilation", 1))
     sess = segflow.InferenceSession(model, compile="codegen", optimize=ON)
-    assert not any(n.attrs.get("native_stem") for n in sess.graph.nodes), why
+    assert count(sess, KernelKind.NATIVE_STEM) == 0, why
     _check(model, sess, (1, args["cin"], 12, 12))
     assert not _stem_calls(sess)
     assert "native stem" not in sess.explain()
 
 
 def test_a_call_the_kernel_declines_is_staged_and_explained(monkeypatch):
-    # Marked by the layout pass, declined when the call is built (a defence: the layout
-    # pass checks what the kernel checks): that input is staged, and explain says why.
+    # Chosen by the kernel selection, declined when the call is built (a defence: the
+    # selection checks what the kernel checks): that input is staged, and explain says why.
     monkeypatch.setattr(native_stem, "unfit", lambda *args: "refused for the test")
     model = _conv_model(3, 32, 3, 2, [1, 1, 1, 1], (24, 24), "relu")
     sess = segflow.InferenceSession(model, compile="codegen", optimize=ON)
-    assert [n.attrs.get("native_stem") for n in sess.graph.nodes
-            if n.op_type == "FusedConv"] == [1]
+    assert [kind(sess, n) for n in sess.graph.nodes
+            if n.op_type == "FusedConv"] == [KernelKind.NATIVE_STEM]
     _check(model, sess, (1, 3, 24, 24))
     assert not _stem_calls(sess)
     text = sess.explain()

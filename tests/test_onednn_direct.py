@@ -28,6 +28,8 @@ from concurrency import run_in_threads
 from segflow import models
 from segflow.frontend.onnx_import import import_model
 from segflow.ir.types import Device, DeviceKind
+from segflow.kernels import conv as conv_kernels
+from segflow.kernels.choice import KernelChoices, KernelKind
 from segflow.kernels.onednn import conv as onednn_conv
 from segflow.kernels.onednn import geometry as onednn_geometry
 from segflow.kernels.onednn import library as onednn_library
@@ -37,8 +39,9 @@ from segflow.kernels.onednn.geometry import geometry
 from segflow.kernels.onednn.library import Library, onednn_eltwise
 from segflow.kernels.onednn.op import DirectKernel
 from segflow.ops import fused
-from segflow.passes.layout import _pack_conv, _PackParams
-from segflow.passes.pipeline import OptimizeOptions, optimize
+from segflow.passes.pack_weights import PackParams, pack_conv
+from segflow.passes.pipeline import OptimizeOptions, run_pipeline
+from targets import kind
 
 LIB = Library.load()
 pytestmark = pytest.mark.skipif(LIB is None, reason=f"libdnnl {Library.probe()[1]}")
@@ -285,19 +288,21 @@ def test_the_system_search_runs_only_when_the_wheels_library_is_absent(
         assert asked == ["dnnl"]   # found in the environment: no second search
 
 
-def _resnet18_log(env: dict[str, str]) -> tuple[list[str], Any]:
+def _resnet18_log(env: dict[str, str]) -> tuple[list[str], Any, KernelChoices]:
     graph = import_model(models.build("resnet18", num_classes=10, image_size=32))
-    log = optimize(graph, OptimizeOptions.resolve(compile="codegen", env=env), device=CPU)
-    return log, graph
+    result = run_pipeline(graph, OptimizeOptions.resolve(compile="codegen", env=env),
+                          device=CPU)
+    return list(result.log), graph, result.choices
 
 
 def test_layout_marks_convolutions_direct_and_the_option_turns_it_off():
-    log, graph = _resnet18_log({})
+    log, graph, choices = _resnet18_log({})
     convs = [n for n in graph.nodes if n.op_type == "FusedConv"]
-    assert all(n.attrs.get("onednn_direct") == 1 for n in convs)
+    assert all(choices.calls_libdnnl(n) for n in convs)
     assert "direct calls into oneDNN" in log[3]
-    log, graph = _resnet18_log({"SEGFLOW_ONEDNN_DIRECT": "0"})
-    assert not any(n.attrs.get("onednn_direct") for n in graph.nodes)
+    log, graph, choices = _resnet18_log({"SEGFLOW_ONEDNN_DIRECT": "0"})
+    assert not any(choices.calls_libdnnl(n) for n in graph.nodes)
+    assert {choices.kind(n) for n in convs if n in choices} <= {KernelKind.ONEDNN_CONV}
     assert log[3] == "layout: prepacked for oneDNN: 20 convolutions (channels_last)"
 
 
@@ -327,7 +332,7 @@ def test_layout_packs_a_direct_convolution_once_in_libdnnl_format(monkeypatch, s
     dense = torch.randn(*shape)
     group = input_size[1] // shape[1]
     k = shape[-1]
-    params = _PackParams((k // 2, k // 2), (1, 1), (1, 1), group, input_size)
+    params = PackParams((k // 2, k // 2), (1, 1), (1, 1), group, input_size)
     assert LIB is not None
     geo = geometry(shape, (1, 1), (k // 2,) * 2, (1, 1), group)
     wanted = LIB.preferred_weight(dense, geo, input_size)
@@ -336,13 +341,13 @@ def test_layout_packs_a_direct_convolution_once_in_libdnnl_format(monkeypatch, s
         raise AssertionError("packed with torch too")
     with monkeypatch.context() as patch:
         patch.setattr(torch.ops.mkldnn, "_reorder_convolution_weight", no_torch_packing)
-        packed, packed_for, verified, libdnnl_bytes = _pack_conv(dense, params, LIB)
+        packed, packed_for, verified, libdnnl_bytes = pack_conv(dense, params, LIB)
     assert libdnnl_bytes and packed_for == verified == input_size
     assert torch.equal(packed, wanted)
     torch.testing.assert_close(LIB.unpack_weight(packed, geo, input_size).reshape(shape),
                                dense)
     # Without libdnnl the weight is torch's packing, for torch's oneDNN op.
-    packed, packed_for, verified, libdnnl_bytes = _pack_conv(dense, params, None)
+    packed, packed_for, verified, libdnnl_bytes = pack_conv(dense, params, None)
     assert packed.is_mkldnn and not libdnnl_bytes and verified is None
     torch.testing.assert_close(packed.to_dense(), dense)
 
@@ -429,14 +434,14 @@ def test_torch_packing_is_made_once_from_libdnnl_bytes_for_a_fallback():
     w = torch.randn(16, 8, 3, 3) * 0.1
     size = [1, 8, 10, 10]
     geo, packed = _libdnnl_packed(w, size, 1)
-    spec = fused._ConvSpec(2, [1, 1], [1, 1], [], [1, 1], 1, False, False)
-    make = fused.TorchPacking(spec, geo, size)
+    spec = fused.ConvSpec(2, [1, 1], [1, 1], [], [1, 1], 1, False, False)
+    make = conv_kernels.TorchPacking(spec, geo, size, lib=LIB)
     theirs = make(packed)
     assert theirs.is_mkldnn and make(packed) is theirs
     torch.testing.assert_close(theirs.to_dense(), w)
     x = torch.randn(*size).contiguous(memory_format=torch.channels_last)
-    fallback = fused._onednn_conv_callable(spec, fused.ACTIVATIONS[""], [], False,
-                                           fused.WeightForInput(spec, size, make),
+    fallback = conv_kernels.onednn_conv_callable(spec, fused.ACTIVATIONS[""], [], False,
+                                                 conv_kernels.WeightForInput(spec, size, make),
                                            ("none", [], ""))
     torch.testing.assert_close(fallback(x, packed, None), F.conv2d(x, w, None, 1, 1),
                                atol=ATOL, rtol=RTOL)
@@ -615,12 +620,13 @@ def test_direct_global_pooling_matches_torch(algorithm: str, reference: Any, sha
 
 
 def test_layout_marks_the_pools_after_a_direct_convolution():
-    log, graph = _resnet18_log({})
+    log, graph, choices = _resnet18_log({})
     pools = [n for n in graph.nodes if n.op_type in ("MaxPool", "GlobalAveragePool")]
-    assert len(pools) == 2 and all(n.attrs.get("onednn_direct") == 1 for n in pools)
+    assert len(pools) == 2
+    assert all(choices.kind(n) is KernelKind.DIRECT_POOL for n in pools)
     assert "(and 2 poolings)" in log[3]
-    _, graph = _resnet18_log({"SEGFLOW_ONEDNN_DIRECT": "0"})
-    assert not any(n.attrs.get("onednn_direct") for n in graph.nodes)
+    _, graph, choices = _resnet18_log({"SEGFLOW_ONEDNN_DIRECT": "0"})
+    assert not any(choices.calls_libdnnl(n) for n in graph.nodes)
 
 
 @pytest.mark.parametrize("prebuild", [True, False])
@@ -777,8 +783,8 @@ def test_a_weight_two_convolutions_share_is_released_after_its_last_reader(
     assert all(n.inputs[1] is not None and n.inputs[1].const is not None for n in convs)
     # The two stride-1 convolutions share one transformed (or packed) weight.
     assert convs[0].inputs[1] is convs[1].inputs[1]
-    assert bool(convs[0].attrs.get("winograd")) is (winograd == "1")
-    assert not convs[2].attrs.get("winograd")        # stride 2: packed
+    assert (kind(sess, convs[0]) is KernelKind.WINOGRAD) is (winograd == "1")
+    assert kind(sess, convs[2]) is not KernelKind.WINOGRAD        # stride 2: packed
 
 
 def test_the_preferred_weight_format_is_asked_of_libdnnl_once_per_geometry(

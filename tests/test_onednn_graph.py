@@ -15,7 +15,7 @@ import segflow
 from segflow import models
 from segflow.ir.types import Device
 from segflow.kernels.onednn.library import Library
-from segflow.ops.fused import onednn_graph_available
+from segflow.kernels.target import onednn_graph_available
 from segflow.passes.pipeline import CompileMode, choose_backend
 from segflow.runtime.compile import CompileReport, generate
 from segflow.runtime.onednn_graph import MAX_SIGNATURES, OneDnnGraphSegment

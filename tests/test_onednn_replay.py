@@ -22,6 +22,7 @@ import segflow
 from concurrency import run_in_threads
 from replays import replays
 from segflow import models
+from segflow.kernels.choice import KernelKind
 from segflow.kernels.linear import NativeLinear
 from segflow.kernels.native.build import NativeLibrary
 from segflow.kernels.onednn.library import DnnlError, Library
@@ -110,7 +111,7 @@ def test_replays_from_the_second_run_with_each_new_feed_and_size(name, native):
                 if entry[1] is not None]
     # A stem that stages the NCHW feed into channels-last runs as before; the native stem
     # kernel (AVX-512 CPUs) reads it in place, an execute like the others.
-    stem_native = any(n.attrs.get("native_stem") for n in sess.graph.nodes)
+    stem_native = sess.plan.choices.counts()[KernelKind.NATIVE_STEM] > 0
     if native:
         # Every execute is in one C call (a stretch): a stem that stages the NCHW feed
         # (ResNet-18's, below, unless native; MobileNetV2's unless native or its first

@@ -16,6 +16,7 @@ from segflow import models
 from segflow.errors import InvalidSetting
 from segflow.frontend.onnx_import import import_model
 from segflow.ir.types import Device
+from segflow.kernels.choice import KernelKind
 from segflow.passes.pipeline import (
     PASSES,
     CompileMode,
@@ -24,6 +25,7 @@ from segflow.passes.pipeline import (
     optimize,
     run_pipeline,
 )
+from targets import count, patch_target
 
 CPU = Device.parse("cpu")
 
@@ -232,7 +234,7 @@ def test_winograd_switched_off_from_the_api_runs_no_winograd_convolution():
     feeds = models.example_inputs("resnet18", batch_size=2, num_classes=10, image_size=32)
     on = segflow.InferenceSession(model, optimize={"layout.winograd": True})
     off = segflow.InferenceSession(model, optimize={"layout.winograd": False})
-    winograd = [sum(1 for n in s.graph.nodes if n.attrs.get("winograd")) for s in (on, off)]
+    winograd = [count(s, KernelKind.WINOGRAD) for s in (on, off)]
     assert winograd[1] == 0
     if Library.load() is not None and NativeLibrary.for_session()[0] is not None:
         assert winograd[0] > 0
@@ -258,11 +260,10 @@ def test_siblings_packed_for_the_avx512_kernel_stay_apart_unless_named(monkeypat
     # A 768-wide encoder: its query, key and value weights are each packed for the
     # native kernel. With AVX-512's 48-wide panels they stay three linears; with AVX2's
     # 24-wide ones (or when fuse.siblings is named on) they become one and a Split.
-    import segflow.passes.pipeline as pipeline
     from segflow.kernels.native.build import NativeLibrary
     if NativeLibrary.for_session()[0] is None:
         pytest.skip("no native library")
-    monkeypatch.setattr(pipeline, "panel_width", lambda library: width)
+    patch_target(monkeypatch, native_panel_width=width)
     model = models.build("bert_tiny", layers=1, hidden=768, heads=12, ffn=3072, vocab=50,
                          max_positions=16, seq_len=8)
     for chosen, want in ((None, merged), ({"fuse.siblings": True}, True)):
@@ -282,9 +283,10 @@ def test_siblings_packed_for_the_avx512_kernel_stay_apart_unless_named(monkeypat
 
 # -- the table: every pass has one signature and reports changed / unchanged -----------------
 def _context(device=CPU, **optimize):  # type: ignore[no-untyped-def]
-    from segflow.passes.pipeline import LoadedLibraries, PassContext
+    from segflow.kernels.target import CpuTarget
+    from segflow.passes.pipeline import PassContext
     return PassContext(device, OptimizeOptions.resolve(optimize or None, env={}),
-                       LoadedLibraries())
+                       CpuTarget.detect())
 
 
 def _relu_graph():  # type: ignore[no-untyped-def]

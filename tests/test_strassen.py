@@ -22,6 +22,7 @@ import torch
 import segflow
 from concurrency import on_one_and_more_threads
 from linear_model import linear_model, session_switched_off
+from segflow.kernels.choice import KernelKind
 from segflow.kernels.linear import (
     ACT_NONE,
     NativeLinear,
@@ -34,8 +35,9 @@ from segflow.kernels.linear import (
 )
 from segflow.kernels.native.build import NativeLibrary
 from segflow.kernels.onednn.library import openmp_entry_points
+from segflow.kernels.target import CpuTarget
 from segflow.ops import fused
-from segflow.passes import layout
+from targets import as_cpu, choice, kind
 
 LIB, WHY = NativeLibrary.probe()
 pytestmark = pytest.mark.skipif(LIB is None, reason=f"native kernels {WHY}")
@@ -248,8 +250,8 @@ def test_scratch_for_fewer_threads_than_run_means_the_classic_kernel():
 def preferred(monkeypatch):
     """This build as one the native linear and Strassen are preferred on (the kernels
     themselves run on any)."""
-    monkeypatch.setattr(fused, "_cpu_has_avx512", lambda: False)
-    monkeypatch.setattr(layout, "strassen_preferred", lambda library: True)
+    as_cpu(monkeypatch, avx512=False)
+    monkeypatch.setattr(CpuTarget, "strassen_preferred", lambda target: True)
     monkeypatch.delenv("SEGFLOW_NATIVE_LINEAR", raising=False)
     monkeypatch.delenv("SEGFLOW_STRASSEN", raising=False)
     assert LIB is not None
@@ -267,14 +269,14 @@ def test_by_default_it_runs_where_the_panels_are_the_avx2_builds(monkeypatch):
     model, _ = linear_model(RNG, 768, 768, None)
     sess = segflow.InferenceSession(model, optimize={"layout.native_linear": True})
     (node,) = sess.graph.nodes
-    assert fused.linear_calls_native(node)
-    assert ("strassen_wmax" in node.attrs) == strassen_preferred(LIB)
+    assert kind(sess, node) is KernelKind.NATIVE_LINEAR
+    assert (choice(sess, node).strassen_wmax is not None) == strassen_preferred(LIB)
     sess.run(None, {"x": RNG.standard_normal((2, 16, 768)).astype(np.float32)})
     assert sess.last_run_stats.settings["strassen"] == "auto"
     monkeypatch.setenv("SEGFLOW_STRASSEN", "1")
     sess = segflow.InferenceSession(model, optimize={"layout.native_linear": True})
     (node,) = sess.graph.nodes
-    assert "strassen_wmax" in node.attrs
+    assert choice(sess, node).strassen_wmax is not None
 
 
 def test_a_session_marks_runs_and_explains_it(preferred):
@@ -282,7 +284,7 @@ def test_a_session_marks_runs_and_explains_it(preferred):
     ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     sess = segflow.InferenceSession(model)
     (node,) = sess.graph.nodes
-    assert node.attrs["strassen_wmax"] == pytest.approx(float(np.abs(w).max()))
+    assert choice(sess, node).strassen_wmax == pytest.approx(float(np.abs(w).max()))
     for batch in (2, 1, 4):             # 32 rows, 16 (too few), 64
         x = RNG.standard_normal((batch, 16, 768)).astype(np.float32)
         np.testing.assert_allclose(sess.run(None, {"x": x})[0], ref.run(None, {"x": x})[0],
@@ -297,7 +299,8 @@ def test_the_switch_turns_it_off(preferred, monkeypatch, how):
     model, _ = linear_model(RNG, 768, 768, None)
     sess = session_switched_off(model, how, monkeypatch, "SEGFLOW_STRASSEN", "layout.strassen")
     (node,) = sess.graph.nodes
-    assert fused.linear_calls_native(node) and "strassen_wmax" not in node.attrs
+    assert kind(sess, node) is KernelKind.NATIVE_LINEAR
+    assert choice(sess, node).strassen_wmax is None
     sess.run(None, {"x": RNG.standard_normal((2, 16, 768)).astype(np.float32)})
     assert not any("strassen" in line for line in sess.kernel_report())
     assert sess.last_run_stats.settings["strassen"] is False

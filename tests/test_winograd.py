@@ -26,15 +26,16 @@ from concurrency import run_in_threads
 from replays import replays
 from segflow import models
 from segflow.kernels import winograd
+from segflow.kernels.choice import KernelKind
 from segflow.kernels.native.build import NativeLibrary
 from segflow.kernels.onednn.conv import DirectConv
 from segflow.kernels.onednn.geometry import geometry
 from segflow.kernels.onednn.library import Library
 from segflow.kernels.onednn.replay import DirectReplay, _NativeStretch
+from segflow.kernels.target import WINOGRAD_MIN_TILES, CpuTarget
 from segflow.kernels.winograd import transform_weight
-from segflow.ops import fused
-from segflow.passes import layout as layout_pass
 from segflow.passes.pipeline import OptimizeOptions
+from targets import as_cpu, choice, count, kind
 
 LIB = Library.load()
 NATIVE, NATIVE_WHY = NativeLibrary.probe()
@@ -199,7 +200,7 @@ def test_the_inverse_transform_recovers_the_weight():
 def test_a_winograd_convolution_holds_its_weight_once():
     model = _model(1, 16, 24, 10, 10, 1, "Relu", False)
     sess = segflow.InferenceSession(model, compile="codegen")
-    (node,) = [n for n in sess.graph.nodes if n.attrs.get("winograd")]
+    (node,) = [n for n in sess.graph.nodes if kind(sess, n) is KernelKind.WINOGRAD]
     weight = node.inputs[1]
     assert weight.const is not None and tuple(weight.const.shape) == (36, 16, 24)
     assert weight.spec.shape == (24, 16, 3, 3)      # the logical weight, as before
@@ -207,7 +208,7 @@ def test_a_winograd_convolution_holds_its_weight_once():
     held = [v for v in sess.graph.initializers.values() if v.const is not None
             and v.const.numel() in (24 * 16 * 9,) and v is not weight]
     assert held == [] and weight.name.endswith(".winograd")
-    assert "onednn_direct_packed" not in node.attrs
+    assert not choice(sess, node).libdnnl_packed
     _compare(model, {"x": np.random.default_rng(5).standard_normal(
         (1, 16, 10, 10)).astype(np.float32)}, sess)
     assert _winograd_calls(sess) == 1
@@ -267,7 +268,7 @@ def test_segflow_winograd_0_turns_it_off(monkeypatch):
     sess = segflow.InferenceSession(model, compile="codegen")
     _compare(model, {"x": np.ones((1, 16, 12, 12), np.float32)}, sess)
     assert _winograd_calls(sess) == 0
-    assert not any(n.attrs.get("winograd") for n in sess.graph.nodes)
+    assert count(sess, KernelKind.WINOGRAD) == 0
     assert sess.last_run_stats is not None
     assert sess.last_run_stats.settings["winograd"] is False
 
@@ -281,21 +282,21 @@ def test_unset_it_runs_where_it_was_measured_faster(monkeypatch):
     asked: list[int | None] = []
 
     def preferred(answer: bool):
-        def ask(tiles: int | None) -> bool:
+        def ask(target: CpuTarget, tiles: int | None) -> bool:
             asked.append(tiles)
             return answer
         return ask
-    monkeypatch.setattr(layout_pass, "winograd_preferred", preferred(False))
+    monkeypatch.setattr(CpuTarget, "winograd_preferred", preferred(False))
     sess = segflow.InferenceSession(model, compile="codegen")
-    assert not any(n.attrs.get("winograd") for n in sess.graph.nodes)
+    assert count(sess, KernelKind.WINOGRAD) == 0
     assert 4 in asked           # the 3x3 convolution's 8x8 output: 2 x 2 tiles
-    monkeypatch.setattr(layout_pass, "winograd_preferred", preferred(True))
+    monkeypatch.setattr(CpuTarget, "winograd_preferred", preferred(True))
     sess = segflow.InferenceSession(model, compile="codegen")
-    assert sum(1 for n in sess.graph.nodes if n.attrs.get("winograd")) == 1
-    monkeypatch.setattr(layout_pass, "winograd_preferred", preferred(False))
+    assert count(sess, KernelKind.WINOGRAD) == 1
+    monkeypatch.setattr(CpuTarget, "winograd_preferred", preferred(False))
     monkeypatch.setenv("SEGFLOW_WINOGRAD", "1")                             # forced
     sess = segflow.InferenceSession(model, compile="codegen")
-    assert sum(1 for n in sess.graph.nodes if n.attrs.get("winograd")) == 1
+    assert count(sess, KernelKind.WINOGRAD) == 1
 
 
 @pytest.mark.parametrize("avx512", [False, True])
@@ -305,19 +306,20 @@ def test_by_default_avx512_cpus_take_it_where_an_image_makes_enough_tiles(monkey
     # cuts into 32 or more 4x4 tiles (ResNet-50's 56x56 and 28x28 stages), and none
     # whose size is not known at load.
     monkeypatch.delenv("SEGFLOW_WINOGRAD")
-    monkeypatch.setattr(fused, "_cpu_has_avx512", lambda: avx512)
-    assert fused.winograd_preferred(None) is not avx512
-    assert fused.winograd_preferred(31) is not avx512
-    assert fused.winograd_preferred(fused.WINOGRAD_MIN_TILES) is True
+    as_cpu(monkeypatch, avx512=avx512)
+    target = CpuTarget.detect()
+    assert target.winograd_preferred(None) is not avx512
+    assert target.winograd_preferred(31) is not avx512
+    assert target.winograd_preferred(WINOGRAD_MIN_TILES) is True
     for size, tiles in ((8, 4), (20, 25), (23, 36), (28, 49)):
         sess = segflow.InferenceSession(_model(1, 16, 16, size, size, 1, "Relu", False),
                                         compile="codegen")
-        marked = sum(1 for n in sess.graph.nodes if n.attrs.get("winograd"))
-        assert marked == (not avx512 or tiles >= fused.WINOGRAD_MIN_TILES), size
+        marked = count(sess, KernelKind.WINOGRAD)
+        assert marked == (not avx512 or tiles >= WINOGRAD_MIN_TILES), size
     model = _model(1, 16, 16, 28, 28, 1, "Relu", False)
     model.graph.input[0].type.tensor_type.shape.dim[2].dim_param = "height"
     sess = segflow.InferenceSession(model, compile="codegen")
-    assert any(n.attrs.get("winograd") for n in sess.graph.nodes) is not avx512
+    assert (count(sess, KernelKind.WINOGRAD) > 0) is not avx512
 
 
 def _resnet18() -> tuple[onnx.ModelProto, segflow.InferenceSession]:
@@ -337,7 +339,7 @@ def _replay(sess: segflow.InferenceSession) -> DirectReplay:
 def test_resnet18_runs_its_3x3_convolutions_as_winograd_inside_the_native_replay():
     model, sess = _resnet18()
     # Transformed by the layout pass: the calls read the graph's constants in place.
-    marked = [n for n in sess.graph.nodes if n.attrs.get("winograd")]
+    marked = [n for n in sess.graph.nodes if kind(sess, n) is KernelKind.WINOGRAD]
     constants = [n.inputs[1].const for n in marked]
     transformed = [op.winograd.weight for _, op in _direct_convs(sess) if op.winograd]
     assert len(transformed) == 13

@@ -9,21 +9,12 @@ with the other kernel binders.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
 from segflow.ir.graph import Node
-from segflow.kernels.onednn.library import (
-    MAX_LAYOUTS,
-    POOL_AVG_EXCLUDE_PADDING,
-    POOL_MAX,
-    Library,
-    PoolWindow,
-)
-from segflow.kernels.onednn.op import DirectKernel
-from segflow.kernels.onednn.pool import DirectPool
 from segflow.ops import _deform, _losses, _transformer, gradients
 from segflow.ops._common import has_input, resolve_pads, torch_pad
 from segflow.ops.registry import BindContext, Kernel, OpDef, ViewOfInput
@@ -36,7 +27,7 @@ _MAXPOOL = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
 _AVGPOOL = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
 
 
-class _Window:
+class Window:
     """Parsed window attributes shared by Conv and the pools."""
 
     def __init__(self, node: Node, spatial: int, kernel: Sequence[int]) -> None:
@@ -81,9 +72,9 @@ def _conv(node: Node, ctx: BindContext) -> Kernel:
         spatial = w.dim() - 2
         win = state.get("win")
         if win is None:
-            win = _Window(node, spatial, kshape or list(w.shape[2:]))
+            win = Window(node, spatial, kshape or list(w.shape[2:]))
             state["win"] = win
-        assert isinstance(win, _Window)
+        assert isinstance(win, Window)
         if win.symmetric:
             return [_CONV[spatial](x, w, b, win.strides, win.pads[:spatial], win.dilations, group)]
         x = F.pad(x, torch_pad(win.resolve(x)))
@@ -138,7 +129,7 @@ def _conv_transpose(node: Node, ctx: BindContext) -> Kernel:
     return kernel
 
 
-def _pool_out_pad(x: Tensor, win: _Window) -> tuple[list[int], list[int]]:
+def pool_out_pad(x: Tensor, win: Window) -> tuple[list[int], list[int]]:
     pads = win.resolve(x)
     n = win.spatial
     return pads[:n], pads[n:]
@@ -147,7 +138,7 @@ def _pool_out_pad(x: Tensor, win: _Window) -> tuple[list[int], list[int]]:
 def _maxpool(node: Node, ctx: BindContext) -> Kernel:
     kshape = list(node.attrs["kernel_shape"])
     n = len(kshape)
-    win = _Window(node, n, kshape)
+    win = Window(node, n, kshape)
     ceil_mode = bool(node.attrs.get("ceil_mode", 0))
     storage_order = int(node.attrs.get("storage_order", 0))
     want_indices = len(node.outputs) > 1
@@ -155,7 +146,7 @@ def _maxpool(node: Node, ctx: BindContext) -> Kernel:
     def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
         x = inputs[0]
         assert x is not None
-        begin, end = _pool_out_pad(x, win)
+        begin, end = pool_out_pad(x, win)
         if begin == end and all(p <= k // 2 for p, k in zip(begin, kshape)) and not want_indices:
             return [_MAXPOOL[n](x, kshape, win.strides, begin, win.dilations, ceil_mode)]
         xp = F.pad(x, torch_pad(begin + end), value=-math.inf) if any(begin + end) else x
@@ -166,30 +157,7 @@ def _maxpool(node: Node, ctx: BindContext) -> Kernel:
             return [y, idx]
         return [_MAXPOOL[n](xp, kshape, win.strides, 0, win.dilations, ceil_mode)]
 
-    if want_indices or n not in (2, 3):
-        return kernel
-
-    def window(x: Tensor) -> PoolWindow:
-        begin, end = _pool_out_pad(x, win)
-        return list(kshape), list(win.strides), list(win.dilations), begin, end
-    return _direct_pool(node, ctx, POOL_MAX, window, ceil_mode, kernel)
-
-
-def _direct_pool(node: Node, ctx: BindContext, algorithm: int,
-                 window: Callable[[Tensor], PoolWindow], ceil_mode: bool, kernel: Kernel
-                 ) -> Kernel:
-    """``kernel``, or a pooling straight into libdnnl (kernels/onednn/) with
-    ``kernel`` as its fallback when the layout pass marked the node ``onednn_direct``."""
-    lib = Library.load() if node.attrs.get("onednn_direct") else None
-    if lib is None:
-        return kernel
-    # torch's max pooling returns NaN for a window holding one; libdnnl's skips it.
-    keeps_nan = algorithm == POOL_MAX and not ctx.allow_inexact(
-        node, "libdnnl's max pooling skips NaN")
-    return DirectKernel(DirectPool(lib, algorithm, window, ceil_mode,
-                                   lambda x: kernel((x,))[0], MAX_LAYOUTS,
-                                   ctx.destination(node.outputs[0]),
-                                   bool(node.attrs.get("onednn_blocked_input")), keeps_nan))
+    return kernel
 
 
 def _unpad_indices(idx: Tensor, shape: Sequence[int], begin: list[int], end: list[int],
@@ -223,14 +191,14 @@ def _unpad_indices(idx: Tensor, shape: Sequence[int], begin: list[int], end: lis
 def _avgpool(node: Node, ctx: BindContext) -> Kernel:
     kshape = list(node.attrs["kernel_shape"])
     n = len(kshape)
-    win = _Window(node, n, kshape)
+    win = Window(node, n, kshape)
     ceil_mode = bool(node.attrs.get("ceil_mode", 0))
     count_pad = bool(node.attrs.get("count_include_pad", 0))
 
     def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
         x = inputs[0]
         assert x is not None
-        begin, end = _pool_out_pad(x, win)
+        begin, end = pool_out_pad(x, win)
         if (begin == end and all(p <= k // 2 for p, k in zip(begin, kshape))
                 and win.dilations == [1] * n):
             return [_AVGPOOL[n](x, kshape, win.strides, begin, ceil_mode, count_pad)]
@@ -238,7 +206,7 @@ def _avgpool(node: Node, ctx: BindContext) -> Kernel:
     return kernel
 
 
-def _avgpool_general(x: Tensor, kshape: list[int], win: _Window, begin: list[int],
+def _avgpool_general(x: Tensor, kshape: list[int], win: Window, begin: list[int],
                      end: list[int], ceil_mode: bool, count_pad: bool) -> Tensor:
     """Average pooling with asymmetric pads/dilations: a sum-conv divided by counts."""
     n = len(kshape)
@@ -273,12 +241,7 @@ def _global_pool(reduce: str):  # type: ignore[no-untyped-def]
             if reduce == "mean":
                 return [x.mean(dim=dims, keepdim=True)]
             return [x.amax(dim=dims, keepdim=True)]
-
-        def window(x: Tensor) -> PoolWindow:
-            spatial = x.dim() - 2
-            return list(x.shape[2:]), [1] * spatial, [1] * spatial, [0] * spatial, [0] * spatial
-        algorithm = POOL_AVG_EXCLUDE_PADDING if reduce == "mean" else POOL_MAX
-        return _direct_pool(node, ctx, algorithm, window, False, kernel)
+        return kernel
     return bind
 
 

@@ -25,6 +25,8 @@ from segflow.errors import UnsupportedOp
 
 if TYPE_CHECKING:
     from segflow.ir.graph import Graph, Node, Value
+    from segflow.kernels.choice import KernelChoice
+    from segflow.kernels.target import CpuTarget
     from segflow.kernels.workspace import Workspace
 
 Tensor = torch.Tensor
@@ -45,6 +47,19 @@ class BindContext(Protocol):
 
     @property
     def device(self) -> torch.device:
+        ...
+
+    @property
+    def target(self) -> CpuTarget:
+        """The CPU this session's kernels run on (``kernels/target.py``)."""
+        ...
+
+    def choice(self, node: Node) -> KernelChoice:
+        """The kernel the plan chose for ``node`` (``kernels/choice.py``)."""
+        ...
+
+    def reference(self, node: Node) -> Kernel:
+        """``node``'s OpDef row kernel, whatever its choice (a chosen kernel's fallback)."""
         ...
 
     def captured(self, node: Node) -> list[Value]:

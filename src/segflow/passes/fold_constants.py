@@ -23,9 +23,11 @@ import torch
 
 from segflow.ir.graph import Graph, Node, Value
 from segflow.ir.types import shape_window
+from segflow.kernels.choice import REFERENCE, KernelChoice
+from segflow.kernels.target import CpuTarget
 from segflow.kernels.workspace import Workspace
 from segflow.ops import default_registry
-from segflow.ops.registry import OpRegistry, SubgraphRunner
+from segflow.ops.registry import Kernel, OpRegistry, SubgraphRunner
 from segflow.passes._rewrite import new_const, remove_dead
 from segflow.passes.result import PassResult
 
@@ -60,6 +62,18 @@ class _FoldContext:
 
     def allow_inexact(self, node: Node, reason: str) -> bool:
         return False   # a folded constant is computed once: exactly
+
+    @property
+    def target(self) -> CpuTarget:
+        # Folding runs before kernels are chosen: what a reference kernel asks of the
+        # target (a linear's post-op) is looked up only if one asks.
+        return CpuTarget.detect()
+
+    def choice(self, node: Node) -> KernelChoice:
+        return REFERENCE   # folded nodes run their reference kernels
+
+    def reference(self, node: Node) -> Kernel:
+        raise NotImplementedError("folded nodes are bound through their OpDef rows")
 
 
 def fold_constants(graph: Graph, registry: OpRegistry | None = None, *,

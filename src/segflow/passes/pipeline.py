@@ -25,30 +25,20 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from typing import Protocol
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from segflow.ir.graph import Graph, Node
 from segflow.ir.types import Device, DeviceKind, DType
-from segflow.kernels.linear import native_linear_preferred, panel_width
-from segflow.kernels.native.build import NativeLibrary
-from segflow.kernels.onednn.library import Library
-from segflow.ops.fused import (
-    FUSED_DOMAIN,
-    LINEAR_PACK_MIN_WEIGHT,
-    linear_calls_libdnnl,
-    linear_calls_native,
-    linear_uses_onednn,
-    onednn_graph_available,
-)
+from segflow.kernels.choice import KernelChoices, KernelKind
+from segflow.kernels.target import CpuTarget, onednn_graph_available
+from segflow.ops.fused import FUSED_DOMAIN, LINEAR_PACK_MIN_WEIGHT
 from segflow.ops.registry import OpRegistry
 from segflow.passes.dense_chain import chain_dense
 from segflow.passes.fold_constants import fold_constants
 from segflow.passes.fuse import RULE_NAMES, run_rules
 from segflow.passes.fuse.siblings import fuse_siblings
-from segflow.passes.layout import POOLS, layout
 from segflow.passes.options import (
     LAYOUT_CHOICES,
     PASSES,
@@ -58,48 +48,25 @@ from segflow.passes.options import (
 )
 from segflow.passes.plan_memory import MemoryPlan, plan_memory
 from segflow.passes.result import PassResult
+from segflow.passes.select_kernels import POOLS, select_kernels
 
 # The options' names stay importable from here, where the pipeline's callers look.
 __all__ = ["LAYOUT_CHOICES", "PASSES", "PIPELINE", "CompileMode", "OptimizeOptions",
-           "PassContext", "PassEntry", "PassResult", "PassTarget", "PipelineResult",
+           "PassContext", "PassEntry", "PassResult", "PipelineResult",
            "choose_backend", "configure_threads", "contiguous_constants", "optimize",
            "run_pipeline"]
 
 
 @dataclass(frozen=True, slots=True)
 class PipelineResult:
-    """The log lines (one per pass), the memory plan (None when that pass is off) and the
-    segment backend chosen for this graph."""
+    """The log lines (one per pass), the memory plan (None when that pass is off), the
+    segment backend chosen for this graph and the kernel choices (none where the
+    kernel selection did not run)."""
 
     log: tuple[str, ...]
     memory: MemoryPlan | None
     compile: CompileMode = CompileMode.CODEGEN
-
-
-class PassTarget(Protocol):
-    """What the target offers the passes (the libraries its kernels can call)."""
-
-    def native_library(self) -> NativeLibrary | None:
-        """segflow's native kernel library, None where it is off or does not build."""
-        ...
-
-    def libdnnl(self) -> tuple[bool, str]:
-        """Whether libdnnl can be called directly, and a phrase saying why (for the log)."""
-        ...
-
-
-class LoadedLibraries:
-    """The process's libraries, looked up when a pass first asks (a pipeline for a CUDA
-    device never loads them)."""
-
-    __slots__ = ()
-
-    def native_library(self) -> NativeLibrary | None:
-        return NativeLibrary.for_session()[0]
-
-    def libdnnl(self) -> tuple[bool, str]:
-        library, why = Library.probe()
-        return library is not None, why
+    choices: KernelChoices = field(default_factory=KernelChoices)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +77,7 @@ class PassContext:
 
     device: Device | None          # None: a custom placement names the imported nodes
     options: OptimizeOptions
-    target: PassTarget
+    target: CpuTarget
     registry: OpRegistry | None = None
     backend: CompileMode = CompileMode.CODEGEN
     training: bool = False         # the graph is differentiated after the pipeline
@@ -138,7 +105,7 @@ def optimize(graph: Graph, options: OptimizeOptions, *, registry: OpRegistry | N
 
 
 def run_pipeline(graph: Graph, options: OptimizeOptions, *, registry: OpRegistry | None = None,
-                 device: Device | None = None, target: PassTarget | None = None,
+                 device: Device | None = None, target: CpuTarget | None = None,
                  training: bool = False) -> PipelineResult:
     """Run :data:`PIPELINE`'s enabled passes, then plan memory; one log line each.
 
@@ -148,8 +115,9 @@ def run_pipeline(graph: Graph, options: OptimizeOptions, *, registry: OpRegistry
     ``training``: only the rows marked for training run (the graph is differentiated
     next, and its gradients need the forward ops as imported); no memory plan.
     """
-    context = PassContext(device, options, target or LoadedLibraries(), registry,
+    context = PassContext(device, options, target or CpuTarget.detect(), registry,
                           training=training)
+    choices = KernelChoices()
     log: list[str] = []
     why = ""
     chosen = training          # a training graph runs no compiled segments: no backend
@@ -162,7 +130,10 @@ def run_pipeline(graph: Graph, options: OptimizeOptions, *, registry: OpRegistry
         elif entry.switch is not None and not getattr(options, entry.switch):
             lines = (f"{entry.name}: off",)
         else:
-            lines = entry.run(graph, context).log
+            result = entry.run(graph, context)
+            lines = result.log
+            if result.choices is not None:
+                choices = result.choices
         _note(options, lines, log)
     if not chosen:
         context, why = _with_backend(graph, context)
@@ -176,7 +147,7 @@ def run_pipeline(graph: Graph, options: OptimizeOptions, *, registry: OpRegistry
         _note(options, ("plan_memory: off",), log)
     if not training:
         _note(options, (f"compile: {context.backend.value} ({why})",), log)
-    return PipelineResult(tuple(log), memory, context.backend)
+    return PipelineResult(tuple(log), memory, context.backend, choices)
 
 
 def _with_backend(graph: Graph, context: PassContext) -> tuple[PassContext, str]:
@@ -210,7 +181,7 @@ def contiguous_constants(graph: Graph) -> int:
 
 
 def choose_backend(graph: Graph, mode: CompileMode, device: Device | None, *,
-                   direct: bool = True, target: PassTarget | None = None
+                   direct: bool = True, target: CpuTarget | None = None
                    ) -> tuple[CompileMode, str]:
     """The segment backend for ``graph`` and why.
 
@@ -237,7 +208,7 @@ def choose_backend(graph: Graph, mode: CompileMode, device: Device | None, *,
     convs = [node for node in graph.nodes if _is_conv2d(node)]
     depthwise = sum(1 for node in convs if _is_depthwise(node))
     if depthwise and on_cpu:
-        if direct and (target or LoadedLibraries()).libdnnl()[0]:
+        if direct and (target if target is not None else CpuTarget.detect()).dnnl is not None:
             return CompileMode.CODEGEN, (f"auto: {len(convs)} convolutions, {depthwise} "
                                          "depthwise, called straight into libdnnl")
         if onednn_graph_available():
@@ -323,7 +294,7 @@ def dense_chain_pass(graph: Graph, context: PassContext) -> PassResult:
 
 
 def layout_pass(graph: Graph, context: PassContext) -> PassResult:
-    """Prepack weights and pick the CPU kernels (passes/layout.py)."""
+    """Choose the CPU kernels and pack their weights (passes/select_kernels.py)."""
     options, device, backend = context.options, context.device, context.backend
     if backend is CompileMode.INDUCTOR:
         return PassResult(graph, False, ("layout: skipped (inductor packs its own weights)",))
@@ -334,14 +305,15 @@ def layout_pass(graph: Graph, context: PassContext) -> PassResult:
         return PassResult(graph, False, ("layout: skipped (custom placement)",))
     if device.kind is not DeviceKind.CPU:
         return PassResult(graph, False, ("layout: skipped (not a CPU device)",))
-    packed = layout(graph, device, direct=options.onednn_direct,
-                    blocked=options.onednn_blocked, winograd=options.winograd,
-                    native_linear=options.native_linear, strassen=options.strassen,
-                    native_stem=options.native_stem)
-    if not packed.changed:
+    selection = select_kernels(graph, device, context.target, direct=options.onednn_direct,
+                               blocked=options.onednn_blocked, winograd=options.winograd,
+                               native_linear=options.native_linear,
+                               strassen=options.strassen, native_stem=options.native_stem)
+    choices = selection.choices
+    if not selection.modified:
         return PassResult(graph, False, (
-            "layout: nothing to do (no oneDNN-eligible convolutions or linears)",))
-    return PassResult(graph, True, (_layout_line(graph, context),))
+            "layout: nothing to do (no oneDNN-eligible convolutions or linears)",), choices)
+    return PassResult(graph, True, (_layout_line(choices, context),), choices)
 
 
 def contiguous_constants_pass(graph: Graph, context: PassContext) -> PassResult:
@@ -360,14 +332,13 @@ PIPELINE: tuple[PassEntry, ...] = (
 )
 
 
-def _layout_line(graph: Graph, context: PassContext) -> str:
+def _layout_line(choices: KernelChoices, context: PassContext) -> str:
     options = context.options
-    convs = sum(1 for n in graph.nodes if n.attrs.get("channels_last"))
-    linears = sum(1 for n in graph.nodes if n.op_type == "FusedGemm" and linear_uses_onednn(n))
-    direct_linears = sum(1 for n in graph.nodes if n.op_type == "FusedGemm"
-                         and linear_calls_libdnnl(n))
-    native_linears = sum(1 for n in graph.nodes if n.op_type == "FusedGemm"
-                         and linear_calls_native(n))
+    kinds = choices.counts()
+    convs = sum(1 for n in choices if choices[n].channels_last)
+    direct_linears = kinds[KernelKind.DIRECT_LINEAR]
+    linears = kinds[KernelKind.ONEDNN_LINEAR] + direct_linears
+    native_linears = kinds[KernelKind.NATIVE_LINEAR]
     parts = [f"{convs} convolutions (channels_last)"] if convs else []
     if linears:
         parts.append(f"{linears} linears" + (f" ({direct_linears} for libdnnl's inner product)"
@@ -377,19 +348,19 @@ def _layout_line(graph: Graph, context: PassContext) -> str:
         text += (f"; {native_linears} linear{'s' if native_linears > 1 else ''} packed for the "
                  f"native kernel (kernels/linear.py)")
     if convs and options.onednn_direct:
-        _, why = context.target.libdnnl()
-        direct = any(n.attrs.get("onednn_direct") for n in graph.nodes)
-        pools = sum(1 for n in graph.nodes if n.op_type in POOLS and n.attrs.get(
-            "onednn_direct"))
+        why = context.target.dnnl_why
+        direct = any(choices[n].calls_libdnnl for n in choices)
+        pools = sum(1 for n in choices if n.op_type in POOLS
+                    and choices[n].kind is KernelKind.DIRECT_POOL)
         also = f" (and {pools} pooling{'s' if pools > 1 else ''})" if pools else ""
         text += f"; direct calls into {why}{also}" if direct else f"; libdnnl {why}"
-        blocked = sum(1 for n in graph.nodes if n.attrs.get("onednn_blocked"))
+        blocked = sum(1 for n in choices if choices[n].blocked)
         if blocked:
             text += f"; {blocked} convolutions on nChw8c activations"
-        winograd = sum(1 for n in graph.nodes if n.attrs.get("winograd"))
+        winograd = kinds[KernelKind.WINOGRAD]
         if winograd:
             text += f"; {winograd} 3x3 convolutions as Winograd F(4x4,3x3)"
-        stems = sum(1 for n in graph.nodes if n.attrs.get("native_stem"))
+        stems = kinds[KernelKind.NATIVE_STEM]
         if stems:
             text += (f"; {stems} stem convolution{'s' if stems > 1 else ''} native "
                      "(reading the NCHW image in place)")
@@ -421,11 +392,11 @@ def _siblings_off(context: PassContext) -> str:
     if device is None or "siblings" in options.fuse_on or device.kind is not DeviceKind.CPU \
             or not options.layout or options.native_linear is False:
         return ""
-    library = context.target.native_library()
-    if library is None or (options.native_linear is None
-                           and not native_linear_preferred(library)):
+    target = context.target
+    if target.native is None or (options.native_linear is None
+                                 and not target.native_linear_preferred()):
         return ""
-    if panel_width(library) != SEPARATE_SIBLINGS_PANEL:
+    if target.native_panel_width != SEPARATE_SIBLINGS_PANEL:
         return ""
     return (f"the native kernel's {SEPARATE_SIBLINGS_PANEL}-column panels run packed "
             "sibling linears faster as separate calls")

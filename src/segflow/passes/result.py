@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from segflow.ir.graph import Graph
+
+if TYPE_CHECKING:
+    from segflow.kernels.choice import KernelChoices
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +25,8 @@ class PassResult:
     graph: Graph
     changed: bool
     log: tuple[str, ...] = ()
+    # The kernel selection's choices (passes/select_kernels.py; None: any other pass).
+    choices: KernelChoices | None = None
 
     @property
     def modified(self) -> bool:

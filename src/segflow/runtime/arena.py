@@ -37,6 +37,7 @@ import torch
 
 from segflow.ir.graph import Node, Value
 from segflow.ir.memory import Buffer, align, block_bytes, place
+from segflow.kernels.choice import KernelChoices
 from segflow.kernels.onednn.geometry import channels_last_strides
 from segflow.kernels.onednn.library import Destination
 from segflow.kernels.shape_cache import ShapeCache
@@ -129,11 +130,13 @@ class ArenaPool:
     MAX_SIZES = 2       # sizes whose idle blocks are kept (the most recent ones)
 
     def __init__(self, plans: PlansBySize, nodes: Sequence[Node],
-                 takes_storage: Callable[[Node], bool],
-                 stages_input: Callable[[Node], bool] = lambda node: False) -> None:
+                 choices: KernelChoices) -> None:
         """``nodes``: the graph's nodes, in the order the plan was made and runs go;
-        ``takes_storage(node)``: its kernel writes its output where it is told;
-        ``stages_input(node)``: its kernel copies its first input before reading it."""
+        ``choices``: their kernels (``KernelChoices.calls_libdnnl``: the kernel writes
+        its output where it is told; ``converts_input``: it copies its first input
+        before reading it)."""
+        takes_storage = choices.calls_libdnnl
+        stages_input = choices.converts_input
         self.plans = plans
         self.values = _outputs(nodes, takes_storage)
         self.staged = [(i, node) for i, node in enumerate(nodes)

@@ -16,7 +16,10 @@ import torch
 from segflow.engine.counters import RunCounters
 from segflow.errors import ExecutionError, SegflowError, bind_failed, node_failed
 from segflow.ir.graph import Graph, Node, Value, captured_inputs, node_reads
+from segflow.kernels.choice import REFERENCE, KernelChoice, KernelChoices
 from segflow.kernels.onednn.library import Destination
+from segflow.kernels.registry import binder
+from segflow.kernels.target import CpuTarget
 from segflow.kernels.workspace import Workspace
 from segflow.ops.registry import BindContext as KernelContext
 from segflow.ops.registry import Kernel, OpDef, OpRegistry, SubgraphRunner
@@ -33,6 +36,7 @@ class Step:
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
     release: tuple[int, ...] = ()
+    choice: KernelChoice = REFERENCE     # the kernel the plan chose (kernels/choice.py)
 
 
 class UploadInputs:
@@ -60,10 +64,12 @@ class UploadInputs:
 
 
 def bind_kernel(opdef: OpDef, node: Node, ctx: KernelContext) -> Kernel:
-    """``opdef``'s kernel for ``node``; a factory's error (an attribute or an input the op
-    cannot take) names the node."""
+    """The kernel ``node``'s choice names (``kernels/registry.py``), else ``opdef``'s
+    reference kernel; a factory's error (an attribute or an input the op cannot take)
+    names the node."""
+    factory = binder(ctx.choice(node).kind)
     try:
-        return opdef.bind(node, ctx)
+        return (factory or opdef.bind)(node, ctx)
     except SegflowError:
         raise
     except Exception as exc:
@@ -128,9 +134,13 @@ class BindContext:
 
     def __init__(self, registry: OpRegistry, device: torch.device,
                  constants: ConstantCache, arena: ArenaPool | None = None,
-                 nonfinite: NonFinitePolicy | None = None) -> None:
+                 nonfinite: NonFinitePolicy | None = None, *,
+                 target: CpuTarget | None = None,
+                 choices: KernelChoices | None = None) -> None:
         self.registry = registry
         self._device = device
+        self._target = target if target is not None else CpuTarget.detect()
+        self.choices = choices if choices is not None else KernelChoices()
         self.constants = constants
         self.arena = arena
         # Which kernels may lose NaN or Inf (runtime/nonfinite.py); None: any.
@@ -160,6 +170,22 @@ class BindContext:
     @property
     def device(self) -> torch.device:
         return self._device
+
+    @property
+    def target(self) -> CpuTarget:
+        return self._target
+
+    def choice(self, node: Node) -> KernelChoice:
+        return self.choices[node]
+
+    def reference(self, node: Node) -> Kernel:
+        opdef = self.registry.lookup(node.domain, node.op_type, node.opset, node.name)
+        try:
+            return opdef.bind(node, self)
+        except SegflowError:
+            raise
+        except Exception as exc:
+            raise bind_failed(node.label, exc) from exc
 
     def captured(self, node: Node) -> list[Value]:
         return captured_inputs(node)

@@ -50,6 +50,9 @@ from segflow.errors import ExecutionError, node_failed
 from segflow.ir.graph import Node
 from segflow.ir.types import DType
 from segflow.kernels.attention import ScaledDotAttention
+from segflow.kernels.choice import CONV_KINDS, DIRECT_CONV_KINDS, KernelChoice, KernelKind
+from segflow.kernels.conv import adds_residual_in_place, inline_conv
+from segflow.kernels.gemm import inline_linear
 from segflow.kernels.layer_norm import AddLayerNorm
 from segflow.kernels.linear import NativeLinear
 from segflow.kernels.native.build import NativeLibrary
@@ -59,16 +62,10 @@ from segflow.kernels.onednn.pool import DirectPool
 from segflow.kernels.onednn.replay import DirectReplay, ReplayStep
 from segflow.kernels.replay import NativeReplay, NativeStep, Replayable
 from segflow.kernels.report import OpKernel
+from segflow.kernels.target import CpuTarget
 from segflow.ops import default_registry
 from segflow.ops.dense_chain import inline_chain, traceable_chain
-from segflow.ops.fused import (
-    FUSED_DOMAIN,
-    Inline,
-    adds_residual_in_place,
-    inline_fused,
-    reads_libdnnl_packing,
-    traceable_fused,
-)
+from segflow.ops.fused import FUSED_DOMAIN, Inline, inline_fused, traceable_fused
 from segflow.ops.registry import InlineOp, Kernel
 from segflow.passes.pipeline import CompileMode
 from segflow.passes.plan_memory import MemoryPlan
@@ -85,14 +82,16 @@ class SegmentCompiler:
     def __init__(self, mode: CompileMode | str = CompileMode.AUTO,
                  memory: MemoryPlan | None = None, device: torch.device | None = None,
                  cached_packages: bool = False, replay: bool = True,
-                 keeps_nonfinite: Callable[[Node], bool] | None = None) -> None:
+                 keeps_nonfinite: Callable[[Node], bool] | None = None,
+                 target: CpuTarget | None = None) -> None:
         """``cached_packages``: ``auto`` chose ``codegen``; a small segment whose
         inductor package is already in the disk cache runs that package instead
         (:func:`uses_cached_package`). Nothing is compiled for it. ``replay``: runs
         of direct libdnnl kernels become one :class:`DirectReplay` call.
         ``keeps_nonfinite(node)``: the node must keep NaN and infinities
         (runtime/nonfinite.py); a segment holding one is generated, not handed to
-        inductor or oneDNN Graph, whose fused kernels choose their own post-ops."""
+        inductor or oneDNN Graph, whose fused kernels choose their own post-ops.
+        ``target``: the CPU the session's kernels were chosen for."""
         self.mode = CompileMode.parse(mode).resolve()
         self.memory = memory
         self.device = device or torch.device("cpu")
@@ -101,6 +100,7 @@ class SegmentCompiler:
             and self.device.type == "cpu" and has_packages()
         self.replay = replay
         self.keeps_nonfinite = keeps_nonfinite
+        self.target = target if target is not None else CpuTarget.detect()
         self.report = CompileReport(self.mode.value)
 
     def compile_tasks(self, tasks: Sequence[tuple[Segment, Sequence[Step]]],
@@ -119,14 +119,14 @@ class SegmentCompiler:
             live_out = {slot for step in steps for slot in step.outputs
                         if slot in read_elsewhere.get(index, set())}
             program = generate(steps, template, live_out, self.memory, self.device,
-                               replay=self.replay)
+                               replay=self.replay, target=self.target)
             cached_only = self.cached_packages and uses_cached_package(steps)
             keeps = self.keeps_nonfinite
             lowered = keeps is None or not any(keeps(step.node) for step in steps)
             if lowered and (self.mode in (CompileMode.INDUCTOR, CompileMode.ONEDNN)
                             or cached_only):
                 pure = generate(steps, template, live_out, None, self.device, pure=True,
-                                traceable=True)
+                                traceable=True, target=self.target)
                 if self.mode is CompileMode.ONEDNN:
                     compiled.append(OneDnnGraphSegment(pure, program.fn, self.report))
                 else:
@@ -160,7 +160,7 @@ def uses_cached_package(steps: Sequence[Step]) -> bool:
     total = 0
     seen: set[int] = set()
     for step in steps:
-        if reads_libdnnl_packing(step.node):   # its weight is libdnnl's packing, not values
+        if step.choice.reads_own_format:   # its weight is a kernel's format, not values
             return False
         for value in step.node.inputs:
             const = None if value is None else value.const
@@ -209,14 +209,25 @@ _CORE: Mapping[str, InlineOp] = _core_forms()
 
 
 def _inline(node: Node, inplace_input: int | None, device: torch.device,
-            consts: Sequence[Tensor | None], traceable: bool = False,
-            kernel: Kernel | None = None) -> Inline | None:
+            consts: Sequence[Tensor | None], traceable: bool, kernel: Kernel | None,
+            choice: KernelChoice, target: CpuTarget) -> Inline | None:
+    if choice.kind is not KernelKind.REFERENCE:
+        # The chosen kernel's own form; a tracer gets none (its weight is packed).
+        if traceable:
+            return None
+        if choice.kind in CONV_KINDS:
+            return inline_conv(node, choice, inplace_input, kernel, target.dnnl)
+        if node.op_type == "FusedGemm":
+            return inline_linear(node, choice, kernel, target.fuses_transcendental_post_ops())
+        return None
     if node.domain == FUSED_DOMAIN and node.op_type == "DenseChain":
         return traceable_chain(node) if traceable else inline_chain(node, kernel)
     if node.domain == FUSED_DOMAIN:
         if traceable:
             return traceable_fused(node)
-        return inline_fused(node, device, inplace_input, consts, kernel)
+        return inline_fused(node, device, inplace_input, consts, kernel,
+                            fuses_transcendental=target.fuses_transcendental_post_ops(),
+                            onednn=target.onednn_ops)
     if node.domain == "" and node.op_type == "Flatten":
         return _inline_flatten(node)
     op = _CORE.get(node.op_type)
@@ -253,10 +264,8 @@ def _inline_split(node: Node, consts: Sequence[Tensor | None]
 
 def _inline_flatten(node: Node) -> Inline | None:
     """Flatten at axis 1 of an input of known rank 2 or more: ``x.flatten(1)``, the same
-    ``[d0, d1 * d2 ...]`` view or copy the kernel's reshape makes. A classifier's
-    Flatten after global pooling is one per run, but as a kernel call it costs tens of
-    microseconds between the pooling and the Gemm (its Python cold after the
-    convolutions)."""
+    ``[d0, d1 * d2 ...]`` view or copy the kernel's reshape makes, without a kernel
+    call's Python frame between a pooling and the linear after it."""
     x = node.inputs[0]
     shape = x.spec.shape if x is not None else None
     axis = int(node.attrs.get("axis", 1))
@@ -289,7 +298,8 @@ class _Emitter:
 
 def generate(steps: Sequence[Step], template: Sequence[Tensor | None], live_out: set[int],
              memory: MemoryPlan | None = None, device: torch.device | None = None, *,
-             pure: bool = False, traceable: bool = False, replay: bool = False) -> Program:
+             pure: bool = False, traceable: bool = False, replay: bool = False,
+             target: CpuTarget | None = None) -> Program:
     """Generate the straight-line function for ``steps`` (see the module docstring).
 
     ``live_out``: slots other tasks or the caller read, written back to the slot array.
@@ -299,6 +309,7 @@ def generate(steps: Sequence[Step], template: Sequence[Tensor | None], live_out:
     :class:`~segflow.kernels.onednn.replay.DirectReplay` call (not with ``pure``/``traceable``).
     """
     device = device or torch.device("cpu")
+    target = target if target is not None else CpuTarget.detect()
     em = _Emitter()
     inplace = memory.inplace if memory is not None else {}
     local: set[int] = set()
@@ -328,7 +339,7 @@ def generate(steps: Sequence[Step], template: Sequence[Tensor | None], live_out:
         return slot_inplace
 
     runs = {} if pure or traceable or not replay else _replay_runs(steps, live_out)
-    library = NativeLibrary.for_session()[0] if replay and not (pure or traceable) else None
+    library = target.native if replay and not (pure or traceable) else None
     native_runs = {} if library is None else _native_runs(steps, template, produced, live_out)
     replays: list[DirectReplay] = []
     native_replays: list[NativeReplay] = []
@@ -351,7 +362,8 @@ def generate(steps: Sequence[Step], template: Sequence[Tensor | None], live_out:
                                                                 read_after, library)
                 native_replays.append(replay_fn)
             else:
-                replay_fn, reads, returns = _replay_call(run, inplace_input, read_after)
+                replay_fn, reads, returns = _replay_call(run, inplace_input, read_after,
+                                                         target)
                 replays.append(replay_fn)
             targets = "".join(f"v{slot}, " for slot in returns)
             # The replay counts the kernels it runs and its calls into native code.
@@ -372,7 +384,7 @@ def generate(steps: Sequence[Step], template: Sequence[Tensor | None], live_out:
         kernels += 1  # one kernel call below: a torch op, a view, or the bound kernel
         # A kernel that uploads host inputs first is called as it is.
         inline = (_inline(node, None if traceable else slot_inplace, device, consts, traceable,
-                          step.kernel)
+                          step.kernel, step.choice, target)
                   if len(step.outputs) == 1 and not isinstance(step.kernel, UploadInputs)
                   else None)
         split = _inline_split(node, consts) if not isinstance(step.kernel, UploadInputs) \
@@ -427,17 +439,21 @@ def generate(steps: Sequence[Step], template: Sequence[Tensor | None], live_out:
 
 
 def _replay_op(step: Step) -> DirectConv | DirectPool | None:
-    """The direct convolution or pooling a step calls (None: another kind of step)."""
+    """The direct convolution or pooling a step calls, where its choice names one (None:
+    another kind of step, or one bound to its fallback)."""
     kernel = step.kernel
-    if len(step.outputs) != 1 or not isinstance(kernel, DirectKernel):
+    if len(step.outputs) != 1 or not step.choice.calls_libdnnl \
+            or not isinstance(kernel, DirectKernel):
         return None
-    return kernel.op if isinstance(kernel.op, DirectConv | DirectPool) else None
+    op = kernel.op
+    assert isinstance(op, DirectConv | DirectPool)
+    return op
 
 
 def _replay_runs(steps: Sequence[Step], live_out: set[int]
                  ) -> dict[int, int]:
     """``{first: end}`` for each run of two or more consecutive direct-kernel steps, and
-    the classifier after it where there is one (:func:`_classifier_after`)."""
+    the pooled linear tail after it where there is one (:func:`_linear_tail_after`)."""
     runs: dict[int, int] = {}
     start = None
     for index in range(len(steps) + 1):
@@ -446,16 +462,16 @@ def _replay_runs(steps: Sequence[Step], live_out: set[int]
             start = index
         elif not direct and start is not None:
             if index - start >= 2:
-                runs[start] = index + _classifier_after(steps, index, live_out)
+                runs[start] = index + _linear_tail_after(steps, index, live_out)
             start = None
     return runs
 
 
-def _classifier_after(steps: Sequence[Step], end: int, live_out: set[int]) -> int:
+def _linear_tail_after(steps: Sequence[Step], end: int, live_out: set[int]) -> int:
     """2 where a run of direct kernels ending before ``end`` is followed by a Flatten at
-    axis 1 of its last output and a native linear over that (a classifier after global
-    pooling), read by nothing else: the replay takes both in (``kernels/onednn/replay.py``).
-    Else 0."""
+    axis 1 of its last output (a pooled ``[N, C, 1, 1]`` becomes ``[N, C]``) and a native
+    linear over that, the flattened value read by nothing else: the replay takes both in
+    (``kernels/onednn/replay.py``). Else 0."""
     if end + 1 >= len(steps):
         return 0
     flatten, linear = steps[end], steps[end + 1]
@@ -463,8 +479,9 @@ def _classifier_after(steps: Sequence[Step], end: int, live_out: set[int]) -> in
             or _inline_flatten(flatten.node) is None or len(flatten.outputs) != 1 \
             or flatten.inputs[0] not in steps[end - 1].outputs:
         return 0
-    op = _native_op(linear)
-    if not isinstance(op, NativeLinear) or linear.inputs[0] != flatten.outputs[0]:
+    if linear.choice.kind is not KernelKind.NATIVE_LINEAR \
+            or not isinstance(_native_op(linear), NativeLinear) \
+            or linear.inputs[0] != flatten.outputs[0]:
         return 0
     viewed = flatten.outputs[0]
     if viewed in live_out or any(viewed in later.inputs for later in steps[end + 2:]):
@@ -487,30 +504,30 @@ def _run_inputs(run: Sequence[Step]) -> tuple[list[int], dict[int, int]]:
 
 
 def _replay_call(run: Sequence[Step], inplace_input: Callable[[Step], int | None],
-                 read_after: set[int]) -> tuple[DirectReplay, list[int], list[int]]:
+                 read_after: set[int], target: CpuTarget
+                 ) -> tuple[DirectReplay, list[int], list[int]]:
     """The replay for ``run``, the slots it reads from outside (its arguments, in
     order) and the slots it returns (those read after it)."""
     inputs, position = _run_inputs(run)
     replay_steps = []
     n_inputs = len(inputs)
     for offset, step in enumerate(run):
-        # A direct kernel, or the classifier after the run: its Flatten (None) and linear.
+        # A direct kernel, or the linear tail after the run: its Flatten (None) and linear.
         op: DirectConv | DirectPool | NativeLinear | None = _replay_op(step)
         if op is None and step.node.op_type != "Flatten":
             native = _native_op(step)
             assert isinstance(native, NativeLinear)
             op = native
-        inplace = isinstance(op, DirectConv) and adds_residual_in_place(step.node,
-                                                                       inplace_input(step))
+        inplace = step.choice.kind in DIRECT_CONV_KINDS and adds_residual_in_place(
+            step.node, inplace_input(step))
         args = tuple(position[s] if s else None for s in step.inputs)
         (slot,) = step.outputs
         position[slot] = n_inputs + offset
         replay_steps.append(ReplayStep(op, inplace, args, n_inputs + offset, step.node.label))
     outputs = [slot for step in run for slot in step.outputs if slot in read_after]
     # The C loop over its executes where native kernels are on for this session.
-    library, why = NativeLibrary.for_session()
     replay = DirectReplay(replay_steps, n_inputs, [position[s] for s in outputs],
-                          native=library, native_why=why)
+                          native=target.native, native_why=target.native_why)
     return replay, inputs, outputs
 
 

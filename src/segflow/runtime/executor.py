@@ -35,10 +35,11 @@ from segflow.engine.streams import StreamBackend
 from segflow.ir.graph import Node, Value
 from segflow.ir.types import Device, DeviceKind
 from segflow.kernels.attention import AttentionKernel
+from segflow.kernels.choice import DIRECT_CONV_KINDS
 from segflow.kernels.layer_norm import AddLayerNormKernel
 from segflow.kernels.linear import NativeLinearKernel
-from segflow.kernels.onednn.conv import DirectConv
 from segflow.kernels.onednn.op import DirectKernel, ResidualInPlaceKernel
+from segflow.kernels.target import CpuTarget
 from segflow.ops.dense_chain import DenseChainKernel
 from segflow.ops.registry import OpRegistry
 from segflow.passes.segment import Segment
@@ -86,7 +87,8 @@ class Executor:
                  stream_backend: StreamBackend | None = None,
                  compiler: SegmentCompiler | None = None,
                  arena: ArenaPool | None = None,
-                 nonfinite: NonFinitePolicy | None = None) -> None:
+                 nonfinite: NonFinitePolicy | None = None,
+                 target: CpuTarget | None = None) -> None:
         self.plan = plan
         self.engine = engine
         self.settings_record = dict(settings_record or {})
@@ -97,12 +99,15 @@ class Executor:
         self.slots = SlotMap()
         constants = ConstantCache()
         contexts: dict[Device, BindContext] = {}
+        # One target for every context: the kernels of a plan are chosen for one CPU.
+        self.target = target if target is not None else CpuTarget.detect()
 
         def context(device: Device | None) -> BindContext:
             dev = device or plan.default_device
             if dev not in contexts:
                 contexts[dev] = BindContext(registry, dev.torch, constants, self.arena,
-                                            nonfinite)
+                                            nonfinite, target=self.target,
+                                            choices=plan.choices)
             return contexts[dev]
 
         self.input_slots = [self.slots[v] for v in graph.inputs]
@@ -132,7 +137,8 @@ class Executor:
                 if uploads:
                     kernel = UploadInputs(kernel, uploads, ctx.device)
                 steps.append(Step(node, kernel, tuple(self.slots[v] for v in reads),
-                                  tuple(self.slots[v] for v in node.outputs)))
+                                  tuple(self.slots[v] for v in node.outputs),
+                                  choice=ctx.choice(node)))
                 for value in node.outputs:
                     producer_task[value] = len(self.tasks)
             waits = seg.exec_type is ExecType.LOCAL and bool(deps)
@@ -436,13 +442,15 @@ def _done() -> None:
 def _residual_in_place(tasks: Sequence[_BoundTask], inplace: Mapping[Node, int]) -> None:
     """Give each direct residual convolution that the memory plan lets overwrite its
     residual (input 3) the in-place kernel, where that residual dies at this step (no
-    other task still reads it): the same rule generated code follows."""
+    other task still reads it): the same rule generated code follows. The step's choice
+    says which steps run a direct convolution; their bound kernel holds its op."""
     for task in tasks:
         for index, step in enumerate(task.steps):
+            if step.choice.kind not in DIRECT_CONV_KINDS or inplace.get(step.node) != 3 \
+                    or len(step.inputs) != 4 or step.inputs[3] not in step.release:
+                continue
             kernel = step.kernel
-            if type(kernel) is not DirectKernel or not isinstance(kernel.op, DirectConv) \
-                    or inplace.get(step.node) != 3 or len(step.inputs) != 4 \
-                    or step.inputs[3] not in step.release:
+            if type(kernel) is not DirectKernel:   # bound to its fallback (no libdnnl)
                 continue
             task.steps[index] = dataclasses.replace(step, kernel=ResidualInPlaceKernel(kernel.op))
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from segflow.engine.base import ExecType
 from segflow.ir.graph import Graph, Node
 from segflow.ir.types import Device
+from segflow.kernels.choice import KernelChoices
 from segflow.ops.registry import OpDef, OpRegistry
 from segflow.passes.place import COPY_DOMAIN, COPY_OP, place
 from segflow.passes.plan_memory import MemoryPlan, PlansBySize
@@ -30,6 +31,8 @@ class Plan:
     # activation arena and RunStats read these; nothing plans the graph again.
     memory: MemoryPlan | None = None
     memory_by_size: PlansBySize | None = field(default=None, compare=False, repr=False)
+    # Which kernel runs each node (passes/select_kernels.py; absent: the reference).
+    choices: KernelChoices = field(default_factory=KernelChoices)
 
     @property
     def compute_nodes(self) -> int:
@@ -49,10 +52,12 @@ def resolve_opdefs(graph: Graph, registry: OpRegistry) -> dict[Node, OpDef]:
 
 def make_plan(graph: Graph, registry: OpRegistry, settings: BulkSettings,
               default_device: Device, placement: Mapping[str, str | Device] | None = None,
-              pass_log: tuple[str, ...] = (), memory: MemoryPlan | None = None) -> Plan:
+              pass_log: tuple[str, ...] = (), memory: MemoryPlan | None = None,
+              choices: KernelChoices | None = None) -> Plan:
     """Place the graph's nodes, resolve their OpDefs and segment them for inference.
 
-    ``memory``: the pipeline's memory plan, kept with the plan (with its re-sizing).
+    ``memory``: the pipeline's memory plan, kept with the plan (with its re-sizing);
+    ``choices``: the kernel selection's choices.
     """
     graph.validate()
     place(graph, default_device, placement)
@@ -65,4 +70,5 @@ def make_plan(graph: Graph, registry: OpRegistry, settings: BulkSettings,
                              phase_of=lambda node: Phase.INFERENCE)
     by_size = PlansBySize(graph, memory) if memory is not None else None
     return Plan(graph, tuple(segments), opdefs, settings, default_device, pass_log,
-                memory=memory, memory_by_size=by_size)
+                memory=memory, memory_by_size=by_size,
+                choices=choices if choices is not None else KernelChoices())

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from segflow.ir.graph import Value
+from segflow.kernels.choice import DIRECT_CONV_KINDS, KernelKind
 from segflow.kernels.onednn.conv import DirectConv
 from segflow.kernels.onednn.geometry import channels_last_strides
 from segflow.kernels.onednn.op import DirectKernel, ResidualInPlaceKernel
@@ -73,17 +74,16 @@ def prebuild(steps: Sequence[Step], graph_inputs: Sequence[Value],
     failure = ""
     for step in steps:
         kernel = step.kernel
-        if not isinstance(kernel, DirectKernel):
-            continue
+        if not step.choice.calls_libdnnl or not isinstance(kernel, DirectKernel):
+            continue      # the choice names the direct kernels (bound to libdnnl if it loads)
         op, node = kernel.op, step.node
-        if not isinstance(op, (DirectConv, DirectPool)):
-            continue
         x = known.get(id(node.inputs[0])) if node.inputs and node.inputs[0] is not None \
             else None
         out: tuple[int, ...] | None = None
         before = op.built_at_load
         try:   # a build that raises here leaves the kernel to its run, which builds anew
-            if x is not None and isinstance(op, DirectConv):
+            if x is not None and step.choice.kind in DIRECT_CONV_KINDS:
+                assert isinstance(op, DirectConv)
                 z_value = node.inputs[3] if len(node.inputs) > 3 else None
                 z = known.get(id(z_value)) if z_value is not None else None
                 w = template[step.inputs[1]]
@@ -91,7 +91,8 @@ def prebuild(steps: Sequence[Step], graph_inputs: Sequence[Value],
                     if len(step.inputs) > 2 and node.inputs[2] is not None else None
                 if w is not None and (z_value is None or z is not None):
                     out = op.prebuild(x, w, b, z, isinstance(kernel, ResidualInPlaceKernel))
-            elif x is not None and isinstance(op, DirectPool):
+            elif x is not None and step.choice.kind is KernelKind.DIRECT_POOL:
+                assert isinstance(op, DirectPool)
                 out = op.prebuild(x)
         except Exception as exc:  # noqa: BLE001 - loading must not fail on a speculation
             failure = failure or f"{node.label}: {type(exc).__name__}: {exc}"

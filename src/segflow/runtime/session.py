@@ -30,17 +30,16 @@ from segflow.ir.types import Device, DeviceKind, DType
 from segflow.kernels.attention import describe_attentions
 from segflow.kernels.layer_norm import describe_add_layer_norms
 from segflow.kernels.linear import describe_native_linears
-from segflow.kernels.native.build import NativeLibrary
 from segflow.kernels.native.build import describe_cache as describe_native_cache
 from segflow.kernels.onednn.conv import DirectConv
 from segflow.kernels.onednn.describe import describe_direct
 from segflow.kernels.onednn.replay import describe_replays
 from segflow.kernels.replay import describe_native_replays
 from segflow.kernels.staging import ChannelsLastStaging, describe_stagings
+from segflow.kernels.target import CpuTarget
 from segflow.ops import default_registry
 from segflow.ops.dense_chain import describe_chains
 from segflow.ops.registry import OpRegistry
-from segflow.passes.layout import calls_libdnnl, converts_input
 from segflow.passes.pipeline import (
     CompileMode,
     OptimizeOptions,
@@ -158,14 +157,18 @@ class InferenceSession:
         # Weights holding NaN or Inf: no kernel may lose them (runtime/nonfinite.py).
         # Checked before the passes pack them into formats that cannot be read back, as
         # are the values a NaN may arise in (the passes fold some into constants).
-        self._holds_nonfinite = NonFiniteScan(NativeLibrary.for_session()[0])
+        # The CPU the kernels are chosen for, its libraries and ISA: looked up once, here
+        # (kernels/target.py), and passed to the passes, binding and codegen.
+        self.target = CpuTarget.detect()
+        self._holds_nonfinite = NonFiniteScan(self.target.native)
         weights_finite = not self._holds_nonfinite(
             v.const for v in self.graph.initializers.values() if v.const is not None)
         carried = nonfinite_reach(self.graph, self.registry)[1] if weights_finite else None
         pipeline = run_pipeline(self.graph, self.options, registry=self.registry,
-                                device=None if placement else self.device)
+                                device=None if placement else self.device, target=self.target)
         self.plan: Plan = make_plan(self.graph, self.registry, self.settings, self.device,
-                                    placement, pass_log=pipeline.log, memory=pipeline.memory)
+                                    placement, pass_log=pipeline.log, memory=pipeline.memory,
+                                    choices=pipeline.choices)
         memory = self.plan.memory
         self.engine_name = engine_for_plan(self.engine_name,
                                            {s.device for s in self.plan.segments})
@@ -184,16 +187,16 @@ class InferenceSession:
         compiler = SegmentCompiler(pipeline.compile, memory, self.device.torch,
                                    cached_packages=self.options.compile is CompileMode.AUTO,
                                    replay=self.options.onednn_replay,
-                                   keeps_nonfinite=self._nonfinite.keeps)
+                                   keeps_nonfinite=self._nonfinite.keeps, target=self.target)
         plans = self.plan.memory_by_size
         arena = None
         if plans is not None and self.options.arena:
-            pool = ArenaPool(plans, self.graph.nodes, calls_libdnnl, converts_input)
+            pool = ArenaPool(plans, self.graph.nodes, self.plan.choices)
             arena = pool if pool else None
         self._executor = Executor(self.plan, self.registry, self._engine, record,
                                   sync_mode=sync_mode, cuda_graphs=cuda_graphs,
                                   stream_backend=stream_backend, compiler=compiler, arena=arena,
-                                  nonfinite=self._nonfinite)
+                                  nonfinite=self._nonfinite, target=self.target)
         if any(isinstance(fn, AotInductorSegment | OneDnnGraphSegment)
                for fn in self._executor.compiled):
             self._nonfinite.note("compiled segments", "inductor's or oneDNN Graph's fused "
@@ -347,7 +350,8 @@ class InferenceSession:
                 self._exact = Executor(self.plan, self.registry, self._engine,
                                        {**record, "nonfinite": "exact"}, sync_mode=sync_mode,
                                        stream_backend=backend,
-                                       nonfinite=NonFinitePolicy.everywhere())
+                                       nonfinite=NonFinitePolicy.everywhere(),
+                                       target=self.target)
             self.exact_runs += 1
             return self._exact
 
@@ -447,7 +451,7 @@ _BFLOAT16 = DType.BFLOAT16.numpy
 
 
 def _storage(tensor: Tensor) -> int:
-    if tensor.is_mkldnn:  # an opaque prepacked weight (passes/layout.py): never an output
+    if tensor.is_mkldnn:  # an opaque prepacked weight (passes/pack_weights.py): never an output
         return id(tensor)
     return tensor.untyped_storage().data_ptr()
 

@@ -1,0 +1,215 @@
+"""Pack weights for the kernels ``passes/select_kernels.py`` chose.
+
+A convolution's weight becomes libdnnl's own packing for its input size (or torch's
+``mkldnn`` packing where libdnnl is not called or describes none), a Winograd
+convolution's the transform ``U`` (``[36, C, K]``), a large linear's the native
+kernel's panels, libdnnl's inner-product packing or torch's. The packed constant
+replaces the dense one, so the model holds one copy; one dense weight read by several
+nodes with the same packing parameters is packed once (:class:`WeightPacker`), and it
+is freed as soon as its last reader has its packed copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from segflow.ir.graph import Graph, Node, Value
+from segflow.kernels.linear import pack as native_pack
+from segflow.kernels.linear import strassen_spread
+from segflow.kernels.native.build import NativeLibrary
+from segflow.kernels.onednn.geometry import geometry
+from segflow.kernels.onednn.library import DnnlError, Library
+from segflow.kernels.winograd import transform_weight
+
+
+@dataclass(frozen=True, slots=True)
+class PackParams:
+    """What oneDNN's weight format depends on (equal params share one packed weight)."""
+
+    pads: tuple[int, ...]
+    strides: tuple[int, ...]
+    dilations: tuple[int, ...]
+    groups: int
+    input_size: tuple[int, ...] | None
+
+
+@dataclass(frozen=True, slots=True)
+class PackedConv:
+    """A convolution weight as packed: the constant and what it was packed for."""
+
+    value: Value                          # the packed initializer
+    packed_for: tuple[int, ...] | None    # the input size it was packed for
+    verified_for: tuple[int, ...] | None  # input size whose libdnnl format it is, checked
+    libdnnl_bytes: bool                   # the constant is libdnnl's packing, not torch's
+
+
+@dataclass(slots=True)
+class WeightPacker:
+    """Packs the weights of one graph, each dense weight once per packing."""
+
+    graph: Graph
+    convs: dict[tuple[int, PackParams, int], PackedConv] = field(default_factory=dict)
+    linears: dict[tuple[int, str, int | None], Value] = field(default_factory=dict)
+    strassen_wmax: dict[int, float | None] = field(default_factory=dict)  # id(panels) -> check
+    winograd: dict[int, Value] = field(default_factory=dict)     # id(dense) -> transformed
+    # Dense weights freed, kept (without their tensors) so that no new Value reuses the
+    # id() the dicts above key on.
+    released: list[Value] = field(default_factory=list)
+
+    def conv(self, node: Node, params: PackParams, lib: Library | None, blocked: bool,
+             plain_input: bool) -> PackedConv:
+        """Give ``node`` its packed weight (libdnnl's where ``lib`` describes one, for
+        the nChw8c layout with ``blocked``, for its NCHW entry with ``plain_input``)."""
+        weight = node.inputs[1]
+        assert weight is not None and weight.const is not None
+        key = (id(weight), params, blocked + plain_input)
+        done = self.convs.get(key)
+        if done is None:
+            tensor, packed_for, verified, libdnnl_bytes = pack_conv(
+                weight.const, params, lib, blocked, plain_input)
+            value = Value(fresh_name(self.graph, f"{weight.name}.onednn"), weight.spec,
+                          const=tensor)
+            self.graph.add_initializer(value)
+            done = self.convs[key] = PackedConv(value, packed_for, verified, libdnnl_bytes)
+        self.graph.set_input(node, 1, done.value)
+        self.release(weight)
+        return done
+
+    def winograd_weight(self, node: Node) -> None:
+        """Give ``node`` the Winograd transform of its weight (``U``, ``[36, C, K]``:
+        kernels/winograd.py), made once per dense weight. Nothing packs the dense one
+        for it: its kernel reads ``U`` in place, and a fallback recovers the plain
+        weight from ``U`` if it ever needs it."""
+        weight = node.inputs[1]
+        assert weight is not None and weight.const is not None
+        value = self.winograd.get(id(weight))
+        if value is None:
+            value = Value(fresh_name(self.graph, f"{weight.name}.winograd"), weight.spec,
+                          const=transform_weight(weight.const))
+            self.graph.add_initializer(value)
+            self.winograd[id(weight)] = value
+        self.graph.set_input(node, 1, value)
+        self.release(weight)
+
+    def native_linear(self, node: Node, library: NativeLibrary, strassen: bool
+                      ) -> float | None:
+        """Give ``node`` its weight packed into ``kernels/native/gemm.c``'s panels; with
+        ``strassen``, return Strassen's weight check where the weight allows it
+        (:func:`~segflow.kernels.linear.strassen_spread`, from each output's largest
+        ``|W|``, taken while packing; None: classic calls only)."""
+        weight = node.inputs[1]
+        assert weight is not None and weight.const is not None
+        w = weight.const
+        n, k = (int(d) for d in w.shape)
+        key = (id(weight), "panels", None)
+        value = self.linears.get(key)
+        if value is None:
+            top = torch.empty(n) if strassen else None
+            value = Value(fresh_name(self.graph, f"{weight.name}.panels"), weight.spec,
+                          const=native_pack(library, w, top))
+            self.graph.add_initializer(value)
+            self.linears[key] = value
+            if top is not None:
+                self.strassen_wmax[id(value)] = strassen_spread(library, top, n, k)
+        self.graph.set_input(node, 1, value)
+        self.release(weight)
+        return self.strassen_wmax.get(id(value)) if strassen else None
+
+    def direct_linear(self, node: Node, lib: Library, rows: int) -> bool:
+        """Give ``node`` libdnnl's inner-product packing of its weight for ``rows`` rows;
+        False (nothing changed) where libdnnl describes none."""
+        weight = node.inputs[1]
+        assert weight is not None and weight.const is not None
+        key = (id(weight), "dnnl", rows)
+        value = self.linears.get(key)
+        if value is None:
+            try:
+                tensor = lib.pack_linear(weight.const, rows)
+            except DnnlError:
+                tensor = None
+            if tensor is None:
+                return False
+            value = Value(fresh_name(self.graph, f"{weight.name}.dnnl"), weight.spec,
+                          const=tensor)
+            self.graph.add_initializer(value)
+            self.linears[key] = value
+        self.graph.set_input(node, 1, value)
+        self.release(weight)
+        return True
+
+    def onednn_linear(self, node: Node, rows: int | None) -> None:
+        """Give ``node`` torch's oneDNN packing of its weight (for ``mkldnn._linear_pointwise``)."""
+        weight = node.inputs[1]
+        assert weight is not None and weight.const is not None
+        key = (id(weight), "torch", rows)
+        value = self.linears.get(key)
+        if value is None:
+            tensor = torch.ops.mkldnn._reorder_linear_weight(weight.const.contiguous(), rows)
+            value = Value(fresh_name(self.graph, f"{weight.name}.onednn"), weight.spec,
+                          const=tensor)
+            self.graph.add_initializer(value)
+            self.linears[key] = value
+        self.graph.set_input(node, 1, value)
+        self.release(weight)
+
+    def release(self, dense: Value | None) -> None:
+        """Free a dense weight as soon as its last reader has its packed (or transformed)
+        one, not when the pass ends: the dense and packed copies of every weight then
+        never coexist, and loading peaks that much lower."""
+        graph = self.graph
+        if dense is None or dense.uses or dense in graph.outputs \
+                or graph.initializers.get(dense.name) is not dense:
+            return
+        del graph.initializers[dense.name]
+        dense.const = None
+        self.released.append(dense)
+
+    def drop_unused(self) -> None:
+        """Remove the initializers nothing reads any more."""
+        graph = self.graph
+        for name, value in list(graph.initializers.items()):
+            if not value.uses and value not in graph.outputs:
+                del graph.initializers[name]
+
+
+def pack_conv(dense: torch.Tensor, params: PackParams, lib: Library | None,
+              blocked: bool = False, plain_input: bool = False
+              ) -> tuple[torch.Tensor, tuple[int, ...] | None, tuple[int, ...] | None, bool]:
+    """The packed weight, the input size it was packed for, the input size for which
+    its bytes are libdnnl's format (None: not libdnnl's) and whether they are.
+
+    A convolution that will call libdnnl gets libdnnl's own packing for its input
+    size (for the nChw8c layout with ``blocked``, for its NCHW entry with
+    ``plain_input``): the kernel reads it in place, and torch's packing is made from it
+    only if a fallback ever needs it (``kernels/conv.py`` ``TorchPacking``), so loading
+    packs each weight once. Without libdnnl, or where it describes no packing, the
+    weight is torch's, for torch's oneDNN op.
+    """
+    def pack(size: tuple[int, ...] | None) -> torch.Tensor:
+        return torch.ops.mkldnn._reorder_convolution_weight(
+            dense, list(params.pads), list(params.strides), list(params.dilations),
+            params.groups, None if size is None else list(size))
+
+    size = params.input_size
+    if lib is None or size is None:
+        return pack(size), size, None, False
+    geo = geometry(list(dense.shape), params.strides, params.pads, params.dilations,
+                   params.groups)
+    try:
+        return lib.preferred_weight(dense, geo, size, blocked, plain_input), size, size, True
+    except DnnlError:
+        return pack(size), size, None, False
+
+
+def fresh_name(graph: Graph, name: str) -> str:
+    """``name``, or ``name.1``, ``name.2``, ... where the graph has an initializer so
+    called already: one weight packed twice (two convolutions of different strides
+    share it) gives two packed initializers, and the second must not displace the
+    first."""
+    fresh, n = name, 0
+    while fresh in graph.initializers:
+        n += 1
+        fresh = f"{name}.{n}"
+    return fresh
