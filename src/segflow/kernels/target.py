@@ -73,8 +73,7 @@ class CpuTarget:
             bf16="avx512_bf16" in flags, vector_floats=16 if avx512 else 8,
             native=native, native_why=native_why, dnnl=dnnl, dnnl_why=dnnl_why,
             threads=torch.get_num_threads(), onednn_ops=onednn_ops_available(),
-            l1d_bytes=_sysconf("SC_LEVEL1_DCACHE_SIZE"), l2_bytes=_sysconf("SC_LEVEL2_CACHE_SIZE"),
-            l3_bytes=_sysconf("SC_LEVEL3_CACHE_SIZE"),
+            l1d_bytes=_cache_bytes(1), l2_bytes=_cache_bytes(2), l3_bytes=_cache_bytes(3),
             native_fma=native_linear_preferred(native),
             native_panel_width=panel_width(native) if native is not None else 0,
             native_vector_floats=vector_width(native) if native is not None else 0)
@@ -158,9 +157,27 @@ def _cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def _sysconf(name: str) -> int:
+def _cache_bytes(level: int) -> int:
+    """The size of the first CPU's level-``level`` data (or unified) cache: sysconf's
+    answer, else sysfs's (0: not known)."""
+    name = "SC_LEVEL1_DCACHE_SIZE" if level == 1 else f"SC_LEVEL{level}_CACHE_SIZE"
     try:
-        return max(0, int(os.sysconf(name)))
+        size = int(os.sysconf(name))
     except (ValueError, OSError, AttributeError):
-        return 0
+        size = 0
+    if size > 0:
+        return size
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            if int((index / "level").read_text()) != level \
+                    or (index / "type").read_text().strip() == "Instruction":
+                continue
+            text = (index / "size").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        scale = units.get(text[-1:], 1)
+        digits = text[:-1] if text[-1:] in units else text
+        return int(digits) * scale if digits.isdigit() else 0
+    return 0
 

@@ -1,9 +1,10 @@
 """The activation arena: planned storage for the outputs of kernels that can take it.
 
 The memory plan (``passes/plan_memory.py``, held by the Plan) gives every
-computed value a lifetime and an offset in one arena. Most kernels are torch ops that allocate
-their own outputs, but a convolution called straight into libdnnl
-(``kernels/onednn/``) writes wherever it is told. Those outputs are
+computed value a lifetime and an offset in one arena. Most kernels are torch ops that
+allocate their own outputs, but a kernel whose choice calls libdnnl
+(``KernelChoices.calls_libdnnl``: ``kernels/onednn/``) writes wherever it is told. Those
+outputs are
 carved out of one block per run instead of coming from malloc:
 
 - a run's storage is one ``torch.empty`` block, allocated at the first

@@ -1,6 +1,6 @@
 """Direct kernels built while a session loads, not by its first run.
 
-A convolution or pooling called straight into libdnnl (``kernels/onednn/``)
+A convolution or pooling whose choice calls libdnnl (``kernels/onednn/``)
 builds a primitive, JIT code included, for each input layout it meets, the first
 time it meets it. Left to the first run, that makes the first run several times
 a steady one (``benchmarks/cold_start.py``; docs/performance.md), and it faults in
