@@ -38,6 +38,7 @@ from segflow.kernels.onednn.conv import DirectConv
 from segflow.kernels.onednn.geometry import geometry
 from segflow.kernels.onednn.library import Library, onednn_eltwise
 from segflow.kernels.onednn.op import DirectKernel
+from segflow.kernels.target import CpuTarget
 from segflow.ops import fused
 from segflow.passes.pack_weights import PackParams, pack_conv
 from segflow.passes.pipeline import OptimizeOptions, run_pipeline
@@ -341,7 +342,7 @@ def test_layout_packs_a_direct_convolution_once_in_libdnnl_format(monkeypatch, s
         raise AssertionError("packed with torch too")
     with monkeypatch.context() as patch:
         patch.setattr(torch.ops.mkldnn, "_reorder_convolution_weight", no_torch_packing)
-        packed, packed_for, verified, libdnnl_bytes = pack_conv(dense, params, LIB)
+        packed, packed_for, verified, libdnnl_bytes = pack_conv(dense, params, CpuTarget.detect())
     assert libdnnl_bytes and packed_for == verified == input_size
     assert torch.equal(packed, wanted)
     torch.testing.assert_close(LIB.unpack_weight(packed, geo, input_size).reshape(shape),

@@ -22,10 +22,11 @@ from segflow.ir.graph import Node
 from segflow.kernels.choice import KernelChoice, KernelKind
 from segflow.kernels.onednn.conv import DirectConv
 from segflow.kernels.onednn.geometry import ConvGeometry, geometry
-from segflow.kernels.onednn.library import Library, onednn_eltwise
+from segflow.kernels.onednn.library import Library
 from segflow.kernels.onednn.op import DirectKernel
 from segflow.kernels.staging import ChannelsLastStaging
 from segflow.kernels.stem import NativeStem
+from segflow.kernels.target import CpuTarget
 from segflow.kernels.winograd import Winograd, inverse_transform
 from segflow.ops.fused import (
     Activation,
@@ -46,10 +47,7 @@ MAX_REPACKS = 2
 MAX_SHAPES = 32
 
 
-def eltwise_of(post: tuple[str, list[float], str] | None) -> tuple[int, float, float] | None:
-    """libdnnl's eltwise ``(algorithm, alpha, beta)`` for a post-op from
-    ``Activation.onednn`` (None: no activation, or one that runs after the kernel)."""
-    return None if post is None or post[0] == "none" else onednn_eltwise(*post)
+eltwise_of = CpuTarget.eltwise
 
 
 def blocked_layout(t: Tensor) -> bytes | None:

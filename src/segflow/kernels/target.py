@@ -21,10 +21,15 @@ from pathlib import Path
 
 import torch
 
-from segflow.kernels.linear import native_linear_preferred, panel_width
+from segflow.kernels import linear as native_linear
+from segflow.kernels import stem, winograd
 from segflow.kernels.native.build import NativeLibrary
-from segflow.kernels.onednn.library import Library
-from segflow.kernels.stem import vector_width
+from segflow.kernels.onednn.geometry import ConvGeometry, geometry
+from segflow.kernels.onednn.library import BLOCK, DnnlError, Library, onednn_eltwise
+from segflow.kernels.stem import unfit as stem_unfit
+from segflow.kernels.winograd import unfit as winograd_unfit
+
+Tensor = torch.Tensor
 
 # Tiles (4x4 outputs) one image must give a 3x3 convolution for Winograd to be the
 # default where libdnnl's direct kernels are AVX-512: each call reads the whole
@@ -74,9 +79,9 @@ class CpuTarget:
             native=native, native_why=native_why, dnnl=dnnl, dnnl_why=dnnl_why,
             threads=torch.get_num_threads(), onednn_ops=onednn_ops_available(),
             l1d_bytes=_cache_bytes(1), l2_bytes=_cache_bytes(2), l3_bytes=_cache_bytes(3),
-            native_fma=native_linear_preferred(native),
-            native_panel_width=panel_width(native) if native is not None else 0,
-            native_vector_floats=vector_width(native) if native is not None else 0)
+            native_fma=native_linear.native_linear_preferred(native),
+            native_panel_width=native_linear.panel_width(native) if native is not None else 0,
+            native_vector_floats=stem.vector_width(native) if native is not None else 0)
 
     def with_isa(self, *, avx512: bool) -> CpuTarget:
         """This target as a CPU with (or without) AVX-512 kernels: what tests use to see
@@ -126,6 +131,71 @@ class CpuTarget:
         GELU) as its post-op: on AVX-512 kernels. AVX2's brg_matmul evaluates it far
         slower than torch's in-place kernel run after the matmul."""
         return self.avx512
+
+    # -- what kernel selection and weight packing ask of the kernels --------------------
+    # (passes/ see kernels only through this class and kernels/choice.py)
+    blocked_channels = BLOCK      # channels per block of libdnnl's nChw8c layout
+
+    @staticmethod
+    def conv_geometry(shape: list[int], strides: tuple[int, ...], pads: tuple[int, ...],
+                      dilations: tuple[int, ...], groups: int) -> ConvGeometry:
+        """A convolution's geometry as libdnnl and the native kernels read it."""
+        return geometry(shape, strides, pads, dilations, groups)
+
+    @staticmethod
+    def eltwise(post: tuple[str, list[float], str] | None) -> tuple[int, float, float] | None:
+        """libdnnl's eltwise ``(algorithm, alpha, beta)`` for a post-op from
+        ``Activation.onednn`` (None: no activation, or one that runs after the kernel)."""
+        return None if post is None or post[0] == "none" else onednn_eltwise(*post)
+
+    @staticmethod
+    def winograd_unfit(geo: ConvGeometry, in_channels: int,
+                       eltwise: tuple[int, float, float] | None) -> str | None:
+        """Why a convolution cannot run as Winograd (None: it can; ``kernels/winograd.py``)."""
+        return winograd_unfit(geo, in_channels, eltwise)
+
+    def stem_unfit(self, geo: ConvGeometry, in_channels: int,
+                   eltwise: tuple[int, float, float] | None) -> str | None:
+        """Why a convolution cannot run as the native stem (None: it can)."""
+        return stem_unfit(geo, in_channels, self.native_vector_floats, eltwise)
+
+    @staticmethod
+    def winograd_weight(dense: Tensor) -> Tensor:
+        """The Winograd transform ``U`` (``[36, C, K]``) of a 3x3 weight."""
+        return winograd.transform_weight(dense)
+
+    def libdnnl_conv_weight(self, dense: Tensor, geo: ConvGeometry, input_size: tuple[int, ...],
+                            blocked: bool, plain_input: bool) -> Tensor | None:
+        """libdnnl's own packing of a convolution weight for ``input_size`` (None: no
+        libdnnl, or it describes none)."""
+        if self.dnnl is None:
+            return None
+        try:
+            return self.dnnl.preferred_weight(dense, geo, input_size, blocked, plain_input)
+        except DnnlError:
+            return None
+
+    def libdnnl_linear_weight(self, dense: Tensor, rows: int) -> Tensor | None:
+        """libdnnl's inner-product packing of a linear weight for ``rows`` rows (None: no
+        libdnnl, or it describes none)."""
+        if self.dnnl is None:
+            return None
+        try:
+            return self.dnnl.pack_linear(dense, rows)
+        except DnnlError:
+            return None
+
+    def native_linear_weight(self, dense: Tensor, top: Tensor | None) -> Tensor:
+        """``dense`` packed into the native linear's panels (``top``: each output's
+        largest ``|W|``, written while packing)."""
+        assert self.native is not None
+        return native_linear.pack(self.native, dense, top)
+
+    def strassen_spread(self, top: Tensor, out_features: int, in_features: int
+                        ) -> float | None:
+        """Strassen's weight check from the packing's ``top`` (None: classic calls only)."""
+        assert self.native is not None
+        return native_linear.strassen_spread(self.native, top, out_features, in_features)
 
 
 def cpu_capability() -> str:

@@ -16,12 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from segflow.ir.graph import Graph, Node, Value
-from segflow.kernels.linear import pack as native_pack
-from segflow.kernels.linear import strassen_spread
-from segflow.kernels.native.build import NativeLibrary
-from segflow.kernels.onednn.geometry import geometry
-from segflow.kernels.onednn.library import DnnlError, Library
-from segflow.kernels.winograd import transform_weight
+from segflow.kernels.target import CpuTarget
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +45,7 @@ class WeightPacker:
     """Packs the weights of one graph, each dense weight once per packing."""
 
     graph: Graph
+    target: CpuTarget
     convs: dict[tuple[int, PackParams, int], PackedConv] = field(default_factory=dict)
     linears: dict[tuple[int, str, int | None], Value] = field(default_factory=dict)
     strassen_wmax: dict[int, float | None] = field(default_factory=dict)  # id(panels) -> check
@@ -58,17 +54,18 @@ class WeightPacker:
     # id() the dicts above key on.
     released: list[Value] = field(default_factory=list)
 
-    def conv(self, node: Node, params: PackParams, lib: Library | None, blocked: bool,
+    def conv(self, node: Node, params: PackParams, direct: bool, blocked: bool,
              plain_input: bool) -> PackedConv:
-        """Give ``node`` its packed weight (libdnnl's where ``lib`` describes one, for
-        the nChw8c layout with ``blocked``, for its NCHW entry with ``plain_input``)."""
+        """Give ``node`` its packed weight (libdnnl's where it will be ``direct`` and
+        libdnnl describes one, for the nChw8c layout with ``blocked``, for its NCHW
+        entry with ``plain_input``)."""
         weight = node.inputs[1]
         assert weight is not None and weight.const is not None
         key = (id(weight), params, blocked + plain_input)
         done = self.convs.get(key)
         if done is None:
             tensor, packed_for, verified, libdnnl_bytes = pack_conv(
-                weight.const, params, lib, blocked, plain_input)
+                weight.const, params, self.target if direct else None, blocked, plain_input)
             value = Value(fresh_name(self.graph, f"{weight.name}.onednn"), weight.spec,
                           const=tensor)
             self.graph.add_initializer(value)
@@ -87,14 +84,13 @@ class WeightPacker:
         value = self.winograd.get(id(weight))
         if value is None:
             value = Value(fresh_name(self.graph, f"{weight.name}.winograd"), weight.spec,
-                          const=transform_weight(weight.const))
+                          const=self.target.winograd_weight(weight.const))
             self.graph.add_initializer(value)
             self.winograd[id(weight)] = value
         self.graph.set_input(node, 1, value)
         self.release(weight)
 
-    def native_linear(self, node: Node, library: NativeLibrary, strassen: bool
-                      ) -> float | None:
+    def native_linear(self, node: Node, strassen: bool) -> float | None:
         """Give ``node`` its weight packed into ``kernels/native/gemm.c``'s panels; with
         ``strassen``, return Strassen's weight check where the weight allows it
         (:func:`~segflow.kernels.linear.strassen_spread`, from each output's largest
@@ -108,16 +104,16 @@ class WeightPacker:
         if value is None:
             top = torch.empty(n) if strassen else None
             value = Value(fresh_name(self.graph, f"{weight.name}.panels"), weight.spec,
-                          const=native_pack(library, w, top))
+                          const=self.target.native_linear_weight(w, top))
             self.graph.add_initializer(value)
             self.linears[key] = value
             if top is not None:
-                self.strassen_wmax[id(value)] = strassen_spread(library, top, n, k)
+                self.strassen_wmax[id(value)] = self.target.strassen_spread(top, n, k)
         self.graph.set_input(node, 1, value)
         self.release(weight)
         return self.strassen_wmax.get(id(value)) if strassen else None
 
-    def direct_linear(self, node: Node, lib: Library, rows: int) -> bool:
+    def direct_linear(self, node: Node, rows: int) -> bool:
         """Give ``node`` libdnnl's inner-product packing of its weight for ``rows`` rows;
         False (nothing changed) where libdnnl describes none."""
         weight = node.inputs[1]
@@ -125,10 +121,7 @@ class WeightPacker:
         key = (id(weight), "dnnl", rows)
         value = self.linears.get(key)
         if value is None:
-            try:
-                tensor = lib.pack_linear(weight.const, rows)
-            except DnnlError:
-                tensor = None
+            tensor = self.target.libdnnl_linear_weight(weight.const, rows)
             if tensor is None:
                 return False
             value = Value(fresh_name(self.graph, f"{weight.name}.dnnl"), weight.spec,
@@ -174,13 +167,13 @@ class WeightPacker:
                 del graph.initializers[name]
 
 
-def pack_conv(dense: torch.Tensor, params: PackParams, lib: Library | None,
+def pack_conv(dense: torch.Tensor, params: PackParams, target: CpuTarget | None,
               blocked: bool = False, plain_input: bool = False
               ) -> tuple[torch.Tensor, tuple[int, ...] | None, tuple[int, ...] | None, bool]:
     """The packed weight, the input size it was packed for, the input size for which
     its bytes are libdnnl's format (None: not libdnnl's) and whether they are.
 
-    A convolution that will call libdnnl gets libdnnl's own packing for its input
+    A convolution that will call libdnnl (``target`` given) gets libdnnl's own packing for its input
     size (for the nChw8c layout with ``blocked``, for its NCHW entry with
     ``plain_input``): the kernel reads it in place, and torch's packing is made from it
     only if a fallback ever needs it (``kernels/conv.py`` ``TorchPacking``), so loading
@@ -193,14 +186,14 @@ def pack_conv(dense: torch.Tensor, params: PackParams, lib: Library | None,
             params.groups, None if size is None else list(size))
 
     size = params.input_size
-    if lib is None or size is None:
+    if target is None or target.dnnl is None or size is None:
         return pack(size), size, None, False
-    geo = geometry(list(dense.shape), params.strides, params.pads, params.dilations,
-                   params.groups)
-    try:
-        return lib.preferred_weight(dense, geo, size, blocked, plain_input), size, size, True
-    except DnnlError:
+    geo = target.conv_geometry(list(dense.shape), params.strides, params.pads,
+                               params.dilations, params.groups)
+    packed = target.libdnnl_conv_weight(dense, geo, size, blocked, plain_input)
+    if packed is None:
         return pack(size), size, None, False
+    return packed, size, size, True
 
 
 def fresh_name(graph: Graph, name: str) -> str:

@@ -37,13 +37,7 @@ import torch
 from segflow.ir.graph import Graph, Node
 from segflow.ir.types import Device, DeviceKind
 from segflow.kernels.choice import KernelChoice, KernelChoices, KernelKind
-from segflow.kernels.conv import eltwise_of
-from segflow.kernels.native.build import NativeLibrary
-from segflow.kernels.onednn.geometry import geometry
-from segflow.kernels.onednn.library import BLOCK, Library
-from segflow.kernels.stem import unfit as stem_unfit
 from segflow.kernels.target import CpuTarget
-from segflow.kernels.winograd import unfit as winograd_unfit
 from segflow.ops.fused import FUSED_DOMAIN, LINEAR_PACK_MIN_WEIGHT, activation_of
 from segflow.passes.pack_weights import PackParams, WeightPacker
 from segflow.passes.result import PassResult
@@ -79,26 +73,26 @@ def select_kernels(graph: Graph, device: Device, target: CpuTarget, *, direct: b
     ``target`` and pack their weights for them (in place); a no-op off the CPU."""
     if device.kind is not DeviceKind.CPU or not target.onednn_ops:
         return Selection(PassResult(graph, False), KernelChoices())
-    packer = WeightPacker(graph)
+    packer = WeightPacker(graph, target)
     choices: dict[Node, KernelChoice] = {}
-    lib: Library | None = target.dnnl if direct else None
+    use_dnnl = direct and target.dnnl is not None
     region: set[int] = set()
     convs = [n for n in graph.nodes if n.domain == FUSED_DOMAIN and n.op_type == "FusedConv"]
-    if lib is not None and blocked and target.blocked_layout_preferred() \
+    if use_dnnl and blocked and target.blocked_layout_preferred() \
             and any(packable(n) is not None for n in convs):
-        region = blocked_region(graph, lib)
-    native = target.native if (native_linear is True or (
-        native_linear is None and target.native_linear_preferred())) else None
-    use_strassen = native is not None and (
-        target.strassen_preferred() if strassen is None else strassen)
-    linear_lib = lib if target.direct_linear_preferred() else None
+        region = blocked_region(graph, target)
+    use_native = target.native is not None and (native_linear is True or (
+        native_linear is None and target.native_linear_preferred()))
+    use_strassen = use_native and (target.strassen_preferred() if strassen is None
+                                   else strassen)
+    direct_linear = use_dnnl and target.direct_linear_preferred()
     for node in graph.nodes:
         if node.domain == FUSED_DOMAIN and node.op_type == "FusedGemm":
-            choice = _select_linear(node, packer, native, use_strassen, linear_lib)
+            choice = _select_linear(node, packer, use_native, use_strassen, direct_linear)
             if choice is not None:
                 choices[node] = choice
             continue
-        if lib is not None and _direct_pool(node, choices):
+        if use_dnnl and _direct_pool(node, choices):
             source = node.inputs[0]
             choices[node] = KernelChoice(
                 KernelKind.DIRECT_POOL,
@@ -109,7 +103,7 @@ def select_kernels(graph: Graph, device: Device, target: CpuTarget, *, direct: b
         params = packable(node)
         if params is None:
             continue
-        choices[node] = _select_conv(node, params, packer, target, lib, region, winograd,
+        choices[node] = _select_conv(node, params, packer, target, use_dnnl, region, winograd,
                                      native_stem)
     if choices:
         packer.drop_unused()
@@ -117,7 +111,7 @@ def select_kernels(graph: Graph, device: Device, target: CpuTarget, *, direct: b
 
 
 def _select_conv(node: Node, params: PackParams, packer: WeightPacker, target: CpuTarget,
-                 lib: Library | None, region: set[int], winograd: bool | None,
+                 direct: bool, region: set[int], winograd: bool | None,
                  native_stem: bool | None) -> KernelChoice:
     weight = node.inputs[1]
     assert weight is not None and weight.const is not None
@@ -127,12 +121,12 @@ def _select_conv(node: Node, params: PackParams, packer: WeightPacker, target: C
     plain_input = in_region and x is not None and id(x.producer) not in region
     use_winograd = winograd if winograd is not None else \
         target.winograd_preferred(winograd_tiles(node, params))
-    if lib is not None and use_winograd and not in_region \
+    if direct and use_winograd and not in_region \
             and winograd_fits(node, weight.const, params, target):
         packer.winograd_weight(node)
         return KernelChoice(KernelKind.WINOGRAD, channels_last=True)
-    done = packer.conv(node, params, lib, in_region, plain_input)
-    if lib is None:
+    done = packer.conv(node, params, direct, in_region, plain_input)
+    if not direct:
         return KernelChoice(KernelKind.ONEDNN_CONV, channels_last=True,
                             packed_for=done.packed_for)
     kind = KernelKind.DIRECT_CONV
@@ -144,9 +138,8 @@ def _select_conv(node: Node, params: PackParams, packer: WeightPacker, target: C
                         libdnnl_packed=done.libdnnl_bytes)
 
 
-def _select_linear(node: Node, packer: WeightPacker, native: NativeLibrary | None,
-                   strassen: bool,
-                   lib: Library | None) -> KernelChoice | None:
+def _select_linear(node: Node, packer: WeightPacker, native: bool, strassen: bool,
+                   direct: bool) -> KernelChoice | None:
     """A large float32 FusedGemm's kernel (None: it stays dense, for MKL or torch)."""
     weight, x = node.inputs[1], node.inputs[0]
     if weight is None or weight.const is None or weight.const.is_mkldnn or x is None:
@@ -154,8 +147,8 @@ def _select_linear(node: Node, packer: WeightPacker, native: NativeLibrary | Non
     w = weight.const
     if w.dtype != torch.float32 or w.dim() != 2 or w.numel() < LINEAR_PACK_MIN_WEIGHT:
         return None
-    if native is not None and w.device.type == "cpu":
-        wmax = packer.native_linear(node, native, strassen)
+    if native and w.device.type == "cpu":
+        wmax = packer.native_linear(node, strassen)
         return KernelChoice(KernelKind.NATIVE_LINEAR, strassen_wmax=wmax)
     act, params = activation_of(node)
     if act.onednn(params) is None:
@@ -166,9 +159,9 @@ def _select_linear(node: Node, packer: WeightPacker, native: NativeLibrary | Non
         rows = 1
         for d in shape[:-1]:
             rows *= int(d)  # type: ignore[arg-type]
-    if lib is not None:
+    if direct:
         direct_rows = rows if rows is not None else DIRECT_LINEAR_ROWS
-        if packer.direct_linear(node, lib, direct_rows):
+        if packer.direct_linear(node, direct_rows):
             return KernelChoice(KernelKind.DIRECT_LINEAR, direct_rows=direct_rows)
     packer.onednn_linear(node, rows)
     return KernelChoice(KernelKind.ONEDNN_LINEAR)
@@ -195,8 +188,9 @@ def stem_fits(node: Node, shape: list[int], params: PackParams, choice: bool | N
         return False
     if choice is None and not target.native_stem_preferred():
         return False
-    spec = geometry(shape, params.strides, params.pads, params.dilations, params.groups)
-    return stem_unfit(spec, shape[1], target.native_vector_floats, eltwise) is None
+    spec = target.conv_geometry(shape, params.strides, params.pads, params.dilations,
+                                params.groups)
+    return target.stem_unfit(spec, shape[1], eltwise) is None
 
 
 def _direct_pool(node: Node, choices: dict[Node, KernelChoice]) -> bool:
@@ -208,7 +202,7 @@ def _direct_pool(node: Node, choices: dict[Node, KernelChoice]) -> bool:
             and choices[producer].calls_libdnnl)
 
 
-def blocked_region(graph: Graph, lib: Library) -> set[int]:
+def blocked_region(graph: Graph, target: CpuTarget) -> set[int]:
     """The convolutions (``id``s) that run on ``nChw8c`` activations.
 
     libdnnl runs depthwise convolutions on channels blocked by 8 faster than on NHWC
@@ -223,6 +217,8 @@ def blocked_region(graph: Graph, lib: Library) -> set[int]:
     it holds a depthwise convolution. The tensors in between hold nChw8c bytes under
     their logical shape; nothing outside the region reads one.
     """
+    lib = target.dnnl
+    assert lib is not None
     candidates: set[int] = set()
     depthwise: set[int] = set()
     for node in graph.nodes:
@@ -234,8 +230,9 @@ def blocked_region(graph: Graph, lib: Library) -> set[int]:
                 or weight is None or weight.const is None or x is None:
             continue
         shape = list(weight.const.shape)
-        geo = geometry(shape, params.strides, params.pads, params.dilations, params.groups)
-        if geo.output_size(params.input_size)[1] % BLOCK:
+        geo = target.conv_geometry(shape, params.strides, params.pads, params.dilations,
+                                   params.groups)
+        if geo.output_size(params.input_size)[1] % target.blocked_channels:
             continue
         plain_input = x.producer is None
         is_depthwise = params.groups > 1 and shape[1] == 1
@@ -297,7 +294,7 @@ def kernel_eltwise(node: Node) -> tuple[bool, tuple[int, float, float] | None]:
     (None: no activation), or ``(False, None)`` where it has no oneDNN eltwise form and
     runs after the kernel (the direct path handles that)."""
     act, scalars = activation_of(node)
-    eltwise = eltwise_of(act.onednn(scalars))
+    eltwise = CpuTarget.eltwise(act.onednn(scalars))
     return not (act.name and eltwise is None), eltwise
 
 
@@ -311,8 +308,9 @@ def winograd_fits(node: Node, weight: torch.Tensor, params: PackParams,
     applied, eltwise = kernel_eltwise(node)
     if not applied:
         return False
-    spec = geometry(list(weight.shape), params.strides, params.pads, params.dilations, 1)
-    if winograd_unfit(spec, int(weight.shape[1]), eltwise) is not None:
+    spec = target.conv_geometry(list(weight.shape), params.strides, params.pads,
+                                params.dilations, 1)
+    if target.winograd_unfit(spec, int(weight.shape[1]), eltwise) is not None:
         return False
     return target.native is not None
 
