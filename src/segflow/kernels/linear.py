@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import ctypes
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import cast
 
 import torch
@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from segflow.kernels.native.build import NativeLibrary
 from segflow.kernels.onednn.library import openmp_entry_points
 from segflow.kernels.replay import Prepared
-from segflow.kernels.report import NativeOrTorch, OpKernel, describe_native_calls
+from segflow.kernels.report import NativeOrTorch, OpKernel, ReportFamily, describe_native_calls
 from segflow.kernels.shape_cache import ShapeCache
 
 Tensor = torch.Tensor
@@ -208,10 +208,37 @@ class NativeLinear(NativeOrTorch):
     the fallback path. ``strassen_wmax``: the weight's largest ``|W|`` where calls may
     run as Strassen (:func:`strassen_spread`), else None.
     ``native_calls`` and ``torch_calls`` count how calls ran, ``why_torch`` why any fell
-    back (:class:`~segflow.ops._common.NativeOrTorch`); of the native calls,
+    back (:class:`~segflow.kernels.report.NativeOrTorch`); of the native calls,
     ``strassen_calls`` ran as Strassen and ``strassen_refused`` were fit in shape but
     ran the classic kernel (x's paired rows unlike in scale, or not finite).
     """
+
+    family = ReportFamily.NATIVE_LINEAR
+
+    @classmethod
+    def describe_all(cls, ops: Sequence[tuple[str, NativeLinear]], limit: int = 8
+                     ) -> list[str]:
+        """``explain()`` lines for a session's native linears: how many, where the
+        library came from, how their calls ran and why any fell back."""
+        if not ops:
+            return []
+        lines = describe_native_calls(cls.family.value, ops,
+                                      f" ({ops[0][1].library.describe()})", limit)
+        allowed = [op for _, op in ops if op.strassen_wmax is not None]
+        if allowed:
+            ran = sum(op.strassen_calls for op in allowed)
+            refused = sum(op.strassen_refused for op in allowed)
+            lines.append(f"  strassen (one level: 7 half-size products for 8): {len(allowed)} "
+                         f"of {len(ops)} nodes' weights allow it; {ran} calls ran so, "
+                         f"{refused} ran the classic kernel (rows m/2 apart unlike in scale, "
+                         f"or not finite)")
+        return lines
+
+    def counters(self) -> Mapping[str, int]:
+        """Calls native and through torch; of the native, those that ran as Strassen and
+        those that could have but ran the classic kernel."""
+        return {**super().counters(), "strassen_calls": self.strassen_calls,
+                "strassen_refused": self.strassen_refused}
 
     def __init__(self, library: NativeLibrary, in_features: int, out_features: int,
                  fused: KernelActivation | None,
@@ -339,22 +366,3 @@ class NativeLinearKernel(OpKernel):
 
     __slots__ = ()
     op: NativeLinear
-
-
-def describe_native_linears(ops: Sequence[tuple[str, NativeLinear]], limit: int = 8
-                            ) -> list[str]:
-    """``explain()`` lines for a session's native linears: how many, where the library
-    came from, how their calls ran and why any fell back."""
-    if not ops:
-        return []
-    lines = describe_native_calls("native linears", ops,
-                                  f" ({ops[0][1].library.describe()})", limit)
-    allowed = [op for _, op in ops if op.strassen_wmax is not None]
-    if allowed:
-        ran = sum(op.strassen_calls for op in allowed)
-        refused = sum(op.strassen_refused for op in allowed)
-        lines.append(f"  strassen (one level: 7 half-size products for 8): {len(allowed)} of "
-                     f"{len(ops)} nodes' weights allow it; {ran} calls ran so, {refused} "
-                     f"ran the classic kernel (rows m/2 apart unlike in scale, or not "
-                     f"finite)")
-    return lines

@@ -21,7 +21,7 @@ import torch
 
 from segflow.kernels.native.build import NativeLibrary
 from segflow.kernels.onednn.library import openmp_entry_points
-from segflow.kernels.report import NativeOrTorch, describe_native_calls
+from segflow.kernels.report import NativeOrTorch, ReportFamily, describe_native_calls
 
 Tensor = torch.Tensor
 
@@ -38,6 +38,8 @@ class ChannelsLastStaging(NativeOrTorch):
     """``stage(x, out) -> out``: ``out.copy_(x)``, natively where ``x`` is a contiguous
     float32 NCHW tensor and ``out`` a channels-last one of its size. ``native_calls``,
     ``torch_calls`` and ``why_torch`` say how copies ran (``explain()``)."""
+
+    family = ReportFamily.STAGING
 
     def __init__(self, library: NativeLibrary) -> None:
         super().__init__(library, "")
@@ -61,9 +63,9 @@ class ChannelsLastStaging(NativeOrTorch):
         self.count_native_call()
         return out
 
-
-def describe_stagings(ops: Sequence[tuple[str, ChannelsLastStaging]], limit: int = 8
-                      ) -> list[str]:
-    """``explain()`` lines for the convolutions that stage an NCHW input natively: how
-    many, how their copies ran and why any went through torch."""
-    return describe_native_calls("NCHW input staged into channels-last", ops, "", limit)
+    @classmethod
+    def describe_all(cls, ops: Sequence[tuple[str, ChannelsLastStaging]], limit: int = 8
+                     ) -> list[str]:
+        """``explain()`` lines for the convolutions that stage an NCHW input natively: how
+        many, how their copies ran and why any went through torch."""
+        return describe_native_calls(cls.family.value, ops, "", limit)

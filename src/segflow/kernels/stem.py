@@ -25,6 +25,7 @@ its C loop like any other kernel, with the feed's address written in at each cal
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,6 +34,7 @@ from segflow.kernels.native.build import NativeLibrary
 from segflow.kernels.onednn.geometry import ConvGeometry
 from segflow.kernels.onednn.library import ARG_DST, ARG_SRC, ExecArg, openmp_entry_points
 from segflow.kernels.onednn.op import Call
+from segflow.kernels.report import declined
 from segflow.kernels.winograd import clamp_activation
 
 if TYPE_CHECKING:
@@ -102,6 +104,23 @@ class NativeStem:
         run.restype = ctypes.c_int
         self.run = run
         self.width = vector_width(native)
+
+    @staticmethod
+    def layouts_built(op: DirectConv) -> int:
+        """How many of ``op``'s input layouts run through the stem kernel."""
+        return sum(1 for call in op.calls.values()
+                   if call is not None and call.impl.startswith("native stem"))
+
+    @classmethod
+    def describe_convs(cls, marked: Sequence[tuple[str, DirectConv]], limit: int) -> list[str]:
+        """``explain()`` lines for the convolutions marked to run the stem kernel: the
+        input layouts it runs, and those it declined (staged for libdnnl), with why."""
+        layouts = sum(cls.layouts_built(op) for _, op in marked)
+        return [f"  native stem (NCHW image read in place): {len(marked)} convolution"
+                f"{'s' if len(marked) != 1 else ''}, {layouts} input "
+                f"layout{'s' if layouts != 1 else ''} built",
+                *declined("the native stem", [(label, op.stem_not) for label, op in marked],
+                          limit)]
 
     @staticmethod
     def takes(x: Tensor, z: Tensor | None) -> bool:

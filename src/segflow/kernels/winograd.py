@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -53,6 +54,7 @@ from segflow.kernels.onednn.library import (
     openmp_entry_points,
 )
 from segflow.kernels.onednn.op import Call
+from segflow.kernels.report import declined
 from segflow.kernels.workspace import Workspace
 
 if TYPE_CHECKING:
@@ -207,6 +209,26 @@ class Winograd:
     def weight_bytes(self) -> int:
         """Bytes of the transformed weight (the session's constant, not a copy)."""
         return self.weight.numel() * 4
+
+    @staticmethod
+    def layouts_built(op: DirectConv) -> int:
+        """How many of ``op``'s input layouts run as Winograd."""
+        return sum(1 for call in op.calls.values() if call is not None and call.run is not None)
+
+    @classmethod
+    def describe_convs(cls, marked: Sequence[tuple[str, DirectConv]], limit: int) -> list[str]:
+        """``explain()`` lines for the convolutions marked for Winograd (``(node label,
+        op)``): what runs so, what it holds, what declined."""
+        layouts = sum(cls.layouts_built(op) for _, op in marked)
+        builders = [op.winograd for _, op in marked if op.winograd is not None]
+        weights = sum(w.weight_bytes for w in builders)
+        spaces = {id(w.workspace): w.workspace.nbytes for w in builders}
+        return [f"  winograd F(4x4,3x3): {len(marked)} convolutions, {layouts} input "
+                f"layout{'s' if layouts != 1 else ''} built; transformed weights "
+                f"{weights / 2**20:.1f} MiB (the weights themselves), workspace "
+                f"{sum(spaces.values()) / 2**20:.1f} MiB",
+                *declined("winograd", [(label, op.winograd_not) for label, op in marked],
+                          limit)]
 
     def make_call(self, op: DirectConv, x: Tensor, w: Tensor, b: Tensor | None,
                   z: Tensor | None, inplace: bool) -> tuple[Call | None, str]:
