@@ -22,7 +22,7 @@ broadcast, counted with the reason for ``explain()``.
 
 Numerics: the native path differs from torch's by float32 rounding (exp is a
 polynomial within 1e-7 relative of exp over a softmax's range, as attention.c
-says; ~1e-6 relative on BERT-base's heads).
+says; ~1e-6 relative on heads of 64 over 128 keys).
 """
 
 from __future__ import annotations

@@ -3,9 +3,8 @@
 Generated code calls a transformer's native kernels one by one (``kernels/linear.py``,
 ``kernels/layer_norm.py``, ``kernels/attention.py``). Each call checks its
 tensors, allocates its result and fills a ctypes structure in Python, which runs
-cold right after a kernel has swept the caches: ~25 us a linear, ~45 an add + layer
-norm, ~60 an attention, ~3 ms of a 91 ms BERT-base run (2-core AVX-512 VM,
-2026-12-06).
+cold right after a kernel has swept the caches: tens of microseconds a call, a few
+percent of a run made of such kernels (figures in docs/performance.md).
 
 A :class:`NativeReplay` stands for a run of consecutive steps that are such kernels
 (ops with ``prepare`` and ``run_prepared``, :class:`Replayable`) or Splits of constant

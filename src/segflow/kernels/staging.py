@@ -5,11 +5,10 @@ destination, so a direct convolution whose input arrives NCHW (a model's image f
 read by the stem convolution) first copies it into channels-last storage
 (``DirectConv._staged``, into the run's staging block). :class:`ChannelsLastStaging`
 does that copy in native code (``kernels/native/staging.c``), the pixels split over the
-OpenMP threads libdnnl uses: MobileNetV2's 3 x 224 x 224 image took 39 us against 58
-through torch's ``copy_`` in a run, ResNet-50's 73 against 100 (2-core AVX-512 VM,
-2026-12-06; MobileNetV2's run is ~3.4 ms). Anything else (not float32, not a contiguous 4-D NCHW
-tensor into a channels-last one of its size) goes through ``copy_``. It is an exact
-copy either way.
+OpenMP threads libdnnl uses: faster than torch's ``copy_`` for an image of a few
+hundred pixels a side (docs/performance.md). Anything else (not float32, not a
+contiguous 4-D NCHW tensor into a channels-last one of its size) goes through
+``copy_``. It is an exact copy either way.
 """
 
 from __future__ import annotations

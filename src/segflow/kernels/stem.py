@@ -8,12 +8,9 @@ libdnnl's kernel, whose vectors mostly idle over three input channels.
 channels-last output: per output row, each tap's output-channel weights times a
 broadcast input value, for a block of pixels at a time (the module docstring there).
 
-2-core AVX-512 VM, 2026-12-06: MobileNetV2's stem (3 -> 32 channels, 3x3, stride 2,
-224x224) took ~40 us of staging plus 110-170 us of libdnnl's convolution, this kernel
-~100 us (the convolution and its ReLU6 alone as a model: 0.20 against 0.32 ms);
-ResNet-50's (3 -> 64, 7x7) ~75 plus ~830, this kernel ~760 (1.02 against 1.14 ms).
-Whole models, two sessions alternating in one process: MobileNetV2 3.20 against
-3.32 ms, ResNet-50 27.81 against 27.87.
+With AVX-512 the kernel takes less time than the staging copy and libdnnl's
+convolution together, for a 3x3 stride-2 stem to 32 channels and a 7x7 one to 64
+(figures in docs/performance.md).
 
 :class:`NativeStem` builds a :class:`~segflow.kernels.onednn.conv.DirectConv`'s call
 whose primitive is the kernel's plan and whose ``run`` is the kernel
@@ -46,11 +43,8 @@ Tensor = torch.Tensor
 # over the taps, one broadcast per input value; many channels are a job for libdnnl.
 MAX_IN_CHANNELS = 4
 # The largest output a call writes through the kernel; a larger one (a large batch) is
-# staged for libdnnl, whose kernel was faster there. 2-core AVX-512 VM, 2026-12-06, the
-# convolution and its activation alone as a model: ResNet-50's stem at batch 8 (25.7
-# MB out) 7.5-7.7 ms against 7.1-7.2 staged; MobileNetV2's at batch 8 (12.8 MB) 1.28
-# against 1.32; both at batch 1 (3.2 and 1.6 MB) 1.02-1.03 against 1.14-1.16 and 0.21
-# against 0.32.
+# staged for libdnnl, whose kernel was faster for a 25.7 MB output and slower up to
+# 12.8 MB (the figures are in docs/performance.md).
 MAX_OUTPUT_BYTES = 16 << 20
 
 

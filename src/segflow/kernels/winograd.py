@@ -30,8 +30,8 @@ Accuracy: the transforms use the points 0, +-1, +-2, whose matrices are exact in
 float32; the result differs from a direct convolution by a few float32 ulps per
 input channel (relative error ~1e-5 at 512 channels, the direct one's ~1e-6).
 
-Measured on a 2-core AVX2 VM (Zen 1), one convolution + ReLU at batch 1, in one
-process: docs/benchmarking.md, "Eleventh session".
+The figures behind it (one convolution + ReLU at batch 1, AVX2) are in
+docs/benchmarking.md and docs/performance.md.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ _LANES = 8          # channels the native transforms handle at once
 # slope) and clip_v2 (Clip, ReLU6) (onednn_direct._ELTWISE).
 _RELU_ALGORITHM = onednn_eltwise("relu", (0.0,), "")[0]          # type: ignore[index]
 _CLIP_ALGORITHM = onednn_eltwise("hardtanh", (0.0, 6.0), "")[0]  # type: ignore[index]
-# A chunk's V and M together (a 2-core Zen 1 has 512 KiB of L2 per core and 8 MiB of L3).
+# A chunk's V and M together: within a 512 KiB L2 and a small share of the L3.
 CHUNK_BYTES = 1 << 20
 MIN_CHUNK = 32
 
@@ -114,7 +114,8 @@ def transform_weight(dense: Tensor) -> Tensor:
     ``G (x) G`` (``[36, 9]``) over the weight read as ``[9, C, K]``, 16 input
     channels at a time: each block's product is already in the result's layout
     (no transposition after), and its float64 temporaries stay small (2.4 MiB at
-    512 output channels). ResNet-50's 13 transforms take ~0.13 s of its load."""
+    512 output channels): a model's transforms cost a fraction of a second of its
+    load."""
     k, c = dense.shape[:2]
     kron = torch.kron(_G, _G)                             # [36, 9]: (i, j) <- (a, b)
     out = torch.empty(_POINTS, c, k)

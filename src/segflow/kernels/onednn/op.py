@@ -261,9 +261,9 @@ class ResidualInPlaceKernel(DirectKernel):
     """A residual convolution's kernel where the memory plan lets its output overwrite
     the residual (input 3, which dies here): ``[op.inplace_call(x, w, b, z)]``, oneDNN's
     in-place sum post-op, as generated code calls it. The interpreter and profiled
-    runs then run the kernel the default backend runs. (ResNet-50 at batch 8, layer1's
-    last 1x1 convolution alone: 6.5 ms in place against 9.7 with a binary-add post-op on
-    an AVX-512 VM; a whole compile="none" run on an AVX2 one: 404 against 415 ms.)"""
+    runs then run the kernel the default backend runs. The sum post-op writes each
+    output once where a binary-add post-op reads a third tensor (the figures are in
+    docs/performance.md)."""
 
     __slots__ = ()
 
