@@ -498,7 +498,8 @@ class Library:
         Asked at load (the layout pass packs weights in this format) and again at a
         convolution's first run (to read such a weight in place, or unpack it), and
         each answer is a primitive descriptor libdnnl searches its implementations
-        for (about a millisecond for a large convolution). So the first answer per geometry, input size and layout is kept for the process.
+        for (about a millisecond for a large convolution). So the first answer per
+        geometry, input size and layout is kept for the process.
         That is also the right answer to give later: it describes the bytes already
         packed, where a fresh one could differ (libdnnl's kernels choose their
         blocking by the thread count, which a later session may set otherwise; a
