@@ -124,7 +124,7 @@ def test_mobilenet_matches_onnxruntime_with_and_without_the_region(batch: int):
         for _ in range(2):
             np.testing.assert_allclose(sess.run(None, feeds)[0], ref[0], atol=1e-4, rtol=1e-3)
         if batch == 1:   # the size packed for: each weight read in place
-            convs = [op for _, op in sess._executor.direct_ops if isinstance(op, DirectConv)]
+            convs = [op for _, op in sess._executor.kernel_ops if isinstance(op, DirectConv)]
             assert all(c.copies == [] for c in convs)
 
 
@@ -154,7 +154,7 @@ def test_a_blocked_convolution_that_cannot_build_falls_back_through_reorders(
     monkeypatch.setattr(LIB, "pooling", refuse)
     out = sess.run(None, feeds)[0]
     np.testing.assert_allclose(out, _ort(model, feeds)[0], atol=1e-4, rtol=1e-3)
-    ops = [op for _, op in sess._executor.direct_ops]
+    ops = [op for _, op in sess._executor.kernel_ops]
     assert ops and all(op.direct_layouts == 0 for op in ops
                        if isinstance(op, (DirectConv, DirectPool)))
 

@@ -19,14 +19,14 @@ from concurrency import run_in_threads
 from segflow import models
 from segflow.frontend.onnx_import import import_model
 from segflow.ir.types import Device
-from segflow.kernels.native.build import NativeLibrary
-from segflow.ops.dense_chain import (
+from segflow.kernels.dense_chain import (
     NATIVE_ACTIVATIONS,
     NATIVE_MAX_MACS,
     ChainLayer,
     DenseChain,
-    traceable_chain,
 )
+from segflow.kernels.native.build import NativeLibrary
+from segflow.ops.dense_chain import traceable_chain
 from segflow.ops.fused import ACTIVATIONS
 from segflow.passes.dense_chain import CHAIN_MAX_WEIGHT, chain_dense, find_chains
 from segflow.passes.pipeline import OptimizeOptions, optimize
@@ -297,7 +297,7 @@ def test_explain_counts_native_calls_and_codegen_calls_the_kernels_op():
         sess = segflow.InferenceSession(model, compile=mode)
         sess.run(None, feeds)
         sess.run(None, feeds)
-        (op,) = [op for _, op in sess._executor.chain_ops]
+        (op,) = [op for _, op in sess._executor.kernel_ops if isinstance(op, DenseChain)]
         assert (op.native_calls, op.torch_calls) == (2, 0)
         text = sess.explain()
         assert "dense chains: 1 chain of 3 layers, native (" in text
@@ -311,7 +311,7 @@ def test_traceable_form_matches_the_op():
     fn = traceable_chain(node).bound["fn"]
     x = torch.randn(2, 3, 6)
     consts = [v.const for v in node.inputs[1:]]
-    (op,) = [op for _, op in sess._executor.chain_ops]
+    (op,) = [op for _, op in sess._executor.kernel_ops if isinstance(op, DenseChain)]
     torch.testing.assert_close(fn(x, *consts), op(x), atol=1e-5, rtol=1e-5)
 
 

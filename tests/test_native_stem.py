@@ -27,7 +27,7 @@ from segflow.kernels.choice import KernelKind
 from segflow.kernels.native.build import NativeLibrary
 from segflow.kernels.onednn.conv import DirectConv
 from segflow.kernels.onednn.library import Library
-from segflow.kernels.onednn.replay import _NativeStretch
+from segflow.kernels.onednn.stretch import NativeStretch
 from segflow.kernels.stem import vector_width
 from targets import count, kind
 
@@ -69,7 +69,7 @@ def _conv_model(cin: int, cout: int, kernel: int, stride: int, pads: list[int],
 
 def _stem_calls(sess: segflow.InferenceSession) -> list[Any]:
     """The built calls of the session's direct convolutions that run the stem kernel."""
-    return [call for _, op in sess._executor.direct_ops if isinstance(op, DirectConv)
+    return [call for _, op in sess._executor.kernel_ops if isinstance(op, DirectConv)
             for call in op.calls.values()
             if call is not None and call.impl.startswith("native stem")]
 
@@ -161,7 +161,7 @@ def test_a_large_output_is_staged_for_libdnnl():
     batch = native_stem.MAX_OUTPUT_BYTES // per_image + 1
     _check(model, sess, (1, 3, 224, 224), runs=2)
     _check(model, sess, (batch, 3, 224, 224), runs=2)
-    (op,) = [op for _, op in sess._executor.direct_ops if isinstance(op, DirectConv)]
+    (op,) = [op for _, op in sess._executor.kernel_ops if isinstance(op, DirectConv)]
     impls = sorted(call.impl for call in op.calls.values() if call is not None)
     assert len(impls) == 2 and impls[1] == "native stem 3x3"
     assert not impls[0].startswith("native stem")
@@ -197,7 +197,7 @@ def test_a_channels_last_feed_is_declined_and_still_right():
     cl = torch.from_numpy(x).contiguous(memory_format=torch.channels_last)
     (got,) = sess.run_tensors({"x": cl})
     np.testing.assert_allclose(got.numpy(), ref.run(None, {"x": x})[0], atol=ATOL, rtol=RTOL)
-    (op,) = [op for _, op in sess._executor.direct_ops if isinstance(op, DirectConv)]
+    (op,) = [op for _, op in sess._executor.kernel_ops if isinstance(op, DirectConv)]
     assert op.stem is not None
     call = op.call_for(cl, None, False)
     assert call is not None and not call.impl.startswith("native stem")
@@ -225,7 +225,7 @@ def test_resnet18_replays_its_stem_with_each_new_feed(native_loop):
     assert rec is not None
     assert all(entry[1] is not None for entry in rec.plan)      # nothing runs as before
     if native_loop:
-        (stretch,) = [e for e in rec.program if isinstance(e, _NativeStretch)]
+        (stretch,) = [e for e in rec.program if isinstance(e, NativeStretch)]
         assert stretch.entries[0][1].impl == "native stem 7x7"
     assert len(_stem_calls(sess)) == 1
 

@@ -37,7 +37,7 @@ from segflow.kernels.onednn import pool as onednn_pool
 from segflow.kernels.onednn.conv import DirectConv
 from segflow.kernels.onednn.geometry import geometry
 from segflow.kernels.onednn.library import Library, onednn_eltwise
-from segflow.kernels.onednn.op import DirectKernel
+from segflow.kernels.onednn.op import DirectKernel, DirectOp
 from segflow.kernels.target import CpuTarget
 from segflow.ops import fused
 from segflow.passes.pack_weights import PackParams, pack_conv
@@ -462,7 +462,7 @@ def test_models_match_onnxruntime_with_every_weight_in_libdnnl_packing(
                                providers=["CPUExecutionProvider"]).run(None, feeds)
     for _ in range(2):
         np.testing.assert_allclose(sess.run(None, feeds)[0], ref[0], atol=1e-4, rtol=1e-3)
-    convs = [op for _, op in sess._executor.direct_ops if isinstance(op, DirectConv)]
+    convs = [op for _, op in sess._executor.kernel_ops if isinstance(op, DirectConv)]
     assert len(convs) == 20 and all(c.libdnnl_packed for c in convs)
     assert all(c.copies == [] and c.direct_layouts == 1 for c in convs)
     # Another batch size: a new primitive per convolution, still correct.
@@ -674,7 +674,7 @@ def test_generated_code_calls_the_kernels_own_direct_convolution():
     model = models.build("resnet18", image_size=32)
     sess = segflow.InferenceSession(model.SerializeToString(), compile="codegen")
     sess.run(None, models.example_inputs("resnet18", batch_size=1, image_size=32))
-    ops = [op for _, op in sess._executor.direct_ops]
+    ops = [op for _, op in sess._executor.kernel_ops if isinstance(op, DirectOp)]
     # Every primitive was built by the op the kernel holds: none by a second copy.
     assert sum(op.direct_layouts for op in ops) == len(ops) == 22
 

@@ -27,7 +27,8 @@ from segflow.kernels.linear import NativeLinear
 from segflow.kernels.native.build import NativeLibrary
 from segflow.kernels.onednn.library import DnnlError, Library
 from segflow.kernels.onednn.op import DirectOp
-from segflow.kernels.onednn.replay import _CLASSIFIER, _VIEW, DirectReplay, _NativeStretch
+from segflow.kernels.onednn.replay import DirectReplay
+from segflow.kernels.onednn.stretch import TAIL_LINEAR, VIEW, NativeStretch
 
 LIB = Library.load()
 pytestmark = pytest.mark.skipif(LIB is None, reason=f"libdnnl {Library.probe()[1]}")
@@ -104,7 +105,7 @@ def test_replays_from_the_second_run_with_each_new_feed_and_size(name, native):
     classifier = isinstance(replay.steps[-1].op, NativeLinear)
     assert classifier == (NATIVE is not None and name == "mobilenet_v2")
     tail = [entry[1] for entry in rec.plan[-2:]] if classifier else []
-    assert tail == ([_VIEW, _CLASSIFIER] if classifier else [])
+    assert tail == ([VIEW, TAIL_LINEAR] if classifier else [])
     if classifier:
         assert replay.steps[-1].output in rec.transient
     executes = [entry for entry in rec.plan[:len(rec.plan) - len(tail)]
@@ -121,7 +122,7 @@ def test_replays_from_the_second_run_with_each_new_feed_and_size(name, native):
             assert staged == ([] if stem_native else [0])
         else:
             assert staged in ([], [0]) and not (stem_native and staged)
-        (stretch,) = [e for e in rec.program if isinstance(e, _NativeStretch)]
+        (stretch,) = [e for e in rec.program if isinstance(e, NativeStretch)]
         assert len(stretch.entries) == len(executes) == len(rec.plan) - len(staged) - len(tail)
     else:
         assert rec.program == rec.plan
@@ -208,7 +209,7 @@ def test_a_step_that_falls_back_runs_as_before_inside_the_replay(monkeypatch):
     assert sum(entry[1] is None for entry in rec.plan) == 2      # the stem and that one
     if NATIVE is not None:
         # The executes before and after that one are two C calls.
-        assert sum(isinstance(e, _NativeStretch) for e in rec.program) == 2
+        assert sum(isinstance(e, NativeStretch) for e in rec.program) == 2
 
 
 def test_a_step_whose_output_moves_ends_the_replay_there(monkeypatch):
@@ -278,7 +279,7 @@ def test_a_stretch_whose_lock_is_held_runs_op_by_op(monkeypatch):
     _check(ref, sess, "resnet18", (1,))
     rec = replay._recording
     assert rec is not None and replay.replays == 1 and busy.tries == 1
-    (stretch,) = [e for e in rec.program if isinstance(e, _NativeStretch)]
+    (stretch,) = [e for e in rec.program if isinstance(e, NativeStretch)]
     assert len(executed) == len(stretch.entries) + 1      # and the stem, the usual way
     assert all(not lock.locked() for lock in stretch.locks if lock is not busy)
 
@@ -290,7 +291,7 @@ def test_a_failing_execute_names_the_op_and_frees_the_locks(monkeypatch):
     _check(ref, sess, "resnet18", (1, 1))
     rec = replay._recording
     assert rec is not None
-    (stretch,) = [e for e in rec.program if isinstance(e, _NativeStretch)]
+    (stretch,) = [e for e in rec.program if isinstance(e, NativeStretch)]
     calls = [0]
 
     def third_fails(primitive: int, stream: int, nargs: int, args: int) -> int:
@@ -346,9 +347,9 @@ def test_the_classifier_runs_as_the_c_calls_last_step_or_after_the_ops_one_by_on
     _check(ref, sess, "mobilenet_v2", (1, 1))
     rec = replay._recording
     assert rec is not None
-    (stretch,) = [e for e in rec.program if isinstance(e, _NativeStretch)]
-    assert stretch.classifier is not None
-    index, prepared, label = stretch.classifier
+    (stretch,) = [e for e in rec.program if isinstance(e, NativeStretch)]
+    assert stretch.tail is not None
+    index, prepared, label = stretch.tail
     assert index == replay.steps[-1].output and label == replay.steps[-1].label
     assert len(stretch._steps) == len(stretch.entries) + 1
     op = prepared.op
@@ -369,5 +370,5 @@ def test_the_classifier_runs_as_the_c_calls_last_step_or_after_the_ops_one_by_on
     for got, want in outs:     # each its own tensor: no later call wrote over an earlier one
         np.testing.assert_allclose(got.numpy(), want, atol=ATOL, rtol=RTOL)
     assert len({got.data_ptr() for got, _ in outs}) == 3
-    assert ("the classifier's linear native from recorded arguments as the native call's "
+    assert ("the pooled linear tail native from recorded arguments as the native call's "
             "last step") in sess.explain()

@@ -24,7 +24,7 @@ SMALL = {"image_size": 64}
 
 
 def _direct(sess: segflow.InferenceSession) -> list[DirectOp]:
-    return [op for _, op in sess._executor.direct_ops if isinstance(op, (DirectConv, DirectPool))]
+    return [op for _, op in sess._executor.kernel_ops if isinstance(op, (DirectConv, DirectPool))]
 
 
 def _session(name: str, monkeypatch: pytest.MonkeyPatch, prebuild: bool = True,

@@ -31,7 +31,8 @@ from segflow.kernels.native.build import NativeLibrary
 from segflow.kernels.onednn.conv import DirectConv
 from segflow.kernels.onednn.geometry import geometry
 from segflow.kernels.onednn.library import Library
-from segflow.kernels.onednn.replay import DirectReplay, _NativeStretch
+from segflow.kernels.onednn.replay import DirectReplay
+from segflow.kernels.onednn.stretch import NativeStretch
 from segflow.kernels.target import WINOGRAD_MIN_TILES, CpuTarget
 from segflow.kernels.winograd import transform_weight
 from segflow.passes.pipeline import OptimizeOptions
@@ -83,7 +84,7 @@ def _model(n: int, c: int, k: int, h: int, w: int, pad: int, activation: str | N
 
 
 def _direct_convs(sess: segflow.InferenceSession) -> list[tuple[str, DirectConv]]:
-    return [(label, op) for label, op in sess._executor.direct_ops
+    return [(label, op) for label, op in sess._executor.kernel_ops
             if isinstance(op, DirectConv)]
 
 
@@ -357,7 +358,7 @@ def test_resnet18_runs_its_3x3_convolutions_as_winograd_inside_the_native_replay
     assert replay.replays == 2       # the first run recorded
     rec = replay._recording
     assert rec is not None
-    (stretch,) = [e for e in rec.program if isinstance(e, _NativeStretch)]
+    (stretch,) = [e for e in rec.program if isinstance(e, NativeStretch)]
     winograd = {call.primitive.value for _, call, _ in stretch.entries
                 if call.impl.startswith("winograd")}
     winograd_steps = [s for s in stretch._steps if s.run and s.primitive in winograd]
@@ -410,7 +411,7 @@ def test_a_failing_matmul_names_the_node_and_frees_the_locks():
     plan = call.keep[0]                # type: ignore[index]
     real, plan.execute = plan.execute, ctypes.cast(failing, ctypes.c_void_p).value
     stretch = next(e for e in _replay(sess)._recording.program   # type: ignore[union-attr]
-                   if isinstance(e, _NativeStretch))
+                   if isinstance(e, NativeStretch))
     try:
         with pytest.raises(segflow.ExecutionError,
                            match=rf"^While executing {re.escape(label)}: DnnlError: "

@@ -22,7 +22,7 @@ broadcast, counted with the reason for ``explain()``.
 
 Numerics: the native path differs from torch's by float32 rounding (exp is a
 polynomial within 1e-7 relative of exp over a softmax's range, as attention.c
-says; ~1e-6 relative on BERT-base's heads).
+says; ~1e-6 relative on heads of 64 over 128 keys).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from segflow.kernels.native.build import NativeLibrary
 from segflow.kernels.onednn.library import openmp_entry_points
 from segflow.kernels.replay import Prepared
-from segflow.kernels.report import NativeOrTorch, OpKernel, describe_native_calls
+from segflow.kernels.report import NativeOrTorch, OpKernel, ReportFamily, describe_native_calls
 
 Tensor = torch.Tensor
 
@@ -68,6 +68,18 @@ class ScaledDotAttention(NativeOrTorch):
     always torch); ``why_native`` says why there is none. ``native_calls`` /
     ``torch_calls`` count how calls ran and ``why_torch`` why any went through torch.
     """
+
+    family = ReportFamily.ATTENTION
+
+    @classmethod
+    def describe_all(cls, ops: Sequence[tuple[str, ScaledDotAttention]], limit: int = 8
+                     ) -> list[str]:
+        """``explain()`` lines: how many Attention nodes, in which form, how their calls
+        ran and why any went through torch."""
+        split = sum(1 for _, op in ops if op.heads)
+        return describe_native_calls(cls.family.value, ops,
+                                     f" ({split} reading heads in place)" if split else "",
+                                     limit)
 
     def __init__(self, scale: float, heads: int, library: NativeLibrary | None,
                  why_native: str) -> None:
@@ -285,12 +297,3 @@ class AttentionKernel(OpKernel):
 
     __slots__ = ()
     op: ScaledDotAttention
-
-
-def describe_attentions(ops: Sequence[tuple[str, ScaledDotAttention]], limit: int = 8
-                        ) -> list[str]:
-    """``explain()`` lines: how many Attention nodes, in which form, how their calls ran
-    and why any went through torch."""
-    split = sum(1 for _, op in ops if op.heads)
-    return describe_native_calls("attention", ops,
-                                 f" ({split} reading heads in place)" if split else "", limit)

@@ -9,21 +9,17 @@ LeakyReLU (slope 0 to 1), Clip and erf-GELU are applied as the last block of eac
 output is stored (GELU through the kernel's own erf, within 1.2e-6 of the exact
 function); other activations run in place after the call.
 
-Why its own kernel: on the 2-core Zen 1 VM this project measures on (AVX2), the
-packed-panel kernel ran BERT-base's 128-row linears at 60-70 GFLOP/s for
-768 -> 768 against 53-56 through libdnnl 3.2's inner product, and 0-8% ahead of
-it at 768 -> 3072 and 3072 -> 768 (12 distinct layers back to back, cache-cold
-weights, one process; 2026-12-06): a whole BERT-base run ~4% faster. At one row
-(a classifier's GEMV, MobileNetV2's 1280 -> 1000) a run was ~0.4 ms shorter. An
-AVX-512 build's block is twice as wide (8 rows x 48 columns, panels of 48): on a
-2-core AVX-512 VM BERT-base's shapes ran at 264-293 GFLOP/s against torch's 235-261
-(cold weights, 2026-12-06), and ResNet-50's 2048 -> 1000 classifier took 326 us of
-C in a run, onnxruntime's Gemm 325 (:func:`panel_width` says which block a build has).
+Why its own kernel: with AVX2 the packed-panel kernel ran 128-row linears of 768
+and 3072 features faster than libdnnl 3.2's inner product over cache-cold weights,
+and a one-row GEMV (1280 or 2048 inputs -> 1000) faster than torch's. An AVX-512
+build's block is twice as wide (8 rows x 48 columns, panels of 48) and ran the same
+128-row shapes faster than torch's (:func:`panel_width` says which block a build
+has). The figures are in docs/performance.md.
 
 Large linears (768 inputs, an even count, and 768 outputs or more; 32 rows or
 more) can run as one level of Strassen over the same packing
-(``kernels/native/strassen.c``): 7 half-size products for 8, BERT-base's linears ~0.93
-of the classic kernel's time. Its rounding errors are bounded by whole blocks
+(``kernels/native/strassen.c``): 7 half-size products for 8, ~0.93 of the classic
+kernel's time at 128 rows of 768 and 3072 features. Its rounding errors are bounded by whole blocks
 rather than by each output's own terms, so the layout pass allows it only for a
 weight whose paired output columns (``j`` and ``j + n2``, ``n2`` about half) are
 alike in scale (:func:`strassen_spread`, marking the node ``strassen_wmax``), and
@@ -42,7 +38,7 @@ from __future__ import annotations
 
 import ctypes
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import cast
 
 import torch
@@ -51,7 +47,7 @@ import torch.nn.functional as F
 from segflow.kernels.native.build import NativeLibrary
 from segflow.kernels.onednn.library import openmp_entry_points
 from segflow.kernels.replay import Prepared
-from segflow.kernels.report import NativeOrTorch, OpKernel, describe_native_calls
+from segflow.kernels.report import NativeOrTorch, OpKernel, ReportFamily, describe_native_calls
 from segflow.kernels.shape_cache import ShapeCache
 
 Tensor = torch.Tensor
@@ -84,8 +80,8 @@ def native_linear_preferred(library: NativeLibrary | None) -> bool:
 def strassen_preferred(library: NativeLibrary) -> bool:
     """Whether calls should run as Strassen where they may: where the library's panels
     are the AVX2 build's (24 columns). In an AVX-512 build the classic kernel reads its
-    panel blocks from L1, and Strassen's sums cost what its products save (BERT-base's
-    shapes at 128 rows: 0.93-1.09 of the classic kernel's time)."""
+    panel blocks from L1, and Strassen's sums cost what its products save (0.93-1.09
+    of the classic kernel's time at 128 rows of 768 and 3072 features)."""
     return panel_width(library) == 24
 
 
@@ -208,10 +204,37 @@ class NativeLinear(NativeOrTorch):
     the fallback path. ``strassen_wmax``: the weight's largest ``|W|`` where calls may
     run as Strassen (:func:`strassen_spread`), else None.
     ``native_calls`` and ``torch_calls`` count how calls ran, ``why_torch`` why any fell
-    back (:class:`~segflow.ops._common.NativeOrTorch`); of the native calls,
+    back (:class:`~segflow.kernels.report.NativeOrTorch`); of the native calls,
     ``strassen_calls`` ran as Strassen and ``strassen_refused`` were fit in shape but
     ran the classic kernel (x's paired rows unlike in scale, or not finite).
     """
+
+    family = ReportFamily.NATIVE_LINEAR
+
+    @classmethod
+    def describe_all(cls, ops: Sequence[tuple[str, NativeLinear]], limit: int = 8
+                     ) -> list[str]:
+        """``explain()`` lines for a session's native linears: how many, where the
+        library came from, how their calls ran and why any fell back."""
+        if not ops:
+            return []
+        lines = describe_native_calls(cls.family.value, ops,
+                                      f" ({ops[0][1].library.describe()})", limit)
+        allowed = [op for _, op in ops if op.strassen_wmax is not None]
+        if allowed:
+            ran = sum(op.strassen_calls for op in allowed)
+            refused = sum(op.strassen_refused for op in allowed)
+            lines.append(f"  strassen (one level: 7 half-size products for 8): {len(allowed)} "
+                         f"of {len(ops)} nodes' weights allow it; {ran} calls ran so, "
+                         f"{refused} ran the classic kernel (rows m/2 apart unlike in scale, "
+                         f"or not finite)")
+        return lines
+
+    def counters(self) -> Mapping[str, int]:
+        """Calls native and through torch; of the native, those that ran as Strassen and
+        those that could have but ran the classic kernel."""
+        return {**super().counters(), "strassen_calls": self.strassen_calls,
+                "strassen_refused": self.strassen_refused}
 
     def __init__(self, library: NativeLibrary, in_features: int, out_features: int,
                  fused: KernelActivation | None,
@@ -339,22 +362,3 @@ class NativeLinearKernel(OpKernel):
 
     __slots__ = ()
     op: NativeLinear
-
-
-def describe_native_linears(ops: Sequence[tuple[str, NativeLinear]], limit: int = 8
-                            ) -> list[str]:
-    """``explain()`` lines for a session's native linears: how many, where the library
-    came from, how their calls ran and why any fell back."""
-    if not ops:
-        return []
-    lines = describe_native_calls("native linears", ops,
-                                  f" ({ops[0][1].library.describe()})", limit)
-    allowed = [op for _, op in ops if op.strassen_wmax is not None]
-    if allowed:
-        ran = sum(op.strassen_calls for op in allowed)
-        refused = sum(op.strassen_refused for op in allowed)
-        lines.append(f"  strassen (one level: 7 half-size products for 8): {len(allowed)} of "
-                     f"{len(ops)} nodes' weights allow it; {ran} calls ran so, {refused} "
-                     f"ran the classic kernel (rows m/2 apart unlike in scale, or not "
-                     f"finite)")
-    return lines

@@ -3,9 +3,8 @@
 Generated code calls a transformer's native kernels one by one (``kernels/linear.py``,
 ``kernels/layer_norm.py``, ``kernels/attention.py``). Each call checks its
 tensors, allocates its result and fills a ctypes structure in Python, which runs
-cold right after a kernel has swept the caches: ~25 us a linear, ~45 an add + layer
-norm, ~60 an attention, ~3 ms of a 91 ms BERT-base run (2-core AVX-512 VM,
-2026-12-06).
+cold right after a kernel has swept the caches: tens of microseconds a call, a few
+percent of a run made of such kernels (figures in docs/performance.md).
 
 A :class:`NativeReplay` stands for a run of consecutive steps that are such kernels
 (ops with ``prepare`` and ``run_prepared``, :class:`Replayable`) or Splits of constant
@@ -38,7 +37,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -46,6 +45,7 @@ import torch
 
 from segflow.errors import ExecutionError, node_failed
 from segflow.ir.memory import Buffer, align, place
+from segflow.kernels.report import KernelReport, ReportFamily
 
 if TYPE_CHECKING:
     from segflow.engine.counters import RunCounters
@@ -156,6 +156,41 @@ class NativeReplay:
         self._misses = 0
         self.why_not = ""        # why the run is never recorded (a step it cannot replay)
         self.replays = 0         # calls that replayed (counted for tests and explain)
+
+    family = ReportFamily.NATIVE_REPLAY
+
+    @property
+    def label(self) -> str:
+        """The run's first node (Node.label)."""
+        return self.steps[0].label if self.steps else ""
+
+    def counters(self) -> Mapping[str, int]:
+        """The kernels of the run, and the calls that replayed them (one C call each)."""
+        return {"kernels": self.kernels, "replays": self.replays}
+
+    def parts(self) -> Sequence[KernelReport]:
+        """Its kernels report through their own nodes."""
+        return ()
+
+    @classmethod
+    def describe_all(cls, ops: Sequence[tuple[str, NativeReplay]], limit: int = 8
+                     ) -> list[str]:
+        """``explain()`` lines: the replayed runs of native kernels, and any left
+        unrecorded."""
+        if not ops:
+            return []
+        replays = [r for _, r in ops]
+        kernels = sum(r.kernels for r in replays)
+        calls = sum(r.replays for r in replays)
+        held = sum(r.block_bytes for r in replays) / (1 << 20)
+        lines = [f"{cls.family.value}: {len(replays)} run"
+                 f"{'s' if len(replays) > 1 else ''}, {kernels} kernels; {calls} calls "
+                 f"replayed so far (one C call each; {held:.1f} MiB held for their results "
+                 f"between runs)"]
+        for r in replays:
+            if r.why_not:
+                lines.append(f"  {r.kernels} kernels: not replayed ({r.why_not})")
+        return lines
 
     @property
     def block_bytes(self) -> int:
@@ -401,19 +436,3 @@ def _split(step: NativeStep, values: list[Tensor | None]) -> None:
     assert x is not None
     for slot, part in zip(step.outputs, x.split(list(step.sizes), step.axis), strict=True):
         values[slot] = part
-
-
-def describe_native_replays(replays: Sequence[NativeReplay]) -> list[str]:
-    """``explain()`` lines: the replayed runs of native kernels, and any left unrecorded."""
-    if not replays:
-        return []
-    kernels = sum(r.kernels for r in replays)
-    calls = sum(r.replays for r in replays)
-    held = sum(r.block_bytes for r in replays) / (1 << 20)
-    lines = [f"replayed runs (native kernels): {len(replays)} run"
-             f"{'s' if len(replays) > 1 else ''}, {kernels} kernels; {calls} calls replayed "
-             f"so far (one C call each; {held:.1f} MiB held for their results between runs)"]
-    for r in replays:
-        if r.why_not:
-            lines.append(f"  {r.kernels} kernels: not replayed ({r.why_not})")
-    return lines

@@ -5,11 +5,10 @@ destination, so a direct convolution whose input arrives NCHW (a model's image f
 read by the stem convolution) first copies it into channels-last storage
 (``DirectConv._staged``, into the run's staging block). :class:`ChannelsLastStaging`
 does that copy in native code (``kernels/native/staging.c``), the pixels split over the
-OpenMP threads libdnnl uses: MobileNetV2's 3 x 224 x 224 image took 39 us against 58
-through torch's ``copy_`` in a run, ResNet-50's 73 against 100 (2-core AVX-512 VM,
-2026-12-06; MobileNetV2's run is ~3.4 ms). Anything else (not float32, not a contiguous 4-D NCHW
-tensor into a channels-last one of its size) goes through ``copy_``. It is an exact
-copy either way.
+OpenMP threads libdnnl uses: faster than torch's ``copy_`` for an image of a few
+hundred pixels a side (docs/performance.md). Anything else (not float32, not a
+contiguous 4-D NCHW tensor into a channels-last one of its size) goes through
+``copy_``. It is an exact copy either way.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import torch
 
 from segflow.kernels.native.build import NativeLibrary
 from segflow.kernels.onednn.library import openmp_entry_points
-from segflow.kernels.report import NativeOrTorch, describe_native_calls
+from segflow.kernels.report import NativeOrTorch, ReportFamily, describe_native_calls
 
 Tensor = torch.Tensor
 
@@ -38,6 +37,8 @@ class ChannelsLastStaging(NativeOrTorch):
     """``stage(x, out) -> out``: ``out.copy_(x)``, natively where ``x`` is a contiguous
     float32 NCHW tensor and ``out`` a channels-last one of its size. ``native_calls``,
     ``torch_calls`` and ``why_torch`` say how copies ran (``explain()``)."""
+
+    family = ReportFamily.STAGING
 
     def __init__(self, library: NativeLibrary) -> None:
         super().__init__(library, "")
@@ -61,9 +62,9 @@ class ChannelsLastStaging(NativeOrTorch):
         self.count_native_call()
         return out
 
-
-def describe_stagings(ops: Sequence[tuple[str, ChannelsLastStaging]], limit: int = 8
-                      ) -> list[str]:
-    """``explain()`` lines for the convolutions that stage an NCHW input natively: how
-    many, how their copies ran and why any went through torch."""
-    return describe_native_calls("NCHW input staged into channels-last", ops, "", limit)
+    @classmethod
+    def describe_all(cls, ops: Sequence[tuple[str, ChannelsLastStaging]], limit: int = 8
+                     ) -> list[str]:
+        """``explain()`` lines for the convolutions that stage an NCHW input natively: how
+        many, how their copies ran and why any went through torch."""
+        return describe_native_calls(cls.family.value, ops, "", limit)

@@ -8,12 +8,9 @@ libdnnl's kernel, whose vectors mostly idle over three input channels.
 channels-last output: per output row, each tap's output-channel weights times a
 broadcast input value, for a block of pixels at a time (the module docstring there).
 
-2-core AVX-512 VM, 2026-12-06: MobileNetV2's stem (3 -> 32 channels, 3x3, stride 2,
-224x224) took ~40 us of staging plus 110-170 us of libdnnl's convolution, this kernel
-~100 us (the convolution and its ReLU6 alone as a model: 0.20 against 0.32 ms);
-ResNet-50's (3 -> 64, 7x7) ~75 plus ~830, this kernel ~760 (1.02 against 1.14 ms).
-Whole models, two sessions alternating in one process: MobileNetV2 3.20 against
-3.32 ms, ResNet-50 27.81 against 27.87.
+With AVX-512 the kernel takes less time than the staging copy and libdnnl's
+convolution together, for a 3x3 stride-2 stem to 32 channels and a 7x7 one to 64
+(figures in docs/performance.md).
 
 :class:`NativeStem` builds a :class:`~segflow.kernels.onednn.conv.DirectConv`'s call
 whose primitive is the kernel's plan and whose ``run`` is the kernel
@@ -25,6 +22,7 @@ its C loop like any other kernel, with the feed's address written in at each cal
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,6 +31,7 @@ from segflow.kernels.native.build import NativeLibrary
 from segflow.kernels.onednn.geometry import ConvGeometry
 from segflow.kernels.onednn.library import ARG_DST, ARG_SRC, ExecArg, openmp_entry_points
 from segflow.kernels.onednn.op import Call
+from segflow.kernels.report import declined
 from segflow.kernels.winograd import clamp_activation
 
 if TYPE_CHECKING:
@@ -44,11 +43,8 @@ Tensor = torch.Tensor
 # over the taps, one broadcast per input value; many channels are a job for libdnnl.
 MAX_IN_CHANNELS = 4
 # The largest output a call writes through the kernel; a larger one (a large batch) is
-# staged for libdnnl, whose kernel was faster there. 2-core AVX-512 VM, 2026-12-06, the
-# convolution and its activation alone as a model: ResNet-50's stem at batch 8 (25.7
-# MB out) 7.5-7.7 ms against 7.1-7.2 staged; MobileNetV2's at batch 8 (12.8 MB) 1.28
-# against 1.32; both at batch 1 (3.2 and 1.6 MB) 1.02-1.03 against 1.14-1.16 and 0.21
-# against 0.32.
+# staged for libdnnl, whose kernel was faster for a 25.7 MB output and slower up to
+# 12.8 MB (the figures are in docs/performance.md).
 MAX_OUTPUT_BYTES = 16 << 20
 
 
@@ -102,6 +98,23 @@ class NativeStem:
         run.restype = ctypes.c_int
         self.run = run
         self.width = vector_width(native)
+
+    @staticmethod
+    def layouts_built(op: DirectConv) -> int:
+        """How many of ``op``'s input layouts run through the stem kernel."""
+        return sum(1 for call in op.calls.values()
+                   if call is not None and call.impl.startswith("native stem"))
+
+    @classmethod
+    def describe_convs(cls, marked: Sequence[tuple[str, DirectConv]], limit: int) -> list[str]:
+        """``explain()`` lines for the convolutions marked to run the stem kernel: the
+        input layouts it runs, and those it declined (staged for libdnnl), with why."""
+        layouts = sum(cls.layouts_built(op) for _, op in marked)
+        return [f"  native stem (NCHW image read in place): {len(marked)} convolution"
+                f"{'s' if len(marked) != 1 else ''}, {layouts} input "
+                f"layout{'s' if layouts != 1 else ''} built",
+                *declined("the native stem", [(label, op.stem_not) for label, op in marked],
+                          limit)]
 
     @staticmethod
     def takes(x: Tensor, z: Tensor | None) -> bool:

@@ -30,14 +30,15 @@ Accuracy: the transforms use the points 0, +-1, +-2, whose matrices are exact in
 float32; the result differs from a direct convolution by a few float32 ulps per
 input channel (relative error ~1e-5 at 512 channels, the direct one's ~1e-6).
 
-Measured on a 2-core AVX2 VM (Zen 1), one convolution + ReLU at batch 1, in one
-process: docs/benchmarking.md, "Eleventh session".
+The figures behind it (one convolution + ReLU at batch 1, AVX2) are in
+docs/benchmarking.md and docs/performance.md.
 """
 
 from __future__ import annotations
 
 import ctypes
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -53,6 +54,7 @@ from segflow.kernels.onednn.library import (
     openmp_entry_points,
 )
 from segflow.kernels.onednn.op import Call
+from segflow.kernels.report import declined
 from segflow.kernels.workspace import Workspace
 
 if TYPE_CHECKING:
@@ -67,7 +69,7 @@ _LANES = 8          # channels the native transforms handle at once
 # slope) and clip_v2 (Clip, ReLU6) (onednn_direct._ELTWISE).
 _RELU_ALGORITHM = onednn_eltwise("relu", (0.0,), "")[0]          # type: ignore[index]
 _CLIP_ALGORITHM = onednn_eltwise("hardtanh", (0.0, 6.0), "")[0]  # type: ignore[index]
-# A chunk's V and M together (a 2-core Zen 1 has 512 KiB of L2 per core and 8 MiB of L3).
+# A chunk's V and M together: within a 512 KiB L2 and a small share of the L3.
 CHUNK_BYTES = 1 << 20
 MIN_CHUNK = 32
 
@@ -112,7 +114,8 @@ def transform_weight(dense: Tensor) -> Tensor:
     ``G (x) G`` (``[36, 9]``) over the weight read as ``[9, C, K]``, 16 input
     channels at a time: each block's product is already in the result's layout
     (no transposition after), and its float64 temporaries stay small (2.4 MiB at
-    512 output channels). ResNet-50's 13 transforms take ~0.13 s of its load."""
+    512 output channels): a model's transforms cost a fraction of a second of its
+    load."""
     k, c = dense.shape[:2]
     kron = torch.kron(_G, _G)                             # [36, 9]: (i, j) <- (a, b)
     out = torch.empty(_POINTS, c, k)
@@ -207,6 +210,26 @@ class Winograd:
     def weight_bytes(self) -> int:
         """Bytes of the transformed weight (the session's constant, not a copy)."""
         return self.weight.numel() * 4
+
+    @staticmethod
+    def layouts_built(op: DirectConv) -> int:
+        """How many of ``op``'s input layouts run as Winograd."""
+        return sum(1 for call in op.calls.values() if call is not None and call.run is not None)
+
+    @classmethod
+    def describe_convs(cls, marked: Sequence[tuple[str, DirectConv]], limit: int) -> list[str]:
+        """``explain()`` lines for the convolutions marked for Winograd (``(node label,
+        op)``): what runs so, what it holds, what declined."""
+        layouts = sum(cls.layouts_built(op) for _, op in marked)
+        builders = [op.winograd for _, op in marked if op.winograd is not None]
+        weights = sum(w.weight_bytes for w in builders)
+        spaces = {id(w.workspace): w.workspace.nbytes for w in builders}
+        return [f"  winograd F(4x4,3x3): {len(marked)} convolutions, {layouts} input "
+                f"layout{'s' if layouts != 1 else ''} built; transformed weights "
+                f"{weights / 2**20:.1f} MiB (the weights themselves), workspace "
+                f"{sum(spaces.values()) / 2**20:.1f} MiB",
+                *declined("winograd", [(label, op.winograd_not) for label, op in marked],
+                          limit)]
 
     def make_call(self, op: DirectConv, x: Tensor, w: Tensor, b: Tensor | None,
                   z: Tensor | None, inplace: bool) -> tuple[Call | None, str]:

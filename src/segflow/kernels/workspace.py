@@ -2,7 +2,7 @@
 
 A kernel that needs room only while it runs (the Winograd convolution's
 transformed tiles, ``kernels/winograd.py``) would otherwise hold its own buffer
-between runs, thirteen of them in ResNet-50. Instead a session's kernels share
+between runs, one per such convolution in a model. Instead a session's kernels share
 one buffer, as large as the largest of them asks for, and hold
 :attr:`Workspace.lock` while they use it. Native code reads the buffer's
 address through :attr:`Workspace.slot` at every call, so growing it (under the

@@ -2,67 +2,31 @@
 
 ``DenseChain(X, W_1, B_1, ..., W_L, B_L)`` computes
 ``act_L(... act_1(X @ W_1 + B_1) ...)`` with every ``W_l`` a constant in
-``[K_l, N_l]`` (input-major) layout, every ``B_l`` a constant ``[N_l]``, and
+``[K, N]`` (input-major) layout, every ``B_l`` a constant ``[N_l]``, and
 the activations (``FusedGemm``'s: see :data:`segflow.ops.fused.ACTIVATIONS`)
 in the ``activations`` / ``activation_params`` attributes (two parameters a
 layer). ``X`` may have any rank >= 2; the layers act on its last axis.
 
 The CPU pass :mod:`segflow.passes.dense_chain` builds it from consecutive small
-``FusedGemm`` nodes. Why: at batch 1 a 64 x 64 layer is ~0.1 us of arithmetic
-and 3-4 us of ATen dispatch, so a chain of such layers is all overhead when
-each is its own torch call. The kernel runs the whole chain in one call into
-native code (``kernels/native/dense_chain.c``, built by
-:mod:`segflow.kernels.native.build`) when
-
-- the library is available (a C compiler, ``SEGFLOW_NATIVE`` not 0), and
-- the call is small: every layer at most :data:`NATIVE_MAX_MACS` multiply-adds
-  (rows x K x N). Above that, MKL's multithreaded GEMM wins (measured below),
-
-and otherwise through torch, one ``addmm`` per layer (what ``FusedGemm``
-does). Both paths accumulate in float32; they differ from each other in the
-order of the sums only (~1e-6 relative).
+``FusedGemm`` nodes; its kernel (native, or torch per call) is
+:class:`segflow.kernels.dense_chain.DenseChain`.
 """
 
 from __future__ import annotations
-
-import ctypes
-import threading
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from segflow.ir.graph import Node
-from segflow.kernels.native.build import NativeLibrary
-from segflow.ops.fused import ACTIVATIONS, FUSED_DOMAIN, Activation, Inline
+
+# The row's bind constructs the kernel (until a kernel registry does); the activations
+# the native kernel takes are re-exported for the chaining pass (passes/dense_chain.py).
+from segflow.kernels.dense_chain import NATIVE_ACTIVATIONS as NATIVE_ACTIVATIONS
+from segflow.kernels.dense_chain import ChainLayer, DenseChain, DenseChainKernel
+from segflow.ops.fused import ACTIVATIONS, FUSED_DOMAIN, Inline
 from segflow.ops.registry import BindContext, OpDef
 
 Tensor = torch.Tensor
-
-# The activation codes of kernels/native/dense_chain.c (its ACT_* enum, in order).
-NATIVE_ACTIVATIONS = ("", "Relu", "LeakyRelu", "Clip", "Sigmoid", "Tanh", "HardSigmoid",
-                      "HardSwish", "Gelu", "GeluTanh")
-# Per layer and call: above this many multiply-adds (rows x K x N) the chain runs through
-# torch. At 262,144 multiply-adds a layer the native call beats MKL's two-thread addmm at
-# every width from 64 to 512; at ~1M it gains 6% at most or loses (benchmarks/dense_chain.py; the
-# table is in docs/performance.md). So the threshold sits where native still wins.
-NATIVE_MAX_MACS = 1 << 18
-
-
-@dataclass(frozen=True, slots=True)
-class ChainLayer:
-    """One layer: ``act(x @ weight + bias)``, weight ``[K, N]``."""
-
-    weight: Tensor
-    bias: Tensor
-    activation: Activation
-    params: tuple[float, float]
-
-    @property
-    def macs_per_row(self) -> int:
-        return int(self.weight.shape[0]) * int(self.weight.shape[1])
 
 
 def layers_of(node: Node) -> list[ChainLayer]:
@@ -82,158 +46,10 @@ def layers_of(node: Node) -> list[ChainLayer]:
     return layers
 
 
-class DenseChain:
-    """The op behind a DenseChain node: ``op(x) -> y`` (native or torch, per call).
-
-    Counts its calls by path for ``explain()`` (the native count is not locked, so
-    concurrent runs may undercount it); ``why_torch`` says why calls went through
-    torch (no library, too large a call, an input that is not float32 on CPU).
-    """
-
-    kind = "dense chain"
-
-    def __init__(self, layers: Sequence[ChainLayer], library: NativeLibrary | None,
-                 why: str = "") -> None:
-        self.layers = list(layers)
-        self.library = library
-        self.why_native = why         # NativeLibrary.probe's phrase (compiler, or why none)
-        self.native_calls = 0
-        self.torch_calls = 0
-        self.why_torch: dict[str, int] = {}
-        self._lock = threading.Lock()
-        self.in_features = int(self.layers[0].weight.shape[0])
-        self.out_features = int(self.layers[-1].weight.shape[1])
-        self.max_macs_per_row = max(layer.macs_per_row for layer in self.layers)
-        self._widest = max([int(layer.weight.shape[1]) for layer in self.layers[:-1]] or [0])
-        self._steps = [(layer.weight, layer.bias, layer.activation, list(layer.params))
-                       for layer in self.layers]
-        self._fn = self._prepare_native(library) if library is not None else None
-
-    def _prepare_native(self, library: NativeLibrary) -> Any:
-        layers = self.layers
-        for layer in layers:
-            if not (layer.weight.is_contiguous() and layer.bias.is_contiguous()
-                    and layer.weight.dtype == torch.float32 and layer.bias.dtype == torch.float32
-                    and layer.weight.device.type == "cpu"):
-                raise ValueError("DenseChain: weights must be contiguous float32 CPU tensors")
-        count = len(layers)
-        # Arrays the C function reads, built once; the op keeps them (and the tensors) alive.
-        self._dims = (ctypes.c_long * (count + 1))(
-            self.in_features, *[int(layer.weight.shape[1]) for layer in layers])
-        self._weights = (ctypes.c_void_p * count)(*[layer.weight.data_ptr() for layer in layers])
-        self._biases = (ctypes.c_void_p * count)(*[layer.bias.data_ptr() for layer in layers])
-        self._acts = (ctypes.c_int * count)(
-            *[NATIVE_ACTIVATIONS.index(layer.activation.name) for layer in layers])
-        self._p0 = (ctypes.c_float * count)(*[layer.params[0] for layer in layers])
-        self._p1 = (ctypes.c_float * count)(*[layer.params[1] for layer in layers])
-        fn = library.dll.segflow_dense_chain
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_int, ctypes.c_long, *[ctypes.c_void_p] * 9]
-        self._args = (count, ctypes.addressof(self._dims), ctypes.addressof(self._weights),
-                      ctypes.addressof(self._biases), ctypes.addressof(self._acts),
-                      ctypes.addressof(self._p0), ctypes.addressof(self._p1))
-        return fn
-
-    def __call__(self, x: Tensor, *_constants: Tensor | None) -> Tensor:
-        """``x [..., K] -> [..., N]``. The weights and biases a caller passes after ``x``
-        are the node's own constants; the op already holds them."""
-        if x.shape[-1] != self.in_features or x.dim() < 2:
-            raise ValueError(f"DenseChain expects [..., {self.in_features}], got "
-                             f"{list(x.shape)}")
-        rows = x.numel() // self.in_features
-        why = self._why_torch(x, rows)
-        if why:
-            with self._lock:
-                self.torch_calls += 1
-                self.why_torch[why] = self.why_torch.get(why, 0) + 1
-            return self.through_torch(x)
-        self.native_calls += 1
-        return self.native(x)
-
-    def native(self, x: Tensor) -> Tensor:
-        """The chain in one native call (float32 CPU ``x``; the library must be loaded)."""
-        if self._fn is None:
-            raise RuntimeError(f"DenseChain: native kernels {self.why_native}")
-        rows = x.numel() // self.in_features
-        x2 = x.contiguous()
-        y = torch.empty((*x.shape[:-1], self.out_features), dtype=torch.float32)
-        scratch = torch.empty(2 * rows * self._widest, dtype=torch.float32)
-        count, dims, weights, biases, acts, p0, p1 = self._args
-        if self._fn(count, rows, dims, weights, biases, acts, p0, p1, x2.data_ptr(),
-                    y.data_ptr(), scratch.data_ptr()):
-            raise RuntimeError("DenseChain: the native kernel rejected its activations")
-        return y
-
-    def _why_torch(self, x: Tensor, rows: int) -> str:
-        if self._fn is None:
-            return "native kernels " + self.why_native
-        if x.dtype != torch.float32 or x.device.type != "cpu":
-            return f"input is {x.dtype} on {x.device.type}"
-        if rows * self.max_macs_per_row > NATIVE_MAX_MACS:
-            return (f"{rows} rows: a layer is {rows * self.max_macs_per_row} multiply-adds, "
-                    f"above {NATIVE_MAX_MACS} (MKL's GEMM is faster there)")
-        return ""
-
-    def through_torch(self, x: Tensor) -> Tensor:
-        """The chain as one torch ``addmm`` (and activation) per layer."""
-        h = x.reshape(-1, self.in_features)
-        for weight, bias, act, params in self._steps:
-            if act.name == "Relu":   # relu(addmm) in one ATen call (same bits)
-                h = torch._addmm_activation(bias, h, weight)
-                continue
-            h = torch.addmm(bias, h, weight)
-            h = act.inplace(h, params) if act.inplace is not None else act.apply(h, params)
-        return h.reshape(*x.shape[:-1], self.out_features)
-
-    def describe(self) -> str:
-        widths = sorted({int(layer.weight.shape[1]) for layer in self.layers} |
-                        {self.in_features})
-        span = f"{widths[0]}" if len(widths) == 1 else f"{widths[0]}..{widths[-1]}"
-        return f"{len(self.layers)} layers, widths {span}"
-
-
-class DenseChainKernel:
-    """A DenseChain node's kernel: ``kernel(inputs) -> [op(x)]``. The op stays reachable,
-    so generated code calls it directly and ``explain()`` can count its calls."""
-
-    __slots__ = ("op",)
-
-    def __init__(self, op: DenseChain) -> None:
-        self.op = op
-
-    def __call__(self, inputs: Sequence[Tensor | None]) -> list[Tensor]:
-        x = inputs[0]
-        assert x is not None
-        return [self.op(x)]
-
-
 def _bind(node: Node, ctx: BindContext) -> DenseChainKernel:
-    library, why = NativeLibrary.for_session() if ctx.device.type == "cpu" else \
-        (None, f"is CPU-only (the node runs on {ctx.device.type})")
+    library, why = (ctx.target.native, ctx.target.native_why) if ctx.device.type == "cpu" \
+        else (None, f"is CPU-only (the node runs on {ctx.device.type})")
     return DenseChainKernel(DenseChain(layers_of(node), library, why))
-
-
-def describe_chains(ops: Sequence[tuple[str, DenseChain]], limit: int = 8) -> list[str]:
-    """``explain()`` lines for a session's dense chains: how many, how their calls ran
-    (native or torch) and why any went through torch."""
-    if not ops:
-        return []
-    layers = sum(len(op.layers) for _, op in ops)
-    library = ops[0][1].library
-    where = (f"native ({ops[0][1].why_native}; {library.describe()})" if library is not None
-             else f"through torch: native kernels {ops[0][1].why_native}")
-    native = sum(op.native_calls for _, op in ops)
-    through_torch = sum(op.torch_calls for _, op in ops)
-    lines = [f"dense chains: {len(ops)} chain{'s' if len(ops) > 1 else ''} of {layers} layers, "
-             f"{where}; {native} calls native, {through_torch} through torch"]
-    if library is None:
-        return lines
-    slow = [(label, op, why, n) for label, op in ops for why, n in op.why_torch.items()]
-    for label, op, why, n in slow[:limit]:
-        lines.append(f"  through torch: {label} ({op.describe()}), {n} calls: {why}")
-    if len(slow) > limit:
-        lines.append(f"  ... and {len(slow) - limit} more")
-    return lines
 
 
 def inline_chain(node: Node, kernel: object) -> Inline | None:

@@ -34,13 +34,10 @@ from segflow.engine.inline import InlineEngine
 from segflow.engine.streams import StreamBackend
 from segflow.ir.graph import Node, Value
 from segflow.ir.types import Device, DeviceKind
-from segflow.kernels.attention import AttentionKernel
 from segflow.kernels.choice import DIRECT_CONV_KINDS
-from segflow.kernels.layer_norm import AddLayerNormKernel
-from segflow.kernels.linear import NativeLinearKernel
 from segflow.kernels.onednn.op import DirectKernel, ResidualInPlaceKernel
+from segflow.kernels.report import reporting_ops
 from segflow.kernels.target import CpuTarget
-from segflow.ops.dense_chain import DenseChainKernel
 from segflow.ops.registry import OpRegistry
 from segflow.passes.segment import Segment
 from segflow.profiler.cuda import device_marker
@@ -146,23 +143,9 @@ class Executor:
         self._assign_releases(graph.outputs)
         if compiler is not None and compiler.memory is not None:
             _residual_in_place(self.tasks, compiler.memory.inplace)
-        # Kernels over libdnnl (kernels/onednn/), for explain(): what fell back and why.
-        self.direct_ops = [(step.node.label, step.kernel.op) for task in self.tasks
-                           for step in task.steps if isinstance(step.kernel, DirectKernel)]
-        # Linears over segflow's packed panels (kernels/linear.py): how their calls ran.
-        self.native_linears = [(step.node.label, step.kernel.op) for task in self.tasks
-                               for step in task.steps
-                               if isinstance(step.kernel, NativeLinearKernel)]
-        # Residual adds with their LayerNormalization (kernels/layer_norm.py): likewise.
-        self.add_layer_norms = [(step.node.label, step.kernel.op) for task in self.tasks
-                                for step in task.steps
-                                if isinstance(step.kernel, AddLayerNormKernel)]
-        # Attention (kernels/attention.py): likewise.
-        self.attentions = [(step.node.label, step.kernel.op) for task in self.tasks
-                           for step in task.steps if isinstance(step.kernel, AttentionKernel)]
-        # Chains of small dense layers (ops/dense_chain.py): how their calls ran.
-        self.chain_ops = [(step.node.label, step.kernel.op) for task in self.tasks
-                          for step in task.steps if isinstance(step.kernel, DenseChainKernel)]
+        # The kernels that report to explain() (kernels/report.py), found through their op.
+        self.kernel_ops = reporting_ops((step.node.label, step.kernel) for task in self.tasks
+                                        for step in task.steps)
         self.output_slots = [self.slots[v] for v in graph.outputs]
         self.output_tasks = sorted({producer_task[v] for v in graph.outputs if v in producer_task})
         self.template: list[Tensor | None] = [None] * len(self.slots)

@@ -27,18 +27,10 @@ from segflow.errors import InvalidInput
 from segflow.frontend.onnx_import import import_model
 from segflow.ir.graph import Value
 from segflow.ir.types import Device, DeviceKind, DType
-from segflow.kernels.attention import describe_attentions
-from segflow.kernels.layer_norm import describe_add_layer_norms
-from segflow.kernels.linear import describe_native_linears
 from segflow.kernels.native.build import describe_cache as describe_native_cache
-from segflow.kernels.onednn.conv import DirectConv
-from segflow.kernels.onednn.describe import describe_direct
-from segflow.kernels.onednn.replay import describe_replays
-from segflow.kernels.replay import describe_native_replays
-from segflow.kernels.staging import ChannelsLastStaging, describe_stagings
+from segflow.kernels.report import ReportFamily, describe_families
 from segflow.kernels.target import CpuTarget
 from segflow.ops import default_registry
-from segflow.ops.dense_chain import describe_chains
 from segflow.ops.registry import OpRegistry
 from segflow.passes.pipeline import (
     CompileMode,
@@ -266,18 +258,14 @@ class InferenceSession:
         ran native and why any went through torch; the replayed runs of direct kernels;
         what the disk cache's checks refused (the native library, inductor packages);
         and the activation arena."""
-        lines = describe_direct(self._executor.direct_ops)
-        if lines and self.prebuild_report is not None:
-            lines.insert(1, f"  {self.prebuild_report.describe()}")
-        lines += describe_chains(self._executor.chain_ops)
-        lines += describe_stagings([(label, op.stage) for label, op in self._executor.direct_ops
-                                    if isinstance(op, DirectConv)
-                                    and isinstance(op.stage, ChannelsLastStaging)])
-        lines += describe_native_linears(self._executor.native_linears)
-        lines += describe_add_layer_norms(self._executor.add_layer_norms)
-        lines += describe_attentions(self._executor.attentions)
-        lines += describe_replays(self.compile_report.replays)
-        lines += describe_native_replays(self.compile_report.native_replays)
+        report = self.compile_report
+        lines: list[str] = []
+        for family, described in describe_families(
+                [*self._executor.kernel_ops, *((r.label, r) for r in report.replays),
+                 *((r.label, r) for r in report.native_replays)]):
+            if family is ReportFamily.DIRECT and self.prebuild_report is not None:
+                described.insert(1, f"  {self.prebuild_report.describe()}")
+            lines += described
         lines += describe_native_cache()
         lines += [f"disk cache: {note}" for note in self.compile_report.cache_notes]
         arena = self._executor.arena

@@ -197,8 +197,8 @@ def _build(exe: str, out: Path) -> str:
 
 def _compile_and_link(exe: str, flags: tuple[str, ...], work: Path, out: Path) -> str:
     """Every source compiled by its own compiler process, all at once, then one link: the
-    first build takes about as long as the slowest source rather than their sum (1.5
-    against 2.5 s on a 2-core VM). '' on success, else why not."""
+    first build takes about as long as the slowest source rather than their sum. '' on
+    success, else why not."""
     compile_flags = [f for f in flags if f != "-shared"]
     objects = [work / f"{source.stem}.o" for source in SOURCES]
     deadline = time.monotonic() + BUILD_TIMEOUT_S

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -19,10 +19,12 @@ from segflow.kernels.onednn.library import (
     reorder_weight,
 )
 from segflow.kernels.onednn.op import Call, DirectOp
+from segflow.kernels.report import KernelReport
 
 if TYPE_CHECKING:
     from segflow.kernels.stem import NativeStem
     from segflow.kernels.winograd import Winograd
+
 
 class DirectConv(DirectOp):
     """``fn(x, w, b, z?) -> y``: a FusedConv over libdnnl, one primitive per input layout.
@@ -124,6 +126,37 @@ class DirectConv(DirectOp):
         if call is None or w is not call.source or b is not call.bias:
             return None
         return call.out_shape
+
+    def counters(self) -> Mapping[str, int]:
+        """The direct op's counters, and the input layouts its Winograd or stem strategy
+        built and declined (where it has one)."""
+        counts = dict(super().counters())
+        for name in self._STRATEGIES:
+            strategy = getattr(self, name)
+            if strategy is not None:
+                counts[f"{name}_layouts"] = strategy.layouts_built(self)
+                counts[f"{name}_declined"] = len(getattr(self, f"{name}_not"))
+        return counts
+
+    def parts(self) -> Sequence[KernelReport]:
+        """The native copy that stages an NCHW input (kernels/staging.py), if it has one."""
+        return (self.stage,) if isinstance(self.stage, KernelReport) else ()
+
+    # The strategies a convolution may build its calls with, by attribute, in the order
+    # explain() describes them (each with ``describe_convs`` and ``layouts_built``).
+    _STRATEGIES = ("winograd", "stem")
+
+    @classmethod
+    def describe_strategies(cls, ops: Sequence[tuple[str, Any]], limit: int) -> list[str]:
+        """The Winograd and native stem lines (``describe_convs`` of ``kernels/winograd.py``
+        and ``kernels/stem.py``), over the convolutions marked for each."""
+        lines: list[str] = []
+        for name in cls._STRATEGIES:
+            marked = [(label, op) for label, op in ops
+                      if isinstance(op, DirectConv) and getattr(op, name) is not None]
+            if marked:
+                lines += type(getattr(marked[0][1], name)).describe_convs(marked, limit)
+        return lines
 
     @staticmethod
     def _key(x: Tensor, z: Tensor | None, inplace: bool) -> tuple[object, ...]:

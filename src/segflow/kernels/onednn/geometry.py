@@ -60,7 +60,7 @@ def same_bytes(packed: Tensor, mine: Tensor) -> bool:
     if torch.ops.mkldnn._nbytes(packed) != size:
         return False
     theirs = (ctypes.c_uint8 * size).from_address(torch.ops.mkldnn.data_ptr(packed))
-    # Compared 8 bytes at a time where the size allows: torch.equal on uint8 runs at ~1
-    # GB/s, ~6x slower (a tenth of a second of loading ResNet-50).
+    # Compared 8 bytes at a time where the size allows: torch.equal on uint8 is several
+    # times slower, and every packed weight is compared once at load.
     wide = torch.int64 if size % 8 == 0 else torch.int32 if size % 4 == 0 else torch.uint8
     return bool(torch.equal(mine.view(wide), torch.frombuffer(theirs, dtype=wide)))

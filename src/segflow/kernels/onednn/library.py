@@ -1,12 +1,11 @@
 """Convolutions called straight into oneDNN's C API (``libdnnl``, through ctypes).
 
 Why: torch's ``mkldnn._convolution_pointwise`` rebuilds oneDNN's primitive
-descriptor, memory descriptors and attributes on every call. That costs
-45-95 us per convolution at batch 1 and 0.2-0.5 ms at batch 8, which was the
-whole gap between segflow's default backend and onnxruntime on ResNet-50
-(docs/benchmarking.md). Here a convolution builds its primitive once per input
-layout, and then a call costs about 6 us: point the source, destination and
-residual memories at the tensors, execute (ctypes releases the GIL).
+descriptor, memory descriptors and attributes on every call, tens of microseconds
+per convolution at batch 1 (figures in docs/performance.md). Here a convolution
+builds its primitive once per input layout, and then a call only points the
+source, destination and residual memories at the tensors and executes (ctypes
+releases the GIL).
 
 The weight is read in place. The layout pass packs it with torch's oneDNN and
 checks, byte for byte against this library's reorder, that the packing is the
@@ -498,8 +497,8 @@ class Library:
         Asked at load (the layout pass packs weights in this format) and again at a
         convolution's first run (to read such a weight in place, or unpack it), and
         each answer is a primitive descriptor libdnnl searches its implementations
-        for: ~0.9 ms for a ResNet-50 convolution, ~35 ms of its first run. So the
-        first answer per geometry, input size and layout is kept for the process.
+        for (about a millisecond for a large convolution). So the first answer per
+        geometry, input size and layout is kept for the process.
         That is also the right answer to give later: it describes the bytes already
         packed, where a fresh one could differ (libdnnl's kernels choose their
         blocking by the thread count, which a later session may set otherwise; a

@@ -25,9 +25,9 @@ class DirectLinear(DirectOp):
     Nothing falls back to torch's packed op (there is no torch packing to read):
     input that is not float32, more layouts than ``max_shapes``, or a primitive with
     only a reference kernel run ``F.linear`` over a dense copy of the weight, which
-    is unpacked at the first such call and kept. Why bother: on a Zen 3 CPU (AVX2)
-    this library's inner product (brgemm:avx2) ran BERT-base's 128-row linears at
-    82-85 GMAC/s against 65-69 for torch's oneDNN matmul (brg_matmul:avx2).
+    is unpacked at the first such call and kept. Why bother: on AVX2 CPUs this
+    library's inner product (brgemm:avx2) ran large linears of 128 rows faster than
+    torch's oneDNN matmul (brg_matmul:avx2); the figures are in docs/performance.md.
     """
 
     kind = "linear"

@@ -7,7 +7,7 @@ import ctypes
 import ctypes.util
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +25,7 @@ from segflow.kernels.onednn.library import (
     Pointer,
     Tensor,
 )
+from segflow.kernels.report import KernelReport, ReportFamily
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +64,7 @@ class DirectOp:
     says why), a lock and a stream per op, and the oneDNN objects it owns."""
 
     kind = "primitive"
+    family = ReportFamily.DIRECT
     max_copies = 0        # own repacked copies of a weight an op may keep (ops with weights)
 
     def __init__(self, lib: Library, fallback: Callable[..., Tensor], max_shapes: int,
@@ -86,6 +88,49 @@ class DirectOp:
     def direct_layouts(self) -> int:
         """How many input layouts run through libdnnl (the rest fall back)."""
         return sum(1 for call in self.calls.values() if call is not None)
+
+    def counters(self) -> Mapping[str, int]:
+        """Input layouts built through libdnnl (``built_at_load`` of them while the session
+        loaded) and those that fell back to torch."""
+        return {"layouts_built": self.direct_layouts, "built_at_load": self.built_at_load,
+                "fallbacks": len(self.why_not)}
+
+    def parts(self) -> Sequence[KernelReport]:
+        """No kernels of its own (a convolution's staging copy is one)."""
+        return ()
+
+    @classmethod
+    def describe_all(cls, ops: Sequence[tuple[str, Any]], limit: int = 8) -> list[str]:
+        """``explain()`` lines for a session's direct ops (``(node label, op)``): how many,
+        the input layouts built through libdnnl, each fallback with its reason, and what
+        each kind's own strategies did (:meth:`describe_strategies`)."""
+        if not ops:
+            return []
+        kinds: dict[str, int] = {}
+        for _, op in ops:
+            kinds[op.kind] = kinds.get(op.kind, 0) + 1
+        what = ", ".join(f"{n} {kind}{'s' if n > 1 else ''}" for kind, n in kinds.items())
+        strategies = [line for kind in dict.fromkeys(type(op) for _, op in ops)
+                      for line in kind.describe_strategies(ops, limit)]
+        built = sum(op.direct_layouts for _, op in ops)
+        fallbacks = [(label, key, why) for label, op in ops for key, why in op.why_not.items()]
+        if not built and not fallbacks:
+            return [f"direct kernels (libdnnl): {what}; no input layout built yet (each is "
+                    "built at its first run)", *strategies]
+        lines = [f"direct kernels (libdnnl): {what}; {built} input layout"
+                 f"{'s' if built != 1 else ''} built, {len(fallbacks)} fell back to torch"]
+        for label, key, why in fallbacks[:limit]:
+            shape, dtype = key[0], key[2]   # the input's sizes and dtype (the layout key)
+            lines.append(f"  fallback: {label} at {list(shape)} {dtype}: {why}")
+        if len(fallbacks) > limit:
+            lines.append(f"  ... and {len(fallbacks) - limit} more")
+        return lines + strategies
+
+    @classmethod
+    def describe_strategies(cls, ops: Sequence[tuple[str, Any]], limit: int) -> list[str]:
+        """Lines for what this kind's native strategies did among ``ops`` (a session's
+        direct ops, of every kind): none by default."""
+        return []
 
     def _output(self, call: Call) -> Tensor:
         """The planned storage when the run has it at this size, else a new tensor."""
@@ -216,9 +261,9 @@ class ResidualInPlaceKernel(DirectKernel):
     """A residual convolution's kernel where the memory plan lets its output overwrite
     the residual (input 3, which dies here): ``[op.inplace_call(x, w, b, z)]``, oneDNN's
     in-place sum post-op, as generated code calls it. The interpreter and profiled
-    runs then run the kernel the default backend runs. (ResNet-50 at batch 8, layer1's
-    last 1x1 convolution alone: 6.5 ms in place against 9.7 with a binary-add post-op on
-    an AVX-512 VM; a whole compile="none" run on an AVX2 one: 404 against 415 ms.)"""
+    runs then run the kernel the default backend runs. The sum post-op writes each
+    output once where a binary-add post-op reads a third tensor (the figures are in
+    docs/performance.md)."""
 
     __slots__ = ()
 

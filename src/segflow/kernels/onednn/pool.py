@@ -20,10 +20,9 @@ class DirectPool(DirectOp):
     is one of ``POOL_*``. ``fallback`` (torch's pooling, same signature) serves
     a plain-layout or non-float32 input, ``ceil_mode``, what has only a
     reference kernel (dilated windows), and with ``keeps_nan`` every max pooling.
-    Why bother: torch's CPU max pool also
-    allocates the int64 argmax it then drops (1.6 MiB a run at ResNet-50's
-    stem) and is 3-4x slower at batch 1, and the first call of torch's mean
-    faults in ~1.7 MiB of its reduction code.
+    Why bother: torch's CPU max pool also allocates the int64 argmax it then drops
+    (8 bytes per output element) and is several times slower at batch 1, and the
+    first call of torch's mean faults in its reduction code.
     """
 
     kind = "pooling"

@@ -2,10 +2,9 @@
 
 Generated code calls each direct convolution and pooling (``kernels/onednn/``)
 in turn. Each call looks up its primitive by the input's sizes and strides, finds
-its output in the run's arena, reads the tensors' addresses and executes: 6 us of
-Python on a warm CPU, and 10-20 us right after a kernel has flushed the caches.
-MobileNetV2 at batch 1 makes 53 such calls in ~12 ms: 0.7-0.8 ms of a run went
-to Python between kernels (replaying the executes alone, ad hoc, 2026-12-05).
+its output in the run's arena, reads the tensors' addresses and executes: several
+microseconds of Python per call, more right after a kernel has flushed the caches,
+which adds up over a run of many small kernels (figures in docs/performance.md).
 
 A :class:`DirectReplay` stands for such a run of consecutive nodes. Its first
 calls run the ops as before; once a run has its arena block (``runtime/arena.py``)
@@ -25,16 +24,14 @@ holds, and then only executes:
   output was not the run's planned storage when recorded ends the recording:
   it and the nodes after it always run the usual way.
 
-A classifier right after the run (a Flatten at axis 1 of its last output and a native
-linear over that, ``kernels/linear.py``: MobileNetV2's and ResNet-50's) is part of
-it: the Flatten's view of the pooled output is recorded like the outputs, and the
+A pooled linear tail right after the run (a Flatten at axis 1 of its last output,
+the global pooling's, and a native linear over that, ``kernels/linear.py``) is part
+of it: the Flatten's view of the pooled output is recorded like the outputs, and the
 linear, prepared once, runs from its recorded arguments into a new result at every
 call (the run's output, which the caller keeps), as the last step of the C call below
-(``segflow_call_execute``), its result allocated before it. After the replayed stretch
-that saved ~40 us of Python of the ~0.26 ms MobileNetV2's run spent there, and the C
-call ~150 us more of Python around the linear: MobileNetV2 1.1% faster, ResNet-50
-0.6% (two sessions alternating, 2-core AVX-512 VM, 2026-12-06). A linear it cannot run
-so (an activation after the kernel) runs the usual way, as do the steps after it.
+(``segflow_call_execute``), its result allocated before it: no Python between the
+last pooling and the linear. A linear it cannot run so (an activation after the
+kernel) runs the usual way, as do the steps after it.
 
 A call the recording does not hold for runs the usual way; after two such calls
 in a row (a new batch size) the run is recorded again, while two threads whose
@@ -55,9 +52,8 @@ execute, and the stretch also takes the lock of the workspace it shares.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -65,10 +61,19 @@ from segflow.errors import ExecutionError, node_failed
 from segflow.kernels.linear import NativeLinear
 from segflow.kernels.native.build import NativeLibrary
 from segflow.kernels.onednn.conv import DirectConv
-from segflow.kernels.onednn.library import DnnlError
-from segflow.kernels.onednn.op import Call, DirectOp
 from segflow.kernels.onednn.pool import DirectPool
-from segflow.kernels.replay import KernelCall, Prepared
+from segflow.kernels.onednn.stretch import (
+    IN_STRETCH,
+    TAIL_LINEAR,
+    VIEW,
+    Addresses,
+    Entry,
+    NativeStretch,
+    ReplayStep,
+    run_tail_linear,
+    stretches,
+)
+from segflow.kernels.report import KernelReport, ReportFamily
 
 if TYPE_CHECKING:
     from segflow.engine.counters import RunCounters
@@ -76,134 +81,8 @@ if TYPE_CHECKING:
 Tensor = torch.Tensor
 # Calls in a row a recording must fail to hold for before the run is recorded again.
 RECORD_AFTER_MISSES = 2
-_Addresses = ctypes.Array[ctypes.c_size_t]     # a step's [src, dst, residual] addresses
-_Slot = tuple[_Addresses, int]                  # (those addresses, position)
-_Entry = tuple[int, object, object, _Addresses]  # (step, execute_at or None, call, addresses)
+_Slot = tuple[Addresses, int]                  # (a step's addresses, position)
 _Fed = tuple[int, tuple[object, ...], list[_Slot]]
-
-
-@dataclass(frozen=True, slots=True)
-class ReplayStep:
-    """One node of a replayed run: ``op(*args)`` (``op.inplace_call`` with ``inplace``).
-
-    ``args`` index the run's values (the inputs from outside the run first, then each
-    step's output in order; None: an absent optional input), ``output`` its output's.
-    An error in a step names its node: ``ExecutionError("While executing <label>: ...")``,
-    as generated code does for the nodes it calls one by one.
-    """
-
-    # A direct kernel; or, after the run's last one, a classifier: its Flatten at axis 1
-    # (None: a view of the pooled output) and its native linear (kernels/linear.py).
-    op: DirectConv | DirectPool | NativeLinear | None
-    inplace: bool
-    args: tuple[int | None, ...]
-    output: int
-    label: str = ""         # the node, for errors (Node.label)
-
-
-class _Execute(ctypes.Structure):
-    """One step of a native stretch: ``segflow_execute_t`` in ``kernels/native/replay.c``."""
-
-    _fields_ = [("primitive", ctypes.c_void_p), ("stream", ctypes.c_void_p),
-                ("args", ctypes.c_void_p), ("nargs", ctypes.c_int64),
-                ("memory", ctypes.c_void_p * 3), ("handles", ctypes.c_void_p),
-                ("address", ctypes.c_void_p), ("run", ctypes.c_void_p)]
-
-
-class _NativeStretch:
-    """Consecutive replayed executes run by one C call (module docstring), and the
-    classifier's linear right after them where the recording has one: ``classifier``,
-    (its output's value index, the prepared call, its label), run as the call's last
-    step into a new result (``segflow_call_execute`` in ``kernels/native/replay.c``)."""
-
-    __slots__ = ("entries", "labels", "locks", "classifier", "_steps", "_call", "_args",
-                 "_status", "_linear")
-
-    def __init__(self, entries: Sequence[tuple[DirectOp, Call, _Addresses]],
-                 labels: Sequence[str], native: NativeLibrary,
-                 classifier: tuple[int, Prepared, str] | None = None) -> None:
-        self.entries = tuple(entries)
-        self.labels = tuple(labels)
-        self.classifier = classifier
-        # The ops' locks, then the workspaces their native kernels share (kernels/workspace.py).
-        self.locks = tuple(dict.fromkeys(
-            [op.lock for op, _, _ in self.entries]
-            + [call.lock for _, call, _ in self.entries if call.lock is not None]))
-        steps = (_Execute * (len(self.entries) + (classifier is not None)))()
-        for step, (op, call, addresses) in zip(steps, self.entries):
-            step.primitive = call.primitive.value
-            step.stream = op._stream.value if op._stream is not None else None
-            step.args = ctypes.addressof(call.args)
-            step.nargs = len(call.args)
-            step.memory[0] = call.src.value
-            step.memory[1] = call.dst.value
-            step.memory[2] = call.residual.value if call.residual is not None else None
-            step.handles = ctypes.addressof(call.handles)
-            step.address = ctypes.addressof(addresses)
-            if call.run is not None:
-                step.run = ctypes.cast(call.run, ctypes.c_void_p).value
-        self._linear: KernelCall | None = None
-        if classifier is not None:   # no memories to point: the C loop only calls it
-            prepared = classifier[1]
-            self._linear = KernelCall(prepared.fn, ctypes.addressof(prepared.args))
-            steps[-1].primitive = ctypes.addressof(self._linear)
-            steps[-1].run = ctypes.cast(native.dll.segflow_call_execute, ctypes.c_void_p).value
-        self._steps = steps
-        self._status = ctypes.c_int(0)
-        fn = native.dll.segflow_replay_executes
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                       ctypes.c_void_p]
-        fn.restype = ctypes.c_int64
-        dll = self.entries[0][0].lib._dll
-        self._call = fn
-        self._args = (ctypes.addressof(steps), len(steps),
-                      ctypes.cast(dll.dnnl_primitive_execute, ctypes.c_void_p).value,
-                      ctypes.cast(dll.dnnl_memory_set_data_handle, ctypes.c_void_p).value,
-                      ctypes.addressof(self._status))
-
-    def __call__(self, values: list[Tensor | None]) -> int:
-        """Run the stretch; the calls into native code it made (1: the C loop)."""
-        classifier = self.classifier
-        locks = self.locks
-        for taken, lock in enumerate(locks):
-            if not lock.acquire(blocking=False):
-                for held in locks[:taken]:   # another thread runs one of these ops now
-                    held.release()
-                break
-        else:
-            try:
-                # The classifier's new result, its address in the linear's arguments.
-                out = _fresh_output(classifier[1]) if classifier is not None else None
-                done = self._call(*self._args)
-            finally:
-                for lock in locks:
-                    lock.release()
-            if done == len(self._steps):
-                if classifier is not None:
-                    cast(NativeLinear, classifier[1].op).count_native_call()
-                    values[classifier[0]] = out
-                return 1
-            if done == len(self.entries):    # the classifier's linear (a status it returned)
-                assert classifier is not None
-                raise node_failed(classifier[2], RuntimeError(
-                    f"native linear: status {self._status.value}"))
-            op, call, _ = self.entries[done]
-            raise node_failed(self.labels[done], DnnlError(
-                f"{op.kind} ({call.impl}): oneDNN status {self._status.value}"))
-        for (op, call, (src, dst, res)), label in zip(self.entries, self.labels, strict=True):
-            try:
-                op.execute_at(call, src, dst, res)
-            except ExecutionError:
-                raise
-            except Exception as exc:
-                raise node_failed(label, exc) from exc
-        if classifier is not None:
-            index, prepared, label = classifier
-            try:
-                values[index] = _run_classifier(prepared)
-            except Exception as exc:
-                raise node_failed(label, exc) from exc
-        return len(self.entries) + (classifier is not None)
 
 
 class _Recording:
@@ -212,8 +91,8 @@ class _Recording:
     __slots__ = ("values", "probe", "fixed", "fed", "plan", "program", "rest", "transient")
 
     def __init__(self, values: list[Tensor | None], probe: tuple[DirectConv | DirectPool, Tensor],
-                 fixed: list[int], fed: list[_Fed], plan: list[_Entry],
-                 program: list[_Entry | _NativeStretch], rest: int) -> None:
+                 fixed: list[int], fed: list[_Fed], plan: list[Entry],
+                 program: list[Entry | NativeStretch], rest: int) -> None:
         self.values = values
         self.probe = probe     # (an op, the output its destination gave): the arena block
         self.fixed = fixed     # outside inputs that must be the recorded tensors
@@ -254,6 +133,36 @@ class DirectReplay:
         self._recording: _Recording | None = None
         self._misses = 0           # calls in a row the recording did not hold for
         self.replays = 0           # calls that replayed (counted for tests and explain)
+
+    family = ReportFamily.DIRECT_REPLAY
+
+    @property
+    def label(self) -> str:
+        """The run's first node (Node.label)."""
+        return self.steps[0].label if self.steps else ""
+
+    def counters(self) -> Mapping[str, int]:
+        """The run's nodes, and the calls that replayed them."""
+        return {"nodes": len(self.steps), "replays": self.replays}
+
+    def parts(self) -> Sequence[KernelReport]:
+        """Its kernels report through their own nodes."""
+        return ()
+
+    @classmethod
+    def describe_all(cls, ops: Sequence[tuple[str, DirectReplay]], limit: int = 8
+                     ) -> list[str]:
+        """``explain()`` lines: the replayed runs, their nodes, and what the last recording
+        replays (nodes that run the usual way inside it, and where it stops)."""
+        if not ops:
+            return []
+        replays = [r for _, r in ops]
+        nodes = sum(len(r.steps) for r in replays)
+        calls = sum(r.replays for r in replays)
+        lines = [f"{cls.family.value}: {len(replays)} run{'s' if len(replays) > 1 else ''} "
+                 f"of direct kernels, {nodes} nodes; {calls} calls replayed so far"]
+        lines += [_describe_recording(r) for r in replays]
+        return lines
 
     def __call__(self, *inputs: Tensor | None, counts: RunCounters | None = None
                  ) -> tuple[Tensor | None, ...]:
@@ -330,17 +239,17 @@ class DirectReplay:
             counts.count_kernels(len(steps))
         calls = 0  # calls into native code
         for entry in rec.program:
-            if entry.__class__ is _NativeStretch:
+            if entry.__class__ is NativeStretch:
                 calls += entry(values)      # type: ignore[operator]
                 continue
             index, execute_at, call, (src, dst, res) = entry   # type: ignore[misc]
             step = steps[index]
-            if execute_at is _VIEW or execute_at is _IN_STRETCH:
+            if execute_at is VIEW or execute_at is IN_STRETCH:
                 continue                    # the recorded view; the linear the C call ran
             calls += 1
             try:
-                if execute_at is _CLASSIFIER:
-                    values[step.output] = _run_classifier(call)   # type: ignore[arg-type]
+                if execute_at is TAIL_LINEAR:
+                    values[step.output] = run_tail_linear(call)   # type: ignore[arg-type]
                     continue
                 if execute_at is not None:
                     execute_at(call, src, dst, res)  # type: ignore[operator]
@@ -380,7 +289,7 @@ class DirectReplay:
             return None                 # no arena block in this run: nothing to record
         fixed: set[int] = set()
         fed: dict[int, list[_Slot]] = {}
-        plan: list[_Entry] = []
+        plan: list[Entry] = []
         replayed = 0
         rest = len(self.steps)
         for index, step in enumerate(self.steps):
@@ -388,9 +297,9 @@ class DirectReplay:
             args = [None if a is None else values[a] for a in step.args]
             x, out = args[0], values[step.output]
             if op is None or isinstance(op, NativeLinear):
-                entry = self._classifier_entry(index, step, args, fixed)
+                entry = self._tail_entry(index, step, args, fixed)
                 if entry is None:
-                    rest = index     # the classifier runs as before
+                    rest = index     # the tail runs as before
                     break
                 plan.append(entry)
                 continue
@@ -439,24 +348,24 @@ class DirectReplay:
             assert t is not None
             signatures.append((i, (t.shape, t.stride(), t.dtype), slots_of))
         kept = sorted(fixed - set(fed))
-        program: list[_Entry | _NativeStretch] = list(plan) if self.native is None \
-            else _stretches(plan, self.steps, self.native)
+        program: list[Entry | NativeStretch] = list(plan) if self.native is None \
+            else stretches(plan, self.steps, self.native)
         rec = _Recording(list(values), probe, kept, signatures, plan, program, rest)
         rec.transient = [i for i in range(n) if i not in fixed or i in fed] + \
             [step.output for step in self.steps[rest:]] + \
-            [self.steps[entry[0]].output for entry in plan if entry[1] is _CLASSIFIER]
+            [self.steps[entry[0]].output for entry in plan if entry[1] is TAIL_LINEAR]
         self._result(rec.values, rec.transient)
         return rec
 
-    def _classifier_entry(self, index: int, step: ReplayStep, args: Sequence[Tensor | None],
-                          fixed: set[int]) -> _Entry | None:
-        """The plan entry of the classifier after the run: its Flatten (the recorded
+    def _tail_entry(self, index: int, step: ReplayStep, args: Sequence[Tensor | None],
+                          fixed: set[int]) -> Entry | None:
+        """The plan entry of the tail after the run: its Flatten (the recorded
         view of the pooled output, whose storage is the arena block's) or its linear
         (prepared once; each replay runs it into a new result). None where the linear
         cannot run so (its fallback, an activation after it, a computed weight)."""
         empty = (ctypes.c_size_t * 3)()
         if step.op is None:
-            return (index, _VIEW, None, empty)
+            return (index, VIEW, None, empty)
         n = self.n_inputs
         if step.args[0] is None or step.args[0] < n \
                 or any(a is not None and a >= n for a in step.args[1:]):
@@ -467,73 +376,7 @@ class DirectReplay:
         if call is None or call.fields is None:
             return None
         fixed.update(a for a in step.args[1:] if a is not None)
-        return (index, _CLASSIFIER, call, empty)
-
-
-def _stretches(plan: Sequence[_Entry], steps: Sequence[ReplayStep],
-               native: NativeLibrary) -> list[_Entry | _NativeStretch]:
-    """``plan`` with each run of two or more consecutive executes made one native call,
-    the classifier's linear right after the last run (its Flatten a recorded view in
-    between) the last step of that call."""
-    program: list[_Entry | _NativeStretch] = []
-    run: list[_Entry] = []
-    views: list[_Entry] = []     # the Flatten after the run (nothing to do at a replay)
-
-    def close(classifier: _Entry | None = None) -> None:
-        if len(run) > 1:
-            linear = None
-            if classifier is not None:
-                index, _, call, _ = classifier
-                linear = (steps[index].output, cast(Prepared, call), steps[index].label)
-            program.append(_NativeStretch(
-                [(cast(DirectOp, steps[index].op), cast(Call, call), addresses)
-                 for index, _, call, addresses in run],
-                [steps[index].label for index, _, _, _ in run], native, linear))
-            program.extend(views)
-            if classifier is not None:
-                program.append((classifier[0], _IN_STRETCH, None, classifier[3]))
-        else:
-            program.extend(run + views + ([classifier] if classifier is not None else []))
-        run.clear()
-        views.clear()
-    for entry in plan:
-        if entry[1] is _VIEW and run:
-            views.append(entry)
-        elif entry[1] is _CLASSIFIER and run and _in_c(cast(Prepared, entry[2])):
-            close(entry)
-        elif entry[1] is None or entry[1] is _VIEW or entry[1] is _CLASSIFIER:
-            close()
-            program.append(entry)
-        else:
-            run.append(entry)
-    close()
-    return program
-
-
-def _in_c(call: Prepared) -> bool:
-    """Whether a prepared classifier linear can run as a step of the C loop: its kernel
-    needs nothing but its arguments (no Strassen scratch, which the op's lock guards)."""
-    return not getattr(call.args, "scratch", None)
-
-
-_VIEW = "view"              # a plan entry whose value is the recorded view (Flatten)
-_CLASSIFIER = "classifier"  # a plan entry whose prepared native linear runs afresh
-_IN_STRETCH = "in stretch"  # a program entry: that linear ran in the C call before it
-
-
-def _fresh_output(call: Prepared) -> Tensor:
-    """A new result tensor for a prepared classifier linear, its address written into
-    the call's arguments (the run's output: the caller keeps it)."""
-    out = torch.empty(call.output.shape, dtype=call.output.dtype)
-    setattr(call.args, call.out_field, out.data_ptr())
-    return out
-
-
-def _run_classifier(call: Prepared) -> Tensor:
-    """The classifier's linear from its recorded arguments into a new result."""
-    out = _fresh_output(call)
-    call.op.run_prepared(call)
-    return out
+        return (index, TAIL_LINEAR, call, empty)
 
 
 def _call(step: ReplayStep, values: Sequence[Tensor | None]) -> Tensor:
@@ -547,40 +390,29 @@ def _call(step: ReplayStep, values: Sequence[Tensor | None]) -> Tensor:
     return fn(*args)
 
 
-def describe_replays(replays: Sequence[DirectReplay]) -> list[str]:
-    """``explain()`` lines: the replayed runs, their nodes, and what the last recording
-    replays (nodes that run the usual way inside it, and where it stops)."""
-    if not replays:
-        return []
-    nodes = sum(len(r.steps) for r in replays)
-    calls = sum(r.replays for r in replays)
-    line = (f"replayed runs (libdnnl): {len(replays)} run{'s' if len(replays) > 1 else ''} of "
-            f"direct kernels, {nodes} nodes; {calls} calls replayed so far")
-    lines = [line]
-    for r in replays:
-        rec = r._recording
-        if rec is None:
-            lines.append(f"  {len(r.steps)} nodes: not recorded (yet)")
-            continue
-        executes = sum(1 for entry in rec.plan
-                       if entry[1] is not None and entry[1] not in (_VIEW, _CLASSIFIER))
-        classifier = any(entry[1] is _CLASSIFIER for entry in rec.plan)
-        text = f"  {len(r.steps)} nodes: {executes} replayed"
-        stretches = [e for e in rec.program if isinstance(e, _NativeStretch)]
-        if stretches:
-            text += (f" ({sum(len(e.entries) for e in stretches)} of them in "
-                     f"{len(stretches)} native call{'s' if len(stretches) > 1 else ''})")
-        elif executes > 1 and r.native is None:
-            text += f" (called from Python: native kernels {r.native_why})"
-        if classifier:
-            joined = any(isinstance(e, _NativeStretch) and e.classifier is not None
-                         for e in rec.program)
-            text += (", the classifier's linear native from recorded arguments"
-                     + (" as the native call's last step" if joined else ""))
-        before = len(rec.plan) - executes - (2 if classifier else 0)
-        if before:
-            text += f", {before} run as before inside the replay"
-        if rec.rest < len(r.steps):
-            text += f", the last {len(r.steps) - rec.rest} after it"
-        lines.append(text)
-    return lines
+def _describe_recording(r: DirectReplay) -> str:
+    """The ``explain()`` line of one replayed run's recording."""
+    rec = r._recording
+    if rec is None:
+        return f"  {len(r.steps)} nodes: not recorded (yet)"
+    executes = sum(1 for entry in rec.plan
+                   if entry[1] is not None and entry[1] not in (VIEW, TAIL_LINEAR))
+    tail = any(entry[1] is TAIL_LINEAR for entry in rec.plan)
+    text = f"  {len(r.steps)} nodes: {executes} replayed"
+    stretches = [e for e in rec.program if isinstance(e, NativeStretch)]
+    if stretches:
+        text += (f" ({sum(len(e.entries) for e in stretches)} of them in "
+                 f"{len(stretches)} native call{'s' if len(stretches) > 1 else ''})")
+    elif executes > 1 and r.native is None:
+        text += f" (called from Python: native kernels {r.native_why})"
+    if tail:
+        joined = any(isinstance(e, NativeStretch) and e.tail is not None
+                     for e in rec.program)
+        text += (", the pooled linear tail native from recorded arguments"
+                 + (" as the native call's last step" if joined else ""))
+    before = len(rec.plan) - executes - (2 if tail else 0)
+    if before:
+        text += f", {before} run as before inside the replay"
+    if rec.rest < len(r.steps):
+        text += f", the last {len(r.steps) - rec.rest} after it"
+    return text
