@@ -184,7 +184,7 @@ def _build_parser() -> argparse.ArgumentParser:
                                    "used ones beyond $SEGFLOW_CACHE_MAX_MB. Under "
                                    "compile=auto a small segment runs its package when one "
                                    "is cached. Also the native kernels built there "
-                                   "(ops/native), which any process rebuilds when missing, "
+                                   "(kernels/native), which any process rebuilds when missing, "
                                    "and whether the cache is trusted (only its user may "
                                    "own or write it).")
     p.add_argument("--list", action="store_true", help="list each package with its size")

@@ -36,7 +36,7 @@ ENV_CACHE_DIR = "SEGFLOW_CACHE_DIR"  # compiled segments (compile="inductor"); e
 ENV_CACHE_MAX_MB = "SEGFLOW_CACHE_MAX_MB"          # package cache size cap, MiB (default 2048)
 ENV_HOST_MEMORY = "SEGFLOW_HOST_MEMORY"            # retain | system (runtime/host_memory.py)
 ENV_ONEDNN_DIRECT = "SEGFLOW_ONEDNN_DIRECT"        # 0: convolutions through torch's oneDNN op
-ENV_ONEDNN_BLOCKED = "SEGFLOW_ONEDNN_BLOCKED"      # 0: no nChw8c region (passes/layout.py)
+ENV_ONEDNN_BLOCKED = "SEGFLOW_ONEDNN_BLOCKED"      # 0: no nChw8c region (passes/select_kernels.py)
 ENV_DNNL_LIBRARY = "SEGFLOW_DNNL_LIBRARY"          # libdnnl path (kernels/onednn/)
 ENV_ARENA = "SEGFLOW_ARENA"                        # 0: direct convolutions allocate outputs
 ENV_ONEDNN_REPLAY = "SEGFLOW_ONEDNN_REPLAY"        # 0: no replayed runs (kernels/onednn/replay.py)

@@ -1,10 +1,10 @@
 """Large linears over segflow's own packed weight (``kernels/native/gemm.c``).
 
-The layout pass (``passes/layout.py``) packs a large ``FusedGemm`` weight ``W``
-(``[N, K]``) into panels of 24 output columns (:func:`pack`) where
-:func:`native_linear_preferred` holds, and marks the node ``native_linear``; its
-kernel is then a :class:`NativeLinear`, which runs ``act(x @ W^T + b)`` in one
-native call split over the OpenMP threads libdnnl and torch share. ReLU,
+The kernel selection (``passes/select_kernels.py``) gives a large ``FusedGemm`` the
+``NATIVE_LINEAR`` choice where :meth:`CpuTarget.native_linear_preferred` holds, and
+the packing (``passes/pack_weights.py``) packs its weight ``W`` (``[N, K]``) into
+panels of 24 output columns (:func:`pack`); its kernel is then a
+:class:`NativeLinear`, which runs ``act(x @ W^T + b)`` in one native call split over the OpenMP threads libdnnl and torch share. ReLU,
 LeakyReLU (slope 0 to 1), Clip and erf-GELU are applied as the last block of each
 output is stored (GELU through the kernel's own erf, within 1.2e-6 of the exact
 function); other activations run in place after the call.

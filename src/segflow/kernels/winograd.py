@@ -31,7 +31,7 @@ float32; the result differs from a direct convolution by a few float32 ulps per
 input channel (relative error ~1e-5 at 512 channels, the direct one's ~1e-6).
 
 The figures behind it (one convolution + ReLU at batch 1, AVX2) are in
-docs/benchmarking.md and docs/performance.md.
+docs/performance.md.
 """
 
 from __future__ import annotations

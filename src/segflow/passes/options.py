@@ -66,7 +66,7 @@ class OptimizeOptions:
     intra_op_threads: int | None = None
     # Prepacked convolutions call libdnnl directly when it is installed (kernels/onednn/).
     onednn_direct: bool = True
-    # ... on nChw8c activations where that is faster (depthwise regions, passes/layout.py).
+    # ... on nChw8c activations where that is faster (depthwise regions, passes/select_kernels.py).
     onednn_blocked: bool = True
     # Their outputs are carved out of one planned block per run (runtime/arena.py).
     arena: bool = True

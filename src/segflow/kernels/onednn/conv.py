@@ -47,7 +47,7 @@ class DirectConv(DirectOp):
     ``nChw8c`` bytes under its logical shape, and so is the input with
     ``blocked_input`` (else it is plain NCHW, the blocked region's entry); the
     weight is then packed for that layout, and the fallback runs between
-    reorders (``passes/layout.py``, ``_blocked_region``). With ``winograd``, ``w`` is
+    reorders (``passes/select_kernels.py``, ``blocked_region``). With ``winograd``, ``w`` is
     the Winograd transform of the weight, and each layout is built as Winograd F(4x4,
     3x3) (``kernels/winograd.py``: a call whose ``run`` is the native kernel); one it
     declines (``winograd_not``) runs the fallback, over the plain weight recovered from

@@ -7,11 +7,11 @@ builds its primitive once per input layout, and then a call only points the
 source, destination and residual memories at the tensors and executes (ctypes
 releases the GIL).
 
-The weight is read in place. The layout pass packs it with torch's oneDNN and
-checks, byte for byte against this library's reorder, that the packing is the
+The weight is read in place. The packing pass (``passes/pack_weights.py``) packs it
+with torch's oneDNN and checks, byte for byte against this library's reorder, that the packing is the
 format this library's convolution wants (trying torch's packing for another
 size where the first differs); such a weight is then matched by descriptor at
-run time. Where no torch packing is, the layout pass keeps this library's own
+run time. Where no torch packing is, the packing keeps this library's own
 packing instead (``DirectConv(libdnnl_packed=True)``), matched the same way.
 A primitive that wants yet another format (another input size, a post-op that
 changes the choice) gets the convolution's own packed copy, for at most
@@ -22,6 +22,11 @@ it must share torch's OpenMP runtime, or the two thread pools would fight for
 the cores, so :meth:`Library.load` refuses a process with two ``libgomp``
 copies. ``SEGFLOW_ONEDNN_DIRECT=0`` turns the path off; ``SEGFLOW_DNNL_LIBRARY``
 names the library file when it is not in the environment's ``lib/``.
+
+This module is the whole ctypes surface of libdnnl that segflow calls (the constants,
+the C signatures, :class:`Library`'s wrappers), so that no other module declares a C
+signature of it; the kernels that build on it are ``conv``, ``pool``, ``linear`` and
+``op`` beside it.
 """
 
 from __future__ import annotations
