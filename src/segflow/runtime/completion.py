@@ -1,5 +1,10 @@
 """Completion strategies: how a finished task's device work becomes visible to others.
 
+Why one module at ~600 lines: the two strategies implement one protocol over one task
+plan (:class:`TaskPlan`, which task records, waits for and copies what), and most of it
+is :class:`_StreamRun`, one run's streams, events and pinned copies, which must see all
+of that run's events to count its synchronizations once.
+
 Chosen once, at bind time, from the plan's devices and the sync mode:
 
 - :class:`HostCompletion` when no device of the plan has streams (CPU): tasks
