@@ -4,10 +4,11 @@ The kernel selection (``passes/select_kernels.py``) gives a large ``FusedGemm`` 
 ``NATIVE_LINEAR`` choice where :meth:`CpuTarget.native_linear_preferred` holds, and
 the packing (``passes/pack_weights.py``) packs its weight ``W`` (``[N, K]``) into
 panels of 24 output columns (:func:`pack`); its kernel is then a
-:class:`NativeLinear`, which runs ``act(x @ W^T + b)`` in one native call split over the OpenMP threads libdnnl and torch share. ReLU,
-LeakyReLU (slope 0 to 1), Clip and erf-GELU are applied as the last block of each
-output is stored (GELU through the kernel's own erf, within 1.2e-6 of the exact
-function); other activations run in place after the call.
+:class:`NativeLinear`, which runs ``act(x @ W^T + b)`` in one native call split over
+the OpenMP threads libdnnl and torch share. ReLU, LeakyReLU (slope 0 to 1), Clip and
+erf-GELU are applied as the last block of each output is stored (GELU through the
+kernel's own erf, within 1.2e-6 of the exact function); other activations run in place
+after the call.
 
 Why its own kernel: with AVX2 the packed-panel kernel ran 128-row linears of 768
 and 3072 features faster than libdnnl 3.2's inner product over cache-cold weights,

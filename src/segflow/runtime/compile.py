@@ -40,7 +40,7 @@ compiled counts its nodes, as the executor runs it.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -48,32 +48,18 @@ import torch
 from segflow.engine.base import ExecType
 from segflow.errors import ExecutionError, node_failed
 from segflow.ir.graph import Node
-from segflow.ir.types import DType
-from segflow.kernels.attention import ScaledDotAttention
-from segflow.kernels.choice import CONV_KINDS, DIRECT_CONV_KINDS, KernelChoice, KernelKind
-from segflow.kernels.conv import adds_residual_in_place, inline_conv
-from segflow.kernels.gemm import inline_linear
-from segflow.kernels.layer_norm import AddLayerNorm
-from segflow.kernels.linear import NativeLinear
-from segflow.kernels.native.build import NativeLibrary
-from segflow.kernels.onednn.conv import DirectConv
-from segflow.kernels.onednn.op import DirectKernel
-from segflow.kernels.onednn.pool import DirectPool
-from segflow.kernels.onednn.replay import DirectReplay, ReplayStep
-from segflow.kernels.replay import NativeReplay, NativeStep, Replayable
-from segflow.kernels.report import OpKernel
+from segflow.kernels.onednn.replay import DirectReplay
+from segflow.kernels.replay import NativeReplay
 from segflow.kernels.target import CpuTarget
-from segflow.ops import default_registry
-from segflow.ops.dense_chain import inline_chain, traceable_chain
-from segflow.ops.fused import FUSED_DOMAIN, Inline, inline_fused, traceable_fused
-from segflow.ops.registry import InlineOp, Kernel
 from segflow.passes.pipeline import CompileMode
 from segflow.passes.plan_memory import MemoryPlan
 from segflow.passes.segment import Segment
 from segflow.runtime.aot_inductor import AotInductorSegment, has_packages
 from segflow.runtime.binding import Step, UploadInputs, counts_own_calls
+from segflow.runtime.inline_forms import constants_of, inline_form, inline_split
 from segflow.runtime.onednn_graph import OneDnnGraphSegment
 from segflow.runtime.program import CompileReport, Program, SegmentFn
+from segflow.runtime.replay_runs import direct_replay, direct_runs, native_replay, native_runs
 
 Tensor = torch.Tensor
 class SegmentCompiler:
@@ -196,86 +182,6 @@ def _reads_by_task(tasks: Sequence[tuple[Segment, Sequence[Step]]],
 
 
 # -- code generation -------------------------------------------------------------------
-_FLOAT = (DType.FLOAT32, DType.FLOAT64, DType.FLOAT16, DType.BFLOAT16)
-
-
-def _core_forms() -> Mapping[str, InlineOp]:
-    """The core ops' direct calls, from their rows (``OpDef.inline``, ops/elementwise.py)."""
-    return {name: row.inline for (domain, name), rows in default_registry().rows.items()
-            if domain == "" for row in rows if row.inline is not None}
-
-
-_CORE: Mapping[str, InlineOp] = _core_forms()
-
-
-def _inline(node: Node, inplace_input: int | None, device: torch.device,
-            consts: Sequence[Tensor | None], traceable: bool, kernel: Kernel | None,
-            choice: KernelChoice, target: CpuTarget) -> Inline | None:
-    if choice.kind is not KernelKind.REFERENCE:
-        # The chosen kernel's own form; a tracer gets none (its weight is packed).
-        if traceable:
-            return None
-        if choice.kind in CONV_KINDS:
-            return inline_conv(node, choice, inplace_input, kernel, target.dnnl)
-        if node.op_type == "FusedGemm":
-            return inline_linear(node, choice, kernel, target.fuses_transcendental_post_ops())
-        return None
-    if node.domain == FUSED_DOMAIN and node.op_type == "DenseChain":
-        return traceable_chain(node) if traceable else inline_chain(node, kernel)
-    if node.domain == FUSED_DOMAIN:
-        if traceable:
-            return traceable_fused(node)
-        return inline_fused(node, device, inplace_input, consts, kernel,
-                            fuses_transcendental=target.fuses_transcendental_post_ops(),
-                            onednn=target.onednn_ops)
-    if node.domain == "" and node.op_type == "Flatten":
-        return _inline_flatten(node)
-    op = _CORE.get(node.op_type)
-    if node.domain != "" or op is None or len(node.outputs) != 1:
-        return None
-    if len(node.inputs) != op.expr.count("{in") or any(v is None for v in node.inputs):
-        return None
-    if op.float_only and node.outputs[0].spec.dtype not in _FLOAT:
-        return None
-    expr = op.inplace.get(inplace_input, op.expr) if inplace_input is not None else op.expr
-    return Inline(expr, op.bound)
-
-
-def _inline_split(node: Node, consts: Sequence[Tensor | None]
-                  ) -> tuple[list[int], int] | None:
-    """``(sizes, axis)`` where a Split's sizes are constant (its ``split`` attribute before
-    opset 13, a constant input after) and one per output: generated code then splits in
-    one line (``v1, v2, v3, = x.split(sizes, axis)``, views as the kernel's). As a kernel
-    the Split after the sibling rule's merged linear reads its sizes tensor each call,
-    tens of microseconds, once a transformer layer. Sizes that do not add up to the
-    input's extent fail in ``split`` at run time, naming the node, as the kernel does."""
-    if node.domain != "" or node.op_type != "Split" or node.inputs[0] is None:
-        return None
-    if node.opset < 13:
-        raw = node.attrs.get("split")
-        sizes = [int(v) for v in raw] if raw is not None else None
-    else:
-        const = consts[1] if len(consts) > 1 else None
-        sizes = [int(v) for v in const.reshape(-1).tolist()] if const is not None else None
-    if not sizes or len(sizes) != len(node.outputs) or min(sizes) < 0:
-        return None
-    return sizes, int(node.attrs.get("axis", 0))
-
-
-def _inline_flatten(node: Node) -> Inline | None:
-    """Flatten at axis 1 of an input of known rank 2 or more: ``x.flatten(1)``, the same
-    ``[d0, d1 * d2 ...]`` view or copy the kernel's reshape makes, without a kernel
-    call's Python frame between a pooling and the linear after it."""
-    x = node.inputs[0]
-    shape = x.spec.shape if x is not None else None
-    axis = int(node.attrs.get("axis", 1))
-    if shape is None or len(node.outputs) != 1 or len(shape) < 2:
-        return None
-    if axis != 1 and axis != 1 - len(shape):
-        return None
-    return Inline("{in0}.flatten(1)")
-
-
 class _Emitter:
     """Builds the source and the closure namespace of one generated function."""
 
@@ -338,9 +244,9 @@ def generate(steps: Sequence[Step], template: Sequence[Tensor | None], live_out:
             return None  # another task may still read it: not ours to overwrite
         return slot_inplace
 
-    runs = {} if pure or traceable or not replay else _replay_runs(steps, live_out)
+    runs = {} if pure or traceable or not replay else direct_runs(steps, live_out)
     library = target.native if replay and not (pure or traceable) else None
-    native_runs = {} if library is None else _native_runs(steps, template, produced, live_out)
+    native_starts = {} if library is None else native_runs(steps, template, produced, live_out)
     replays: list[DirectReplay] = []
     native_replays: list[NativeReplay] = []
     kernels = 0  # the kernel calls of the body outside replays (counted when it runs)
@@ -349,20 +255,20 @@ def generate(steps: Sequence[Step], template: Sequence[Tensor | None], live_out:
         if index < skip_to:
             continue
         node = step.node
-        if index in native_runs or index in runs:
-            end = native_runs.get(index) or runs[index]
+        if index in native_starts or index in runs:
+            end = native_starts.get(index) or runs[index]
             run = steps[index:end]
             skip_to = end
             body.append(f"_i = {index}")
             read_after = {slot for later in steps[end:] for slot in later.inputs} | live_out
             replay_fn: DirectReplay | NativeReplay
-            if index in native_runs:
+            if index in native_starts:
                 assert library is not None
-                replay_fn, reads, returns = _native_replay_call(run, template, produced,
+                replay_fn, reads, returns = native_replay(run, template, produced,
                                                                 read_after, library)
                 native_replays.append(replay_fn)
             else:
-                replay_fn, reads, returns = _replay_call(run, inplace_input, read_after,
+                replay_fn, reads, returns = direct_replay(run, inplace_input, read_after,
                                                          target)
                 replays.append(replay_fn)
             targets = "".join(f"v{slot}, " for slot in returns)
@@ -378,16 +284,16 @@ def generate(steps: Sequence[Step], template: Sequence[Tensor | None], live_out:
                 body.append(f"del {', '.join(dict.fromkeys(gone))}")
             continue
         args = [ref(slot) for slot in step.inputs]
-        consts = _constants(step, template, produced)
+        consts = constants_of(step, template, produced)
         slot_inplace = inplace_input(step)
         body.append(f"_i = {index}")
         kernels += 1  # one kernel call below: a torch op, a view, or the bound kernel
         # A kernel that uploads host inputs first is called as it is.
-        inline = (_inline(node, None if traceable else slot_inplace, device, consts, traceable,
+        inline = (inline_form(node, None if traceable else slot_inplace, device, consts, traceable,
                           step.kernel, step.choice, target)
                   if len(step.outputs) == 1 and not isinstance(step.kernel, UploadInputs)
                   else None)
-        split = _inline_split(node, consts) if not isinstance(step.kernel, UploadInputs) \
+        split = inline_split(node, consts) if not isinstance(step.kernel, UploadInputs) \
             else None
         if split is not None:
             sizes, axis = split
@@ -436,175 +342,6 @@ def generate(steps: Sequence[Step], template: Sequence[Tensor | None], live_out:
         return Program(source, _pure_to_env(fn, constants, tuple(loaded), outputs),
                        tuple(loaded), outputs, fn, constants, tuple(cleared))
     return Program(source, fn, replays=tuple(replays), native_replays=tuple(native_replays))
-
-
-def _replay_op(step: Step) -> DirectConv | DirectPool | None:
-    """The direct convolution or pooling a step calls, where its choice names one (None:
-    another kind of step, or one bound to its fallback)."""
-    kernel = step.kernel
-    if len(step.outputs) != 1 or not step.choice.calls_libdnnl \
-            or not isinstance(kernel, DirectKernel):
-        return None
-    op = kernel.op
-    assert isinstance(op, DirectConv | DirectPool)
-    return op
-
-
-def _replay_runs(steps: Sequence[Step], live_out: set[int]
-                 ) -> dict[int, int]:
-    """``{first: end}`` for each run of two or more consecutive direct-kernel steps, and
-    the pooled linear tail after it where there is one (:func:`_linear_tail_after`)."""
-    runs: dict[int, int] = {}
-    start = None
-    for index in range(len(steps) + 1):
-        direct = index < len(steps) and _replay_op(steps[index]) is not None
-        if direct and start is None:
-            start = index
-        elif not direct and start is not None:
-            if index - start >= 2:
-                runs[start] = index + _linear_tail_after(steps, index, live_out)
-            start = None
-    return runs
-
-
-def _linear_tail_after(steps: Sequence[Step], end: int, live_out: set[int]) -> int:
-    """2 where a run of direct kernels ending before ``end`` is followed by a Flatten at
-    axis 1 of its last output (a pooled ``[N, C, 1, 1]`` becomes ``[N, C]``) and a native
-    linear over that, the flattened value read by nothing else: the replay takes both in
-    (``kernels/onednn/replay.py``). Else 0."""
-    if end + 1 >= len(steps):
-        return 0
-    flatten, linear = steps[end], steps[end + 1]
-    if flatten.node.domain != "" or flatten.node.op_type != "Flatten" \
-            or _inline_flatten(flatten.node) is None or len(flatten.outputs) != 1 \
-            or flatten.inputs[0] not in steps[end - 1].outputs:
-        return 0
-    if linear.choice.kind is not KernelKind.NATIVE_LINEAR \
-            or not isinstance(_native_op(linear), NativeLinear) \
-            or linear.inputs[0] != flatten.outputs[0]:
-        return 0
-    viewed = flatten.outputs[0]
-    if viewed in live_out or any(viewed in later.inputs for later in steps[end + 2:]):
-        return 0
-    return 2
-
-
-def _run_inputs(run: Sequence[Step]) -> tuple[list[int], dict[int, int]]:
-    """The slots a run reads from outside, in order of first use, and each one's value
-    index in a replay of the run (its position in that list)."""
-    inputs: list[int] = []
-    position: dict[int, int] = {}
-    made = {slot for step in run for slot in step.outputs}
-    for step in run:
-        for slot in step.inputs:
-            if slot and slot not in made and slot not in position:
-                position[slot] = len(inputs)
-                inputs.append(slot)
-    return inputs, position
-
-
-def _replay_call(run: Sequence[Step], inplace_input: Callable[[Step], int | None],
-                 read_after: set[int], target: CpuTarget
-                 ) -> tuple[DirectReplay, list[int], list[int]]:
-    """The replay for ``run``, the slots it reads from outside (its arguments, in
-    order) and the slots it returns (those read after it)."""
-    inputs, position = _run_inputs(run)
-    replay_steps = []
-    n_inputs = len(inputs)
-    for offset, step in enumerate(run):
-        # A direct kernel, or the linear tail after the run: its Flatten (None) and linear.
-        op: DirectConv | DirectPool | NativeLinear | None = _replay_op(step)
-        if op is None and step.node.op_type != "Flatten":
-            native = _native_op(step)
-            assert isinstance(native, NativeLinear)
-            op = native
-        inplace = step.choice.kind in DIRECT_CONV_KINDS and adds_residual_in_place(
-            step.node, inplace_input(step))
-        args = tuple(position[s] if s else None for s in step.inputs)
-        (slot,) = step.outputs
-        position[slot] = n_inputs + offset
-        replay_steps.append(ReplayStep(op, inplace, args, n_inputs + offset, step.node.label))
-    outputs = [slot for step in run for slot in step.outputs if slot in read_after]
-    # The C loop over its executes where native kernels are on for this session.
-    replay = DirectReplay(replay_steps, n_inputs, [position[s] for s in outputs],
-                          native=target.native, native_why=target.native_why)
-    return replay, inputs, outputs
-
-
-def _native_op(step: Step) -> Replayable | None:
-    """The native kernel's op a step calls, where a replay can record it (None: another
-    kind of step)."""
-    kernel = step.kernel
-    if len(step.outputs) != 1 or not isinstance(kernel, OpKernel):
-        return None
-    op = kernel.op
-    return op if isinstance(op, NativeLinear | AddLayerNorm | ScaledDotAttention) else None
-
-
-def _constants(step: Step, template: Sequence[Tensor | None], produced: set[int]
-               ) -> list[Tensor | None]:
-    """The constant behind each of a step's inputs (None: computed, or none)."""
-    return [template[s] if 0 < s < len(template) and s not in produced else None
-            for s in step.inputs]
-
-
-def _split_step(step: Step, template: Sequence[Tensor | None], produced: set[int]
-                ) -> tuple[list[int], int] | None:
-    """A Split of constant sizes (generated code's one line), as ``(sizes, axis)``."""
-    return _inline_split(step.node, _constants(step, template, produced))
-
-
-def _native_runs(steps: Sequence[Step], template: Sequence[Tensor | None], produced: set[int],
-                 live_out: set[int]) -> dict[int, int]:
-    """``{first: end}`` for each run of consecutive native kernels (and constant-size
-    Splits between them) with two kernels or more. A run ends before a Split any of
-    whose parts is read after it (the parts would be views of the run's storage)."""
-    runs: dict[int, int] = {}
-    index = 0
-    while index < len(steps):
-        end = index
-        while end < len(steps) and (_native_op(steps[end]) is not None or
-                                    _split_step(steps[end], template, produced) is not None):
-            end += 1
-        while end > index:
-            read_after = {s for later in steps[end:] for s in later.inputs} | live_out
-            split = next((i for i in range(index, end) if _native_op(steps[i]) is None
-                          and read_after.intersection(steps[i].outputs)), None)
-            if split is None:
-                break
-            end = split
-        if sum(1 for step in steps[index:end] if _native_op(step) is not None) >= 2:
-            runs[index] = end
-        index = max(end, index + 1)
-    return runs
-
-
-def _native_replay_call(run: Sequence[Step], template: Sequence[Tensor | None],
-                        produced: set[int], read_after: set[int], library: NativeLibrary
-                        ) -> tuple[NativeReplay, list[int], list[int]]:
-    """The replay for ``run``, the slots it reads from outside (its arguments, in
-    order) and the slots it returns (those read after it)."""
-    inputs, position = _run_inputs(run)
-    constants = [i for i, slot in enumerate(inputs)
-                 if slot < len(template) and template[slot] is not None and slot not in produced]
-    native_steps = []
-    for step in run:
-        args = tuple(position[s] if s else None for s in step.inputs)
-        for slot in step.outputs:
-            position[slot] = len(position)
-        outputs = tuple(position[s] for s in step.outputs)
-        op = _native_op(step)
-        if op is None:
-            split = _split_step(step, template, produced)
-            assert split is not None
-            native_steps.append(NativeStep(None, args[:1], outputs, step.node.label,
-                                           tuple(split[0]), split[1]))
-        else:
-            native_steps.append(NativeStep(op, args, outputs, step.node.label))
-    returns = [slot for step in run for slot in step.outputs if slot in read_after]
-    replay = NativeReplay(native_steps, len(inputs), constants,
-                          [position[s] for s in returns], library)
-    return replay, inputs, returns
 
 
 def _assemble(em: _Emitter, body: list[str], loaded: list[int], cleared: list[int],

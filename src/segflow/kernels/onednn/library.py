@@ -8,9 +8,9 @@ source, destination and residual memories at the tensors and executes (ctypes
 releases the GIL).
 
 The weight is read in place. The packing pass (``passes/pack_weights.py``) packs it
-with torch's oneDNN and checks, byte for byte against this library's reorder, that the packing is the
-format this library's convolution wants (trying torch's packing for another
-size where the first differs); such a weight is then matched by descriptor at
+with torch's oneDNN and checks, byte for byte against this library's reorder, that the
+packing is the format this library's convolution wants (trying torch's packing for
+another size where the first differs); such a weight is then matched by descriptor at
 run time. Where no torch packing is, the packing keeps this library's own
 packing instead (``DirectConv(libdnnl_packed=True)``), matched the same way.
 A primitive that wants yet another format (another input size, a post-op that
