@@ -20,10 +20,10 @@
  * libgomp's entry points) claim the (b, h) pairs one at a time; with few pairs, each
  * pair's query rows are split too.
  *
- * It exists because torch's CPU flash attention took ~1.4 ms a layer of BERT-base
- * (12 heads, 128 x 64) where onnxruntime took ~1.2 (2-core Zen 1 VM, 2026-12-06).
- * On a 2-core AVX-512 VM the AVX-512 block (32 keys a panel, 12 rows) took 392-404 us
- * a BERT-base layer against 474-493 with the AVX2 one (segflow profile, 2026-12-06).
+ * It exists because at a transformer layer's shapes (12 heads of 128 x 64) torch's
+ * CPU flash attention ran behind onnxruntime's; in an AVX-512 build the wider block
+ * (32 keys a panel, 12 rows) runs ahead of the AVX2 one (16 keys, 6 rows)
+ * (figures: docs/performance.md, 'Why each kernel exists').
  *
  * Numerics: exp is a polynomial after range reduction (within 1e-7 relative over
  * the softmax's range); every sum is fused-multiply-added in order. A row

@@ -7,9 +7,10 @@
  * in input order). Built by segflow.kernels.native.build with the system C
  * compiler (-O3 -march=native) on first use and cached on disk.
  *
- * It exists because a layer of 64 x 64 at batch 1 is ~4k multiply-adds, about
- * 0.1 us of arithmetic, while one ATen call costs 3-4 us of dispatch: a chain
- * called once does the whole stack for one call's overhead.
+ * It exists because a layer of 64 x 64 at batch 1 is ~4k multiply-adds, far less
+ * arithmetic than one ATen call's dispatch costs: a chain called once does the
+ * whole stack for one call's overhead (figures: docs/performance.md, 'Why each
+ * kernel exists').
  */
 #include <math.h>
 #include <stddef.h>

@@ -18,21 +18,19 @@
  * claim chunks of panels as they go (a GEMV's GEMV_PANELS at a time), or of rows where
  * there are fewer panels than threads.
  *
- * It exists because on a 2-core Zen 1 VM (AVX2, 2026-12-06) BERT-base's 128-row
- * linears ran faster this way than through libdnnl 3.2's inner product
- * (brgemm:avx2): 768->768 at 60-70 GFLOP/s against 53-56, 768->3072 and 3072->768
- * 0-8% ahead; the 72 linears of a run 315-335 ms against 332-367, on a measured
- * peak of 74 GFLOP/s for the two cores. A whole BERT-base run: ~4% faster.
- * On a 2-core AVX-512 VM (2026-12-06) the 8 x 48 block over 128-input blocks (24 KiB,
- * in L1) ran BERT-base's shapes at 128 rows, 8 cache-cold weights each, at 264-293
- * GFLOP/s on two threads against torch's 235-261; 384-input blocks (73 KiB, read from
- * L2) ran at ~250.
+ * It exists because at 128 rows and a transformer's widths (768 -> 768, 768 -> 3072,
+ * 3072 -> 768), with cache-cold weights, the AVX2 build's 4 x 24 block runs close to
+ * the cores' FMA peak and ahead of libdnnl 3.2's inner product (brgemm:avx2), most
+ * at 768 -> 768. In an AVX-512 build the 8 x 48 block over 128-input blocks (24 KiB,
+ * in L1) runs those shapes on two threads ahead of torch's, and ahead of 384-input
+ * blocks (73 KiB, read from L2) (figures: docs/performance.md, 'Why each kernel
+ * exists').
  *
  * While a panel's KC block is read for the rows of x, the next block the loop will
  * read (the next panel's, or the first panel's next KC block) is prefetched into L2,
  * a slice per MR rows: the weights of a large model come from DRAM, and the hardware
- * prefetcher only starts on a new stream after its first misses. BERT-base's 48
- * linears chained, 30 alternating rounds: 328.5 against 332.8 ms (2026-12-06).
+ * prefetcher only starts on a new stream after its first misses (figures:
+ * docs/performance.md, 'Why each kernel exists').
  *
  * The activation is applied as each output's last KC block is stored: a clamp (ReLU,
  * LeakyReLU, Clip) or erf-GELU (linear.h's gelu_vf), where it costs no pass over y.
@@ -49,16 +47,13 @@
 #include "linear.h"        /* segflow_linear_t, KC, block; panel.h's register block */
 
 /* Panels a single row reads at once (a GEMV from memory is bound by the misses in
- * flight, one sequential stream per panel). 2-core AVX-512 VM, 1280 -> 1000 and
- * 2048 -> 1000 with 16 weights in turn (cache-cold), two threads: 192 and 313 us with
- * 4 panels, 190-203 and 314-343 with 2, 3, 6 or 8, 225 and 367 a panel at a time;
- * torch's 172-177 and 281-296 (2026-12-06). Claimed 4 at a time (gemv_work) where
- * they were claimed in guided chunks, 186-194 and 325-350 against torch's 178-188 and
- * 313-354, where guided chunks ran 201-206 and 332-373 against 188-191 and 306-357
- * (same probe, alternating builds, 2026-12-06). With the weight in L3 (L2 flushed),
- * 1280 -> 1000 runs 154-178 us, torch's F.linear 137-155: the same ~20 us apart with
- * one thread, and a call's Python costs ~5 us more than F.linear's; prefetching 8 to
- * 64 inputs ahead, or 1 to 3 panels a claim, changed nothing there. */
+ * flight, one sequential stream per panel). At 1280 -> 1000 and 2048 -> 1000 with
+ * cache-cold weights on two threads, 4 panels at once ran ahead of 2, 3, 6 or 8 and
+ * of one at a time; claimed 4 at a time (gemv_work), not in guided chunks, they run
+ * closer to torch's. With the weight in L3 (L2 flushed) the gap to torch's F.linear
+ * is the same with one thread, and part of it is the call's Python; prefetching 8 to
+ * 64 inputs ahead, or 1 to 3 panels a claim, changed nothing there (figures:
+ * docs/performance.md, 'Why each kernel exists'). */
 #define GEMV_PANELS 4     /* gemv_work's switch counts down from 4 */
 
 
@@ -202,8 +197,8 @@ gemv_panels(const segflow_linear_t *p, int64_t r, int64_t q, const int G) {
 }
 
 /* A GEMV's region body: each thread claims GEMV_PANELS panels at a time (the last claim
- * fewer), so that every claim reads that many streams at once. One row of ResNet-50's
- * 2048 -> 1000 classifier is 21 panels: claimed in guided chunks, most of a thread's
+ * fewer), so that every claim reads that many streams at once. One row of a 2048 ->
+ * 1000 classifier is 21 panels of 48: claimed in guided chunks, most of a thread's
  * last panels ran one stream at a time. */
 static void gemv_work(void *data) {
     segflow_linear_t *p = data;
@@ -265,18 +260,16 @@ void linear_part(const segflow_linear_t *p, int64_t p0, int64_t p1, int64_t r0, 
 
 /* The threads claim chunks of panels (or, with fewer panels than threads, of row
  * blocks) until none are left: a split fixed in advance waits for the slowest thread,
- * and a VM's vCPUs do not always run at one speed (one of this VM's two ran 25% slower
- * for a while). With a busy process sharing one vCPU, BERT-base read 1.39x
- * onnxruntime's time with a fixed split and 1.34x with chunks; on quiet vCPUs the two
- * are even. A chunk of panels is a quarter of what is left (remaining / (2 threads)),
- * down to one panel: the large first chunks keep a KC block of x in L2 across many
- * panels (x is read again for every chunk: 1.5 MiB a chunk at 128 x 3072), the small
- * last ones leave little for a thread to wait on at the end. Against a fixed ~8
- * chunks a thread, 16 cache-cold linears of each of BERT-base's shapes, 30 rounds:
- * 3072 -> 768 66.2 against 64.6 GFLOP/s, 768 -> 768 69.3 against 67.8, 768 -> 3072
- * 70.7 against 69.5, 768 -> 2304 even; its 48 chained 319.4 against 322.1 ms, and
- * 323.2 against 333.1 in a second run (2026-12-06). GOMP's barrier at the end of the
- * region still waits for every thread to check in. */
+ * and a VM's vCPUs do not always run at one speed: with a busy process sharing one
+ * vCPU a fixed split lost more than chunks do; on quiet vCPUs the two are even. A
+ * chunk of panels is a quarter of what is left (remaining / (2 threads)), down to one
+ * panel: the large first chunks keep a KC block of x in L2 across many panels (x is
+ * read again for every chunk: 1.5 MiB a chunk at 128 x 3072), the small last ones
+ * leave little for a thread to wait on at the end. Against a fixed ~8 chunks a
+ * thread, with cache-cold weights at 128 rows, they run ahead at 3072 -> 768,
+ * 768 -> 768 and 768 -> 3072, even at 768 -> 2304 (figures: docs/performance.md,
+ * 'Why each kernel exists'). GOMP's barrier at the end of the region still waits for
+ * every thread to check in. */
 void linear_work(void *data) {
     segflow_linear_t *p = data;
     const int64_t threads = p->num_threads ? p->num_threads() : 1;

@@ -62,8 +62,9 @@ typedef struct {
  * does. Within 8.5e-7 of the exact GELU over [-12, 12] in float32 (the tests hold it
  * under 1.2e-6; torch's own vectorized GELU: 3.7e-7), below the ~1e-5 by which a
  * 768-term float32 sum differs from the exact one. 21 vector operations (one a
- * division) per vector, against the ~40 of an erf through exp: fused here it cost BERT-base's 12 768 -> 3072 linears
- * 4-6 ms less than torch's gelu_ run after them (107.1 against 111.4 ms, 30 rounds). */
+ * division) per vector, against the ~40 of an erf through exp: fused here, on a 768 ->
+ * 3072 linear's last KC block, it costs less than torch's gelu_ as a pass over y
+ * after it (figures: docs/performance.md, 'Why each kernel exists'). */
 static inline vf gelu_vf(vf x) {
     const vfi sign = (vfi)splat_vf(-0.0f);
     const vf ax = (vf)((vfi)x & ~sign);

@@ -10,9 +10,9 @@
  *   multiply-adds per 11 loads;
  * - otherwise (AVX2): NR = 24, MR = 4: 12 accumulators, the 16 ymm registers exactly.
  * Inlined into its callers, with R a constant, GCC keeps the accumulators in
- * registers. On a 2-core AVX-512 VM (2026-12-06, one thread, 128 x 768 -> 3072,
- * warm) the 8 x 48 block ran at 165 GFLOP/s, the 4 x 24 one at 103, torch's
- * matmul at 131.
+ * registers. In an AVX-512 build the 8 x 48 block runs well ahead of the 4 x 24 one
+ * and of torch's matmul (one thread, 128 x 768 -> 3072, warm) (figures:
+ * docs/performance.md, 'Why each kernel exists').
  */
 #ifndef SEGFLOW_PANEL_H
 #define SEGFLOW_PANEL_H

@@ -7,9 +7,10 @@
  * libdnnl's entry points arrive as function pointers: this file needs no oneDNN
  * headers and links against nothing.
  *
- * It exists because the same loop in Python costs 8-10 us a step on a 2-core
- * VM right after a kernel has flushed the caches (1.5 us warm): ~0.4 ms of a
- * 18 ms MobileNetV2 run, ~2 ms of ResNet-50's.
+ * It exists because the same loop in Python pays the interpreter at every step,
+ * several times more right after a kernel has flushed the caches than warm, and a
+ * run has one step per primitive: for a small convolutional model that is a visible
+ * share of the run (figures: docs/performance.md, 'Why each kernel exists').
  *
  * segflow_replay_calls does the same for segflow's own kernels (kernels/replay.py):
  * each step is a kernel entry point that takes one argument structure (a linear's

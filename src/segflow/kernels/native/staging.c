@@ -8,10 +8,10 @@
  * threads libdnnl uses (kernels/staging.py passes libgomp's entry points); each
  * thread writes its pixels' channels side by side, reading the c planes in step.
  *
- * It exists because torch's copy_ into channels-last took 58 us for MobileNetV2's
- * 3 x 224 x 224 image in a run and 100 us for ResNet-50's, this loop 39 and 73 (2-core
- * AVX-512 VM, 2026-12-06): MobileNetV2's run is ~3.4 ms, and onnxruntime's stem reads
- * the image in place.
+ * It exists because torch's copy_ into channels-last of a 3 x 224 x 224 image ran
+ * behind this loop, by a visible share of a small convolutional model's run, and
+ * onnxruntime's stem reads the image in place (figures: docs/performance.md, 'Why
+ * each kernel exists').
  */
 #include <stddef.h>
 #include <stdint.h>

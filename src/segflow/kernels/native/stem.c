@@ -7,8 +7,9 @@
  * It exists because libdnnl has only reference kernels for an NCHW source with a
  * channels-last destination: the stem convolution copied the image into
  * channels-last storage first (staging.c), and libdnnl's kernel for three input
- * channels keeps most of its vector lanes idle. MobileNetV2's stem (3 -> 32, 3x3,
- * stride 2, 224x224) took ~40 us of staging plus 110-170 us of convolution.
+ * channels keeps most of its vector lanes idle: a 3 -> 32, 3x3, stride-2 stem over
+ * 224x224 paid for the staging on top of that convolution (figures:
+ * docs/performance.md, 'Why each kernel exists').
  *
  * Each output row is one pass over the taps (ky, kx, input channel): per tap, one
  * load of the tap's output-channel weights (w is [kh][kw][c][k]) and one broadcast

@@ -31,20 +31,18 @@
  * them one at a time. The rows past 2 m2 are summed classically within each panel
  * pair, while its weight blocks are at hand.
  *
- * It exists because the classic kernel already runs at ~93% of this VM's FMA peak
- * (2-core Zen 1, AVX2), where only less arithmetic is faster: BERT-base's four linear
- * shapes at 128 rows, 8 cache-cold weights each, 15 alternating rounds, ran in 0.91
- * of the classic kernel's time (768 -> 2304 47.5 against 53.0 ms, 768 -> 768 16.1
- * against 18.4, 768 -> 3072 62.0 against 67.8, 3072 -> 768 62.9 against 67.6), and a
- * whole BERT-base run 21.6 ms faster (315.5 against 336.3 ms, 16 alternating runs of
- * two sessions in one process; 2026-12-06). This file's version: 0.93-0.94 of the
- * classic kernel's time on those shapes (A's sums ~1%, B's ~3%). Smaller blocks
- * gained less or lost: 512 and 256 inputs lost at every row count tried (32 to 256
- * rows), hence strassen_fits. In an AVX-512 build (8 x 48 block, 2-core VM,
- * 2026-12-06) it does not pay: the classic kernel reads its 128-input panel blocks
- * from L1 at twice the width, and the sums, which run at memory speed, cost what the
- * products save (0.93-1.09 of the classic kernel's time at 128 and 384 rows), so the
- * layout pass uses it only with AVX2's panels unless told (strassen_preferred).
+ * It exists because in an AVX2 build (4 x 24 block) the classic kernel already runs
+ * close to the cores' FMA peak, where only less arithmetic is faster: at 128 rows and
+ * a transformer's four linear shapes (768 -> 2304, 768 -> 768, 768 -> 3072,
+ * 3072 -> 768) with cache-cold weights, one level of Strassen takes less of the
+ * classic kernel's time on each, and a whole run of such a model less time; this
+ * file's version keeps most of that (A's and B's sums cost a little of it). Smaller
+ * blocks gained less or lost: 512 and 256 inputs lost at every row count tried (32 to
+ * 256 rows), hence strassen_fits. In an AVX-512 build (8 x 48 block) it does not pay:
+ * the classic kernel reads its 128-input panel blocks from L1 at twice the width, and
+ * the sums, which run at memory speed, cost what the products save (at 128 and 384
+ * rows), so the layout pass uses it only with AVX2's panels unless told
+ * (strassen_preferred) (figures: docs/performance.md, 'Why each kernel exists').
  *
  * Numerics. Each output is still summed in one fixed order, whatever the thread
  * count, but rows m2 apart, and output columns n2 apart, enter each other's
@@ -72,9 +70,9 @@
 #define MIN_ROWS 32                 /* fewer rows, and the products are too thin */
 #define MIN_WIDTH 768               /* inputs and outputs, each (see above) */
 /* Inputs per block of B's sums and of the products: 384 in either build. An AVX-512
- * build's classic kernel takes 128 (linear.h's KC); here 128 cost 3-12% more on
- * BERT-base's shapes (2-core AVX-512 VM, 2026-12-06): each product's tiles are added
- * into y once a block. */
+ * build's classic kernel takes 128 (linear.h's KC); here 128 cost more at 128 rows
+ * and 768- and 3072-wide shapes (figures: docs/performance.md, 'Why each kernel
+ * exists'): each product's tiles are added into y once a block. */
 #define SKC 384
 
 /* The paired rows' and outputs' halves: m2 rows, n2 outputs (whole panels). */

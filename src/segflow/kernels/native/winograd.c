@@ -12,10 +12,11 @@
  * activations once each. A chunk's V and M (~1 MiB) stay in the caches from
  * one step to the next, and are all the workspace a convolution needs.
  *
- * It exists because oneDNN 3.2 has Winograd only for AVX-512, and on a 2-core
- * AVX2 VM the 3x3 convolutions are most of ResNet-50's time: 64 channels at
- * 56x56 ran 5.6 ms through onnxruntime, 1.5 ms of matmul plus 0.8 ms of
- * transforms here (ad hoc probe, 2026-12-05).
+ * It exists because oneDNN 3.2 has Winograd only for AVX-512, and in an AVX2
+ * build the 3x3 convolutions are most of a residual network's time: at 64 channels
+ * over 56x56 the batched matmul plus the transforms here take well under
+ * onnxruntime's direct convolution (figures: docs/performance.md, 'Why each
+ * kernel exists').
  *
  * Its signature is libdnnl's dnnl_primitive_execute, so the replay's C loop
  * (replay.c) and Python call it where they would execute a primitive: the plan
