@@ -252,9 +252,9 @@ int64_t segflow_attention_scratch(int64_t sk, int64_t d, int64_t dv) {
     return skp * d + dvp * sk + MR_NARROW * skp + NARROW;
 }
 
-/* Each thread claims units until none are left: the threads of a VM's vCPUs do not
- * run at one speed (one of this VM's two ran 25% slower), so an even split in
- * advance waits for the slowest. At least 4 units a thread where the rows allow it. */
+/* Each thread claims units until none are left: a VM's vCPUs do not always run at
+ * one speed, so an even split in advance waits for the slowest. At least 4 units a
+ * thread where the rows allow it. */
 static void work(void *data) {
     segflow_attention_t *p = data;
     const int64_t threads = p->num_threads ? p->num_threads() : 1;
