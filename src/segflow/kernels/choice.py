@@ -44,6 +44,9 @@ DIRECT_CONV_KINDS = frozenset({KernelKind.DIRECT_CONV, KernelKind.WINOGRAD,
 # Convolution kinds: the weight constant is packed (or transformed) for the kernel.
 CONV_KINDS = frozenset({KernelKind.ONEDNN_CONV, KernelKind.DIRECT_CONV, KernelKind.WINOGRAD,
                         KernelKind.NATIVE_STEM})
+# The poolings a DIRECT_POOL kernel runs (kernels/pool.py), reading a direct kernel's
+# channels-last output in place.
+DIRECT_POOL_OPS = frozenset({"MaxPool", "GlobalAveragePool", "GlobalMaxPool"})
 LINEAR_KINDS = frozenset({KernelKind.ONEDNN_LINEAR, KernelKind.DIRECT_LINEAR,
                           KernelKind.NATIVE_LINEAR})
 

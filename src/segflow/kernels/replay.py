@@ -108,7 +108,7 @@ class NativeStep:
 
 class KernelCall(ctypes.Structure):
     """``segflow_call_t`` of ``kernels/native/replay.c``: ``fn(args)``, a recorded call of a
-    segflow kernel (also the classifier step of ``kernels/onednn/replay.py``'s C loop)."""
+    segflow kernel (also the pooled linear tail of ``kernels/onednn/replay.py``'s C loop)."""
 
     _fields_ = [("fn", ctypes.c_void_p), ("args", ctypes.c_void_p)]
 

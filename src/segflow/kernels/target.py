@@ -34,7 +34,7 @@ Tensor = torch.Tensor
 # Tiles (4x4 outputs) one image must give a 3x3 convolution for Winograd to be the
 # default where libdnnl's direct kernels are AVX-512: each call reads the whole
 # transformed weight (36 C K floats) for its tiles, and with few tiles the transforms
-# and that read cost more than they save (docs/performance.md, "Winograd").
+# and that read cost more than they save (docs/performance.md, "Kernel selection").
 WINOGRAD_MIN_TILES = 32
 
 

@@ -49,7 +49,7 @@ FUSED_DOMAIN = "segflow"
 
 # Below this many multiply-adds per call, MKL's addmm (a few microseconds of fixed cost)
 # beats oneDNN's matmul (its primitive overhead); above it oneDNN wins where MKL takes a
-# slow code path (docs/performance.md, "Linear thresholds").
+# slow code path (docs/performance.md, "Kernel selection").
 LINEAR_ONEDNN_MIN_MACS = 1 << 20
 # A weight with at least this many elements is worth oneDNN even for a single row: the
 # kernel selection packs it, dropping the dense copy.
@@ -115,7 +115,7 @@ ACTIVATIONS: Mapping[str, Activation] = {
 
 # Activations that evaluate a transcendental function per element. As a post-op of oneDNN's
 # AVX2 matmul they are far slower than the same function run after it by torch in place
-# (docs/performance.md, "Transcendental post-ops"); the target says where they are fused
+# (docs/performance.md, "Kernel selection"); the target says where they are fused
 # (``CpuTarget.fuses_transcendental_post_ops``).
 _TRANSCENDENTAL = frozenset({"Sigmoid", "Tanh", "Gelu", "GeluTanh"})
 

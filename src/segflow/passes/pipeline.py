@@ -48,7 +48,7 @@ from segflow.passes.options import (
 )
 from segflow.passes.plan_memory import MemoryPlan, plan_memory
 from segflow.passes.result import PassResult
-from segflow.passes.select_kernels import POOLS, select_kernels
+from segflow.passes.select_kernels import select_kernels
 
 # The options' names stay importable from here, where the pipeline's callers look.
 __all__ = ["LAYOUT_CHOICES", "PASSES", "PIPELINE", "CompileMode", "OptimizeOptions",
@@ -350,8 +350,7 @@ def _layout_line(choices: KernelChoices, context: PassContext) -> str:
     if convs and options.onednn_direct:
         why = context.target.dnnl_why
         direct = any(choices[n].calls_libdnnl for n in choices)
-        pools = sum(1 for n in choices if n.op_type in POOLS
-                    and choices[n].kind is KernelKind.DIRECT_POOL)
+        pools = sum(1 for n in choices if choices[n].kind is KernelKind.DIRECT_POOL)
         also = f" (and {pools} pooling{'s' if pools > 1 else ''})" if pools else ""
         text += f"; direct calls into {why}{also}" if direct else f"; libdnnl {why}"
         blocked = sum(1 for n in choices if choices[n].blocked)

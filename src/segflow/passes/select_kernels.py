@@ -36,7 +36,7 @@ import torch
 
 from segflow.ir.graph import Graph, Node
 from segflow.ir.types import Device, DeviceKind
-from segflow.kernels.choice import KernelChoice, KernelChoices, KernelKind
+from segflow.kernels.choice import DIRECT_POOL_OPS, KernelChoice, KernelChoices, KernelKind
 from segflow.kernels.target import CpuTarget
 from segflow.ops.fused import FUSED_DOMAIN, LINEAR_PACK_MIN_WEIGHT, activation_of
 from segflow.passes.pack_weights import PackParams, WeightPacker
@@ -45,12 +45,9 @@ from segflow.passes.result import PassResult
 # The row count a linear whose rows are not known at load (a symbolic batch or
 # sequence) has its weight packed for by libdnnl's inner product. libdnnl's format
 # choice for a weight did not depend on the row count over the sizes measured
-# (docs/performance.md, "Inner-product weight formats"), so a mid-sized count serves
+# (docs/performance.md, "Kernel selection"), so a mid-sized count serves
 # every call; a call whose row count wants another format gets the kernel's own copy.
 DIRECT_LINEAR_ROWS = 128
-
-# Single-output poolings that read a direct kernel's channels-last output in place.
-POOLS = ("MaxPool", "GlobalAveragePool", "GlobalMaxPool")
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,7 +194,7 @@ def _direct_pool(node: Node, choices: dict[Node, KernelChoice]) -> bool:
     """A single-output pooling over a direct kernel's (channels-last) output."""
     source = node.inputs[0] if node.inputs else None
     producer = source.producer if source is not None else None
-    return (node.domain == "" and node.op_type in POOLS and len(node.outputs) == 1
+    return (node.domain == "" and node.op_type in DIRECT_POOL_OPS and len(node.outputs) == 1
             and producer is not None and producer in choices
             and choices[producer].calls_libdnnl)
 
@@ -207,7 +204,7 @@ def blocked_region(graph: Graph, target: CpuTarget) -> set[int]:
 
     libdnnl runs depthwise convolutions on channels blocked by 8 faster than on NHWC
     where 8 floats are a vector, and the 1x1 convolutions around them as fast; dense 3x3
-    convolutions are faster on NHWC (docs/performance.md, "nChw8c regions"), and
+    convolutions are faster on NHWC (docs/performance.md, "Kernel selection"), and
     libdnnl, left to choose, picks NHWC for all but a 3-channel stem. It has kernels
     only where a convolution's input and output share the layout, so the blocked
     activations form a region: depthwise and 1x1 convolutions (and a first convolution
