@@ -30,8 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import torch
 
-    from segflow.kernels.dense_chain import NATIVE_MAX_MACS, ChainLayer, DenseChain
+    from segflow.kernels.dense_chain import NATIVE_MAX_MACS, DenseChain
     from segflow.kernels.native.build import NativeLibrary
+    from segflow.ops.dense_chain import ChainLayer
     from segflow.ops.fused import ACTIVATIONS
 
     library, why = NativeLibrary.probe()

@@ -13,7 +13,7 @@ of the first shape), so only what the shapes add shows. torch eager on the same 
 and weights gives its figures in its own process, for comparison.
 
 ``--cycles C`` then times C more passes over the same N lengths (ms per run, median of
-the passes): with N above a kernel's cap (``segflow.kernels.shape_cache``), that is what a
+the passes): with N above a kernel's cap (``segflow.shape_cache``), that is what a
 workload cycling over more shapes than the cap costs against one that fits.
 """
 

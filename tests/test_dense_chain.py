@@ -19,14 +19,10 @@ from concurrency import run_in_threads
 from segflow import models
 from segflow.frontend.onnx_import import import_model
 from segflow.ir.types import Device
-from segflow.kernels.dense_chain import (
-    NATIVE_ACTIVATIONS,
-    NATIVE_MAX_MACS,
-    ChainLayer,
-    DenseChain,
-)
+from segflow.kernels.choice import DENSE_CHAIN_ACTIVATIONS as NATIVE_ACTIVATIONS
+from segflow.kernels.dense_chain import NATIVE_MAX_MACS, DenseChain
 from segflow.kernels.native.build import NativeLibrary
-from segflow.ops.dense_chain import traceable_chain
+from segflow.ops.dense_chain import ChainLayer, traceable_chain
 from segflow.ops.fused import ACTIVATIONS
 from segflow.passes.dense_chain import CHAIN_MAX_WEIGHT, chain_dense, find_chains
 from segflow.passes.pipeline import OptimizeOptions, optimize

@@ -157,17 +157,9 @@ def test_no_import_cycles():
 # the comment names; an exception that no longer occurs fails the test, so the list only
 # shrinks.
 
-# segflow's own fused ops have one CPU kernel each (no choice to make), and their rows
-# bind it: Attention's, AddLayerNorm's and DenseChain's kernels, and the reference linear's
-# row cache. A kernel-registry row per op would remove these.
-OPS_EXCEPTIONS = {
-    ("segflow.ops.fused", f"segflow.kernels.{name}") for name in (
-        "attention", "layer_norm", "shape_cache")
-} | {("segflow.ops.dense_chain", "segflow.kernels.dense_chain")}
+OPS_EXCEPTIONS: set[tuple[str, str]] = set()
 
 PASSES_EXCEPTIONS = {
-    # The MemoryPlan's per-shape cache (MemoryPlan work).
-    ("segflow.passes.plan_memory", "segflow.kernels.shape_cache"),
     # Folding binds kernels to run them once at plan time, so it hands them a Workspace.
     ("segflow.passes.fold_constants", "segflow.kernels.workspace"),
 }

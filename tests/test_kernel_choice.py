@@ -85,3 +85,42 @@ def test_selection_changes_nothing_off_the_cpu_and_chooses_on_it():
     convs = [n for n in graph.nodes if n.op_type == "FusedConv"]
     assert on.modified and all(on.choices[n].prepacked for n in convs)
     assert not any("onednn" in key or "winograd" in key for n in graph.nodes for key in n.attrs)
+
+
+def test_fused_ops_choose_their_native_kernel_on_cpu_and_the_reference_runs_the_same():
+    from segflow.kernels.report import OpKernel
+
+    model = models.build("bert_tiny")
+    feeds = models.example_inputs("bert_tiny", batch_size=2, seq_len=16)
+    sess = segflow.InferenceSession(model, compile="none")
+    fused = {n: n.op_type for n in sess.graph.nodes if n.op_type in ("Attention", "AddLayerNorm")}
+    assert sorted(set(fused.values())) == ["AddLayerNorm", "Attention"]
+    want_kind = {"Attention": KernelKind.NATIVE_ATTENTION,
+                 "AddLayerNorm": KernelKind.NATIVE_ADD_LAYER_NORM}
+    assert all(sess.plan.choices.kind(n) is want_kind[t] for n, t in fused.items())
+    bound = _kernels(sess._executor)
+    assert all(isinstance(bound[n], OpKernel) for n in fused)
+    # Forced to the reference: the OpDef rows' torch kernels, the same results.
+    forced = _rebound(sess, dict.fromkeys(fused, REFERENCE))
+    kernels = _kernels(forced)
+    assert not any(isinstance(kernels[n], OpKernel) for n in fused)
+    want = sess.run(None, feeds)
+    got = forced.run([torch.from_numpy(np.ascontiguousarray(v)) for v in feeds.values()])
+    for g, w in zip(got[0], want, strict=True):
+        np.testing.assert_allclose(g.numpy(), w, atol=1e-4, rtol=1e-4)
+
+
+def test_a_dense_chain_chooses_the_native_chain_and_its_reference_matches():
+    from segflow.kernels.dense_chain import DenseChainKernel
+
+    model = models.build("mlp_chain", layers=4, width=16)
+    feeds = models.example_inputs("mlp_chain", layers=4, width=16)
+    sess = segflow.InferenceSession(model, compile="none")
+    (chain,) = [n for n in sess.graph.nodes if n.op_type == "DenseChain"]
+    assert sess.plan.choices.kind(chain) is KernelKind.NATIVE_DENSE_CHAIN
+    assert isinstance(_kernels(sess._executor)[chain], DenseChainKernel)
+    forced = _rebound(sess, {chain: REFERENCE})
+    assert not isinstance(_kernels(forced)[chain], DenseChainKernel)
+    want = sess.run(None, feeds)[0]
+    got = forced.run([torch.from_numpy(np.ascontiguousarray(v)) for v in feeds.values()])
+    np.testing.assert_allclose(got[0][0].numpy(), want, atol=1e-5, rtol=1e-5)

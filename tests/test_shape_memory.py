@@ -1,4 +1,4 @@
-"""Per-shape kernel state stays bounded and goes with its session (segflow.kernels.shape_cache).
+"""Per-shape kernel state stays bounded and goes with its session (segflow.shape_cache).
 
 The RSS test runs ``benchmarks/shape_memory.py``'s segflow probe in a fresh process, so
 allocations of other tests (and their heap) do not count: BERT-tiny, one session over
@@ -20,7 +20,7 @@ import pytest
 
 import segflow
 from segflow import models
-from segflow.kernels.shape_cache import BUCKETS_PER_OCTAVE, RowAdmission, ShapeCache, bucket_rows
+from segflow.shape_cache import BUCKETS_PER_OCTAVE, RowAdmission, ShapeCache, bucket_rows
 
 PROBE = Path(__file__).resolve().parents[1] / "benchmarks" / "shape_memory.py"
 ATOL, RTOL = 1e-4, 1e-3

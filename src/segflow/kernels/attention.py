@@ -31,12 +31,14 @@ import ctypes
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 
+from segflow.ir.graph import Node
 from segflow.kernels.native.build import NativeLibrary
 from segflow.kernels.onednn.library import openmp_entry_points
 from segflow.kernels.replay import Prepared
 from segflow.kernels.report import NativeOrTorch, OpKernel, ReportFamily, describe_native_calls
+from segflow.ops.fused import attention
+from segflow.ops.registry import BindContext
 
 Tensor = torch.Tensor
 
@@ -229,31 +231,8 @@ class ScaledDotAttention(NativeOrTorch):
 
     def through_torch(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None
                       ) -> Tensor:
-        """The node through torch alone (also its traceable form)."""
-        if not self.heads:
-            return self._sdpa(q, k.transpose(-2, -1), v, mask)
-        h = self.heads
-        b, sq = q.shape[0], q.shape[1]
-        qh, kh, vh = (t.reshape(t.shape[0], t.shape[1], h, t.shape[2] // h).transpose(1, 2)
-                      for t in (q, k, v))
-        return self._sdpa(qh, kh, vh, mask).transpose(1, 2).reshape(b, sq, v.shape[2])
-
-    def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
-        batch = q.shape[:-2]
-        fits = k.shape[:-2] == batch and v.shape[:-2] == batch
-        if mask is not None:
-            if mask.dim() < 2:
-                mask = mask.reshape((1,) * (2 - mask.dim()) + tuple(mask.shape))
-            scores = (*batch, q.shape[-2], k.shape[-2])
-            fits = fits and mask.dim() <= len(scores) and all(
-                m in (1, s) for m, s in zip(reversed(mask.shape), reversed(scores)))
-        if not fits:
-            # Broadcasting SDPA does not do (batch dims that differ, a mask that grows the
-            # scores): the ops as the graph wrote them.
-            y = torch.matmul(q, k.transpose(-2, -1)) * self.scale
-            y = y + mask if mask is not None else y
-            return torch.matmul(torch.softmax(y, dim=-1), v)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        """The node through torch alone: the op's reference (``ops/fused.py``)."""
+        return attention(q, k, v, mask, self.scale, self.heads)
 
 
 def _heads(t: Tensor, h: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -297,3 +276,11 @@ class AttentionKernel(OpKernel):
 
     __slots__ = ()
     op: ScaledDotAttention
+
+
+def bind_attention(node: Node, ctx: BindContext) -> AttentionKernel:
+    """The native attention (through torch per call where it declines, counted)."""
+    library, why = (ctx.target.native, ctx.target.native_why) if ctx.device.type == "cpu" \
+        else (None, f"are CPU-only (the node runs on {ctx.device.type})")
+    return AttentionKernel(ScaledDotAttention(float(node.attrs["scale"]),
+                                              int(node.attrs.get("heads", 0)), library, why))

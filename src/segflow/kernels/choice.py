@@ -33,6 +33,9 @@ class KernelKind(enum.Enum):
     ONEDNN_LINEAR = "onednn_linear"    # torch's oneDNN matmul over a prepacked weight
     DIRECT_LINEAR = "direct_linear"    # libdnnl's inner product
     NATIVE_LINEAR = "native_linear"    # segflow's packed-panel kernel (kernels/linear.py)
+    NATIVE_ATTENTION = "native_attention"      # Attention's native kernel
+    NATIVE_ADD_LAYER_NORM = "native_add_layer_norm"  # AddLayerNorm's native kernel
+    NATIVE_DENSE_CHAIN = "native_dense_chain"  # DenseChain's one native call
 
 
 # Kinds whose kernel calls libdnnl (it then writes where the run says: runtime/arena.py).
@@ -47,6 +50,16 @@ CONV_KINDS = frozenset({KernelKind.ONEDNN_CONV, KernelKind.DIRECT_CONV, KernelKi
 # The poolings a DIRECT_POOL kernel runs (kernels/pool.py), reading a direct kernel's
 # channels-last output in place.
 DIRECT_POOL_OPS = frozenset({"MaxPool", "GlobalAveragePool", "GlobalMaxPool"})
+# The activations the native dense chain runs: kernels/native/dense_chain.c's ACT_* codes,
+# in order (the chaining pass joins only layers with one of these).
+DENSE_CHAIN_ACTIVATIONS = ("", "Relu", "LeakyRelu", "Clip", "Sigmoid", "Tanh", "HardSigmoid",
+                           "HardSwish", "Gelu", "GeluTanh")
+# segflow's own fused ops and the one native kernel each has on CPU (which falls back to
+# the op's reference, counted, where a call does not fit it).
+NATIVE_FUSED = {"Attention": KernelKind.NATIVE_ATTENTION,
+                "AddLayerNorm": KernelKind.NATIVE_ADD_LAYER_NORM,
+                "DenseChain": KernelKind.NATIVE_DENSE_CHAIN}
+NATIVE_FUSED_KINDS = frozenset(NATIVE_FUSED.values())
 LINEAR_KINDS = frozenset({KernelKind.ONEDNN_LINEAR, KernelKind.DIRECT_LINEAR,
                           KernelKind.NATIVE_LINEAR})
 

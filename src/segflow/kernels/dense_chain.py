@@ -19,40 +19,25 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from segflow.ir.graph import Node
+from segflow.kernels.choice import DENSE_CHAIN_ACTIVATIONS
 from segflow.kernels.native.build import NativeLibrary
 from segflow.kernels.report import NativeOrTorch, ReportFamily
+from segflow.ops.dense_chain import ChainLayer, layers_of, run_chain
+from segflow.ops.fused import Inline
 
 if TYPE_CHECKING:
-    from segflow.ops.fused import Activation
+    from segflow.ops.registry import BindContext
 
 Tensor = torch.Tensor
-
-# The activation codes of kernels/native/dense_chain.c (its ACT_* enum, in order).
-NATIVE_ACTIVATIONS = ("", "Relu", "LeakyRelu", "Clip", "Sigmoid", "Tanh", "HardSigmoid",
-                      "HardSwish", "Gelu", "GeluTanh")
 # Per layer and call: above this many multiply-adds (rows x K x N) the chain runs through
 # torch. The threshold sits where the native kernel still beat MKL's addmm at every width
 # measured (``benchmarks/dense_chain.py``; the figures are in docs/performance.md).
 NATIVE_MAX_MACS = 1 << 18
-
-
-@dataclass(frozen=True, slots=True)
-class ChainLayer:
-    """One layer: ``act(x @ weight + bias)``, weight ``[K, N]``."""
-
-    weight: Tensor
-    bias: Tensor
-    activation: Activation
-    params: tuple[float, float]
-
-    @property
-    def macs_per_row(self) -> int:
-        return int(self.weight.shape[0]) * int(self.weight.shape[1])
 
 
 class DenseChain(NativeOrTorch):
@@ -74,8 +59,6 @@ class DenseChain(NativeOrTorch):
         self.out_features = int(self.layers[-1].weight.shape[1])
         self.max_macs_per_row = max(layer.macs_per_row for layer in self.layers)
         self._widest = max([int(layer.weight.shape[1]) for layer in self.layers[:-1]] or [0])
-        self._steps = [(layer.weight, layer.bias, layer.activation, list(layer.params))
-                       for layer in self.layers]
         self._fn = self._prepare_native(library) if library is not None else None
 
     def _prepare_native(self, library: NativeLibrary) -> Any:
@@ -92,7 +75,7 @@ class DenseChain(NativeOrTorch):
         self._weights = (ctypes.c_void_p * count)(*[layer.weight.data_ptr() for layer in layers])
         self._biases = (ctypes.c_void_p * count)(*[layer.bias.data_ptr() for layer in layers])
         self._acts = (ctypes.c_int * count)(
-            *[NATIVE_ACTIVATIONS.index(layer.activation.name) for layer in layers])
+            *[DENSE_CHAIN_ACTIVATIONS.index(layer.activation.name) for layer in layers])
         self._p0 = (ctypes.c_float * count)(*[layer.params[0] for layer in layers])
         self._p1 = (ctypes.c_float * count)(*[layer.params[1] for layer in layers])
         fn = library.dll.segflow_dense_chain
@@ -142,15 +125,8 @@ class DenseChain(NativeOrTorch):
         return ""
 
     def through_torch(self, x: Tensor) -> Tensor:
-        """The chain as one torch ``addmm`` (and activation) per layer."""
-        h = x.reshape(-1, self.in_features)
-        for weight, bias, act, params in self._steps:
-            if act.name == "Relu":   # relu(addmm) in one ATen call (same bits)
-                h = torch._addmm_activation(bias, h, weight)
-                continue
-            h = torch.addmm(bias, h, weight)
-            h = act.inplace(h, params) if act.inplace is not None else act.apply(h, params)
-        return h.reshape(*x.shape[:-1], self.out_features)
+        """The chain as one torch ``addmm`` (and activation) per layer (the reference)."""
+        return run_chain(x, self.layers)
 
     def describe(self) -> str:
         widths = sorted({int(layer.weight.shape[1]) for layer in self.layers} |
@@ -196,3 +172,17 @@ class DenseChainKernel:
         x = inputs[0]
         assert x is not None
         return [self.op(x)]
+
+
+def bind_dense_chain(node: Node, ctx: BindContext) -> DenseChainKernel:
+    """The native chain (through torch per call where it declines, counted)."""
+    library, why = (ctx.target.native, ctx.target.native_why) if ctx.device.type == "cpu" \
+        else (None, f"is CPU-only (the node runs on {ctx.device.type})")
+    return DenseChainKernel(DenseChain(layers_of(node), library, why))
+
+
+def inline_chain(kernel: object) -> Inline | None:
+    """Generated code calls the kernel's op with the chain's input only."""
+    if isinstance(kernel, DenseChainKernel):
+        return Inline("{fn}({in0})", {"fn": kernel.op})
+    return None

@@ -21,12 +21,14 @@ import ctypes
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 
+from segflow.ir.graph import Node
 from segflow.kernels.native.build import NativeLibrary
 from segflow.kernels.onednn.library import openmp_entry_points
 from segflow.kernels.replay import Prepared
 from segflow.kernels.report import NativeOrTorch, OpKernel, ReportFamily, describe_native_calls
+from segflow.ops.fused import add_layer_norm
+from segflow.ops.registry import BindContext
 
 Tensor = torch.Tensor
 
@@ -113,11 +115,8 @@ class AddLayerNorm(NativeOrTorch):
 
     def through_torch(self, a: Tensor, b: Tensor, scale: Tensor, bias: Tensor | None = None
                       ) -> Tensor:
-        """The unfused ops: ``F.layer_norm(a + b)`` over the last axis."""
-        s = a + b
-        shape = s.shape[-1:]
-        return F.layer_norm(s, shape, scale.expand(shape),
-                            None if bias is None else bias.expand(shape), self.epsilon)
+        """The unfused ops, ``F.layer_norm(a + b)``: the op's reference (``ops/fused.py``)."""
+        return add_layer_norm(a, b, scale, bias, self.epsilon)
 
     @classmethod
     def describe_all(cls, ops: Sequence[tuple[str, AddLayerNorm]], limit: int = 8
@@ -144,3 +143,11 @@ class AddLayerNormKernel(OpKernel):
 
     __slots__ = ()
     op: AddLayerNorm
+
+
+def bind_add_layer_norm(node: Node, ctx: BindContext) -> AddLayerNormKernel:
+    """The native add + layer norm (through torch per call where it declines, counted)."""
+    library, why = (ctx.target.native, ctx.target.native_why) if ctx.device.type == "cpu" \
+        else (None, f"are CPU-only (the node runs on {ctx.device.type})")
+    return AddLayerNormKernel(AddLayerNorm(float(node.attrs.get("epsilon", 1e-5)), library,
+                                           why))

@@ -49,7 +49,7 @@ from segflow.kernels.native.build import NativeLibrary
 from segflow.kernels.onednn.library import openmp_entry_points
 from segflow.kernels.replay import Prepared
 from segflow.kernels.report import NativeOrTorch, OpKernel, ReportFamily, describe_native_calls
-from segflow.kernels.shape_cache import ShapeCache
+from segflow.shape_cache import ShapeCache
 
 Tensor = torch.Tensor
 

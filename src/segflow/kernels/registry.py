@@ -9,10 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from segflow.ir.graph import Node
+from segflow.kernels.attention import bind_attention
 from segflow.kernels.choice import KernelKind
 from segflow.kernels.conv import bind_direct_conv, bind_onednn_conv
+from segflow.kernels.dense_chain import bind_dense_chain, inline_chain
 from segflow.kernels.gemm import bind_direct_linear, bind_native_linear, bind_onednn_linear
+from segflow.kernels.layer_norm import bind_add_layer_norm
 from segflow.kernels.pool import bind_direct_pool
+from segflow.kernels.report import OpKernel
+from segflow.ops.fused import Inline
 from segflow.ops.registry import Bind
 
 KERNELS: Mapping[KernelKind, Bind] = {
@@ -24,9 +30,23 @@ KERNELS: Mapping[KernelKind, Bind] = {
     KernelKind.ONEDNN_LINEAR: bind_onednn_linear,
     KernelKind.DIRECT_LINEAR: bind_direct_linear,
     KernelKind.NATIVE_LINEAR: bind_native_linear,
+    KernelKind.NATIVE_ATTENTION: bind_attention,
+    KernelKind.NATIVE_ADD_LAYER_NORM: bind_add_layer_norm,
+    KernelKind.NATIVE_DENSE_CHAIN: bind_dense_chain,
 }
 
 
 def binder(kind: KernelKind) -> Bind | None:
     """The factory for ``kind`` (None: ``REFERENCE``, the OpDef row's own)."""
     return KERNELS.get(kind)
+
+
+def inline_native_fused(node: Node, kernel: object) -> Inline | None:
+    """Generated code's call of a fused op's native kernel: its op over the node's inputs
+    (a dense chain's over its input only; the op holds the weights)."""
+    if node.op_type == "DenseChain":
+        return inline_chain(kernel)
+    if not isinstance(kernel, OpKernel):
+        return None
+    args = ", ".join("None" if v is None else f"{{in{i}}}" for i, v in enumerate(node.inputs))
+    return Inline(f"{{fn}}({args})", {"fn": kernel.op})

@@ -8,25 +8,38 @@ in the ``activations`` / ``activation_params`` attributes (two parameters a
 layer). ``X`` may have any rank >= 2; the layers act on its last axis.
 
 The CPU pass :mod:`segflow.passes.dense_chain` builds it from consecutive small
-``FusedGemm`` nodes; its kernel (native, or torch per call) is
-:class:`segflow.kernels.dense_chain.DenseChain`.
+``FusedGemm`` nodes. The row's kernel is the reference, one torch ``addmm`` a layer;
+on CPU the kernel selection chooses the native chain
+(:class:`segflow.kernels.dense_chain.DenseChain`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from segflow.ir.graph import Node
-
-# The row's bind constructs the kernel (until a kernel registry does); the activations
-# the native kernel takes are re-exported for the chaining pass (passes/dense_chain.py).
-from segflow.kernels.dense_chain import NATIVE_ACTIVATIONS as NATIVE_ACTIVATIONS
-from segflow.kernels.dense_chain import ChainLayer, DenseChain, DenseChainKernel
-from segflow.ops.fused import ACTIVATIONS, FUSED_DOMAIN, Inline
-from segflow.ops.registry import BindContext, OpDef
+from segflow.ops.fused import ACTIVATIONS, FUSED_DOMAIN, Activation, Inline
+from segflow.ops.registry import BindContext, Kernel, OpDef
 
 Tensor = torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class ChainLayer:
+    """One layer: ``act(x @ weight + bias)``, weight ``[K, N]``."""
+
+    weight: Tensor
+    bias: Tensor
+    activation: Activation
+    params: tuple[float, float]
+
+    @property
+    def macs_per_row(self) -> int:
+        return int(self.weight.shape[0]) * int(self.weight.shape[1])
 
 
 def layers_of(node: Node) -> list[ChainLayer]:
@@ -46,17 +59,29 @@ def layers_of(node: Node) -> list[ChainLayer]:
     return layers
 
 
-def _bind(node: Node, ctx: BindContext) -> DenseChainKernel:
-    library, why = (ctx.target.native, ctx.target.native_why) if ctx.device.type == "cpu" \
-        else (None, f"is CPU-only (the node runs on {ctx.device.type})")
-    return DenseChainKernel(DenseChain(layers_of(node), library, why))
+def run_chain(x: Tensor, layers: Sequence[ChainLayer]) -> Tensor:
+    """The chain through torch, one ``addmm`` (and activation) a layer: the node's
+    reference kernel, and its native kernel's fallback (``kernels/dense_chain.py``)."""
+    in_features = int(layers[0].weight.shape[0])
+    h = x.reshape(-1, in_features)
+    for layer in layers:
+        act, params = layer.activation, list(layer.params)
+        if act.name == "Relu":   # relu(addmm) in one ATen call (same bits)
+            h = torch._addmm_activation(layer.bias, h, layer.weight)
+            continue
+        h = torch.addmm(layer.bias, h, layer.weight)
+        h = act.inplace(h, params) if act.inplace is not None else act.apply(h, params)
+    return h.reshape(*x.shape[:-1], int(layers[-1].weight.shape[1]))
 
 
-def inline_chain(node: Node, kernel: object) -> Inline | None:
-    """Generated code calls the kernel's op with the chain's input only."""
-    if isinstance(kernel, DenseChainKernel):
-        return Inline("{fn}({in0})", {"fn": kernel.op})
-    return None
+def _bind(node: Node, ctx: BindContext) -> Kernel:
+    layers = layers_of(node)
+
+    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        x = inputs[0]
+        assert x is not None
+        return [run_chain(x, layers)]
+    return kernel
 
 
 def traceable_chain(node: Node) -> Inline:

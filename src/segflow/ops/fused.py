@@ -8,16 +8,16 @@ Each fused op is one kernel: it counts as one node and one kernel in RunStats.
   ``Linear``) layout; ``X`` may have any rank >= 2.
 - ``Attention(Q, Kt, V, M?)``: ``softmax(Q @ Kt * scale + M) @ V`` (``Kt`` is K
   already transposed, as exporters emit it); with a ``heads`` attribute H it reads
-  ``[B, S, H * D]`` activations and writes the heads merged back
-  (:mod:`segflow.kernels.attention`).
+  ``[B, S, H * D]`` activations and writes the heads merged back.
 - ``AddLayerNorm(A, B, Scale, Bias?)``: ``LayerNormalization(A + B)`` over the last
-  axis (:mod:`segflow.kernels.layer_norm`).
+  axis.
 
 The OpDef rows bind the reference kernels: plain torch, on any device (a linear picks
-MKL's addmm or torch's oneDNN matmul by size). Where ``passes/select_kernels.py``
-chose a faster kernel for a node (a :class:`~segflow.kernels.choice.KernelChoice`:
-libdnnl, Winograd, the native stem or linear, a prepacked weight), the runtime binds
-that one instead (``kernels/registry.py``).
+MKL's addmm or torch's oneDNN matmul by size; :func:`attention`, :func:`add_layer_norm`).
+Where ``passes/select_kernels.py`` chose a faster kernel for a node (a
+:class:`~segflow.kernels.choice.KernelChoice`: libdnnl, Winograd, the native stem or
+linear, a prepacked weight; on CPU the native attention and add + layer norm), the
+runtime binds that one instead (``kernels/registry.py``).
 
 Besides the OpDef rows, :func:`inline_fused` gives the codegen backend
 (``runtime/compile.py``) an expression per reference node, so a compiled segment
@@ -29,20 +29,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from segflow.ir.graph import Node
-from segflow.kernels.attention import AttentionKernel, ScaledDotAttention
-from segflow.kernels.layer_norm import AddLayerNorm, AddLayerNormKernel
-from segflow.kernels.shape_cache import RowAdmission
 from segflow.ops._common import gelu_erf, torch_pad
 from segflow.ops.registry import BindContext, Kernel, OpDef
-
-if TYPE_CHECKING:
-    from segflow.kernels.native.build import NativeLibrary
+from segflow.shape_cache import RowAdmission
 
 Tensor = torch.Tensor
 FUSED_DOMAIN = "segflow"
@@ -295,7 +289,7 @@ def linear_callable(node: Node, device: torch.device,
     static = static_macs(node)
     # torch's oneDNN keeps a primitive per input shape for the process, which no session
     # can free: with dynamic rows, the shapes handed to it are bounded
-    # (kernels/shape_cache.py; the figures: docs/performance.md).
+    # (shape_cache.py; the figures: docs/performance.md).
     admission = RowAdmission() if static is None else None
 
     def large(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
@@ -359,16 +353,75 @@ def _fused_gemm(node: Node, ctx: BindContext) -> Kernel:
     return kernel if fused is wanted else ExactKernel(kernel)
 
 
-# -- Attention ---------------------------------------------------------------------------
-def _attention_op(node: Node, library: NativeLibrary | None, why: str) -> ScaledDotAttention:
-    return ScaledDotAttention(float(node.attrs["scale"]), int(node.attrs.get("heads", 0)),
-                              library, why)
+# -- Attention and AddLayerNorm: their reference kernels -----------------------------------
+def attention(q: Tensor, kt: Tensor, v: Tensor, mask: Tensor | None, scale: float,
+              heads: int) -> Tensor:
+    """``softmax(Q Kt * scale + M) V`` through torch: an Attention node's reference (and
+    traceable) form, and its native kernel's fallback (``kernels/attention.py``). With
+    ``heads`` H the inputs are ``[B, S, H * D]`` and the heads are merged back."""
+    if not heads:
+        return _sdpa(q, kt.transpose(-2, -1), v, mask, scale)
+    b, sq = q.shape[0], q.shape[1]
+    qh, kh, vh = (t.reshape(t.shape[0], t.shape[1], heads, t.shape[2] // heads).transpose(1, 2)
+                  for t in (q, kt, v))
+    return _sdpa(qh, kh, vh, mask, scale).transpose(1, 2).reshape(b, sq, v.shape[2])
 
 
-def _attention(node: Node, ctx: BindContext) -> Kernel:
-    library, why = (ctx.target.native, ctx.target.native_why) if ctx.device.type == "cpu" \
-        else (None, f"are CPU-only (the node runs on {ctx.device.type})")
-    return AttentionKernel(_attention_op(node, library, why))
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> Tensor:
+    batch = q.shape[:-2]
+    fits = k.shape[:-2] == batch and v.shape[:-2] == batch
+    if mask is not None:
+        if mask.dim() < 2:
+            mask = mask.reshape((1,) * (2 - mask.dim()) + tuple(mask.shape))
+        scores = (*batch, q.shape[-2], k.shape[-2])
+        fits = fits and mask.dim() <= len(scores) and all(
+            m in (1, s) for m, s in zip(reversed(mask.shape), reversed(scores)))
+    if not fits:
+        # Broadcasting SDPA does not do (batch dims that differ, a mask that grows the
+        # scores): the ops as the graph wrote them.
+        y = torch.matmul(q, k.transpose(-2, -1)) * scale
+        y = y + mask if mask is not None else y
+        return torch.matmul(torch.softmax(y, dim=-1), v)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def add_layer_norm(a: Tensor, b: Tensor, scale: Tensor, bias: Tensor | None,
+                   epsilon: float) -> Tensor:
+    """The unfused ops, ``F.layer_norm(a + b)`` over the last axis: an AddLayerNorm
+    node's reference form and its native kernel's fallback (``kernels/layer_norm.py``)."""
+    s = a + b
+    shape = s.shape[-1:]
+    return F.layer_norm(s, shape, scale.expand(shape),
+                        None if bias is None else bias.expand(shape), epsilon)
+
+
+def attention_fn(node: Node) -> Callable[..., Tensor]:
+    """``fn(q, kt, v, mask=None)``: the node's reference form."""
+    scale, heads = float(node.attrs["scale"]), int(node.attrs.get("heads", 0))
+
+    def fn(q: Tensor, kt: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
+        return attention(q, kt, v, mask, scale, heads)
+    return fn
+
+
+def add_layer_norm_fn(node: Node) -> Callable[..., Tensor]:
+    """``fn(a, b, scale, bias=None)``: the node's reference form."""
+    epsilon = float(node.attrs.get("epsilon", 1e-5))
+
+    def fn(a: Tensor, b: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:
+        return add_layer_norm(a, b, scale, bias, epsilon)
+    return fn
+
+
+def _reference(make: Callable[[Node], Callable[..., Tensor]]) -> Callable[[Node, BindContext],
+                                                                           Kernel]:
+    def bind(node: Node, ctx: BindContext) -> Kernel:
+        fn = make(node)
+
+        def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+            return [fn(*inputs)]
+        return kernel
+    return bind
 
 
 # -- inline forms for generated code -------------------------------------------------------
@@ -390,10 +443,10 @@ def inline_fused(node: Node, device: torch.device, inplace_input: int | None,
     if node.op_type == "FusedGemm":
         return _inline_gemm(node, device, consts, fuses_transcendental,
                             onednn and device.type == "cpu")
-    if node.op_type == "Attention" and isinstance(kernel, AttentionKernel):
-        return Inline(f"{{fn}}({args})", {"fn": kernel.op})
-    if node.op_type == "AddLayerNorm" and isinstance(kernel, AddLayerNormKernel):
-        return Inline(f"{{fn}}({args})", {"fn": kernel.op})
+    if node.op_type == "Attention":
+        return Inline(f"{{fn}}({args})", {"fn": attention_fn(node)})
+    if node.op_type == "AddLayerNorm":
+        return Inline(f"{{fn}}({args})", {"fn": add_layer_norm_fn(node)})
     return None
 
 
@@ -444,18 +497,10 @@ def traceable_fused(node: Node) -> Inline | None:
             return act.apply(F.linear(x, w, b), params)
         return Inline(f"{{fn}}({args})", {"fn": linear_fn})
     if node.op_type == "Attention":   # torch's scaled_dot_product_attention
-        return Inline(f"{{fn}}({args})", {"fn": _attention_op(node, None, "traced").through_torch})
+        return Inline(f"{{fn}}({args})", {"fn": attention_fn(node)})
     if node.op_type == "AddLayerNorm":   # its unfused ops: a + b, then F.layer_norm
-        unfused = AddLayerNorm(float(node.attrs.get("epsilon", 1e-5)), None, "traced")
-        return Inline(f"{{fn}}({args})", {"fn": unfused.through_torch})
+        return Inline(f"{{fn}}({args})", {"fn": add_layer_norm_fn(node)})
     return None
-
-
-def _add_layer_norm(node: Node, ctx: BindContext) -> Kernel:
-    library, why = (ctx.target.native, ctx.target.native_why) if ctx.device.type == "cpu" \
-        else (None, f"are CPU-only (the node runs on {ctx.device.type})")
-    return AddLayerNormKernel(AddLayerNorm(float(node.attrs.get("epsilon", 1e-5)), library,
-                                           why))
 
 
 OPS: list[OpDef] = [
@@ -463,8 +508,8 @@ OPS: list[OpDef] = [
           doc="act(conv(X, W) + B + Z): Conv with folded BatchNorm, residual add, activation"),
     OpDef("FusedGemm", _fused_gemm, domain=FUSED_DOMAIN,
           doc="act(X @ W^T + B): Gemm/MatMul+Add with activation, W in [N, K] layout"),
-    OpDef("Attention", _attention, domain=FUSED_DOMAIN,
+    OpDef("Attention", _reference(attention_fn), domain=FUSED_DOMAIN,
           doc="softmax(Q @ Kt * scale + M) @ V as one scaled-dot-product-attention kernel"),
-    OpDef("AddLayerNorm", _add_layer_norm, domain=FUSED_DOMAIN,
+    OpDef("AddLayerNorm", _reference(add_layer_norm_fn), domain=FUSED_DOMAIN,
           doc="LayerNormalization(A + B, Scale, Bias) over the last axis in one kernel"),
 ]

@@ -4,7 +4,7 @@ After fusion, an MLP is a run of ``FusedGemm`` nodes, each reading the one
 before. When the layers are small, each costs far more in dispatch than in
 arithmetic (a 64 x 64 layer at batch 1: ~0.1 us of multiply-adds, 3-4 us per
 ATen call), so the pass replaces a run of them by one node whose kernel does
-the whole run in one native call (:mod:`segflow.ops.dense_chain`).
+the whole run in one native call (:mod:`segflow.kernels.dense_chain`).
 
 A ``FusedGemm`` joins a chain when
 
@@ -27,7 +27,7 @@ import torch
 
 from segflow.ir.graph import Graph, Node, Value
 from segflow.ir.types import DType
-from segflow.ops.dense_chain import NATIVE_ACTIVATIONS
+from segflow.kernels.choice import DENSE_CHAIN_ACTIVATIONS
 from segflow.ops.fused import FUSED_DOMAIN
 from segflow.passes._rewrite import new_const, remove_dead, replace_nodes, single_use
 from segflow.passes.result import PassResult
@@ -85,7 +85,7 @@ def _eligible(node: Node) -> bool:
                              or bias.const.dtype != torch.float32
                              or bias.const.numel() != weight.shape[0]):
         return False
-    return str(node.attrs.get("activation", "")) in NATIVE_ACTIVATIONS
+    return str(node.attrs.get("activation", "")) in DENSE_CHAIN_ACTIVATIONS
 
 
 def _next_layer(graph: Graph, node: Node) -> Node | None:

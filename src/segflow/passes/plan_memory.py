@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from segflow.ir.graph import Graph, Node, Value
 from segflow.ir.memory import Buffer, align, block_bytes, place
-from segflow.kernels.shape_cache import ShapeCache
+from segflow.shape_cache import ShapeCache
 
 # Ops whose kernels always return a freshly allocated output (never a view of an input).
 FRESH_OUTPUT_OPS = frozenset({

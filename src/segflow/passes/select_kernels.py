@@ -36,7 +36,13 @@ import torch
 
 from segflow.ir.graph import Graph, Node
 from segflow.ir.types import Device, DeviceKind
-from segflow.kernels.choice import DIRECT_POOL_OPS, KernelChoice, KernelChoices, KernelKind
+from segflow.kernels.choice import (
+    DIRECT_POOL_OPS,
+    NATIVE_FUSED,
+    KernelChoice,
+    KernelChoices,
+    KernelKind,
+)
 from segflow.kernels.target import CpuTarget
 from segflow.ops.fused import FUSED_DOMAIN, LINEAR_PACK_MIN_WEIGHT, activation_of
 from segflow.passes.pack_weights import PackParams, WeightPacker
@@ -67,9 +73,15 @@ def select_kernels(graph: Graph, device: Device, target: CpuTarget, *, direct: b
                    native_linear: bool | None = None, strassen: bool | None = None,
                    native_stem: bool | None = None) -> Selection:
     """Choose the kernels of ``graph``'s convolutions, poolings and large linears on
-    ``target`` and pack their weights for them (in place); a no-op off the CPU."""
-    if device.kind is not DeviceKind.CPU or not target.onednn_ops:
+    ``target`` and pack their weights for them (in place), and give segflow's fused ops
+    their native kernel; a no-op off the CPU."""
+    if device.kind is not DeviceKind.CPU:
         return Selection(PassResult(graph, False), KernelChoices())
+    # Not a change of the graph: these kernels read the node's own inputs.
+    fused = {node: KernelChoice(NATIVE_FUSED[node.op_type]) for node in graph.nodes
+             if node.domain == FUSED_DOMAIN and node.op_type in NATIVE_FUSED}
+    if not target.onednn_ops:
+        return Selection(PassResult(graph, False), KernelChoices.of_mapping(fused))
     packer = WeightPacker(graph, target)
     choices: dict[Node, KernelChoice] = {}
     use_dnnl = direct and target.dnnl is not None
@@ -104,7 +116,8 @@ def select_kernels(graph: Graph, device: Device, target: CpuTarget, *, direct: b
                                      native_stem)
     if choices:
         packer.drop_unused()
-    return Selection(PassResult(graph, bool(choices)), KernelChoices.of_mapping(choices))
+    return Selection(PassResult(graph, bool(choices)),
+                     KernelChoices.of_mapping({**choices, **fused}))
 
 
 def _select_conv(node: Node, params: PackParams, packer: WeightPacker, target: CpuTarget,

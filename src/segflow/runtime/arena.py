@@ -41,8 +41,8 @@ from segflow.ir.memory import Buffer, align, block_bytes, place
 from segflow.kernels.choice import KernelChoices
 from segflow.kernels.onednn.geometry import channels_last_strides
 from segflow.kernels.onednn.library import Destination
-from segflow.kernels.shape_cache import ShapeCache
 from segflow.passes.plan_memory import PlansBySize, nbytes, static_sizes
+from segflow.shape_cache import ShapeCache
 
 Tensor = torch.Tensor
 

@@ -15,12 +15,13 @@ import torch
 
 from segflow.ir.graph import Node
 from segflow.ir.types import DType
-from segflow.kernels.choice import CONV_KINDS, KernelChoice, KernelKind
+from segflow.kernels.choice import CONV_KINDS, NATIVE_FUSED_KINDS, KernelChoice, KernelKind
 from segflow.kernels.conv import inline_conv
 from segflow.kernels.gemm import inline_linear
+from segflow.kernels.registry import inline_native_fused
 from segflow.kernels.target import CpuTarget
 from segflow.ops import default_registry
-from segflow.ops.dense_chain import inline_chain, traceable_chain
+from segflow.ops.dense_chain import traceable_chain
 from segflow.ops.fused import FUSED_DOMAIN, Inline, inline_fused, traceable_fused
 from segflow.ops.registry import InlineOp, Kernel
 from segflow.runtime.binding import Step
@@ -42,7 +43,9 @@ _CORE: Mapping[str, InlineOp] = _core_forms()
 def inline_form(node: Node, inplace_input: int | None, device: torch.device,
             consts: Sequence[Tensor | None], traceable: bool, kernel: Kernel | None,
             choice: KernelChoice, target: CpuTarget) -> Inline | None:
-    if choice.kind is not KernelKind.REFERENCE:
+    if choice.kind in NATIVE_FUSED_KINDS and not traceable:
+        return inline_native_fused(node, kernel)
+    if choice.kind is not KernelKind.REFERENCE and choice.kind not in NATIVE_FUSED_KINDS:
         # The chosen kernel's own form; a tracer gets none (its weight is packed).
         if traceable:
             return None
@@ -51,8 +54,9 @@ def inline_form(node: Node, inplace_input: int | None, device: torch.device,
         if node.op_type == "FusedGemm":
             return inline_linear(node, choice, kernel, target.fuses_transcendental_post_ops())
         return None
+    # The reference kernel's forms (a fused op's native kernel traces as its reference).
     if node.domain == FUSED_DOMAIN and node.op_type == "DenseChain":
-        return traceable_chain(node) if traceable else inline_chain(node, kernel)
+        return traceable_chain(node) if traceable else None
     if node.domain == FUSED_DOMAIN:
         if traceable:
             return traceable_fused(node)
