@@ -280,7 +280,6 @@ class AttentionKernel(OpKernel):
 
 def bind_attention(node: Node, ctx: BindContext) -> AttentionKernel:
     """The native attention (through torch per call where it declines, counted)."""
-    library, why = (ctx.target.native, ctx.target.native_why) if ctx.device.type == "cpu" \
-        else (None, f"are CPU-only (the node runs on {ctx.device.type})")
+    library, why = ctx.target.native_for(ctx.device)
     return AttentionKernel(ScaledDotAttention(float(node.attrs["scale"]),
                                               int(node.attrs.get("heads", 0)), library, why))

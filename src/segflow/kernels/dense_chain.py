@@ -176,8 +176,7 @@ class DenseChainKernel:
 
 def bind_dense_chain(node: Node, ctx: BindContext) -> DenseChainKernel:
     """The native chain (through torch per call where it declines, counted)."""
-    library, why = (ctx.target.native, ctx.target.native_why) if ctx.device.type == "cpu" \
-        else (None, f"is CPU-only (the node runs on {ctx.device.type})")
+    library, why = ctx.target.native_for(ctx.device)
     return DenseChainKernel(DenseChain(layers_of(node), library, why))
 
 

@@ -12,7 +12,7 @@ weight) is the OpDef row's, in ``ops/fused.py``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
@@ -29,6 +29,7 @@ from segflow.ops.fused import (
     activation_of,
     exact_post_op,
     linear_callable,
+    linear_kernel,
     linear_parts,
     linear_post_op,
     static_macs,
@@ -99,13 +100,7 @@ def bind_onednn_linear(node: Node, ctx: BindContext) -> Kernel:
     wanted = linear_post_op(act, params, ctx.target.fuses_transcendental_post_ops())
     fused = exact_post_op(node, act, wanted, ctx)
     fn = linear_callable(node, ctx.device, fused, onednn=True, packed=True)
-    has_bias = len(node.inputs) > 2 and node.inputs[2] is not None
-
-    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
-        x, w = inputs[0], inputs[1]
-        assert x is not None and w is not None
-        return [fn(x, w, inputs[2] if has_bias else None)]
-    return kernel if fused is wanted else ExactKernel(kernel)
+    return linear_kernel(node, fn, exact=fused is not wanted)
 
 
 def inline_linear(node: Node, choice: KernelChoice, kernel: Kernel | None,

@@ -147,7 +147,6 @@ class AddLayerNormKernel(OpKernel):
 
 def bind_add_layer_norm(node: Node, ctx: BindContext) -> AddLayerNormKernel:
     """The native add + layer norm (through torch per call where it declines, counted)."""
-    library, why = (ctx.target.native, ctx.target.native_why) if ctx.device.type == "cpu" \
-        else (None, f"are CPU-only (the node runs on {ctx.device.type})")
+    library, why = ctx.target.native_for(ctx.device)
     return AddLayerNormKernel(AddLayerNorm(float(node.attrs.get("epsilon", 1e-5)), library,
                                            why))

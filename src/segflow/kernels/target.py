@@ -115,6 +115,13 @@ class CpuTarget:
             return True
         return tiles is not None and tiles >= WINOGRAD_MIN_TILES
 
+    def native_for(self, device: torch.device) -> tuple[NativeLibrary | None, str]:
+        """The native library for a kernel bound on ``device``, and what built it or why
+        there is none (the native kernels run on the host only)."""
+        if device.type != "cpu":
+            return None, f"are CPU-only (the node runs on {device.type})"
+        return self.native, self.native_why
+
     def native_linear_preferred(self) -> bool:
         """Whether large linears run the native packed-panel kernel (``kernels/linear.py``):
         the native library loads and was built with its AVX2+FMA (or AVX-512) block."""

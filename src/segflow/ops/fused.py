@@ -344,13 +344,20 @@ def _fused_gemm(node: Node, ctx: BindContext) -> Kernel:
     fused = exact_post_op(node, act, wanted, ctx)
     fn = linear_callable(node, ctx.device, fused,
                          onednn=ctx.device.type == "cpu" and target.onednn_ops)
+    return linear_kernel(node, fn, exact=fused is not wanted)
+
+
+def linear_kernel(node: Node, fn: Callable[[Tensor, Tensor, Tensor | None], Tensor], *,
+                  exact: bool) -> Kernel:
+    """A FusedGemm's kernel over ``fn(x, w, b)``; ``exact``: its post-op was kept out of
+    the call so that a NaN or infinity stays exact (an :class:`ExactKernel`)."""
     has_bias = len(node.inputs) > 2 and node.inputs[2] is not None
 
     def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
         x, w = inputs[0], inputs[1]
         assert x is not None and w is not None
         return [fn(x, w, inputs[2] if has_bias else None)]
-    return kernel if fused is wanted else ExactKernel(kernel)
+    return ExactKernel(kernel) if exact else kernel
 
 
 # -- Attention and AddLayerNorm: their reference kernels -----------------------------------
