@@ -76,7 +76,7 @@ class OptimizeOptions:
     # (runtime/prebuild.py), rather than by that run.
     prebuild: bool = True
     # 3x3 ones run as Winograd F(4x4, 3x3) where they qualify (kernels/winograd.py); None:
-    # where it was measured faster (fused.winograd_preferred: CPUs without AVX-512, and
+    # where it was measured faster (CpuTarget.winograd_preferred: CPUs without AVX-512, and
     # on AVX-512 ones outputs of 32 or more 4x4 tiles an image).
     winograd: bool | None = None
     # Large linears run segflow's packed-panel kernel (kernels/linear.py); None: where
@@ -88,7 +88,7 @@ class OptimizeOptions:
     strassen: bool | None = None
     # A direct convolution over the NCHW image runs segflow's stem kernel, which reads it
     # in place (kernels/stem.py); None: where it was measured faster
-    # (fused.native_stem_preferred: the native library's AVX-512 build).
+    # (CpuTarget.native_stem_preferred: the native library's AVX-512 build).
     native_stem: bool | None = None
     # SEGFLOW_DEBUG: 1 prints each pass's log line to stderr as the pipeline runs it.
     debug: int = 0

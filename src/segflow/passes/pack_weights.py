@@ -11,6 +11,7 @@ is freed as soon as its last reader has its packed copy.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -118,34 +119,37 @@ class WeightPacker:
         False (nothing changed) where libdnnl describes none."""
         weight = node.inputs[1]
         assert weight is not None and weight.const is not None
-        key = (id(weight), "dnnl", rows)
+        const = weight.const
+        return self._packed_linear(node, weight, "dnnl", rows,
+                                   lambda: self.target.libdnnl_linear_weight(const, rows))
+
+    def onednn_linear(self, node: Node, rows: int | None) -> None:
+        """Give ``node`` torch's oneDNN packing of its weight (for ``mkldnn._linear_pointwise``)."""
+        weight = node.inputs[1]
+        assert weight is not None and weight.const is not None
+        const = weight.const
+        self._packed_linear(node, weight, "onednn", rows,
+                            lambda: torch.ops.mkldnn._reorder_linear_weight(const.contiguous(),
+                                                                            rows))
+
+    def _packed_linear(self, node: Node, weight: Value, packing: str, rows: int | None,
+                       pack: Callable[[], torch.Tensor | None]) -> bool:
+        """Point ``node`` at ``weight``'s ``packing`` for ``rows`` rows, made by ``pack``
+        once and shared by every linear reading that weight; False (nothing changed)
+        where ``pack`` makes none."""
+        key = (id(weight), packing, rows)
         value = self.linears.get(key)
         if value is None:
-            tensor = self.target.libdnnl_linear_weight(weight.const, rows)
+            tensor = pack()
             if tensor is None:
                 return False
-            value = Value(fresh_name(self.graph, f"{weight.name}.dnnl"), weight.spec,
+            value = Value(fresh_name(self.graph, f"{weight.name}.{packing}"), weight.spec,
                           const=tensor)
             self.graph.add_initializer(value)
             self.linears[key] = value
         self.graph.set_input(node, 1, value)
         self.release(weight)
         return True
-
-    def onednn_linear(self, node: Node, rows: int | None) -> None:
-        """Give ``node`` torch's oneDNN packing of its weight (for ``mkldnn._linear_pointwise``)."""
-        weight = node.inputs[1]
-        assert weight is not None and weight.const is not None
-        key = (id(weight), "torch", rows)
-        value = self.linears.get(key)
-        if value is None:
-            tensor = torch.ops.mkldnn._reorder_linear_weight(weight.const.contiguous(), rows)
-            value = Value(fresh_name(self.graph, f"{weight.name}.onednn"), weight.spec,
-                          const=tensor)
-            self.graph.add_initializer(value)
-            self.linears[key] = value
-        self.graph.set_input(node, 1, value)
-        self.release(weight)
 
     def release(self, dense: Value | None) -> None:
         """Free a dense weight as soon as its last reader has its packed (or transformed)
