@@ -8,19 +8,23 @@ with no model the default built-in model (``builtin:resnet50``) is used.
 from __future__ import annotations
 
 import argparse
+import math
+import re
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from segflow import __version__
 from segflow.errors import SegflowError
 from segflow.model_args import (
+    CliParser,
     add_model_args,
     checksum,
-    load_model_arg,
-    open_session,
-    parse_inputs,
+    non_negative_float,
+    open_model,
+    positive_int,
 )
 
 
@@ -31,14 +35,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
         for name in models.available():
             print(f"{name:14s} {models.info(name).summary}")
         return 0
-    sess, label = open_session(args)
-    feeds = parse_inputs(args.input, sess, args.seed, label)
+    opened = open_model(args)
+    sess, feeds = opened.session, opened.feeds.arrays
     names = [o.name for o in sess.get_outputs()]
     outputs = sess.run(None, feeds)
     for _ in range(args.repeat - 1):
         outputs = sess.run(None, feeds)
     stats = sess.last_run_stats
-    print(f"model: {label}")
+    print(f"model: {opened.label}")
     for name, array in feeds.items():
         print(f"  input  {name}: {array.dtype}{list(array.shape)}")
     for name, out in zip(names, outputs):
@@ -53,8 +57,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     hint = "  (run 1 includes it; --repeat N to time later runs)" \
         if report.first_run_compile_s and args.repeat == 1 else ""
     print(report.describe() + hint)
-    for line in sess.kernel_report():
-        print(line)
+    if args.verbose:
+        for line in sess.kernel_report():
+            print(line)
     return 0
 
 
@@ -63,36 +68,99 @@ def _cmd_check(args: argparse.Namespace) -> int:
         import onnxruntime as ort
     except ImportError:
         raise SegflowError("segflow check needs onnxruntime: pip install onnxruntime") from None
-    import onnx
 
-    sess, label = open_session(args)
-    feeds = parse_inputs(args.input, sess, args.seed, label)
-    model, _ = load_model_arg(args.model)
-    payload = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
-    ref = ort.InferenceSession(payload, providers=["CPUExecutionProvider"])
-    expected = ref.run(None, feeds)
-    got = sess.run(None, feeds)
-    worst = 0
-    print(f"model: {label}  (tolerance: abs {args.atol:g} + rel {args.rtol:g})")
+    opened = open_model(args)
+    sess, feeds, label = opened.session, opened.feeds.arrays, opened.label
+    options = ort.SessionOptions()
+    options.log_severity_level = 4   # its errors come back as exceptions: one line here
+    try:
+        ref = ort.InferenceSession(opened.model.reference_source, options,
+                                   providers=["CPUExecutionProvider"])
+    except Exception as exc:  # noqa: BLE001 - any refusal of onnxruntime's is reported
+        raise SegflowError(f"onnxruntime cannot load {label}: {_ort_message(exc)}") from None
+    try:
+        expected = ref.run(None, feeds)
+    except Exception as exc:  # noqa: BLE001
+        raise SegflowError(f"onnxruntime cannot run {label} on these inputs "
+                           f"({opened.feeds.describe()}): {_ort_message(exc)}") from None
+    try:
+        got = sess.run(None, feeds)
+    except SegflowError as exc:
+        raise SegflowError(f"segflow cannot run {label}: {exc}") from None
+    print(f"model: {label}")
+    print(f"inputs: {opened.feeds.describe()}")
+    print(f"metric: worst |segflow - ort| / (atol + rtol*|ort|) over the elements, "
+          f"atol={args.atol:g} rtol={args.rtol:g}; <= 1 passes; NaN and Inf must be "
+          "where onnxruntime has them")
+    failed = False
     for out, a, b in zip(sess.get_outputs(), got, expected):
-        if a.shape != b.shape:
-            print(f"  {out.name}: shape {list(a.shape)} != onnxruntime {list(b.shape)}  FAIL")
-            worst = 1
-            continue
-        a64, b64 = a.astype(np.float64), b.astype(np.float64)
-        abs_err = float(np.max(np.abs(a64 - b64))) if a.size else 0.0
-        rel_err = float(np.max(np.abs(a64 - b64) / (np.abs(b64) + 1e-12))) if a.size else 0.0
-        ok = bool(np.all(np.abs(a64 - b64) <= args.atol + args.rtol * np.abs(b64)))
-        print(f"  {out.name}: max abs err {abs_err:.3g}  max rel err {rel_err:.3g}  "
-              f"{'ok' if ok else 'FAIL'}")
-        worst = worst or (0 if ok else 1)
-    return worst
+        verdict = compare_outputs(a, b, args.atol, args.rtol)
+        print(f"  {out.name}: {verdict.describe()}")
+        failed = failed or not verdict.ok
+    return 1 if failed else 0
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """One output of ``check``: the worst tolerance ratio, the max abs error, and what
+    else failed (shapes, NaN/Inf positions)."""
+
+    worst: float
+    max_abs: float
+    nonfinite: int = 0          # NaN/Inf positions both sides agree on
+    problem: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.problem and self.worst <= 1
+
+    def describe(self) -> str:
+        if self.problem and math.isnan(self.worst):
+            return f"{self.problem}  FAIL"
+        same = f"  {self.nonfinite} NaN/Inf in the same places" if self.nonfinite else ""
+        problem = f"  {self.problem}" if self.problem else ""
+        return (f"worst {self.worst:.3g}  max abs err {self.max_abs:.3g}{same}{problem}  "
+                f"{'ok' if self.ok else 'FAIL'}")
+
+
+def compare_outputs(a: np.ndarray, b: np.ndarray, atol: float, rtol: float) -> Verdict:
+    """segflow's output ``a`` against onnxruntime's ``b``: ``|a - b| <= atol + rtol*|b|``
+    elementwise, reported as the worst ratio ``|a - b| / (atol + rtol*|b|)`` (<= 1
+    passes); NaN and Inf must sit where ``b`` has them (and Inf with its sign)."""
+    if a.shape != b.shape:
+        return Verdict(math.nan, math.nan,
+                       problem=f"shape {list(a.shape)} != onnxruntime {list(b.shape)}")
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    finite = np.isfinite(a64) & np.isfinite(b64)
+    same = (np.isnan(a64) & np.isnan(b64)) | (~finite & (a64 == b64))
+    misplaced = int(np.count_nonzero(~finite & ~same))
+    diff = np.abs(a64 - b64)[finite]
+    bound = atol + rtol * np.abs(b64[finite])
+    # With both tolerances 0 the bound is 0: any difference is then infinitely over it.
+    ratio = np.where(bound > 0, diff / np.where(bound > 0, bound, 1),
+                     np.where(diff > 0, np.inf, 0.0))
+    return Verdict(float(ratio.max()) if ratio.size else 0.0,
+                   float(diff.max()) if diff.size else 0.0,
+                   nonfinite=int(np.count_nonzero(~finite & same)),
+                   problem=f"NaN/Inf differ from onnxruntime's at {misplaced} positions"
+                   if misplaced else "")
+
+
+def _ort_message(exc: BaseException) -> str:
+    """onnxruntime's message without the C++ source location and signature it embeds."""
+    return re.sub(r"/onnxruntime_src/\S+ (?:[\w:~]+\([^)]*\) )?", "", _first_line(exc))
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
 
 
 def _cmd_explain(args: argparse.Namespace) -> int:
-    sess, label = open_session(args)
-    print(f"model: {label}")
-    print(sess.explain())
+    opened = open_model(args)
+    print(f"model: {opened.label}")
+    print(f"inputs: {opened.feeds.describe()}")
+    print(opened.session.explain())
     return 0
 
 
@@ -147,34 +215,51 @@ Command = Callable[[argparse.Namespace], int]
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CliParser(
         prog="segflow",
         description="Run ONNX models in bulk segments through a dependency engine, "
                     "with counters (segments, pushes, syncs, kernels) that make "
                     "performance regressions visible.")
     parser.add_argument("--version", action="version", version=f"segflow {__version__}")
+    parser.add_argument("--traceback", action="store_true",
+                        help="on an unexpected error, print its full traceback instead of "
+                             "one line (accepted anywhere on the command line)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("run", help="run a model and print its outputs",
-                       description="Run a model once on given or random inputs; print output "
-                                   "names, shapes, checksums and the run's counters.")
+                       description="Run a model once on given or random inputs; print its "
+                                   "inputs, output names, shapes and checksums, the run's "
+                                   "counters and the compile line (--verbose: what each "
+                                   "kernel family did).")
     add_model_args(p)
-    p.add_argument("--repeat", type=int, default=1, help="run N times, print the last")
+    p.add_argument("--repeat", type=positive_int, default=1,
+                   help="run N times, print the last")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="also print the kernel report (libdnnl, native kernels, arena)")
     p.add_argument("--list", action="store_true", help="list the built-in models and exit")
     p.set_defaults(func=_cmd_run)
 
     p = sub.add_parser("check", help="compare segflow with onnxruntime",
-                       description="Run segflow and onnxruntime on the same random inputs; "
-                                   "print max abs/rel error per output; exit 1 over tolerance.")
+                       description="Run segflow and onnxruntime on the same inputs. An "
+                                   "output passes where |segflow - ort| <= atol + rtol*|ort| "
+                                   "at every element and NaN/Inf sit where onnxruntime's "
+                                   "do; each output's line gives the worst ratio "
+                                   "|segflow - ort| / (atol + rtol*|ort|) (<= 1 passes) and "
+                                   "the max abs error. Exit 1 when an output fails, 2 when "
+                                   "either runtime cannot load or run the model.")
     add_model_args(p)
-    p.add_argument("--atol", type=float, default=1e-4, help="absolute tolerance (1e-4)")
-    p.add_argument("--rtol", type=float, default=1e-3, help="relative tolerance (1e-3)")
+    p.add_argument("--atol", type=non_negative_float, default=1e-4,
+                   help="absolute tolerance (1e-4)")
+    p.add_argument("--rtol", type=non_negative_float, default=1e-3,
+                   help="relative tolerance (1e-3)")
     p.set_defaults(func=_cmd_check)
 
     p = sub.add_parser("explain", help="print the segment plan and boundary reasons",
                        description="Print the segment table (index, first..last node, node "
-                                   "count, exec types, device, boundary reason) and totals.")
-    add_model_args(p, with_inputs=False)
+                                   "count, exec types, device, boundary reason), the passes "
+                                   "and the kernels, with memory planned at the input shapes "
+                                   "run would use (--input, --dim).")
+    add_model_args(p)
     p.set_defaults(func=_cmd_explain)
 
     p = sub.add_parser("cache", help="show or clear the compiled-segment package cache",
@@ -220,6 +305,8 @@ _EXTRA_COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (  #
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
     words = list(sys.argv[1:] if argv is None else argv)
+    show_traceback = "--traceback" in words
+    words = [w for w in words if w != "--traceback"]
     # No command means `run`: `segflow`, `segflow MODEL`, `segflow --device cpu MODEL`
     # (an unknown flag is then run's error, not a silent run of the default model).
     commands = next(action.choices for action in parser._actions
@@ -235,11 +322,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return int(args.func(args))
-    except SegflowError as exc:
-        print(f"segflow: error: {exc}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:
+        if show_traceback:
+            raise
+        if isinstance(exc, SegflowError):   # bad input or model: the message names it
+            print(f"segflow: error: {' '.join(str(exc).split())}", file=sys.stderr)
+            return 2
+        # Anything else is segflow's bug: one line to say so, the traceback on request;
+        # exit 1 either way, as Python's own exit for an uncaught exception.
+        print(f"segflow: error: unexpected {_first_line(exc)} (rerun with --traceback "
+              "for the full traceback)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

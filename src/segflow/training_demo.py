@@ -129,18 +129,46 @@ def train(epochs: int = 12, batch_size: int = 32, lr: float = 0.05, optimizer: s
     return DemoResult(tuple(records), records[-1].test_accuracy, seconds, explain)
 
 
+def min_accuracy(text: str) -> float:
+    """``--min-accuracy``: ``95%`` or ``95`` (a percent), or ``0.95`` (a fraction) -> 0.95.
+
+    A number with ``%`` is a percent; without, one above 1 is a percent and one up to 1 a
+    fraction (``1`` is 100%; write ``1%`` for one percent).
+    """
+    number = text.strip().removesuffix("%")
+    try:
+        value = float(number)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a percent such as 95%, 95 or 0.95, "
+                                         f"got {text!r}") from None
+    fraction = value / 100 if number != text.strip() or value > 1 else value
+    if not 0 <= fraction <= 1:
+        raise argparse.ArgumentTypeError(f"expected a percent from 0 to 100, got {text}")
+    return fraction
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``segflow train-demo``: train the digits CNN; exit 1 below ``--min-accuracy``."""
-    parser = argparse.ArgumentParser(prog="segflow train-demo",
-                                     description="Train a small CNN on the sklearn digits.")
-    parser.add_argument("--epochs", type=int, default=12)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=None,
+    from segflow.model_args import (
+        CliParser,
+        non_negative_int,
+        positive_float,
+        positive_int,
+    )
+
+    parser = CliParser(prog="segflow train-demo",
+                       description="Train a small CNN on the sklearn digits; exit 1 when "
+                                   "the test accuracy is below --min-accuracy.")
+    parser.add_argument("--epochs", type=positive_int, default=12, help="epochs (12)")
+    parser.add_argument("--batch-size", type=positive_int, default=32, help="batch size (32)")
+    parser.add_argument("--lr", type=positive_float, default=None,
                         help="learning rate (default 0.05 for sgd, 0.003 for adam)")
     parser.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--engine", choices=["inline", "threaded"], default=None)
-    parser.add_argument("--min-accuracy", type=float, default=0.95)
+    parser.add_argument("--min-accuracy", type=min_accuracy, default=0.95, metavar="PERCENT",
+                        help="lowest test accuracy that passes: 95%%, 95 or 0.95 (a number "
+                             "up to 1 is a fraction, above 1 a percent); default 95%%")
     parser.add_argument("--explain", action="store_true", help="print the training plan")
     parser.add_argument("--quiet", action="store_true", help="no progress bar or epoch lines")
     args = parser.parse_args(argv)
@@ -151,7 +179,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(result.explain)
     print(f"test accuracy {result.test_accuracy:.2%} after {len(result.epochs)} epochs "
           f"in {result.seconds:.1f} s")
-    return 0 if result.test_accuracy >= args.min_accuracy else 1
+    if result.test_accuracy < args.min_accuracy:
+        print(f"test accuracy {result.test_accuracy:.2%} is below --min-accuracy "
+              f"{args.min_accuracy * 100:g}%")
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -12,7 +12,18 @@ from contextlib import contextmanager
 
 from segflow.bench import baseline as gate
 from segflow.bench.modes import DEFAULT_MODELS, DEFAULT_MODES, DEFAULT_PEERS, MODES
-from segflow.model_args import add_model_args, open_session, parse_inputs
+from segflow.model_args import (
+    add_input_args,
+    add_model_args,
+    check_device,
+    non_negative_float,
+    non_negative_int,
+    open_model,
+    parse_dim_arg,
+    parse_input_arg,
+    positive_float,
+    positive_int,
+)
 
 DEFAULT_SECONDS = 8.0  # timed seconds per model; keeps the default set under ~2 minutes
 
@@ -55,6 +66,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     if args.plot:
         require_matplotlib()
+    check_device(args.device)
+    for text in args.input:     # bad syntax fails before the first model loads
+        parse_input_arg(text)
+    for text in args.dim:
+        parse_dim_arg(text)
     max_slowdown = gate.parse_tolerance(args.max_slowdown)
     baseline = gate.load_record(args.baseline) if args.baseline else None
     counters_only = args.counters_only
@@ -63,12 +79,16 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         peers=() if counters_only else _csv(args.peers),
         warmup=0 if counters_only else args.warmup,
         runs=args.runs, seconds=args.seconds if args.seconds is not None else DEFAULT_SECONDS,
-        counters_only=counters_only, settle_s=args.settle)
+        counters_only=counters_only, settle_s=args.settle, inputs=tuple(args.input),
+        dims=tuple(args.dim))
     settings.validate()
     specs = resolve_models(args.models)
     with _progress_bar(not args.no_progress) as progress:
         results = run_benchmark(specs, settings, progress)
     print(format_results(results, counters_only=counters_only))
+    for result in results:
+        if result.guess_note:
+            print(f"{result.model}: {result.guess_note}")
     record = to_record(results, settings)
     for path in (args.json, args.save_baseline):
         if path:
@@ -89,8 +109,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def _cmd_profile(args: argparse.Namespace) -> int:
     import segflow
 
-    sess, label = open_session(args)
-    feeds = parse_inputs(args.input, sess, args.seed, label)
+    opened = open_model(args)
+    sess, feeds, label = opened.session, opened.feeds.arrays, opened.label
     for _ in range(args.warmup):
         sess.run(None, feeds)
     with segflow.profile() as prof:
@@ -122,20 +142,25 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                     "baseline gate finds a regression.")
     p.add_argument("models", nargs="*", metavar="MODEL",
                    help="built-in name (NAME or NAME:opt=val,...) or ONNX file "
-                        f"(default: {' '.join(DEFAULT_MODELS)})")
-    p.add_argument("--batch-size", type=int, default=1, help="batch size (1)")
+                        f"(default: {' '.join(DEFAULT_MODELS)}); --input and --dim "
+                        "apply to each")
+    p.add_argument("--batch-size", type=positive_int, default=1,
+                   help="batch size: a file model's first symbolic dim (1)")
     p.add_argument("--device", default="cpu", help="cpu or cuda:N (cpu)")
+    add_input_args(p, seed=False)
     p.add_argument("--modes", default=",".join(DEFAULT_MODES),
                    help=f"segflow modes, comma separated, from {', '.join(MODES)} "
                         f"({','.join(DEFAULT_MODES)})")
     p.add_argument("--peers", default=",".join(DEFAULT_PEERS),
                    help=f"peers, comma separated, or 'none' ({','.join(DEFAULT_PEERS)})")
-    p.add_argument("--warmup", type=int, default=1, help="warmup rounds per model (1)")
+    p.add_argument("--warmup", type=non_negative_int, default=1,
+                   help="warmup rounds per model (1)")
     amount = p.add_mutually_exclusive_group()
-    amount.add_argument("--runs", type=int, default=None, help="timed rounds per model")
-    amount.add_argument("--seconds", type=float, default=None,
+    amount.add_argument("--runs", type=positive_int, default=None,
+                        help="timed rounds per model")
+    amount.add_argument("--seconds", type=positive_float, default=None,
                         help=f"timed seconds per model, at least 3 rounds ({DEFAULT_SECONDS:g})")
-    p.add_argument("--settle", type=float, default=0.1, metavar="SECONDS",
+    p.add_argument("--settle", type=non_negative_float, default=0.1, metavar="SECONDS",
                    help="untimed pause before and after each onnxruntime call, whose "
                         "thread pool spins ~40 ms after a run and would slow the next "
                         "variant (0.1; 0 measures that interference)")
@@ -158,7 +183,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                     "(per engine call and per op type) and optionally write a Chrome trace.")
     add_model_args(p)
     p.add_argument("--trace", metavar="PATH", help="write a Chrome trace JSON file")
-    p.add_argument("--runs", type=int, default=1, help="profiled runs (1)")
-    p.add_argument("--warmup", type=int, default=1, help="unprofiled runs first (1)")
-    p.add_argument("--limit", type=int, default=25, help="op rows shown (25; 0 = all)")
+    p.add_argument("--runs", type=positive_int, default=1, help="profiled runs (1)")
+    p.add_argument("--warmup", type=non_negative_int, default=1,
+                   help="unprofiled runs first (1)")
+    p.add_argument("--limit", type=non_negative_int, default=25,
+                   help="op rows shown (25; 0 = all)")
     p.set_defaults(func=_cmd_profile)

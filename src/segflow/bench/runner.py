@@ -39,7 +39,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,7 @@ from segflow.bench.modes import DEFAULT_MODELS, DEFAULT_MODES, DEFAULT_PEERS, MO
 from segflow.bench.peers import ModelSource, PeerUnavailable, prepare_peer
 from segflow.errors import SegflowError
 from segflow.ir.types import Device
+from segflow.model_args import Feeds, make_feeds, parse_dim_arg, parse_input_arg
 
 RECORD_SCHEMA = 1
 
@@ -75,6 +76,10 @@ class BenchSettings:
     counters_only: bool = False
     # Untimed pause around a peer that owns a spinning thread pool (module docstring).
     settle_s: float = 0.1
+    # ``--input NAME=VALUE`` and ``--dim NAME=SIZE`` as given, applied to every model
+    # (segflow.model_args); unset dims of a file model are guessed, its first the batch.
+    inputs: tuple[str, ...] = ()
+    dims: tuple[str, ...] = ()
 
     def validate(self) -> None:
         unknown = [m for m in self.modes if m not in MODES]
@@ -161,6 +166,7 @@ class ModelResult:
     rounds: int
     setup_s: float
     bench_s: float
+    guess_note: str = ""     # which symbolic dims were guessed, and how to set them
 
     def variant(self, name: str) -> VariantResult | None:
         return next((v for v in self.variants if v.name == name), None)
@@ -195,40 +201,30 @@ def resolve_models(names: Sequence[str] | None) -> list[ModelSpec]:
     return [parse_model_spec(n) for n in (names or DEFAULT_MODELS)]
 
 
-def _load(spec: ModelSpec, batch_size: int) -> tuple[ModelSource, dict[str, np.ndarray]]:
+def _load(spec: ModelSpec, settings: BenchSettings) -> tuple[ModelSource, Feeds]:
+    """The model and its feeds: a built-in model's example inputs, or random data at the
+    dims ``settings.inputs``/``dims`` set and guesses for the rest (a file's first
+    symbolic dim: the batch size)."""
     from segflow import models
+    from segflow.frontend.onnx_import import declared_inputs, load_model
 
+    examples = None
     if spec.builtin is not None:
         try:
             model = models.build(spec.builtin, **spec.options)
-            feeds = models.example_inputs(spec.builtin, batch_size=batch_size, **spec.options)
+            examples = models.example_inputs(spec.builtin, batch_size=settings.batch_size,
+                                             **spec.options)
         except ValueError as exc:
             raise SegflowError(str(exc)) from None
-        return ModelSource(model, spec.builtin, dict(spec.options)), feeds
-    assert spec.path is not None
-    model = onnx.load(spec.path)
-    return ModelSource(model), _random_feeds(model, batch_size)
-
-
-def _random_feeds(model: onnx.ModelProto, batch_size: int) -> dict[str, np.ndarray]:
-    """Random inputs: a symbolic first dimension is the batch, other symbolic dims are 1."""
-    rng = np.random.default_rng(0)
-    initializers = {i.name for i in model.graph.initializer}
-    feeds = {}
-    for inp in model.graph.input:
-        if inp.name in initializers:
-            continue
-        ttype = inp.type.tensor_type
-        dims = [d.dim_value if d.HasField("dim_value") else (batch_size if i == 0 else 1)
-                for i, d in enumerate(ttype.shape.dim)]
-        dtype = onnx.helper.tensor_dtype_to_np_dtype(ttype.elem_type)
-        if np.issubdtype(dtype, np.floating):
-            feeds[inp.name] = rng.standard_normal(dims).astype(dtype)
-        elif dtype == np.bool_:
-            feeds[inp.name] = rng.integers(0, 2, dims).astype(bool)
-        else:
-            feeds[inp.name] = rng.integers(0, 100, dims).astype(dtype)
-    return feeds
+        source = ModelSource(model, spec.builtin, dict(spec.options))
+    else:
+        assert spec.path is not None
+        source = ModelSource(load_model(spec.path))
+    feeds = make_feeds(declared_inputs(source.model),
+                       [parse_input_arg(text) for text in settings.inputs],
+                       dict(parse_dim_arg(text) for text in settings.dims),
+                       batch_size=settings.batch_size, examples=examples)
+    return source, feeds
 
 
 # -- measuring ---------------------------------------------------------------------------
@@ -255,7 +251,8 @@ Progress = Callable[[str, float], None]
 
 
 def _prepare(source: ModelSource, feeds: Mapping[str, np.ndarray],
-             settings: BenchSettings, device: Device) -> list[_Live]:
+             settings: BenchSettings, device: Device, dims: Mapping[str, int]
+             ) -> list[_Live]:
     import segflow
 
     live: list[_Live] = []
@@ -263,7 +260,7 @@ def _prepare(source: ModelSource, feeds: Mapping[str, np.ndarray],
         spec = MODES[mode]
         try:
             sess = segflow.InferenceSession(source.model, device=device, bulk=spec.bulk,
-                                            engine=spec.engine)
+                                            engine=spec.engine, dims=dims)
         except Exception as exc:  # noqa: BLE001 - reported per variant, others still run
             live.append(_Live(mode, VariantKind.SEGFLOW, None, "error",
                               f"{type(exc).__name__}: {str(exc)[:200]}"))
@@ -370,9 +367,10 @@ def bench_model(spec: ModelSpec, settings: BenchSettings,
     say = progress or (lambda text, fraction: None)
     t_setup = time.perf_counter()
     say(f"{spec.label}: building", 0.0)
-    source, feeds = _load(spec, settings.batch_size)
+    source, loaded = _load(spec, settings)
+    feeds = loaded.arrays
     say(f"{spec.label}: preparing sessions and peers", 0.05)
-    live = _prepare(source, feeds, settings, device)
+    live = _prepare(source, feeds, settings, device, loaded.dims)
     try:
         reference_out: list[np.ndarray] | None = None
         for v in live:
@@ -397,8 +395,8 @@ def bench_model(spec: ModelSpec, settings: BenchSettings,
             if v.close is not None:
                 v.close()
     say(f"{spec.label}: done", 1.0)
-    return _result(spec, source, feeds, settings, live, rounds, setup_s,
-                   time.perf_counter() - t_bench)
+    return replace(_result(spec, source, feeds, settings, live, rounds, setup_s,
+                           time.perf_counter() - t_bench), guess_note=loaded.note() or "")
 
 
 def _result(spec: ModelSpec, source: ModelSource, feeds: Mapping[str, np.ndarray],

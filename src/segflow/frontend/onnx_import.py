@@ -61,6 +61,18 @@ def load_model(model: str | os.PathLike[str] | bytes | onnx.ModelProto) -> onnx.
     return proto
 
 
+def declared_inputs(proto: onnx.ModelProto) -> list[Value]:
+    """The inputs ``proto``'s graph declares (initializers listed as inputs left out), with
+    their declared specs: what a feed is checked against, read without importing the model.
+
+    >>> [v.spec.describe() for v in declared_inputs(onnx.load("model.onnx"))]  # doctest: +SKIP
+    ['float[N,3,H,W]']
+    """
+    initializers = {t.name for t in proto.graph.initializer}
+    return [Value(vi.name, _spec(vi.type)) for vi in proto.graph.input
+            if vi.name not in initializers]
+
+
 def import_model(model: str | os.PathLike[str] | bytes | onnx.ModelProto,
                  registry: OpRegistry | None = None) -> Graph:
     """Parse and check a model; return the segflow graph.

@@ -197,7 +197,8 @@ class Device:
             raise ValueError(f"unknown device {text!r}; expected 'cpu', 'cpu:N' or 'cuda:N'"
                              ) from None
         if index and not index.isdigit():
-            raise ValueError(f"bad device index in {text!r}")
+            raise ValueError(f"bad device index in {text!r}; expected 'cpu', 'cpu:N' or "
+                             "'cuda:N' with N a number from 0")
         return cls(kind, int(index) if index else 0)
 
     @property

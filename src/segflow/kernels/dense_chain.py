@@ -26,7 +26,7 @@ import torch
 from segflow.ir.graph import Node
 from segflow.kernels.choice import DENSE_CHAIN_ACTIVATIONS
 from segflow.kernels.native.build import NativeLibrary
-from segflow.kernels.report import NativeOrTorch, ReportFamily
+from segflow.kernels.report import NativeOrTorch, ReportFamily, short_label
 from segflow.ops.dense_chain import ChainLayer, layers_of, run_chain
 from segflow.ops.fused import Inline
 
@@ -153,7 +153,8 @@ class DenseChain(NativeOrTorch):
             return lines
         slow = [(label, op, why, n) for label, op in ops for why, n in op.why_torch.items()]
         for label, op, why, n in slow[:limit]:
-            lines.append(f"  through torch: {label} ({op.describe()}), {n} calls: {why}")
+            lines.append(f"  through torch: {short_label(label)}, {op.describe()}, "
+                         f"{n} calls: {why}")
         if len(slow) > limit:
             lines.append(f"  ... and {len(slow) - limit} more")
         return lines

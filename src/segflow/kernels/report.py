@@ -76,10 +76,21 @@ def describe_families(ops: Sequence[tuple[str, KernelReport]], limit: int = 8
     return described
 
 
+def short_label(label: str) -> str:
+    """A node's label (``%y = Conv(%x, %w) [conv1]``, :attr:`Node.label`) cut to its name
+    and op, ``conv1 (Conv)``, or ``%y (Conv)`` for an unnamed node: a fused node's label
+    lists every input, hundreds of characters for one report line."""
+    outputs, _, call = label.partition(" = ")
+    op, _, rest = call.partition("(")
+    name = rest.rpartition(") [")[2].removesuffix("]") if rest.endswith("]") else ""
+    return f"{name or outputs} ({op})" if op else label
+
+
 def through_torch_lines(reasons: Sequence[tuple[str, str, int]], limit: int = 8) -> list[str]:
     """``explain()`` lines for the calls a native kernel sent through torch:
     ``(node label, why, calls)`` each, at most ``limit`` of them and a count of the rest."""
-    lines = [f"  through torch: {label}, {n} calls: {why}" for label, why, n in reasons[:limit]]
+    lines = [f"  through torch: {short_label(label)}, {n} calls: {why}"
+             for label, why, n in reasons[:limit]]
     if len(reasons) > limit:
         lines.append(f"  ... and {len(reasons) - limit} more")
     return lines

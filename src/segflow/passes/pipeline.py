@@ -24,7 +24,7 @@ also prints it as the pass runs), e.g.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -106,7 +106,8 @@ def optimize(graph: Graph, options: OptimizeOptions, *, registry: OpRegistry | N
 
 def run_pipeline(graph: Graph, options: OptimizeOptions, *, registry: OpRegistry | None = None,
                  device: Device | None = None, target: CpuTarget | None = None,
-                 training: bool = False) -> PipelineResult:
+                 training: bool = False, dims: Mapping[str, int] | None = None
+                 ) -> PipelineResult:
     """Run :data:`PIPELINE`'s enabled passes, then plan memory; one log line each.
 
     ``device``: where the graph will run; None means a custom placement, whose
@@ -114,6 +115,7 @@ def run_pipeline(graph: Graph, options: OptimizeOptions, *, registry: OpRegistry
     so the rules keep matching (and nothing fuses across devices).
     ``training``: only the rows marked for training run (the graph is differentiated
     next, and its gradients need the forward ops as imported); no memory plan.
+    ``dims``: symbolic input dims to plan memory at (those not named: 1).
     """
     context = PassContext(device, options, target or CpuTarget.detect(), registry,
                           training=training)
@@ -141,7 +143,7 @@ def run_pipeline(graph: Graph, options: OptimizeOptions, *, registry: OpRegistry
     if training:
         _note(options, ("plan_memory: off (training)",), log)
     elif options.plan_memory:
-        memory = plan_memory(graph)
+        memory = plan_memory(graph, dims=dims)
         _note(options, (f"plan_memory: {memory.summary()}",), log)
     else:
         _note(options, ("plan_memory: off",), log)

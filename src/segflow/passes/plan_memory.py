@@ -190,12 +190,11 @@ def plan_memory(graph: Graph, order: Sequence[Node] | None = None, *,
     """Plan storage for the computed values of ``graph`` run in ``order`` (default: its nodes).
 
     Sizes need static shapes; a symbolic input dim (``batch``) is sized from
-    ``dims``, default 1 for each. In-place decisions compare shapes symbolically,
+    ``dims``, 1 where it names none. In-place decisions compare shapes symbolically,
     so they hold for every size.
     """
     nodes = list(order if order is not None else graph.nodes)
-    if dims is None:
-        dims = dict.fromkeys(symbolic_dims(graph), 1)
+    dims = {**dict.fromkeys(symbolic_dims(graph), 1), **(dims or {})}
     end_of_graph = len(nodes)
     groups = _Groups()
     pinned: set[Value] = set()  # group roots holding a graph input or a constant

@@ -127,6 +127,9 @@ class InferenceSession:
             heap for the next run instead of faulting it in again, ``"system"`` leaves
             malloc alone (process-wide; None: ``SEGFLOW_HOST_MEMORY``, default retain;
             see :mod:`segflow.runtime.host_memory`).
+        dims: symbolic input dim -> size to plan memory (and prebuild kernels) at, e.g.
+            ``{"batch": 8, "H": 224}``; a dim not named is planned at 1. Runs at other
+            sizes re-plan for theirs; this only sets the plan ``explain()`` shows.
     """
 
     def __init__(self, model: ModelSource, device: str | Device = "cpu", *,
@@ -136,7 +139,8 @@ class InferenceSession:
                  cuda_graphs: bool = False, stream_backend: StreamBackend | None = None,
                  optimize: bool | Mapping[str, bool] | None = None, compile: str | None = None,
                  intra_op_threads: int | None = None,
-                 host_memory: str | None = None) -> None:
+                 host_memory: str | None = None,
+                 dims: Mapping[str, int] | None = None) -> None:
         self.device = Device.parse(device)
         self.registry = registry or default_registry()
         self.graph = import_model(model, self.registry)
@@ -157,7 +161,8 @@ class InferenceSession:
             v.const for v in self.graph.initializers.values() if v.const is not None)
         carried = nonfinite_reach(self.graph, self.registry)[1] if weights_finite else None
         pipeline = run_pipeline(self.graph, self.options, registry=self.registry,
-                                device=None if placement else self.device, target=self.target)
+                                device=None if placement else self.device, target=self.target,
+                                dims=dims)
         self.plan: Plan = make_plan(self.graph, self.registry, self.settings, self.device,
                                     placement, pass_log=pipeline.log, memory=pipeline.memory,
                                     choices=pipeline.choices)
