@@ -14,7 +14,13 @@ from onnx import TensorProto, helper, numpy_helper
 
 import segflow
 import segflow.kernels
-from segflow.kernels.report import KernelReport, ReportFamily, describe_families, reporting_ops
+from segflow.kernels.report import (
+    KernelReport,
+    ReportFamily,
+    describe_families,
+    reporting_ops,
+    short_label,
+)
 
 
 def _kernel_classes() -> list[type]:
@@ -113,3 +119,11 @@ def test_a_sessions_kernel_ops_report_their_counters():
     report = sess.kernel_report()
     for family, lines in describe_families(ops):
         assert lines[0] in report, family
+
+
+def test_a_report_line_names_a_node_by_its_name_not_its_ir():
+    assert short_label("%y = DenseChain(%x, %w0, %b0, %w1, %b1) [fc1..fc2]") == \
+        "fc1..fc2 (DenseChain)"
+    assert short_label("%y = Relu(%x)") == "%y (Relu)"
+    assert short_label("%a, %b = Split(%x, None) [split]") == "split (Split)"
+    assert short_label("not a label") == "not a label"

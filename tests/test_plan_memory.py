@@ -110,6 +110,19 @@ def test_symbolic_dims_are_sized_as_one_by_default_and_on_request():
     assert nbytes(graph.outputs[0]) is None
 
 
+def test_dims_not_named_are_planned_at_one_and_a_session_plans_at_its_dims():
+    nodes = [helper.make_node("Relu", ["x"], ["a"]), helper.make_node("Neg", ["x"], ["out"])]
+    model = _model(nodes, {"x": ["batch", "width"]}, ["out", "a"])
+    plan, _ = _plan(model, dims={"width": 16})
+    assert plan.dims == {"batch": 1, "width": 16} and plan.arena_bytes == 2 * 64
+    sess = segflow.InferenceSession(model, dims={"batch": 4, "width": 16})
+    assert sess.plan.memory is not None and sess.plan.memory.dims == {"batch": 4, "width": 16}
+    assert sess.plan.memory.arena_bytes == 2 * 4 * 16 * 4
+    assert "at batch=4, width=16" in sess.explain()
+    x = np.ones((2, 3), np.float32)   # a run at other dims still re-plans for its own
+    assert np.array_equal(sess.run(None, {"x": x})[0], -x)
+
+
 def test_plans_by_size_keep_the_base_plan_and_a_bounded_cache():
     nodes = [helper.make_node("Relu", ["x"], ["a"]), helper.make_node("Neg", ["a"], ["out"])]
     plan, graph = _plan(_model(nodes, {"x": ["batch", 16]}, ["out"]))

@@ -134,7 +134,7 @@ def compare_outputs(a: np.ndarray, b: np.ndarray, atol: float, rtol: float) -> V
     finite = np.isfinite(a64) & np.isfinite(b64)
     same = (np.isnan(a64) & np.isnan(b64)) | (~finite & (a64 == b64))
     misplaced = int(np.count_nonzero(~finite & ~same))
-    diff = np.abs(a64 - b64)[finite]
+    diff = np.abs(a64[finite] - b64[finite])
     bound = atol + rtol * np.abs(b64[finite])
     # With both tolerances 0 the bound is 0: any difference is then infinitely over it.
     ratio = np.where(bound > 0, diff / np.where(bound > 0, bound, 1),

@@ -92,10 +92,9 @@ def check_device(text: str) -> str:
         import torch
 
         if not torch.cuda.is_available():
-            why = ("was built without CUDA" if torch.version.cuda is None
-                   else "finds no CUDA device")
-            raise SegflowError(f"--device {text}: this torch ({torch.__version__}) {why}; "
-                               "use --device cpu")
+            why = "built without it" if torch.version.cuda is None else "no device found"
+            raise SegflowError(f"--device {text}: this torch ({torch.__version__}) has no "
+                               f"CUDA ({why}); use --device cpu")
         count = torch.cuda.device_count()
         if device.index >= count:
             raise SegflowError(f"--device {text}: torch sees only {count} CUDA device"
@@ -172,11 +171,11 @@ def parse_input_arg(text: str) -> InputArg:
                                "joined by x, e.g. 1x3x224x224")
         return InputArg(text, name, InputKind.RANDOM, shape)
     if source.startswith("["):
-        try:
+        try:   # json gives nested lists; numpy refuses ragged ones
             values = json.loads(source)
+            array = np.array(values) if isinstance(values, list) else None
         except ValueError:
-            values = None
-        array = np.array(values) if isinstance(values, list) else None
+            array = None
         if array is None or array.dtype.kind not in "biuf":
             raise SegflowError(f"--input {text!r}: expected a list of numbers such as "
                                "[1,2,3] or [[1,2],[3,4]] (same length rows)")
@@ -233,12 +232,15 @@ class Feeds:
 
 
 def make_feeds(inputs: Sequence[Value], given: Sequence[InputArg],
-               dims: Mapping[str, int] | None = None, *, seed: int = 0, batch_size: int = 1,
+               dims: Mapping[str, int] | None = None, *, seed: int = 0,
+               batch_size: int | None = None,
                examples: Mapping[str, np.ndarray] | None = None) -> Feeds:
     """Feeds for the model ``inputs`` (declared specs): the ``--input`` values, then random
     data for the rest, at the symbolic dims ``dims`` set, those the given feeds bind, and
     guesses for the others (:data:`SIZE_GUESSES`; a built-in model's ``examples`` size its
-    dims instead). A built-in model given neither inputs nor dims runs on ``examples``.
+    dims instead). ``batch_size`` sets the batch dims (a batch name, or the first axis);
+    None guesses them at 1. A built-in model given neither inputs nor dims runs on
+    ``examples``.
     Every mismatch with the model is a one-line :class:`SegflowError`."""
     from segflow.runtime.feeds import check_feed
 
@@ -293,12 +295,14 @@ def make_feeds(inputs: Sequence[Value], given: Sequence[InputArg],
                 shape.append(dim)
             elif isinstance(dim, str):
                 if dim not in sizes:
+                    batch = batch_size is not None and _is_batch(dim, axis)
                     sizes[dim] = (defaults[dim][0] if dim in defaults
-                                  else _guess(dim, axis, batch_size))
-                    guessed[dim] = sizes[dim]
+                                  else _guess(dim, axis, batch_size or 1))
+                    if not batch:
+                        guessed[dim] = sizes[dim]
                 shape.append(sizes[dim])
             else:   # an unnamed dim: only --input sets it
-                size = _guess("", axis, batch_size)
+                size = _guess("", axis, batch_size or 1)
                 guessed[f"{value.name}[{axis}]"] = size
                 shape.append(size)
         number = numbers.get(value.name)
@@ -307,11 +311,14 @@ def make_feeds(inputs: Sequence[Value], given: Sequence[InputArg],
     return Feeds({v.name: arrays[v.name] for v in inputs}, sizes, guessed)
 
 
+def _is_batch(name: str, axis: int) -> bool:
+    return name.lower() not in SIZE_GUESSES and (name.lower() in BATCH_NAMES or axis == 0)
+
+
 def _guess(name: str, axis: int, batch_size: int) -> int:
-    key = name.lower()
-    if key in SIZE_GUESSES:
-        return SIZE_GUESSES[key]
-    return batch_size if key in BATCH_NAMES or axis == 0 else 1
+    if name.lower() in SIZE_GUESSES:
+        return SIZE_GUESSES[name.lower()]
+    return batch_size if _is_batch(name, axis) else 1
 
 
 def _dtype(value: Value) -> np.dtype[Any]:
@@ -385,17 +392,16 @@ class OpenedModel:
 
 
 def model_feeds(model: ModelArg, input_args: Sequence[str], dim_args: Sequence[str], *,
-                seed: int = 0, batch_size: int = 1) -> Feeds:
+                seed: int = 0) -> Feeds:
     """The feeds ``--input``/``--dim`` give ``model`` (random data for the rest)."""
     from segflow import models
     from segflow.frontend.onnx_import import declared_inputs
 
     given = [parse_input_arg(text) for text in input_args]
     dims = dict(parse_dim_arg(text) for text in dim_args)
-    examples = (models.example_inputs(model.builtin, batch_size=batch_size, seed=seed)
+    examples = (models.example_inputs(model.builtin, seed=seed)
                 if model.builtin is not None else None)
-    return make_feeds(declared_inputs(model.proto), given, dims, seed=seed,
-                      batch_size=batch_size, examples=examples)
+    return make_feeds(declared_inputs(model.proto), given, dims, seed=seed, examples=examples)
 
 
 def open_model(args: argparse.Namespace) -> OpenedModel:
