@@ -302,6 +302,11 @@ def test_guesses_follow_the_dim_names():
     assert list(feeds.guessed) == ["batch", "seq_len"]
 
 
+def test_a_builtin_models_own_sizes_are_not_guesses(capsys):
+    code, out, err = run_cli(capsys, "run", "builtin:bert_tiny", "--dim", "seq=16")
+    assert code == 0 and err == "" and "input  input_ids: int64[1, 16]" in out
+
+
 def test_explain_plans_memory_at_the_given_shapes(capsys, models):
     code, out, err = run_cli(capsys, "explain", models["sym"], "--input", "x=rand:2x3x64x32")
     assert code == 0 and err == ""

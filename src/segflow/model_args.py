@@ -294,11 +294,11 @@ def make_feeds(inputs: Sequence[Value], given: Sequence[InputArg],
             if isinstance(dim, int):
                 shape.append(dim)
             elif isinstance(dim, str):
-                if dim not in sizes:
-                    batch = batch_size is not None and _is_batch(dim, axis)
-                    sizes[dim] = (defaults[dim][0] if dim in defaults
-                                  else _guess(dim, axis, batch_size or 1))
-                    if not batch:
+                if dim in defaults and dim not in sizes:   # a built-in model's own size
+                    sizes[dim] = defaults[dim][0]
+                elif dim not in sizes:
+                    sizes[dim] = _guess(dim, axis, batch_size or 1)
+                    if batch_size is None or not _is_batch(dim, axis):
                         guessed[dim] = sizes[dim]
                 shape.append(sizes[dim])
             else:   # an unnamed dim: only --input sets it
