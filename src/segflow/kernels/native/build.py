@@ -44,6 +44,7 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 
 from segflow.cache_store import ArtifactStore, Cleared
 from segflow.errors import NativeKernelsUnavailable
@@ -205,7 +206,8 @@ def _caller_outside_segflow() -> int:
     """The ``stacklevel`` of the first frame outside segflow's package, so the notice
     names the line of the caller's code that opened the session."""
     package = str(Path(__file__).parents[2]) + os.sep
-    frame, level = sys._getframe(1), 1
+    frame: FrameType | None = sys._getframe(1)
+    level = 1
     while frame is not None and frame.f_code.co_filename.startswith(package):
         frame, level = frame.f_back, level + 1
     return level
