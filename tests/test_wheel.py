@@ -78,17 +78,19 @@ def test_the_installed_wheel_builds_and_loads_the_same_kernels(wheel: Path, tmp_
     purelib = Path(subprocess.run(
         [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
         capture_output=True, text=True, check=True).stdout.strip())
+    # Before the .pth below, and without PYTHONPATH: pip would otherwise see this
+    # environment's segflow of the same version as installed already, and install nothing.
+    env = {**os.environ, "SEGFLOW_CACHE_DIR": str(tmp_path / "cache")}
+    env.pop("PYTHONPATH", None)
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q",
+                    "--no-deps", "--no-index", str(wheel)],
+                   env=env, check=True, capture_output=True, text=True, timeout=300)
     parents = [p for p in site.getsitepackages() if Path(p).is_dir()]
     (purelib / "_parent_environment.pth").write_text("".join(f"{p}\n" for p in parents))
     # libdnnl's wheel puts the library in the environment's lib/, where segflow looks.
     for lib in Path(sys.prefix, "lib").glob("libdnnl.so*"):
         (venv / "lib" / lib.name).symlink_to(lib)
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q",
-                    "--no-deps", "--no-index", str(wheel)],
-                   check=True, capture_output=True, text=True, timeout=300)
 
-    env = {**os.environ, "SEGFLOW_CACHE_DIR": str(tmp_path / "cache")}
-    env.pop("PYTHONPATH", None)
     done = subprocess.run([str(python), str(ROOT / "tests" / "wheel_probe.py"), *MODELS],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
