@@ -8,6 +8,14 @@ from collections.abc import Iterator
 import pytest
 
 
+def pytest_report_header() -> str:
+    """Which segflow the suite tests: CI tests the installed wheel, a developer the
+    editable install of the source tree."""
+    import segflow
+
+    return f"segflow: {os.path.dirname(segflow.__file__)}"
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _private_package_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Keep the suite off the user's inductor package cache (``~/.cache/segflow``).

@@ -17,7 +17,9 @@ from segflow.errors import (
     InvalidInput,
     InvalidModel,
     InvalidSetting,
+    NativeKernelsUnavailable,
     SegflowError,
+    SegflowWarning,
     UnsupportedOp,
 )
 
@@ -70,10 +72,12 @@ __all__ = [
     "InvalidInput",
     "InvalidModel",
     "InvalidSetting",
+    "NativeKernelsUnavailable",
     "NodeArg",
     "PendingRun",
     "RunStats",
     "SegflowError",
+    "SegflowWarning",
     "StepResult",
     "TrainingSession",
     "UnsupportedOp",

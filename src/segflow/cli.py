@@ -1,4 +1,5 @@
-"""The ``segflow`` command line: run | check | explain | profile | bench | cache | train-demo.
+"""The ``segflow`` command line: run | check | explain | profile | bench | cache | doctor |
+train-demo.
 
 Each subcommand is one ``_cmd_*`` function; ``_build_parser`` is the dispatch table.
 Models are given as an ONNX path or as ``builtin:NAME`` (see ``segflow run --list``);
@@ -200,6 +201,13 @@ def _cmd_cache(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from segflow.doctor import report
+
+    print("\n".join(report()))
+    return 0
+
+
 def _cmd_train_demo(args: argparse.Namespace) -> int:
     import importlib
 
@@ -277,6 +285,14 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="delete every package and native kernel build, and partial builds "
                         "left by killed processes (links are left alone, never followed)")
     p.set_defaults(func=_cmd_cache)
+
+    p = sub.add_parser("doctor", help="print what this installation runs with",
+                       description="One line each: segflow's version and location, Python, "
+                                   "torch (CUDA), onnx, numpy, optional peers, the CPU and the "
+                                   "kernel choices it gets, the C compiler and whether the "
+                                   "native kernels load (built first if not cached), libdnnl, "
+                                   "and the cache directory. For bug reports.")
+    p.set_defaults(func=_cmd_doctor)
 
     # The demo parses its own flags (and --help), so this parser adds none.
     p = sub.add_parser("train-demo", help="train a small CNN on the bundled digits data set",

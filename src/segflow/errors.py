@@ -27,6 +27,18 @@ class ExecutionError(SegflowError, RuntimeError):
     """A kernel failed at run time; the message names the node (``While executing ...``)."""
 
 
+class SegflowWarning(UserWarning):
+    """Base class of every warning segflow issues: ``-W error::segflow.SegflowWarning``
+    (or ``warnings.filterwarnings``) selects them all."""
+
+
+class NativeKernelsUnavailable(SegflowWarning):
+    """segflow's native kernels could not be built or loaded, so the kernels that use them
+    run through torch (slower, same results within tolerance). Issued once per process,
+    naming why and what falls back; ``SEGFLOW_NATIVE=0`` turns the kernels off without it.
+    """
+
+
 def node_failed(label: str, exc: BaseException) -> ExecutionError:
     """The error for ``exc`` raised while running the node ``label`` (``Node.label``):
     ``While executing <label>: <type>: <first line>``. Raise it ``from exc``; an

@@ -21,7 +21,12 @@ processes starting together one builds it and the others wait for it.
 
 Nothing here is required: without a compiler, or with ``SEGFLOW_NATIVE=0``,
 :meth:`NativeLibrary.probe` returns None and a phrase saying why, and the
-kernels that would use it run through torch (``explain()`` says so).
+kernels that would use it run through torch (``explain()`` says so). Where the
+library was wanted but could not be had, the process is told once, with a
+:class:`~segflow.errors.NativeKernelsUnavailable` warning: a warning rather than a
+log line because it is avoidable (a compiler, ``CC``, or ``SEGFLOW_NATIVE=0`` to
+choose torch on purpose), and a warning class can be silenced, or made an error by a
+deployment that must not run without the kernels (``-W error::...``).
 """
 
 from __future__ import annotations
@@ -29,15 +34,20 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import os
 import platform
 import shutil
 import subprocess
+import sys
 import time
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 
 from segflow.cache_store import ArtifactStore, Cleared
+from segflow.errors import NativeKernelsUnavailable
 from segflow.settings import ENV_NATIVE, c_compiler, environment, native_kernels
 
 # Compiled together into one library; dense_chain.c defines segflow_native_abi().
@@ -52,6 +62,13 @@ FLAGS = ("-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 120
 # How long a process waits for another that is building the same library (then builds its own).
 LOCK_WAIT_S = BUILD_TIMEOUT_S + 30
+# What falls back (to torch, or to libdnnl called from Python) without the library: the
+# notice and explain() name it, so that a missing compiler's cost is visible where it is paid.
+FALLBACKS = ("dense chains", "packed linears (and Strassen)", "add + LayerNorm", "attention",
+             "the convolution stem", "Winograd transforms", "image staging", "replayed runs")
+# What that costs, as measured (docs/performance.md, "Without a C compiler").
+FALLBACK_COST = ("measured at 1.1x the time for ResNet-50 and BERT-tiny, 1.3x for ResNet-18, "
+                 "10x for a chain of tiny layers")
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,9 +94,14 @@ class NativeLibrary:
     def probe() -> tuple[NativeLibrary | None, str]:
         """``(library, why)``: the library or None, and a phrase for explain/logs.
 
-        Built or loaded once per process.
+        Built or loaded once per process; where it was wanted and could not be had, the
+        process is told so here, once (:func:`unavailable_notice`).
         """
-        return NativeLibrary.find()
+        library, why = NativeLibrary.find()
+        if library is None and native_kernels():
+            warnings.warn(unavailable_notice(why), NativeKernelsUnavailable,
+                          stacklevel=_caller_outside_segflow())
+        return library, why
 
     @staticmethod
     def find(env: Mapping[str, str] | None = None) -> tuple[NativeLibrary | None, str]:
@@ -88,7 +110,7 @@ class NativeLibrary:
         if not native_kernels(env):
             return None, f"are off ({ENV_NATIVE}=0)"
         compiler = c_compiler(env)
-        exe = shutil.which(compiler)
+        exe = shutil.which(compiler, path=env.get("PATH"))
         if exe is None:
             return None, f"need a C compiler and found none ({compiler!r} is not on PATH; set CC)"
         try:
@@ -151,8 +173,22 @@ def describe_cache() -> list[str]:
         return []
     library, why = NativeLibrary.probe()
     if library is None:
-        return [f"native kernels: {why}"] if "not loaded" in why else []
+        return [f"native kernels {why}; without them: {_listed(FALLBACKS)} fall back to torch"]
     return [f"native kernels: {library.describe()}"] if library.cache_note else []
+
+
+def unavailable_notice(why: str) -> str:
+    """The once-per-process notice for native kernels that were wanted and are absent:
+    why, what falls back, what it costs and what to do."""
+    fallbacks = _listed(FALLBACKS)
+    return (f"segflow's native kernels {why}. {fallbacks[0].upper()}{fallbacks[1:]} fall back "
+            f"to torch or to libdnnl called from Python ({FALLBACK_COST}; explain() lists "
+            f"them). Install a C compiler or set CC; {ENV_NATIVE}=0 chooses the fallbacks "
+            "without this notice.")
+
+
+def _listed(items: tuple[str, ...]) -> str:
+    return ", ".join(items[:-1]) + f" and {items[-1]}" if len(items) > 1 else "".join(items)
 
 
 def cached_builds(env: Mapping[str, str] | None = None) -> list[Path]:
@@ -164,6 +200,17 @@ def clear_builds(env: Mapping[str, str] | None = None) -> Cleared:
     """Delete the cached builds (and partial builds left by killed processes); links
     are left alone. The next process rebuilds."""
     return ArtifactStore.inspect("native", env).clear(".so")
+
+
+def _caller_outside_segflow() -> int:
+    """The ``stacklevel`` of the first frame outside segflow's package, so the notice
+    names the line of the caller's code that opened the session."""
+    package = str(Path(__file__).parents[2]) + os.sep
+    frame: FrameType | None = sys._getframe(1)
+    level = 1
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _cache_note(store: ArtifactStore, refused: str) -> str:
@@ -231,7 +278,8 @@ def _compile_and_link(exe: str, flags: tuple[str, ...], work: Path, out: Path) -
 def _compiler_failure(exe: str, returncode: int, stderr: str) -> str:
     # The first error, not the first line (often the "In function ..." before it).
     errors = [line for line in stderr.splitlines() if "error" in line]
-    return f"{exe} exited with {returncode}: {_first_line(errors[0] if errors else stderr)}"
+    said = _first_line(errors[0] if errors else stderr)
+    return f"{exe} exited with {returncode}" + (f": {said}" if said else " and said nothing")
 
 
 def _first_line(text: str) -> str:
