@@ -451,3 +451,25 @@ def test_python_m_segflow_prints_one_line_not_a_traceback(models):
     assert result.returncode == 2
     assert result.stderr == ("segflow: error: --device: unknown device 'gpu'; expected "
                              "'cpu', 'cpu:N' or 'cuda:N'\n")
+
+
+def test_segflow_warnings_are_one_line(capsys, models, monkeypatch):
+    import warnings
+
+    from segflow.errors import NativeKernelsUnavailable
+
+    def warn_then_run(args):  # type: ignore[no-untyped-def]
+        warnings.warn("native kernels could not be built:\n  cc said no", NativeKernelsUnavailable,
+                      stacklevel=1)
+        return 0
+
+    monkeypatch.setattr(cli, "_cmd_explain", warn_then_run)
+    code, _, err = run_cli(capsys, "explain", models["sym"])
+    assert code == 0
+    assert err == "segflow: warning: native kernels could not be built: cc said no\n"
+
+
+def test_version_verbose_is_the_doctor(capsys):
+    code, out, _ = run_cli(capsys, "--version", "--verbose")
+    assert code == 0
+    assert out.startswith("segflow ") and "torch " in out and "native kernels" in out

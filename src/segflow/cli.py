@@ -12,13 +12,14 @@ import argparse
 import math
 import re
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from segflow import __version__
-from segflow.errors import SegflowError
+from segflow.errors import SegflowError, SegflowWarning
 from segflow.model_args import (
     CliParser,
     add_model_args,
@@ -323,6 +324,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     words = list(sys.argv[1:] if argv is None else argv)
     show_traceback = "--traceback" in words
     words = [w for w in words if w != "--traceback"]
+    if "--version" in words and ("--verbose" in words or "-v" in words):
+        words = ["doctor"]   # the version with everything a bug report needs
     # No command means `run`: `segflow`, `segflow MODEL`, `segflow --device cpu MODEL`
     # (an unknown flag is then run's error, not a silent run of the default model).
     commands = next(action.choices for action in parser._actions
@@ -337,7 +340,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
-        return int(args.func(args))
+        with warnings.catch_warnings():
+            warnings.showwarning = _show_warning
+            return int(args.func(args))
     except KeyboardInterrupt:
         return 130
     except Exception as exc:
@@ -351,6 +356,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"segflow: error: unexpected {_first_line(exc)} (rerun with --traceback "
               "for the full traceback)", file=sys.stderr)
         return 1
+
+
+def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                  file: object = None, line: str | None = None) -> None:
+    """segflow's own warnings as one ``segflow: warning:`` line on stderr (Python's format
+    adds the file, line and source of the call, which name the CLI, not the user's
+    problem); anyone else's as Python prints them."""
+    if issubclass(category, SegflowWarning) or "/segflow/" in filename.replace("\\", "/"):
+        print(f"segflow: warning: {' '.join(str(message).split())}", file=sys.stderr)
+    else:
+        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
 
 
 if __name__ == "__main__":
