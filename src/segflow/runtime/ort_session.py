@@ -87,7 +87,9 @@ class OrtSessionApi:
                 for name, code, dims in self.model_info.overridable]
 
     def get_modelmeta(self) -> ModelMetadata:
-        return self.model_info.metadata
+        """The model's metadata; ``custom_metadata_map`` is a fresh dict (onnxruntime's is)."""
+        meta = self.model_info.metadata
+        return replace(meta, custom_metadata_map=dict(meta.custom_metadata_map))
 
     def get_providers(self) -> list[str]:
         """The providers in use, the CPU last (as onnxruntime reports them)."""

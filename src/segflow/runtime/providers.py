@@ -73,7 +73,7 @@ def resolve_providers(providers: Sequence[ProviderSpec] | None,
         if name not in usable:
             # onnxruntime's words, so that logs read the same under either runtime.
             warnings.warn(f"Specified provider '{name}' is not in available provider names."
-                          f"Available providers: '{', '.join(usable)}'", stacklevel=4)
+                          f"Available providers: '{', '.join(usable)}'", stacklevel=3)
     chosen = [(name, options) for name, options in named if name in usable]
     if not chosen or PROVIDER_DEVICES[chosen[0][0]] is DeviceKind.CPU:
         return ProviderChoice(Device(DeviceKind.CPU), (CPU_PROVIDER,), {CPU_PROVIDER: {}})
