@@ -10,6 +10,7 @@ derives from it, so these calls read as onnxruntime's and session.py keeps its o
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -20,21 +21,27 @@ import torch
 from segflow.errors import ExecutionError, InvalidSetting
 from segflow.frontend.model_info import ModelInfo, ModelMetadata
 from segflow.frontend.onnx_export import export_model
-from segflow.ir.graph import Graph
+from segflow.ir.graph import Graph, Value
 from segflow.ir.types import Device, DType
 from segflow.kernels.target import CpuTarget
 from segflow.ops.registry import OpRegistry
 from segflow.passes.fuse import RULE_NAMES
-from segflow.passes.pipeline import OptimizeOptions, run_pipeline
+from segflow.passes.pipeline import OptimizeOptions, PipelineResult, run_pipeline
 from segflow.profiler.ort_profile import SessionProfile
 from segflow.profiler.sink import EventSink
 from segflow.runtime.io_binding import IOBinding, OrtValue
-from segflow.runtime.ort_api import BASIC_FUSE_RULES, RunOptions, SessionOptions
+from segflow.runtime.ort_api import (
+    BASIC_FUSE_RULES,
+    RunOptions,
+    SessionOptions,
+    merge_keywords,
+)
 from segflow.runtime.providers import (
     ProviderChoice,
     ProviderSpec,
     get_available_providers,
     providers_for,
+    resolve_providers,
 )
 
 
@@ -63,6 +70,27 @@ class OrtSessionApi:
     _profile: SessionProfile | None
     _profile_sink: EventSink | None
     _output_names: list[str]
+    _source: tuple[Any, SessionOptions | None, dict[str, Any]]
+
+    def _setup(self, model: Any, sess_options: SessionOptions | None,
+               providers: Sequence[ProviderSpec] | None,
+               provider_options: Sequence[Mapping[str, Any]] | None,
+               explicit: Mapping[str, Any], others: Mapping[str, Any], load_start: int
+               ) -> tuple[dict[str, Any], SessionProfile | None]:
+        """Resolve onnxruntime's arguments at load: the keywords ``sess_options`` and the
+        ``explicit`` ones make (:func:`merge_keywords`), the providers and the device
+        (``others["device"]``), and the profile when ``enable_profiling`` is set."""
+        # What set_providers needs to build the session again on other providers.
+        self._source = (model, sess_options, {**explicit, **others})
+        config = merge_keywords(sess_options, explicit)
+        self._sess_options = sess_options if sess_options is not None else SessionOptions()
+        self._providers = session_providers(others["device"],
+                                            resolve_providers(providers, provider_options))
+        self.device = self._providers.device
+        profile = (SessionProfile(self._sess_options.profile_file_prefix,
+                                  self._providers.providers[0], load_start)
+                   if self._sess_options.enable_profiling else None)
+        return config, profile
 
     # The session's own calls these build on.
     def run_tensors(self, feeds: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
@@ -143,20 +171,47 @@ class OrtSessionApi:
             check_run(run_options)
         iobinding.execute(self.run_tensors)
 
-    def _write_optimized(self, path: str, device: Device | None) -> tuple[str, ...]:
-        """Run the passes whose results are standard ONNX (constant folding and the
-        basic fusions, as far as the session's options have them on) and write the graph
-        to ``path``; returns the path and those passes' log lines."""
-        options = self.options
-        expressible = replace(options, dense_chain=False, layout=False, plan_memory=False,
-                              fuse_off=options.fuse_off | (set(RULE_NAMES)
-                                                           - set(BASIC_FUSE_RULES)))
-        specs = {v.name: v.spec for v in [*self.graph.inputs, *self.graph.outputs]}
-        result = run_pipeline(self.graph, expressible, registry=self.registry, device=device,
+    def _run_passes(self, device: Device | None) -> tuple[PipelineResult, tuple[str, ...]]:
+        """The session's pipeline, and where ``optimized_model_filepath`` is set, first the
+        passes whose results are standard ONNX (constant folding and the basic fusions, as
+        far as the session's options have them on), their graph written to that path
+        (onnxruntime writes its file at load too); returns the pipeline's result and the
+        first passes' log lines. Where the session's passes then go further, a warning
+        says the file holds the graph before them."""
+        path = self._sess_options.optimized_model_filepath
+        log: tuple[str, ...] = ()
+        if path:
+            options = self.options
+            expressible = replace(options, dense_chain=False, layout=False, plan_memory=False,
+                                  fuse_off=options.fuse_off | (set(RULE_NAMES)
+                                                               - set(BASIC_FUSE_RULES)))
+            specs = {v.name: v.spec for v in [*self.graph.inputs, *self.graph.outputs]}
+            first = run_pipeline(self.graph, expressible, registry=self.registry,
+                                 device=device, target=self.target)
+            onnx.save(export_model(self.graph, self.model_info, specs), path)
+            log = tuple(f"{line} (written to {path})" for line in first.log
+                        if line.startswith(("fold_constants", "fuse")))
+        before = [(n.domain, n.op_type) for n in self.graph.nodes]
+        result = run_pipeline(self.graph, self.options, registry=self.registry, device=device,
                               target=self.target)
-        onnx.save(export_model(self.graph, self.model_info, specs), path)
-        return (path, *(f"{line} (written to {path})" for line in result.log
-                        if line.startswith(("fold_constants", "fuse"))))
+        if path and (len(result.choices)
+                     or before != [(n.domain, n.op_type) for n in self.graph.nodes]):
+            warnings.warn(f"optimized_model_filepath: {path} holds the graph after constant "
+                          "folding and the basic fusions; segflow's further passes make fused "
+                          "ops and packed weights that have no ONNX form", stacklevel=3)
+        return result, log
+
+
+def node_args(values: Sequence[Value], info: ModelInfo) -> list[NodeArg]:
+    """onnxruntime's descriptions of ``values``: a dim name the model does not declare
+    (one shape inference invented) is None."""
+    args = []
+    for value in values:
+        spec = value.spec
+        type_name = f"tensor({spec.dtype.onnx_name})" if spec.dtype else "tensor(unknown)"
+        shape = [info.reported_dim(d) for d in spec.shape] if spec.shape is not None else []
+        args.append(NodeArg(value.name, type_name, shape, spec.dtype))
+    return args
 
 
 def session_providers(device: str | Device | None, chosen: ProviderChoice | None) -> ProviderChoice:

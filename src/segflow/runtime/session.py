@@ -38,9 +38,7 @@ from segflow.passes.pipeline import (
     CompileMode,
     OptimizeOptions,
     configure_threads,
-    run_pipeline,
 )
-from segflow.profiler.ort_profile import SessionProfile
 from segflow.profiler.sink import EventSink, active_sink
 from segflow.runtime.aot_inductor import AotInductorSegment
 from segflow.runtime.arena import ArenaPool
@@ -56,10 +54,15 @@ from segflow.runtime.nonfinite import (
     nonfinite_reach,
 )
 from segflow.runtime.onednn_graph import OneDnnGraphSegment
-from segflow.runtime.ort_api import RunOptions, SessionOptions, merge_keywords
-from segflow.runtime.ort_session import NodeArg, OrtSessionApi, check_run, session_providers
+from segflow.runtime.ort_api import RunOptions, SessionOptions
+from segflow.runtime.ort_session import (
+    NodeArg,
+    OrtSessionApi,
+    check_run,
+    node_args,
+)
 from segflow.runtime.plan import Plan, make_plan
-from segflow.runtime.providers import ProviderSpec, resolve_providers
+from segflow.runtime.providers import ProviderSpec
 from segflow.runtime.stats import RunStats
 from segflow.settings import BulkSettings, engine_for_plan, resolve_engine
 
@@ -100,19 +103,15 @@ class PendingRun:
 class InferenceSession(OrtSessionApi):
     """Load, plan and bind a model once; run it many times.
 
-    The positional arguments are onnxruntime's (``sess_options``, ``providers``,
-    ``provider_options``; see :mod:`segflow.runtime.ort_api` and
-    :mod:`segflow.runtime.providers`); segflow's own settings are keywords and win
-    over what ``sess_options`` sets.
+    The positional arguments are onnxruntime's (:mod:`segflow.runtime.ort_api`,
+    :mod:`segflow.runtime.providers`); segflow's settings are keywords, which win over
+    what ``sess_options`` sets.
 
     Args:
         model: path to an ONNX file, serialized bytes, or a ``ModelProto``.
-        sess_options: a :class:`segflow.SessionOptions`. A device string here is refused
-            with the keyword to use (``device=``): this slot took the device before it
-            took onnxruntime's options, and a warning that accepted it would leave two
-            meanings for one argument.
-        providers: onnxruntime provider names (or ``(name, options)`` tuples) choosing the
-            device: ``CUDAExecutionProvider`` (``device_id``) or ``CPUExecutionProvider``.
+        sess_options: a :class:`segflow.SessionOptions`. A device here is refused, naming
+            ``device=``: accepting it would leave one argument two meanings.
+        providers: provider names or ``(name, options)`` tuples, choosing the device.
         provider_options: one options dict per provider.
         device: ``"cpu"`` (default), ``"cpu:N"`` or ``"cuda:N"``; given with
             ``providers``, the two must agree.
@@ -156,18 +155,11 @@ class InferenceSession(OrtSessionApi):
         explicit = {"bulk": bulk, "engine": engine, "sync_mode": sync_mode,
                     "cuda_graphs": cuda_graphs, "optimize": optimize, "compile": compile,
                     "intra_op_threads": intra_op_threads, "host_memory": host_memory}
-        # What set_providers needs to build the session again on other providers.
-        self._source: tuple[ModelSource, SessionOptions | None, dict[str, Any]] = (
-            model, sess_options, {**explicit, "device": device, "placement": placement,
-                                  "registry": registry, "stream_backend": stream_backend})
-        config = merge_keywords(sess_options, explicit)
-        self._sess_options = sess_options if sess_options is not None else SessionOptions()
-        self._providers = session_providers(device, resolve_providers(providers,
-                                                                      provider_options))
-        self.device = self._providers.device
-        profile = (SessionProfile(self._sess_options.profile_file_prefix,
-                                  self._providers.providers[0], load_start)
-                   if self._sess_options.enable_profiling else None)
+        others = {"device": device, "placement": placement, "registry": registry,
+                  "stream_backend": stream_backend}
+        # The settings sess_options and the keywords make together; sets self.device.
+        config, profile = self._setup(model, sess_options, providers, provider_options,
+                                      explicit, others, load_start)
         self.registry = registry or default_registry()
         proto = load_model(model)
         self.graph = import_model(proto, self.registry)
@@ -178,8 +170,8 @@ class InferenceSession(OrtSessionApi):
             profile.session_span(f"model_loading_{kind}", load_start, time.perf_counter_ns())
         init_start = time.perf_counter_ns()
         # onnxruntime describes the model's inputs and outputs as declared, before passes.
-        self._input_args = [_node_arg(v, self.model_info) for v in self.graph.inputs]
-        self._output_args = [_node_arg(v, self.model_info) for v in self.graph.outputs]
+        self._input_args = node_args(self.graph.inputs, self.model_info)
+        self._output_args = node_args(self.graph.outputs, self.model_info)
         self.settings = BulkSettings.resolve(inference=config.get("bulk"))
         self.engine_name = resolve_engine(config.get("engine"))
         self.options = OptimizeOptions.resolve(config.get("optimize"),
@@ -205,22 +197,11 @@ class InferenceSession(OrtSessionApi):
         weights_finite = not self._holds_nonfinite(
             v.const for v in self.graph.initializers.values() if v.const is not None)
         carried = nonfinite_reach(self.graph, self.registry)[1] if weights_finite else None
-        pass_device = None if placement else self.device
-        written: tuple[str, ...] = ()
-        if self._sess_options.optimized_model_filepath:
-            written = self._write_optimized(self._sess_options.optimized_model_filepath,
-                                            pass_device)
-        before = [(n.domain, n.op_type) for n in self.graph.nodes]
-        pipeline = run_pipeline(self.graph, self.options, registry=self.registry,
-                                device=pass_device, target=self.target)
-        if written and (before != [(n.domain, n.op_type) for n in self.graph.nodes]
-                        or len(pipeline.choices)):
-            warnings.warn(f"optimized_model_filepath: {written[0]} holds the graph after "
-                          "constant folding and the basic fusions; segflow's further passes "
-                          "make fused ops and packed weights that have no ONNX form",
-                          stacklevel=2)
+        # With optimized_model_filepath set, the ONNX-expressible passes run first and
+        # their graph is written (runtime/ort_session.py); their log lines lead.
+        pipeline, written = self._run_passes(None if placement else self.device)
         self.plan: Plan = make_plan(self.graph, self.registry, self.settings, self.device,
-                                    placement, pass_log=(*written[1:], *pipeline.log),
+                                    placement, pass_log=(*written, *pipeline.log),
                                     memory=pipeline.memory, choices=pipeline.choices)
         memory = self.plan.memory
         self.engine_name = engine_for_plan(self.engine_name,
@@ -521,10 +502,4 @@ def _storage(tensor: Tensor) -> int:
         return id(tensor)
     return tensor.untyped_storage().data_ptr()
 
-
-def _node_arg(value: Value, info: ModelInfo) -> NodeArg:
-    spec = value.spec
-    type_name = f"tensor({spec.dtype.onnx_name})" if spec.dtype else "tensor(unknown)"
-    shape = [info.reported_dim(d) for d in spec.shape] if spec.shape is not None else []
-    return NodeArg(value.name, type_name, shape, spec.dtype)
 
