@@ -204,9 +204,9 @@ class ModelCache:
 def segflow_runner(model: onnx.ModelProto, feeds: Feeds, mode: Mode, cfg: Config
                    ) -> tuple[RunFn, segflow.InferenceSession]:
     backend = FakeBackend() if cfg.fake_streams else None
-    sess = segflow.InferenceSession(model, cfg.device, bulk=mode.bulk, engine=mode.engine,
-                                    sync_mode=mode.sync_mode, cuda_graphs=mode.cuda_graphs,
-                                    stream_backend=backend)
+    sess = segflow.InferenceSession(model, device=cfg.device, bulk=mode.bulk,
+                                    engine=mode.engine, sync_mode=mode.sync_mode,
+                                    cuda_graphs=mode.cuda_graphs, stream_backend=backend)
     if mode.pipelined:
         # Two runs in flight: each call launches one and waits for the one before, so
         # p50 is the interval between results and busy is the device's share of it.

@@ -63,9 +63,9 @@ def probe(name: str, device: str, out: str | None, trace: bool) -> dict[str, obj
     model = models.build(name)
     feeds = models.example_inputs(name, batch_size=1)
     row: dict[str, object] = {}
-    sess = segflow.InferenceSession(model, device, cuda_graphs=True)
+    sess = segflow.InferenceSession(model, device=device, cuda_graphs=True)
     row["graphs"] = p50_ms(lambda: sess.run(None, feeds))
-    copy = segflow.InferenceSession(model, device, cuda_graphs=True)
+    copy = segflow.InferenceSession(model, device=device, cuda_graphs=True)
     copy._executor.completion.io_on_compute = False  # type: ignore[attr-defined]
     row["graphs copy stream"] = p50_ms(lambda: copy.run(None, feeds))
     on_device = {k: torch.from_numpy(v).to(device) for k, v in feeds.items()}

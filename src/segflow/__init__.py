@@ -24,7 +24,17 @@ from segflow.errors import (
 )
 
 if TYPE_CHECKING:
+    from segflow.frontend.model_info import ModelMetadata
     from segflow.profiler import profile
+    from segflow.runtime.io_binding import IOBinding, OrtValue
+    from segflow.runtime.ort_api import (
+        ExecutionMode,
+        ExecutionOrder,
+        GraphOptimizationLevel,
+        RunOptions,
+        SessionOptions,
+    )
+    from segflow.runtime.providers import get_all_providers, get_available_providers, get_device
     from segflow.runtime.session import InferenceSession, NodeArg, PendingRun
     from segflow.runtime.stats import RunStats
     from segflow.runtime.training import (
@@ -46,6 +56,18 @@ _LAZY = {
     "GradReq": "segflow.runtime.training",
     "StepResult": "segflow.runtime.training",
     "TrainingSession": "segflow.runtime.training",
+    # onnxruntime's names, so that ``import segflow as ort`` runs onnxruntime scripts.
+    "SessionOptions": "segflow.runtime.ort_api",
+    "RunOptions": "segflow.runtime.ort_api",
+    "GraphOptimizationLevel": "segflow.runtime.ort_api",
+    "ExecutionMode": "segflow.runtime.ort_api",
+    "ExecutionOrder": "segflow.runtime.ort_api",
+    "ModelMetadata": "segflow.frontend.model_info",
+    "OrtValue": "segflow.runtime.io_binding",
+    "IOBinding": "segflow.runtime.io_binding",
+    "get_all_providers": "segflow.runtime.providers",
+    "get_available_providers": "segflow.runtime.providers",
+    "get_device": "segflow.runtime.providers",
 }
 
 
@@ -67,20 +89,31 @@ __version__ = "0.1.0"
 __all__ = [
     "CrossEntropyLoss",
     "ExecutionError",
+    "ExecutionMode",
+    "ExecutionOrder",
     "GradReq",
+    "GraphOptimizationLevel",
+    "IOBinding",
     "InferenceSession",
     "InvalidInput",
     "InvalidModel",
     "InvalidSetting",
+    "ModelMetadata",
     "NativeKernelsUnavailable",
     "NodeArg",
+    "OrtValue",
     "PendingRun",
+    "RunOptions",
     "RunStats",
     "SegflowError",
     "SegflowWarning",
+    "SessionOptions",
     "StepResult",
     "TrainingSession",
     "UnsupportedOp",
     "__version__",
+    "get_all_providers",
+    "get_available_providers",
+    "get_device",
     "profile",
 ]

@@ -43,8 +43,8 @@ def _close(got: Sequence[np.ndarray], want: Sequence[np.ndarray]) -> None:
 
 @pytest.mark.parametrize("engine", ["inline", "threaded"])
 def test_capture_once_then_replay(resnet18, engine):
-    plain = segflow.InferenceSession(resnet18, DEVICE, engine="inline")
-    sess = segflow.InferenceSession(resnet18, DEVICE, engine=engine, cuda_graphs=True)
+    plain = segflow.InferenceSession(resnet18, device=DEVICE, engine="inline")
+    sess = segflow.InferenceSession(resnet18, device=DEVICE, engine=engine, cuda_graphs=True)
     graph = sess._executor.completion.graphs[0]
     syncs = []
     for _ in range(4):
@@ -56,8 +56,8 @@ def test_capture_once_then_replay(resnet18, engine):
 
 
 def test_replay_is_one_graph_launch_and_one_host_sync(resnet18):
-    sess = segflow.InferenceSession(resnet18, DEVICE, engine="inline", cuda_graphs=True)
-    plain = segflow.InferenceSession(resnet18, DEVICE, engine="inline")
+    sess = segflow.InferenceSession(resnet18, device=DEVICE, engine="inline", cuda_graphs=True)
+    plain = segflow.InferenceSession(resnet18, device=DEVICE, engine="inline")
     for _ in range(3):
         sess.run(None, _feeds(1))
         plain.run(None, _feeds(1))
@@ -72,8 +72,8 @@ def test_replay_is_one_graph_launch_and_one_host_sync(resnet18):
 
 
 def test_shape_change_recaptures(resnet18):
-    sess = segflow.InferenceSession(resnet18, DEVICE, engine="inline", cuda_graphs=True)
-    plain = segflow.InferenceSession(resnet18, DEVICE, engine="inline")
+    sess = segflow.InferenceSession(resnet18, device=DEVICE, engine="inline", cuda_graphs=True)
+    plain = segflow.InferenceSession(resnet18, device=DEVICE, engine="inline")
     graph = sess._executor.completion.graphs[0]
     graph.cache.capacity = 2
     for batch in (1, 1, 2, 2, 1, 3, 3, 3):
@@ -82,7 +82,7 @@ def test_shape_change_recaptures(resnet18):
 
 
 def test_outputs_do_not_alias_static_buffers(resnet18):
-    sess = segflow.InferenceSession(resnet18, DEVICE, engine="inline", cuda_graphs=True)
+    sess = segflow.InferenceSession(resnet18, device=DEVICE, engine="inline", cuda_graphs=True)
     x = _feeds(1)
     outs = [sess.run(None, x)[0] for _ in range(3)]
     kept = outs[-1].copy()
@@ -99,7 +99,7 @@ def test_bert_and_mobilenet_graphs_match_uncaptured():
         model = models.build(name, **options)
         feeds = models.example_inputs(name, batch_size=2, **options)
         want = segflow.InferenceSession(model, engine="inline").run(None, feeds)
-        sess = segflow.InferenceSession(model, DEVICE, engine="inline", cuda_graphs=True)
+        sess = segflow.InferenceSession(model, device=DEVICE, engine="inline", cuda_graphs=True)
         for _ in range(3):
             got = sess.run(None, feeds)
             for a, b in zip(got, want):
@@ -128,7 +128,7 @@ def test_failed_capture_falls_back_with_reason():
     model = helper.make_model(helper.make_graph(nodes, "g", [x], [y]),
                               opset_imports=[helper.make_opsetid("", 17),
                                              helper.make_opsetid("test", 1)])
-    sess = segflow.InferenceSession(model, DEVICE, engine="inline", cuda_graphs=True,
+    sess = segflow.InferenceSession(model, device=DEVICE, engine="inline", cuda_graphs=True,
                                     registry=_host_reading_registry())
     data = np.arange(6, dtype=np.float32).reshape(2, 3) - 2
     for _ in range(4):
@@ -140,8 +140,8 @@ def test_failed_capture_falls_back_with_reason():
 
 
 def test_run_async_two_in_flight_match_run_and_wait_once_each(resnet18):
-    sess = segflow.InferenceSession(resnet18, DEVICE, engine="inline", cuda_graphs=True)
-    plain = segflow.InferenceSession(resnet18, DEVICE, engine="inline")
+    sess = segflow.InferenceSession(resnet18, device=DEVICE, engine="inline", cuda_graphs=True)
+    plain = segflow.InferenceSession(resnet18, device=DEVICE, engine="inline")
     feeds = [_feeds(1), {"input": _feeds(1)["input"] * -0.5}]
     want = [plain.run(None, f)[0] for f in feeds]
     for _ in range(3):

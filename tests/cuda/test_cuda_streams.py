@@ -66,7 +66,7 @@ def test_backend_primitives():
 
 @pytest.mark.parametrize("engine", ["inline", "threaded"])
 def test_event_mode_one_sync_and_correct(mlp, mlp_feeds, mlp_reference, engine):
-    sess = segflow.InferenceSession(mlp, DEVICE, engine=engine, sync_mode="event")
+    sess = segflow.InferenceSession(mlp, device=DEVICE, engine=engine, sync_mode="event")
     assert isinstance(sess._executor.completion, StreamCompletion)
     for _ in range(3):
         out = sess.run(None, mlp_feeds)
@@ -76,7 +76,7 @@ def test_event_mode_one_sync_and_correct(mlp, mlp_feeds, mlp_reference, engine):
 
 
 def test_event_mode_counter_matches_cupti(mlp, mlp_feeds):
-    sess = segflow.InferenceSession(mlp, DEVICE, engine="inline", sync_mode="event")
+    sess = segflow.InferenceSession(mlp, device=DEVICE, engine="inline", sync_mode="event")
     for _ in range(3):
         sess.run(None, mlp_feeds)
     counts = count_api_calls(lambda: sess.run(None, mlp_feeds), runs=5)
@@ -84,7 +84,7 @@ def test_event_mode_counter_matches_cupti(mlp, mlp_feeds):
 
 
 def test_stream_mode_without_bulk_syncs_every_node(mlp, mlp_feeds, mlp_reference):
-    sess = segflow.InferenceSession(mlp, DEVICE, engine="inline", bulk=False,
+    sess = segflow.InferenceSession(mlp, device=DEVICE, engine="inline", bulk=False,
                                     sync_mode="stream")
     out = sess.run(None, mlp_feeds)
     np.testing.assert_allclose(out[0], mlp_reference[0], rtol=1e-5, atol=1e-5)
@@ -99,7 +99,7 @@ def test_local_op_on_cuda(mlp_feeds):
     feeds = models.example_inputs("nonzero_mid", batch_size=4)
     expected = segflow.InferenceSession(model, engine="inline").run(None, feeds)
     for mode, syncs in (("event", 2), ("stream", 4)):
-        sess = segflow.InferenceSession(model, DEVICE, sync_mode=mode)
+        sess = segflow.InferenceSession(model, device=DEVICE, sync_mode=mode)
         for _ in range(2):
             out = sess.run(None, feeds)
             np.testing.assert_allclose(out[0], expected[0], rtol=1e-5, atol=1e-5)
@@ -107,7 +107,7 @@ def test_local_op_on_cuda(mlp_feeds):
 
 
 def test_outputs_are_fresh_host_arrays(mlp, mlp_feeds):
-    sess = segflow.InferenceSession(mlp, DEVICE, engine="inline")
+    sess = segflow.InferenceSession(mlp, device=DEVICE, engine="inline")
     first = sess.run(None, mlp_feeds)[0]
     kept = first.copy()
     sess.run(None, {"x": mlp_feeds["x"] * 3})
@@ -115,7 +115,7 @@ def test_outputs_are_fresh_host_arrays(mlp, mlp_feeds):
 
 
 def test_run_tensors_accepts_device_feeds(mlp, mlp_feeds, mlp_reference):
-    sess = segflow.InferenceSession(mlp, DEVICE, engine="inline")
+    sess = segflow.InferenceSession(mlp, device=DEVICE, engine="inline")
     x = torch.from_numpy(mlp_feeds["x"]).to(DEVICE)
     (y,) = sess.run_tensors({"x": x})
     assert y.is_cuda and sess.last_run_stats.syncs == 1
@@ -123,7 +123,7 @@ def test_run_tensors_accepts_device_feeds(mlp, mlp_feeds, mlp_reference):
 
 
 def test_concurrent_runs(mlp, mlp_feeds, mlp_reference):
-    sess = segflow.InferenceSession(mlp, DEVICE, engine="threaded", bulk=False)
+    sess = segflow.InferenceSession(mlp, device=DEVICE, engine="threaded", bulk=False)
     errors: list[BaseException] = []
 
     def worker() -> None:
@@ -144,7 +144,7 @@ def test_concurrent_runs(mlp, mlp_feeds, mlp_reference):
 
 def test_host_only_constants_stay_on_the_host_for_bert():
     model = models.build("bert_tiny", seq_len=16)
-    sess = segflow.InferenceSession(model, DEVICE, engine="inline")
+    sess = segflow.InferenceSession(model, device=DEVICE, engine="inline")
     graph = sess.graph
     for node in graph.nodes:
         if node.op_type == "Reshape":
@@ -158,7 +158,7 @@ def test_builtin_models_match_cpu(name):
     model = models.build(name, **options)
     feeds = models.example_inputs(name, batch_size=2, **options)
     expected = segflow.InferenceSession(model, engine="inline").run(None, feeds)
-    sess = segflow.InferenceSession(model, DEVICE, sync_mode="event")
+    sess = segflow.InferenceSession(model, device=DEVICE, sync_mode="event")
     for _ in range(2):
         outs = sess.run(None, feeds)
         for got, want in zip(outs, expected):

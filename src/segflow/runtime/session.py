@@ -12,9 +12,10 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -24,7 +25,8 @@ import torch
 from segflow.engine import make_engine
 from segflow.engine.streams import StreamBackend
 from segflow.errors import InvalidInput
-from segflow.frontend.onnx_import import import_model
+from segflow.frontend.model_info import ModelInfo, describe_model
+from segflow.frontend.onnx_import import import_model, load_model
 from segflow.ir.graph import Value
 from segflow.ir.types import Device, DeviceKind, DType
 from segflow.kernels.native.build import describe_cache as describe_native_cache
@@ -36,9 +38,8 @@ from segflow.passes.pipeline import (
     CompileMode,
     OptimizeOptions,
     configure_threads,
-    run_pipeline,
 )
-from segflow.profiler.sink import active_sink
+from segflow.profiler.sink import EventSink, active_sink
 from segflow.runtime.aot_inductor import AotInductorSegment
 from segflow.runtime.arena import ArenaPool
 from segflow.runtime.compile import SegmentCompiler
@@ -53,7 +54,15 @@ from segflow.runtime.nonfinite import (
     nonfinite_reach,
 )
 from segflow.runtime.onednn_graph import OneDnnGraphSegment
+from segflow.runtime.ort_api import RunOptions, SessionOptions
+from segflow.runtime.ort_session import (
+    NodeArg,
+    OrtSessionApi,
+    check_run,
+    node_args,
+)
 from segflow.runtime.plan import Plan, make_plan
+from segflow.runtime.providers import ProviderSpec
 from segflow.runtime.stats import RunStats
 from segflow.settings import BulkSettings, engine_for_plan, resolve_engine
 
@@ -61,14 +70,7 @@ Tensor = torch.Tensor
 ModelSource = str | os.PathLike[str] | bytes | onnx.ModelProto
 
 
-@dataclass(frozen=True, slots=True)
-class NodeArg:
-    """An input or output description, like onnxruntime's NodeArg."""
-
-    name: str
-    type: str
-    shape: list[int | str | None]
-    dtype: DType | None
+__all__ = ["InferenceSession", "NodeArg", "PendingRun"]
 
 
 class PendingRun:
@@ -98,12 +100,21 @@ class PendingRun:
         return self._arrays
 
 
-class InferenceSession:
+class InferenceSession(OrtSessionApi):
     """Load, plan and bind a model once; run it many times.
+
+    The positional arguments are onnxruntime's (:mod:`segflow.runtime.ort_api`,
+    :mod:`segflow.runtime.providers`); segflow's settings are keywords, which win over
+    what ``sess_options`` sets.
 
     Args:
         model: path to an ONNX file, serialized bytes, or a ``ModelProto``.
-        device: ``"cpu"`` (default), ``"cpu:N"`` or ``"cuda:N"``.
+        sess_options: a :class:`segflow.SessionOptions`. A device here is refused, naming
+            ``device=``: accepting it would leave one argument two meanings.
+        providers: provider names or ``(name, options)`` tuples, choosing the device.
+        provider_options: one options dict per provider.
+        device: ``"cpu"`` (default), ``"cpu:N"`` or ``"cuda:N"``; given with
+            ``providers``, the two must agree.
         bulk: bulk inference segments (None: ``SEGFLOW_BULK_INFERENCE``, default on).
         engine: ``"auto"``, ``"inline"`` or ``"threaded"`` (None: ``SEGFLOW_ENGINE``, default
             auto: threaded when the plan spans devices, inline otherwise).
@@ -132,22 +143,52 @@ class InferenceSession:
             sizes re-plan for theirs; this only sets the plan ``explain()`` shows.
     """
 
-    def __init__(self, model: ModelSource, device: str | Device = "cpu", *,
+    def __init__(self, model: ModelSource, sess_options: SessionOptions | None = None,
+                 providers: Sequence[ProviderSpec] | None = None,
+                 provider_options: Sequence[Mapping[str, Any]] | None = None, *,
+                 device: str | Device | None = None,
                  bulk: bool | None = None, engine: str | None = None,
                  placement: Mapping[str, str | Device] | None = None,
-                 registry: OpRegistry | None = None, sync_mode: str = "event",
-                 cuda_graphs: bool = False, stream_backend: StreamBackend | None = None,
+                 registry: OpRegistry | None = None, sync_mode: str | None = None,
+                 cuda_graphs: bool | None = None, stream_backend: StreamBackend | None = None,
                  optimize: bool | Mapping[str, bool] | None = None, compile: str | None = None,
                  intra_op_threads: int | None = None,
                  host_memory: str | None = None,
                  dims: Mapping[str, int] | None = None) -> None:
-        self.device = Device.parse(device)
+        load_start = time.perf_counter_ns()
+        explicit = {"bulk": bulk, "engine": engine, "sync_mode": sync_mode,
+                    "cuda_graphs": cuda_graphs, "optimize": optimize, "compile": compile,
+                    "intra_op_threads": intra_op_threads, "host_memory": host_memory}
+        others = {"device": device, "placement": placement, "registry": registry,
+                  "stream_backend": stream_backend, "dims": dims}
+        # The settings sess_options and the keywords make together; sets self.device.
+        config, profile = self._setup(model, sess_options, providers, provider_options,
+                                      explicit, others, load_start)
         self.registry = registry or default_registry()
-        self.graph = import_model(model, self.registry)
-        self.settings = BulkSettings.resolve(inference=bulk)
-        self.engine_name = resolve_engine(engine)
-        self.options = OptimizeOptions.resolve(optimize, compile=compile,
-                                               intra_op_threads=intra_op_threads)
+        proto = load_model(model)
+        self.graph = import_model(proto, self.registry)
+        self.model_info: ModelInfo = describe_model(proto)
+        del proto   # the graph holds the weights now
+        if profile is not None:
+            kind = "uri" if isinstance(model, str | os.PathLike) else "array"
+            profile.session_span(f"model_loading_{kind}", load_start, time.perf_counter_ns())
+        init_start = time.perf_counter_ns()
+        # onnxruntime describes the model's inputs and outputs as declared, before passes.
+        self._input_args = node_args(self.graph.inputs, self.model_info)
+        self._output_args = node_args(self.graph.outputs, self.model_info)
+        self.settings = BulkSettings.resolve(inference=config.get("bulk"))
+        self.engine_name = resolve_engine(config.get("engine"))
+        self.options = OptimizeOptions.resolve(config.get("optimize"),
+                                               compile=config.get("compile"),
+                                               intra_op_threads=config.get("intra_op_threads"))
+        # SessionOptions' enable_cpu_mem_arena and log_severity_level reach options no
+        # keyword sets.
+        self.options = replace(self.options,
+                               arena=self.options.arena and config.get("arena", True),
+                               debug=max(self.options.debug, config.get("debug", 0)))
+        sync_mode = config.get("sync_mode", "event")
+        cuda_graphs = bool(config.get("cuda_graphs", False))
+        host_memory = config.get("host_memory")
         threads = configure_threads(self.options)
         memory_policy = apply_host_memory(HostMemory.resolve(host_memory), self.device)
         # Weights holding NaN or Inf: no kernel may lose them (runtime/nonfinite.py).
@@ -160,12 +201,12 @@ class InferenceSession:
         weights_finite = not self._holds_nonfinite(
             v.const for v in self.graph.initializers.values() if v.const is not None)
         carried = nonfinite_reach(self.graph, self.registry)[1] if weights_finite else None
-        pipeline = run_pipeline(self.graph, self.options, registry=self.registry,
-                                device=None if placement else self.device, target=self.target,
-                                dims=dims)
+        # With optimized_model_filepath set, the ONNX-expressible passes run first and
+        # their graph is written (runtime/ort_session.py); their log lines lead.
+        pipeline, written = self._run_passes(None if placement else self.device, dims)
         self.plan: Plan = make_plan(self.graph, self.registry, self.settings, self.device,
-                                    placement, pass_log=pipeline.log, memory=pipeline.memory,
-                                    choices=pipeline.choices)
+                                    placement, pass_log=(*written, *pipeline.log),
+                                    memory=pipeline.memory, choices=pipeline.choices)
         memory = self.plan.memory
         self.engine_name = engine_for_plan(self.engine_name,
                                            {s.device for s in self.plan.segments})
@@ -234,13 +275,19 @@ class InferenceSession:
         # intermediates) goes back to the OS: under host_memory="retain" glibc would
         # keep it (runtime/host_memory.py).
         self.released_at_load = release_free_heap()
+        self._profile = profile
+        self._profile_sink: EventSink | None = profile.profiler if profile is not None else None
+        if profile is not None:
+            profile.session_span("session_initialization", init_start, time.perf_counter_ns())
 
     # -- description -------------------------------------------------------------------
     def get_inputs(self) -> list[NodeArg]:
-        return [_node_arg(v) for v in self.graph.inputs]
+        """The model's inputs (initializers it lets a caller override excluded)."""
+        return list(self._input_args)
 
     def get_outputs(self) -> list[NodeArg]:
-        return [_node_arg(v) for v in self.graph.outputs]
+        """The model's outputs; a dim neither the model nor a fixed size names is None."""
+        return list(self._output_args)
 
     def explain(self) -> str:
         """The segment table: index, first..last node, count, exec types, device, reason.
@@ -293,19 +340,23 @@ class InferenceSession:
         return getattr(self._local, "stats", None)
 
     # -- running -----------------------------------------------------------------------
-    def run(self, output_names: Sequence[str] | None,
-            feeds: Mapping[str, Any]) -> list[np.ndarray]:
-        """Run the model; returns numpy arrays in ``output_names`` order (None: all).
+    def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
+            run_options: RunOptions | None = None) -> list[np.ndarray]:
+        """Run the model; returns numpy arrays in ``output_names`` order (None or []: all).
 
-        On the host (inline engine) the kernels run under ``torch.inference_mode``:
-        nothing of the run can reach autograd, so torch skips that dispatch layer.
+        ``run_options``: a :class:`segflow.RunOptions`; with ``terminate`` set the run
+        raises instead. On the host (inline engine) the kernels run under
+        ``torch.inference_mode``: nothing of the run can reach autograd, so torch skips
+        that dispatch layer.
         """
-        wanted, tensors, outputs, wait = self._start(output_names, feeds)
+        if run_options is not None:
+            check_run(run_options)
+        wanted, tensors, outputs, wait = self._start(output_names, input_feed)
         wait()
         return self._arrays(wanted, tensors, outputs)
 
     def run_async(self, output_names: Sequence[str] | None,
-                  feeds: Mapping[str, Any]) -> PendingRun:
+                  input_feed: Mapping[str, Any]) -> PendingRun:
         """Start a run and return before the host waits for the device.
 
         ``result()`` on the returned :class:`PendingRun` waits (the run's one host
@@ -315,7 +366,7 @@ class InferenceSession:
         device busy. Where nothing runs asynchronously (host devices, profiled runs)
         the run is complete when this returns.
         """
-        wanted, tensors, outputs, wait = self._start(output_names, feeds)
+        wanted, tensors, outputs, wait = self._start(output_names, input_feed)
         return PendingRun(self, wanted, tensors, outputs, wait, self._local.stats)
 
     def _start(self, output_names: Sequence[str] | None, feeds: Mapping[str, Any]
@@ -326,7 +377,7 @@ class InferenceSession:
         wanted = self._output_indices(output_names)
         executor = self._executor_for(tensors)
         with self._numpy_run_mode():
-            outputs, stats, wait = executor.start(tensors, active_sink(),
+            outputs, stats, wait = executor.start(tensors, active_sink() or self._profile_sink,
                                                   host_outputs=True, dims=dims)
         self._local.stats = self._sized(stats, dims)
         return wanted, tensors, outputs, wait
@@ -373,12 +424,19 @@ class InferenceSession:
         The outputs are ordinary tensors (not inference tensors), usable with autograd.
         """
         tensors, dims = self._validate(feeds)
-        outputs, stats = self._executor_for(tensors).run(tensors, active_sink(), dims=dims)
+        outputs, stats = self._executor_for(tensors).run(
+            tensors, active_sink() or self._profile_sink, dims=dims)
         self._local.stats = self._sized(stats, dims)
         return outputs
 
     def close(self) -> None:
         self._engine.close()
+
+    def _rebuild(self, providers: Sequence[ProviderSpec],
+                 provider_options: Sequence[Mapping[str, Any]] | None) -> None:
+        model, sess_options, keywords = self._source
+        InferenceSession.__init__(self, model, sess_options, providers, provider_options,
+                                  **{**keywords, "device": None})
 
     def __enter__(self) -> InferenceSession:
         return self
@@ -388,7 +446,7 @@ class InferenceSession:
 
     # -- helpers -----------------------------------------------------------------------
     def _output_indices(self, names: Sequence[str] | None) -> Sequence[int]:
-        if names is None:
+        if not names:   # None or [] (onnxruntime's two ways of asking for all)
             return self._all_outputs
         all_names = self._output_names
         indices = []
@@ -448,10 +506,4 @@ def _storage(tensor: Tensor) -> int:
         return id(tensor)
     return tensor.untyped_storage().data_ptr()
 
-
-def _node_arg(value: Value) -> NodeArg:
-    spec = value.spec
-    type_name = f"tensor({spec.dtype.onnx_name})" if spec.dtype else "tensor(unknown)"
-    shape = list(spec.shape) if spec.shape is not None else []
-    return NodeArg(value.name, type_name, shape, spec.dtype)
 
