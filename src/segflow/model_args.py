@@ -138,6 +138,9 @@ def add_model_args(p: argparse.ArgumentParser, with_inputs: bool = True) -> None
                    help="on CPU, keep a run's freed activation memory for the next run "
                         "(retain) or leave malloc's policy alone (system); default: "
                         "$SEGFLOW_HOST_MEMORY or retain")
+    p.add_argument("--no-progress", action="store_true",
+                   help="draw no progress display for long steps (inductor compiles, the "
+                        "native kernels' build) on stderr; it is drawn only on a terminal")
     if with_inputs:
         p.add_argument("--input", action="append", default=[], metavar="NAME=SRC",
                        help="NAME=FILE.npy or NAME=rand:1x3x224x224 (repeatable); "
