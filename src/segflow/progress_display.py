@@ -116,6 +116,7 @@ class TerminalDisplay:
             TextColumn,
             TimeElapsedColumn,
         )
+        from rich.table import Column
         from rich.text import Text
 
         class FractionBar(BarColumn):
@@ -126,9 +127,11 @@ class TerminalDisplay:
 
         console = Console(file=self.stream, force_terminal=True)
         # Time first: a long description is cut at the terminal's edge, the time is not.
-        return Progress(SpinnerColumn(), TimeElapsedColumn(), FractionBar(bar_width=24),
-                        TaskProgressColumn(), TextColumn("{task.description}"),
-                        console=console, transient=True)
+        return Progress(SpinnerColumn(), TimeElapsedColumn(table_column=Column(min_width=7)),
+                        FractionBar(bar_width=24), TaskProgressColumn(),
+                        TextColumn("{task.description}", table_column=Column(
+                            ratio=1, no_wrap=True, overflow="ellipsis")),
+                        console=console, transient=True, expand=True)
 
 
 @contextlib.contextmanager
