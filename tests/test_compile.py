@@ -171,6 +171,8 @@ def test_inductor_backend_matches_onnxruntime_and_caches_on_disk(tmp_path, monke
 
 @pytest.mark.slow
 def test_auto_runs_a_cached_inductor_package_and_never_compiles_one(tmp_path, monkeypatch):
+    from segflow.cache_descriptions import PackageDescription
+    from segflow.cache_store import ArtifactStore
     from segflow.runtime.aot_inductor import AotInductorSegment
 
     auto = _small_mlp_sessions(tmp_path, monkeypatch, "auto")
@@ -184,6 +186,14 @@ def test_auto_runs_a_cached_inductor_package_and_never_compiles_one(tmp_path, mo
     warm = auto()  # the package the inductor session left in the cache
     assert warm.compile_report.cache_hits == 1 and warm.compile_report.fallbacks == []
     assert "1 segments run cached inductor packages" in warm.compile_report.describe()
+    # The package was written with its description, which the report reads back.
+    [used] = warm.compile_report.cached_packages
+    [package] = tmp_path.rglob("*.pt2")
+    assert (used.segment, used.name) == (0, package.name) and used.created > 0
+    described = PackageDescription.parse(ArtifactStore.inspect("aoti").description(package.name))
+    assert described is not None and described.model.name == "mlp_chain"
+    assert [(s.dtype, s.shape) for s in described.inputs] == [("float32", (1, 16))]
+    assert "disk cache: using 1 cached inductor package for segment 0" in warm.explain()
     counters = ("segments", "pushes", "syncs", "kernels", "copies")
     assert [getattr(warm.last_run_stats, c) for c in counters] == \
         [getattr(cold.last_run_stats, c) for c in counters]

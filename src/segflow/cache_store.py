@@ -29,6 +29,13 @@ the cache root are not checked: whoever may rename them can replace the whole
 cache, so keep the cache under a directory only you can write (the default,
 ``~/.cache/segflow``, is).
 
+Beside an artifact the store may keep its description, ``<name>.json``: what it was
+built from, for ``segflow cache --list`` (:mod:`segflow.cache_descriptions`). It is
+written with the artifact, removed with it, and read as untrusted data under the same
+checks as the artifact (not a link, owned by this user, not writable by group or
+others) and no more than ``DESCRIPTION_MAX_BYTES`` of it; one that fails them, or is
+not JSON, reads as none.
+
 Each artifact is built under a lock (``<name>.lock``, ``fcntl.flock``): of several
 processes that start together one builds it, in a ``.build-*`` directory it holds
 a lock on, and installs it by a rename; the others wait for the lock and load
@@ -49,6 +56,7 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import json
 import os
 import shutil
 import stat
@@ -59,9 +67,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from segflow import progress
 from segflow.settings import cache_dir
 
 DIGEST_SUFFIX = ".sha256"
+DESCRIPTION_SUFFIX = ".json"
+DESCRIPTION_MAX_BYTES = 64 << 10
 LOCK_SUFFIX = ".lock"
 BUILD_PREFIX = ".build-"
 STALE_BUILD_S = 60.0  # a build directory untouched this long, and unlocked, is a killed build's
@@ -152,13 +163,36 @@ class ArtifactStore:
             return problem
         return "" if actual == recorded else "hash mismatch"
 
+    def description(self, name: str) -> object:
+        """The decoded JSON kept beside the artifact ``name``, or None where there is
+        none or it fails the cache's checks (a link, another user's, writable by others,
+        over ``DESCRIPTION_MAX_BYTES``, not JSON). Data only: the caller validates it."""
+        chain = (self.root, self.directory) if self.directory == self.shared \
+            else (self.directory,)
+        if any(_untrusted_directory(directory) for directory in chain):
+            return None
+        fd, problem = _open_trusted(self.path(name + DESCRIPTION_SUFFIX))
+        if problem:
+            return None
+        with open(fd, "rb") as f:
+            text = f.read(DESCRIPTION_MAX_BYTES + 1)
+        if len(text) > DESCRIPTION_MAX_BYTES:
+            return None
+        try:
+            return json.loads(text)
+        except (ValueError, RecursionError):
+            return None
+
     def obtain(self, name: str, build: Callable[[Path], str], wait_s: float,
-               rebuild: bool = False) -> Obtained:
+               rebuild: bool = False,
+               description: Mapping[str, object] | None = None) -> Obtained:
         """The artifact ``name``, verified (:meth:`check`), or built when there is none
         to trust: ``build(out)`` writes it to ``out`` and returns '' (else why not), or
         raises. One process builds it while others wait up to ``wait_s`` for its lock
         and then load what it built; past that they build a private copy.
-        ``rebuild``: the file there verified but did not load; build it again."""
+        ``rebuild``: the file there verified but did not load; build it again.
+        ``description``: a JSON object kept beside what this call builds (with
+        ``created``, the time it was installed, added)."""
         refused = "" if rebuild else self.check(name)
         if not rebuild and not refused:
             return Obtained(self.path(name), built=False)
@@ -167,34 +201,42 @@ class ArtifactStore:
             lock = self._open_lock(name)
         except OSError as exc:   # a read-only cache: build for this process only
             self._go_private(f"directory {self.directory} is not writable ({exc.strerror})")
-            return self._build(name, build, refused)
+            return self._build(name, build, refused, description)
         try:
-            if not _flock(lock, wait_s):
+            if not _flock(lock, wait_s, f"waiting for another process to build {name}"):
                 self._go_private(f"another process held {name}'s lock over {wait_s:.0f} s")
             elif not rebuild and not self.check(name):
                 return Obtained(self.path(name), built=False)   # the process we waited for built it
-            return self._build(name, build, refused)
+            return self._build(name, build, refused, description)
         finally:
             os.close(lock)   # releases the lock
 
-    def _build(self, name: str, build: Callable[[Path], str], refused: str) -> Obtained:
+    def _build(self, name: str, build: Callable[[Path], str], refused: str,
+               description: Mapping[str, object] | None = None) -> Obtained:
         with self._build_directory() as work:
             out = work / name
             failure = build(out)
             if failure:
                 return Obtained(None, built=False, refused=refused, failure=failure)
-            self._install(name, out)
+            self._install(name, out, description)
         return Obtained(self.path(name), built=True, refused=refused)
 
-    def _install(self, name: str, built: Path) -> None:
-        """Move a finished build into place, then its digest: a reader that sees the
-        new file with the old digest (or none) refuses it, takes the lock and waits."""
+    def _install(self, name: str, built: Path,
+                 description: Mapping[str, object] | None = None) -> None:
+        """Move a finished build into place, its description first and its digest last:
+        a reader that sees the new file with the old digest (or none) refuses it, takes
+        the lock and waits."""
         mode = stat.S_IMODE(os.lstat(built).st_mode)
         os.chmod(built, mode & ~0o022)   # a umask of 002 must not make our own build untrusted
         digest = built.with_name(name + DIGEST_SUFFIX)
         with open(built, "rb") as f:
             digest.write_text(f"{_sha256(f)}  {name}\n")
         os.chmod(digest, 0o644)
+        if description is not None:
+            described = built.with_name(name + DESCRIPTION_SUFFIX)
+            described.write_text(json.dumps({**description, "created": time.time()}))
+            os.chmod(described, 0o644)
+            os.replace(described, self.path(name + DESCRIPTION_SUFFIX))
         os.replace(built, self.path(name))
         os.replace(digest, self.path(name + DIGEST_SUFFIX))
 
@@ -247,8 +289,9 @@ class ArtifactStore:
         return Cleared(files, freed, partial, (*skipped, *more))
 
     def clear(self, suffix: str) -> Cleared:
-        """Delete every artifact named ``*suffix`` (with its digest and free lock) and
-        stale partial builds; a link is skipped, never followed."""
+        """Delete every artifact named ``*suffix`` (with its digest, description and free
+        lock), descriptions left without theirs, and stale partial builds; a link is
+        skipped, never followed."""
         for directory in (self.root, self.directory):
             try:
                 if stat.S_ISLNK(os.lstat(directory).st_mode):
@@ -263,6 +306,9 @@ class ArtifactStore:
                 skipped.append(problem)
             else:
                 files, freed = files + 1, freed + size
+        for _, _, orphan in self._entries(suffix + DESCRIPTION_SUFFIX):   # artifact gone
+            with contextlib.suppress(OSError):
+                orphan.unlink()
         with contextlib.suppress(OSError), os.scandir(self.directory) as entries:
             skipped += [f"{e.path} (a symbolic link, not followed)" for e in entries
                         if e.is_symlink()]
@@ -284,16 +330,17 @@ class ArtifactStore:
         return sorted(found)
 
     def _remove(self, path: Path) -> str:
-        """Delete an artifact, its digest and (if no process holds it) its lock; '' or
-        why it stayed."""
+        """Delete an artifact, its digest, its description and (if no process holds it)
+        its lock; '' or why it stayed."""
         try:
             path.unlink()
         except FileNotFoundError:   # another process removed it first
             pass
         except OSError as exc:
             return f"{path} ({exc.strerror})"
-        with contextlib.suppress(FileNotFoundError):
-            path.with_name(path.name + DIGEST_SUFFIX).unlink()
+        for suffix in (DIGEST_SUFFIX, DESCRIPTION_SUFFIX):
+            with contextlib.suppress(FileNotFoundError):
+                path.with_name(path.name + suffix).unlink()
         lock = path.with_name(path.name + LOCK_SUFFIX)
         with contextlib.suppress(OSError):
             fd = os.open(lock, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -426,19 +473,27 @@ def _private_directory(kind: str) -> Path:
     return directory
 
 
-def _flock(fd: int, wait_s: float) -> bool:
-    """Take an exclusive lock on ``fd``, waiting up to ``wait_s``; whether it was taken."""
+def _flock(fd: int, wait_s: float, waiting: str = "") -> bool:
+    """Take an exclusive lock on ``fd``, waiting up to ``wait_s``; whether it was taken.
+    A wait is announced as the step ``waiting`` (:mod:`segflow.progress`): another
+    process's build can take minutes."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        pass
     deadline = time.monotonic() + wait_s
     pause = 0.005
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(pause)
-            pause = min(2 * pause, 0.1)
+    with progress.step(waiting or "waiting for another process's build"):
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(pause)
+                pause = min(2 * pause, 0.1)
 
 
 def _is_stale_build(path: str, now: float) -> bool:

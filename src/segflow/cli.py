@@ -28,6 +28,8 @@ from segflow.model_args import (
     open_model,
     positive_int,
 )
+from segflow.progress import Topic
+from segflow.progress_display import shown
 
 
 # -- subcommands ------------------------------------------------------------------------
@@ -167,6 +169,11 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 
 
 def _cmd_cache(args: argparse.Namespace) -> int:
+    import time
+    from pathlib import Path
+    from typing import Any
+
+    from segflow.cache_descriptions import NativeBuildDescription, PackageDescription, age
     from segflow.cache_store import ArtifactStore
     from segflow.kernels.native.build import cached_builds, clear_builds
     from segflow.runtime.aot_inductor import cached_packages, clear_packages
@@ -189,12 +196,28 @@ def _cmd_cache(args: argparse.Namespace) -> int:
     print(f"{len(sizes)} packages, {sum(sizes) / (1 << 20):.1f} MiB "
           f"(cap {cache_max_bytes() >> 20} MiB: $SEGFLOW_CACHE_MAX_MB; least recently used "
           "packages are evicted when a new one is written)")
+    now = time.time()
+
+    def entry(store: ArtifactStore, path: Path, parse: Callable[[object], Any]) -> str:
+        """One listed artifact: what its description says (read as untrusted data), its
+        size, and when it was built (else last used)."""
+        described = parse(store.description(path.name))
+        st = path.stat()
+        size = f"{st.st_size / (1 << 20):.1f} MiB"
+        if described is None:
+            return f"  {path.name}  (no description)  {size}  used {age(now - st.st_mtime)}"
+        return f"  {described.describe()}  {size}  built {age(now - described.created)}  " \
+               f"[{path.name}]"
+
     if args.list:
-        for path, size in zip(listed, sizes):
-            print(f"  {path.name}  {size / (1 << 20):8.1f} MiB")
+        for path in listed:
+            print(entry(packages, path, PackageDescription.parse))
     builds = cached_builds()
     print(f"native kernels: {native.shared}: {len(builds)} builds, "
           f"{sum(p.stat().st_size for p in builds) / (1 << 20):.1f} MiB (rebuilt on demand)")
+    if args.list:
+        for path in builds:
+            print(entry(native, path, NativeBuildDescription.parse))
     for store in (packages, native):
         if store.distrust:
             print(f"not trusted: {store.distrust}; each process builds its own "
@@ -339,10 +362,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.rest = [*args.rest, *extra]
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    # Long steps show on stderr while they run (a terminal only); notices once, at the end,
+    # with the flags that change what they say, which the library does not know.
+    hints = {Topic.CACHED_PACKAGES: "--compile codegen runs without them, "
+                                    "segflow cache --clear removes them"}
     try:
         with warnings.catch_warnings():
             warnings.showwarning = _show_warning
-            return int(args.func(args))
+            with shown(steps=not getattr(args, "no_progress", False), hints=hints):
+                return int(args.func(args))
     except KeyboardInterrupt:
         return 130
     except Exception as exc:

@@ -462,4 +462,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="on CPU, keep a run's freed activation memory for the next run "
                         "(retain) or leave malloc's policy alone (system); default: "
                         "$SEGFLOW_HOST_MEMORY or retain")
+    p.add_argument("--no-progress", action="store_true",
+                   help="draw no progress display for long steps (inductor compiles, the "
+                        "native kernels' build) on stderr; it is drawn only on a terminal")
     add_input_args(p)

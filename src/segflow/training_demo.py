@@ -19,6 +19,8 @@ import numpy as np
 from segflow.frontend.builder import GraphBuilder
 from segflow.ir.types import DType
 from segflow.optim import SGD, Adam, Optimizer
+from segflow.progress import listening, step
+from segflow.progress_display import shown
 from segflow.runtime.training import CrossEntropyLoss, TrainingSession
 
 
@@ -86,10 +88,8 @@ def load_data(seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.nda
 
 def train(epochs: int = 12, batch_size: int = 32, lr: float = 0.05, optimizer: str = "sgd",
           seed: int = 0, engine: str | None = None, progress: bool = True) -> DemoResult:
-    """Train and evaluate; prints a progress bar and one line per epoch when ``progress``."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
+    """Train and evaluate; when ``progress``, shows each epoch as a step
+    (:mod:`segflow.progress`: a bar on a terminal's stderr) and prints a line after it."""
     x_train, y_train, x_test, y_test = load_data(seed)
     opt: Optimizer = (SGD(lr=lr, momentum=0.9, weight_decay=1e-4) if optimizer == "sgd"
                       else Adam(lr=lr))
@@ -97,32 +97,31 @@ def train(epochs: int = 12, batch_size: int = 32, lr: float = 0.05, optimizer: s
                            optimizer=opt, engine=engine)
     rng = np.random.default_rng(seed)
     steps = -(-len(x_train) // batch_size)
-    console = Console(quiet=not progress)
     records: list[EpochRecord] = []
     start = time.perf_counter()
-    columns = (TextColumn("[bold]epoch {task.fields[epoch]}"), BarColumn(),
-               MofNCompleteColumn(), TextColumn("loss {task.fields[loss]:.4f}"))
-    with Progress(*columns, console=console, transient=True, disable=not progress) as bar:
+    # The first epoch also builds the training plan's kernels: seconds before a line shows.
+    with shown() if progress else listening(None):
         for epoch in range(1, epochs + 1):
             t0 = time.perf_counter()
-            task = bar.add_task("train", total=steps, epoch=f"{epoch}/{epochs}", loss=0.0)
             order = rng.permutation(len(x_train))
             total_loss, correct = 0.0, 0
-            for i in range(steps):
-                idx = order[i * batch_size:(i + 1) * batch_size]
-                result = sess.step({"image": x_train[idx], "label": y_train[idx]})
-                total_loss += result.loss * len(idx)
-                correct += int((result.outputs["logits"].argmax(1) == y_train[idx]).sum())
-                bar.update(task, advance=1, loss=result.loss)
-            bar.remove_task(task)
+            with step(f"epoch {epoch}/{epochs}", 0.0) as bar:
+                for i in range(steps):
+                    idx = order[i * batch_size:(i + 1) * batch_size]
+                    result = sess.step({"image": x_train[idx], "label": y_train[idx]})
+                    total_loss += result.loss * len(idx)
+                    correct += int((result.outputs["logits"].argmax(1) == y_train[idx]).sum())
+                    bar.update((i + 1) / steps,
+                               f"epoch {epoch}/{epochs}  loss {result.loss:.4f}")
             logits, = sess.predict({"image": x_test})
             record = EpochRecord(epoch, total_loss / len(x_train), correct / len(x_train),
                                  float((logits.argmax(1) == y_test).mean()),
                                  time.perf_counter() - t0)
             records.append(record)
-            console.print(f"epoch {epoch:2d}/{epochs}  loss {record.loss:.4f}  "
-                          f"train acc {record.train_accuracy:6.2%}  "
-                          f"test acc {record.test_accuracy:6.2%}  ({record.seconds:.2f} s)")
+            if progress:
+                print(f"epoch {epoch:2d}/{epochs}  loss {record.loss:.4f}  "
+                      f"train acc {record.train_accuracy:6.2%}  "
+                      f"test acc {record.test_accuracy:6.2%}  ({record.seconds:.2f} s)")
     seconds = time.perf_counter() - start
     explain = sess.explain()
     sess.close()

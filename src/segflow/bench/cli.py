@@ -7,9 +7,8 @@ the model arguments they share with it live in :mod:`segflow.model_args`.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 
+from segflow import progress
 from segflow.bench import baseline as gate
 from segflow.bench.modes import DEFAULT_MODELS, DEFAULT_MODES, DEFAULT_PEERS, MODES
 from segflow.model_args import (
@@ -24,39 +23,13 @@ from segflow.model_args import (
     positive_float,
     positive_int,
 )
+from segflow.progress_display import shown
 
 DEFAULT_SECONDS = 8.0  # timed seconds per model; keeps the default set under ~2 minutes
 
 
 def _csv(text: str) -> tuple[str, ...]:
     return tuple(t.strip() for t in text.split(",") if t.strip() and t.strip() != "none")
-
-
-@contextmanager
-def _progress_bar(enabled: bool) -> Iterator[Callable[[str, float], None] | None]:
-    """A rich progress bar on stderr (only on a terminal, and only if rich is installed)."""
-    if not enabled:
-        yield None
-        return
-    try:
-        from rich.console import Console
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-    except ImportError:
-        yield None
-        return
-    console = Console(stderr=True)
-    if not console.is_terminal:
-        yield None
-        return
-    with Progress(TextColumn("{task.description:<48}"), BarColumn(),
-                  TextColumn("{task.percentage:>3.0f}%"), TimeElapsedColumn(),
-                  console=console, transient=True) as bar:
-        task = bar.add_task("segflow bench", total=1.0)
-
-        def update(text: str, fraction: float) -> None:
-            bar.update(task, description=text, completed=fraction)
-
-        yield update
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -83,8 +56,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         dims=tuple(args.dim))
     settings.validate()
     specs = resolve_models(args.models)
-    with _progress_bar(not args.no_progress) as progress:
-        results = run_benchmark(specs, settings, progress)
+    # The command line's display shows the step (segflow.progress); the sessions' own
+    # steps (an inductor compile) show beneath it.
+    with shown(steps=not args.no_progress), progress.step("segflow bench", 0.0) as step:
+        results = run_benchmark(specs, settings,
+                                lambda text, fraction: step.update(fraction, text))
     print(format_results(results, counters_only=counters_only))
     for result in results:
         if result.guess_note:

@@ -36,6 +36,13 @@ thread's stderr output in that window is lost.
 Like the oneDNN Graph backend, a compiled signature is used only after its
 outputs matched ``codegen`` on the same inputs (:class:`VerifiedSegment`).
 
+Each package is written with its description (:class:`segflow.cache_descriptions.
+PackageDescription`: the model, the segment, the input shapes), which ``segflow cache
+--list`` shows. Under ``auto``, a package found in the cache changes what runs (and the
+outputs in their last digits), so the compile report records it
+(:attr:`CompileReport.cached_packages`, a line in ``explain()``) and it is announced as a
+:mod:`segflow.progress` notice, which the command line prints once.
+
 Packages are kept in an :class:`segflow.cache_store.ArtifactStore`: one is loaded
 only if segflow compiled it (its recorded SHA-256) into directories only this user
 can write; anything else, and a package that fails to load, is compiled again (or,
@@ -62,9 +69,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from segflow import progress
+from segflow.cache_descriptions import ModelLabel, PackageDescription, input_signatures
 from segflow.cache_store import MISSING, ArtifactStore, Cleared, mark_used
 from segflow.ir.graph import Node
 from segflow.ops.fused import FUSED_DOMAIN
+from segflow.runtime.program import CachedPackage
 from segflow.runtime.segment_module import SegmentModule
 from segflow.runtime.verified_segment import VerifiedSegment
 from segflow.settings import cache_dir, cache_max_bytes
@@ -152,13 +162,16 @@ class AotInductorSegment(VerifiedSegment):
     sets_grad_mode = True  # a package's C++ wrapper disables autograd for its run
 
     def __init__(self, program: Program, fallback: SegmentFn, report: CompileReport,
-                 nodes: Sequence[Node], cached_only: bool = False) -> None:
+                 nodes: Sequence[Node], cached_only: bool = False, segment: int = -1,
+                 model: ModelLabel | None = None) -> None:
         """``cached_only`` (``auto``): look in the disk cache on the first call and use
         the package found there; if there is none, run ``codegen`` from then on and
-        compile nothing."""
-        super().__init__(program, fallback, report)
+        compile nothing. ``segment``, ``model``: what a package written is described
+        as (:mod:`segflow.cache_descriptions`)."""
+        super().__init__(program, fallback, report, segment)
         self.nodes = tuple(nodes)
         self.cached_only = cached_only
+        self.model = model or ModelLabel("", "", "")
 
     def _build(self, inputs: list[Tensor]) -> Callable[..., Sequence[Tensor]] | None:
         program = self.program
@@ -182,17 +195,43 @@ class AotInductorSegment(VerifiedSegment):
             else:
                 self.report.cache_hits += 1
                 mark_used(store.path(name))
+                if self.cached_only:
+                    self._announce(store, name)
                 return runner
         if problem != MISSING:
             self._note(f"{name}: not loaded: {problem}")
         if self.cached_only:
             return None
         got = store.obtain(name, lambda out: self._compile_package(inputs, options, out),
-                           wait_s=LOCK_WAIT_S, rebuild=load_failed)
+                           wait_s=LOCK_WAIT_S, rebuild=load_failed,
+                           description=self._description(inputs).to_json())
         assert got.path is not None   # a failed compile raised
         if got.built:
             self.report.evicted += store.evict(".pt2", cache_max_bytes(), keep=got.path).files
         return _load(got.path)
+
+    def _announce(self, store: ArtifactStore, name: str) -> None:
+        """Record a package ``auto`` runs instead of codegen, and say so (a notice whose
+        text covers every such package of the session so far)."""
+        described = PackageDescription.parse(store.description(name))
+        self.report.cached_packages.append(
+            CachedPackage(self.segment, name, described.created if described else 0.0))
+        progress.notice(progress.Topic.CACHED_PACKAGES, self.report.cached_packages_note())
+
+    def _description(self, inputs: list[Tensor]) -> PackageDescription:
+        import segflow
+
+        device = inputs[0].device if inputs else torch.device("cpu")
+        first, last = self._span()
+        return PackageDescription(
+            self.model, self.segment, first, last, len(self.nodes),
+            input_signatures([(t.shape, str(t.dtype)) for t in inputs]), str(device),
+            torch.__version__, segflow.__version__)
+
+    def _span(self) -> tuple[str, str]:
+        """The segment's first and last node."""
+        names = [node.name or node.op_type for node in self.nodes]
+        return (names[0], names[-1]) if names else ("", "")
 
     def _note(self, text: str) -> None:
         if text not in self.report.cache_notes:
@@ -200,6 +239,15 @@ class AotInductorSegment(VerifiedSegment):
 
     def _compile_package(self, inputs: list[Tensor], options: dict[str, Any], out: Path) -> str:
         """Export the segment for these inputs and compile its package to ``out``."""
+        first, last = self._span()
+        span = first if first == last else f"{first} .. {last}"
+        # Tens of seconds, a minute or more with autotuning: worth a spinner.
+        with progress.step(f"compiling {self.label} with inductor ({span})"):
+            self._export_and_compile(inputs, options, out)
+        return ""
+
+    def _export_and_compile(self, inputs: list[Tensor], options: dict[str, Any],
+                            out: Path) -> None:
         program = self.program
         assert program.pure_fn is not None
         device = inputs[0].device if inputs else torch.device("cpu")
@@ -218,7 +266,6 @@ class AotInductorSegment(VerifiedSegment):
         with inductor_config.patch(options), torch.no_grad(), \
                 contextlib.redirect_stderr(io.StringIO()):
             torch._inductor.aoti_compile_and_package(exported, package_path=str(out))
-        return ""
 
 
 def has_packages() -> bool:

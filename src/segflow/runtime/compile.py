@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from segflow.cache_descriptions import ModelLabel
 from segflow.engine.base import ExecType
 from segflow.errors import ExecutionError, node_failed
 from segflow.ir.graph import Node
@@ -69,7 +70,8 @@ class SegmentCompiler:
                  memory: MemoryPlan | None = None, device: torch.device | None = None,
                  cached_packages: bool = False, replay: bool = True,
                  keeps_nonfinite: Callable[[Node], bool] | None = None,
-                 target: CpuTarget | None = None) -> None:
+                 target: CpuTarget | None = None, model: object = None,
+                 model_name: str = "") -> None:
         """``cached_packages``: ``auto`` chose ``codegen``; a small segment whose
         inductor package is already in the disk cache runs that package instead
         (:func:`uses_cached_package`). Nothing is compiled for it. ``replay``: runs
@@ -77,7 +79,10 @@ class SegmentCompiler:
         ``keeps_nonfinite(node)``: the node must keep NaN and infinities
         (runtime/nonfinite.py); a segment holding one is generated, not handed to
         inductor or oneDNN Graph, whose fused kernels choose their own post-ops.
-        ``target``: the CPU the session's kernels were chosen for."""
+        ``target``: the CPU the session's kernels were chosen for. ``model`` (the
+        session's path, bytes or ModelProto) and ``model_name`` (its graph's): what the
+        packages ``inductor`` writes are described as having been compiled from (the
+        model is hashed for that under ``inductor`` only, and not kept)."""
         self.mode = CompileMode.parse(mode).resolve()
         self.memory = memory
         self.device = device or torch.device("cpu")
@@ -88,6 +93,8 @@ class SegmentCompiler:
         self.keeps_nonfinite = keeps_nonfinite
         self.target = target if target is not None else CpuTarget.detect()
         self.report = CompileReport(self.mode.value)
+        self.model = (ModelLabel.of(model, model_name) if self.mode is CompileMode.INDUCTOR
+                      else ModelLabel(model_name, "", ""))
 
     def compile_tasks(self, tasks: Sequence[tuple[Segment, Sequence[Step]]],
                       template: Sequence[Tensor | None],
@@ -114,11 +121,14 @@ class SegmentCompiler:
                 pure = generate(steps, template, live_out, None, self.device, pure=True,
                                 traceable=True, target=self.target)
                 if self.mode is CompileMode.ONEDNN:
-                    compiled.append(OneDnnGraphSegment(pure, program.fn, self.report))
+                    compiled.append(OneDnnGraphSegment(pure, program.fn, self.report,
+                                                       segment.index))
                 else:
                     nodes = [step.node for step in steps]
                     compiled.append(AotInductorSegment(pure, program.fn, self.report, nodes,
-                                                       cached_only=cached_only))
+                                                       cached_only=cached_only,
+                                                       segment=segment.index,
+                                                       model=self.model))
             else:
                 compiled.append(program.fn)
                 self.report.replays.extend(program.replays)

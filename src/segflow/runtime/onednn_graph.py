@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from segflow import progress
 from segflow.runtime.segment_module import SegmentModule
 from segflow.runtime.verified_segment import MAX_SIGNATURES, VerifiedSegment
 
@@ -65,6 +66,10 @@ class OneDnnGraphSegment(VerifiedSegment):
         program = self.program
         assert program.pure_fn is not None
         module = SegmentModule(program.pure_fn, program.constants).eval()
+        with progress.step(f"compiling {self.label} with oneDNN Graph"):
+            return self._trace_and_freeze(module, inputs)
+
+    def _trace_and_freeze(self, module: SegmentModule, inputs: list[Tensor]) -> Callable[..., Any]:
         # TorchScript warns that it is deprecated (torch >= 2.10); it is still the only way
         # to reach oneDNN Graph from torch, and this backend is optional.
         with torch.no_grad(), warnings.catch_warnings(record=True) as caught:

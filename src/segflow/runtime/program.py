@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from segflow.cache_descriptions import date
+
 if TYPE_CHECKING:
     from segflow.kernels.onednn.replay import DirectReplay
     from segflow.kernels.replay import NativeReplay
@@ -22,6 +24,15 @@ if TYPE_CHECKING:
 Tensor = torch.Tensor
 SegmentFn = Callable[..., None]
 """``fn(env)``; a generated segment's also takes the run's counts: ``fn(env, counts)``."""
+
+
+@dataclass(frozen=True, slots=True)
+class CachedPackage:
+    """An inductor package ``auto`` found in the disk cache and ran instead of codegen."""
+
+    segment: int       # the segment's index in the plan
+    name: str          # the package's file name in the cache
+    created: float     # when it was written (0: unknown, a package without a description)
 
 
 @dataclass(slots=True)
@@ -35,9 +46,33 @@ class CompileReport:
     cache_hits: int = 0                # inductor packages loaded from the disk cache
     evicted: int = 0                   # older packages deleted to keep the cache under its cap
     cache_notes: list[str] = field(default_factory=list)   # packages the cache's checks refused
+    # auto: packages found in the cache that run instead of codegen (they change what
+    # runs, and the outputs in their last digits)
+    cached_packages: list[CachedPackage] = field(default_factory=list)
     fallbacks: list[str] = field(default_factory=list)
     replays: list[DirectReplay] = field(default_factory=list)   # kernels/onednn/replay.py
     native_replays: list[NativeReplay] = field(default_factory=list)   # kernels/replay.py
+
+    def cached_packages_note(self) -> str:
+        """What ``auto`` took from the cache, in one line ('' when nothing):
+        ``using 2 cached inductor packages for segments 0, 3 (built by compile=inductor
+        on 2026-05-09 14:03)``."""
+        used = sorted(self.cached_packages, key=lambda p: p.segment)
+        if not used:
+            return ""
+        noun = "package" if len(used) == 1 else "packages"
+        where = ", ".join(str(p.segment) for p in used)
+        dates = sorted({date(p.created) for p in used if p.created})
+        when = "" if not dates else f" on {dates[0]}" if len(dates) == 1 else \
+            f" between {dates[0]} and {dates[-1]}"
+        return (f"using {len(used)} cached inductor {noun} for segment"
+                f"{'s' if len(used) > 1 else ''} {where} (built by compile=inductor{when})")
+
+    def cached_package_lines(self) -> list[str]:
+        """explain()'s line on what ran from the disk cache (none before the first run,
+        which looks packages up)."""
+        note = self.cached_packages_note()
+        return [f"disk cache: {note}"] if note else []
 
     @property
     def compile_time_s(self) -> float:

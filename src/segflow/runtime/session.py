@@ -225,7 +225,8 @@ class InferenceSession(OrtSessionApi):
         compiler = SegmentCompiler(pipeline.compile, memory, self.device.torch,
                                    cached_packages=self.options.compile is CompileMode.AUTO,
                                    replay=self.options.onednn_replay,
-                                   keeps_nonfinite=self._nonfinite.keeps, target=self.target)
+                                   keeps_nonfinite=self._nonfinite.keeps, target=self.target,
+                                   model=model, model_name=self.graph.name)
         plans = self.plan.memory_by_size
         arena = None
         if plans is not None and self.options.arena:
@@ -298,6 +299,7 @@ class InferenceSession(OrtSessionApi):
         and gave back to the OS.
         """
         lines = [*self._executor.completion.describe(), *self.kernel_report(),
+                 *self.compile_report.cached_package_lines(),
                  *self._nonfinite.describe(self.exact_runs)]
         if self.released_at_load >= 1 << 20:
             lines.append(f"load: returned {self.released_at_load / 2**20:.0f} MiB freed while "

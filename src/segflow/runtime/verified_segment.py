@@ -39,15 +39,23 @@ class VerifiedSegment:
     cpu_only = False  # inputs on another device run codegen
     sets_grad_mode = False  # the compiled callable turns autograd off itself (else: no_grad)
 
-    def __init__(self, program: Program, fallback: SegmentFn, report: CompileReport) -> None:
+    def __init__(self, program: Program, fallback: SegmentFn, report: CompileReport,
+                 segment: int = -1) -> None:
+        """``segment``: the segment's index in the plan, for what the compile announces
+        (:mod:`segflow.progress`) and records."""
         assert program.pure_fn is not None
         self.program = program
         self.fallback = fallback
         self.report = report
+        self.segment = segment
         self._lock = threading.Lock()
         # signature -> the compiled function, or None: run the fallback
         self._compiled: dict[Signature, Callable[..., Any] | None] = {}
         self.codegen_only = False  # _build said there is nothing to compile: skip the lookup
+
+    @property
+    def label(self) -> str:
+        return f"segment {self.segment}" if self.segment >= 0 else "a segment"
 
     def _build(self, inputs: list[Tensor]) -> Callable[..., Sequence[Tensor]] | None:
         """A callable ``fn(*inputs) -> outputs`` specialized for these inputs, or None:

@@ -46,6 +46,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
+from segflow import progress
+from segflow.cache_descriptions import NativeBuildDescription, cpu_name
 from segflow.cache_store import ArtifactStore, Cleared
 from segflow.errors import NativeKernelsUnavailable
 from segflow.settings import ENV_NATIVE, c_compiler, environment, native_kernels
@@ -133,15 +135,17 @@ class NativeLibrary:
             build_s[0] = time.perf_counter() - start
             return failure
 
+        described = NativeBuildDescription(version, " ".join(FLAGS[:2]), cpu_name()).to_json()
         try:
             store = ArtifactStore.open("native", env)
-            got = store.obtain(name, build, wait_s=LOCK_WAIT_S)
+            got = store.obtain(name, build, wait_s=LOCK_WAIT_S, description=described)
             loaded = _open(got.path) if got.path is not None else "not built"
             refused = got.refused
             if isinstance(loaded, str) and got.path is not None and not got.built:
                 # It passed the checks (segflow built it) yet does not load: once more.
                 refused = f"it did not load ({loaded})"
-                got = store.obtain(name, build, wait_s=LOCK_WAIT_S, rebuild=True)
+                got = store.obtain(name, build, wait_s=LOCK_WAIT_S, rebuild=True,
+                                   description=described)
                 loaded = _open(got.path) if got.path is not None else "not built"
         except OSError as exc:
             return None, f"have no directory to be built in ({exc})"
@@ -235,10 +239,12 @@ def _build(exe: str, out: Path) -> str:
     :class:`ArtifactStore` moves the result into place). '' on success, else why not.
     Without ``-march=native`` if the compiler refuses it."""
     failure = ""
-    for flags in (FLAGS, tuple(f for f in FLAGS if not f.startswith("-march"))):
-        failure = _compile_and_link(exe, flags, out.parent, out)
-        if not failure:
-            return ""
+    # A few seconds on a small machine, once per cache: worth a spinner.
+    with progress.step(f"building native kernels ({len(SOURCES)} C sources, {Path(exe).name})"):
+        for flags in (FLAGS, tuple(f for f in FLAGS if not f.startswith("-march"))):
+            failure = _compile_and_link(exe, flags, out.parent, out)
+            if not failure:
+                return ""
     return failure
 
 
