@@ -345,10 +345,11 @@ def test_library_is_built_once_then_loaded_from_the_cache(tmp_path: Path):
     second, _ = NativeLibrary.find(env)
     assert second is not None and second.build_s == 0 and second.path == first.path
     assert second.describe() == f"loaded from {first.path}"
-    # Beside it its recorded digest and its build lock (cache_store.py); no partial build.
+    # Beside it its description, recorded digest and build lock (cache_store.py); no
+    # partial build.
     name = first.path.name
     assert sorted(p.name for p in (tmp_path / "native").iterdir()) == \
-        [name, f"{name}.lock", f"{name}.sha256"]
+        [name, f"{name}.json", f"{name}.lock", f"{name}.sha256"]
 
 
 def test_library_refusals_are_one_phrase(tmp_path: Path):
