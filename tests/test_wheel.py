@@ -42,7 +42,7 @@ def _source_files() -> list[str]:
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The wheel of a copy of the checkout's packaging files (never a stale ``build/``)."""
-    pytest.importorskip("setuptools", minversion="68")
+    pytest.importorskip("setuptools", minversion="77")
     copy = tmp_path_factory.mktemp("checkout")
     package = [f for f in _source_files() if f.startswith("src/")
                or f in ("pyproject.toml", "README.md")]
