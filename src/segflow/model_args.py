@@ -247,11 +247,13 @@ def make_feeds(inputs: Sequence[Value], given: Sequence[InputArg],
     dims = dict(dims or {})
     by_name = {v.name: v for v in inputs}
     symbols: dict[str, tuple[int, str]] = {}
-    if examples is not None and not given and not dims:
+    defaults: dict[str, tuple[int, str]] = {}   # the dims a built-in model's examples bind
+    if examples is not None:
         for value in inputs:
-            check_feed(value, examples[value.name], symbols)
-        return Feeds({v.name: examples[v.name] for v in inputs},
-                     {k: size for k, (size, _) in symbols.items()}, {})
+            check_feed(value, examples[value.name], defaults)
+        if not given and not dims:
+            return Feeds({v.name: examples[v.name] for v in inputs},
+                         {k: size for k, (size, _) in defaults.items()}, {})
     rng = np.random.default_rng(seed)
     arrays: dict[str, np.ndarray] = {}
     numbers: dict[str, InputArg] = {}
@@ -281,10 +283,6 @@ def make_feeds(inputs: Sequence[Value], given: Sequence[InputArg],
         if bound is not None and bound[0] != size:
             raise SegflowError(f"--dim {name}={size}: --input {bound[1]} has {name}={bound[0]}")
     sizes = {**{k: size for k, (size, _) in symbols.items()}, **dims}
-    defaults: dict[str, tuple[int, str]] = {}
-    if examples is not None:
-        for value in inputs:
-            check_feed(value, examples[value.name], defaults)
     guessed: dict[str, int] = {}
     for value in inputs:
         if value.name in arrays:
@@ -391,14 +389,12 @@ class OpenedModel:
         return self.model.label
 
 
-def model_feeds(model: ModelArg, input_args: Sequence[str], dim_args: Sequence[str], *,
+def model_feeds(model: ModelArg, given: Sequence[InputArg], dims: Mapping[str, int], *,
                 seed: int = 0) -> Feeds:
-    """The feeds ``--input``/``--dim`` give ``model`` (random data for the rest)."""
+    """The feeds the parsed ``--input``/``--dim`` give ``model`` (random data for the rest)."""
     from segflow import models
     from segflow.frontend.onnx_import import declared_inputs
 
-    given = [parse_input_arg(text) for text in input_args]
-    dims = dict(parse_dim_arg(text) for text in dim_args)
     examples = (models.example_inputs(model.builtin, seed=seed)
                 if model.builtin is not None else None)
     return make_feeds(declared_inputs(model.proto), given, dims, seed=seed, examples=examples)
@@ -410,12 +406,11 @@ def open_model(args: argparse.Namespace) -> OpenedModel:
     import segflow
 
     device = check_device(args.device)
-    for text in args.input:     # bad syntax fails before a large model loads
-        parse_input_arg(text)
-    for text in args.dim:
-        parse_dim_arg(text)
+    # Parsed before the model loads: bad syntax fails before a large model is read.
+    given = [parse_input_arg(text) for text in args.input]
+    dims = dict(parse_dim_arg(text) for text in args.dim)
     model = resolve_model(args.model)
-    feeds = model_feeds(model, args.input, args.dim, seed=args.seed)
+    feeds = model_feeds(model, given, dims, seed=args.seed)
     note = feeds.note()
     if note is not None:
         print(note, file=sys.stderr)

@@ -71,16 +71,22 @@ TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
 
 
-def _env_bool(env: Mapping[str, str], name: str, default: bool) -> bool:
-    raw = env.get(name)
-    if raw is None or raw.strip() == "":
-        return default
+def parse_bool(raw: str, source: str) -> bool:
+    """``raw`` as a boolean (:data:`TRUE_WORDS`, :data:`FALSE_WORDS`, case and spaces
+    ignored); anything else raises InvalidSetting naming ``source``."""
     text = raw.strip().lower()
     if text in TRUE_WORDS:
         return True
     if text in FALSE_WORDS:
         return False
-    raise InvalidSetting(f"{name}={raw!r}: expected 0 or 1")
+    raise InvalidSetting(f"{source}={raw!r}: expected 0 or 1")
+
+
+def _env_bool(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    return parse_bool(raw, name)
 
 
 def _env_int(env: Mapping[str, str], name: str, default: int) -> int:

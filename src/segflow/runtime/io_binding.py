@@ -139,11 +139,6 @@ class OrtValue:
         return f"OrtValue({self.data_type()}, shape={self.shape()}, device={self.device_name()})"
 
 
-def as_tensor(data: Any) -> Any:
-    """A feed as the session takes it: an OrtValue's tensor, anything else unchanged."""
-    return data.tensor if isinstance(data, OrtValue) else data
-
-
 RunTensors = Callable[[dict[str, Tensor]], list[Tensor]]
 
 
@@ -206,7 +201,8 @@ class IOBinding:
         self._results = []
 
     def synchronize_outputs(self) -> None:
-        """Nothing to wait for: ``run_with_iobinding`` returns with the outputs ready."""
+        """Wait for the device to finish writing the outputs (on the CPU,
+        ``run_with_iobinding`` returns with them ready)."""
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
 

@@ -20,11 +20,12 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from segflow.errors import InvalidSetting
+from segflow.ir.types import Device
 from segflow.passes.fuse import RULE_NAMES
 from segflow.passes.options import CompileMode
 from segflow.runtime.completion import SyncMode
 from segflow.runtime.host_memory import HostMemory
-from segflow.settings import ENGINES
+from segflow.settings import ENGINES, parse_bool
 
 
 class GraphOptimizationLevel(enum.IntEnum):
@@ -88,12 +89,7 @@ _ENGINE_FOR_MODE = {ExecutionMode.ORT_SEQUENTIAL: "inline", ExecutionMode.ORT_PA
 
 
 def _flag(key: str, value: str) -> bool:
-    text = value.strip().lower()
-    if text in ("1", "true", "on", "yes"):
-        return True
-    if text in ("0", "false", "off", "no"):
-        return False
-    raise InvalidSetting(f"session config entry {key}={value!r}: expected 0 or 1")
+    return parse_bool(value, f"session config entry {key}")
 
 
 def _choice(*allowed: str) -> Callable[[str, str], str]:
@@ -307,7 +303,7 @@ def merge_keywords(options: SessionOptions | None, explicit: Mapping[str, Any]) 
     argument before it was ``sess_options``) with the keyword to use instead.
     """
     if options is not None and not isinstance(options, SessionOptions):
-        if isinstance(options, str) or type(options).__name__ == "Device":
+        if isinstance(options, str | Device):
             raise InvalidSetting(f"InferenceSession's second argument is sess_options, got "
                                  f"{options!r}; pass the device as device={str(options)!r}")
         raise InvalidSetting(f"sess_options: expected a segflow.SessionOptions, got "

@@ -76,7 +76,7 @@ def resolve_providers(providers: Sequence[ProviderSpec] | None,
                           f"Available providers: '{', '.join(usable)}'", stacklevel=3)
     chosen = [(name, options) for name, options in named if name in usable]
     if not chosen or PROVIDER_DEVICES[chosen[0][0]] is DeviceKind.CPU:
-        return ProviderChoice(Device(DeviceKind.CPU), (CPU_PROVIDER,), {CPU_PROVIDER: {}})
+        return providers_for(Device(DeviceKind.CPU))
     name, options = chosen[0]
     index = _device_id(name, options)
     return ProviderChoice(Device(DeviceKind.CUDA, index), (name, CPU_PROVIDER),

@@ -252,7 +252,7 @@ class InferenceSession(OrtSessionApi):
         self.prebuild_report = (self._executor.prebuild(memory.dims if memory is not None
                                                         else {})
                                 if self.options.prebuild else None)
-        # RunStats report the memory plan at the dims each run binds (planned at 1).
+        # RunStats report the memory plan at the dims each run binds (planned at ``dims``).
         self._memory_plans = plans if memory is not None and memory.dims else None
         self._const_storages = {_storage(t) for t in self._executor.template
                                 if t is not None}
