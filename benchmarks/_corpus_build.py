@@ -21,6 +21,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import tempfile
 import time
 import traceback
@@ -38,7 +39,7 @@ from segflow.cache_store import ArtifactStore
 
 STORE = "corpus"
 MANIFEST = "manifest"          # read back as manifest.json through the store's checks
-FORMAT = 1                     # bump when what an export writes changes
+FORMAT = 2                     # bump when what an export writes changes
 OPSETS = (17, 18)
 EXPORT_BATCH = 2               # torch.export specializes sizes 0 and 1
 
@@ -115,12 +116,21 @@ def cache_key(entry: EntryId, built: Built) -> str:
 
 
 def one_line(exc: BaseException) -> str:
-    """An exception as one line: its type and the first line of its message that says
-    something (exporters put a banner first)."""
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    text = next((ln for ln in lines if not ln.startswith(("[", "#", "="))), lines[0] if lines
-                else "")
-    return f"{type(exc).__name__}: {text[:240]}"
+    """An exception as one line: its type, and the first telling line of the innermost
+    cause's message (the exporters wrap the error in a banner of next steps)."""
+    cause = exc
+    while cause.__cause__ is not None and cause.__cause__ is not cause:
+        cause = cause.__cause__
+    text = _ANSI.sub("", str(cause))
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    first = next((ln for ln in lines if not ln.startswith(("[", "#", "="))),
+                 lines[0] if lines else "")
+    kind = type(exc).__name__ if cause is exc else \
+        f"{type(exc).__name__} <- {type(cause).__name__}"
+    return f"{kind}: {first[:240]}"
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def example_args(model: CorpusModel, built: Built) -> tuple[Any, ...]:

@@ -74,6 +74,9 @@ def compare(ours: Sequence[np.ndarray], oracle: Sequence[np.ndarray], names: Seq
             return float("inf"), float("inf"), f"{name}: non-finite values differ"
         if not finite.any():
             continue
+        if float(np.abs(b64[finite]).max()) < 1e-6:
+            return float("inf"), float("inf"), f"{name}: the oracle's output is ~0 " \
+                "(vanished activations): the comparison would check nothing"
         diff = np.abs(a64 - b64)[finite]
         ratio = float((diff / (atol + rtol * np.abs(b64[finite]))).max())
         if ratio > metric:

@@ -162,6 +162,29 @@ def _seeded(make: Callable[[], torch.nn.Module]) -> torch.nn.Module:
     return make().eval()
 
 
+def _calibrate_batchnorm(module: torch.nn.Module, sample: torch.Tensor) -> None:
+    """Set every BatchNorm's running statistics to those of one forward pass over a
+    random batch, as training would have. Freshly initialized statistics (mean 0, var 1)
+    make eval-mode BatchNorm an identity, and through tens of layers of small random
+    weights the activations vanish (MobileNetV2's logits came out ~1e-24): a comparison
+    of such outputs checks nothing. The affine scales are drawn in [0.5, 1.5]."""
+    norms = [m for m in module.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    if not norms:
+        return
+    torch.manual_seed(SEED + 1)
+    for norm in norms:
+        if norm.affine:   # some inits draw the scales near 0 (N(0, 0.02)), as for weights
+            with torch.no_grad():
+                norm.weight.uniform_(0.5, 1.5)
+                norm.bias.normal_(0.0, 0.1)
+        norm.reset_running_stats()
+        norm.momentum = None   # a cumulative average: one pass sets the statistics
+        norm.train()
+    with torch.no_grad():
+        module(sample)
+    module.eval()
+
+
 def _config_dict(config: Any) -> dict[str, Any]:
     d = config.to_dict()
     # Fields that say nothing about the graph (and vary between transformers releases).
@@ -179,9 +202,12 @@ def _image(config_cls: str, model_cls: str, full: Mapping[str, Any],
 
         config = getattr(transformers, config_cls)(**(small if is_small else full))
         model = _seeded(lambda: getattr(transformers, model_cls)(config))
-        return Built(_ImageClassifier(model).eval(),
-                     (_pixels(small_size if is_small else size),), ("logits",),
-                     {"logits": {0: "batch"}}, _config_dict(config))
+        pixels = _pixels(small_size if is_small else size)
+        wrapper = _ImageClassifier(model).eval()
+        sample = pixels.make(4, None, np.random.default_rng(SEED + 1))
+        _calibrate_batchnorm(wrapper, torch.from_numpy(sample))
+        return Built(wrapper, (pixels,), ("logits",), {"logits": {0: "batch"}},
+                     _config_dict(config))
     return build
 
 
@@ -297,7 +323,7 @@ MODELS: dict[str, CorpusModel] = {m.name: m for m in (
         "MobileNetV2 1.0 224 (transformers; V3 is not in transformers)"),
     CorpusModel("efficientnet_b0", ModelKind.IMAGE, _image(
         "EfficientNetConfig", "EfficientNetForImageClassification", {},
-        dict(width_coefficient=0.25, depth_coefficient=0.25, num_labels=10)),
+        dict(width_coefficient=0.25, depth_coefficient=0.25, hidden_dim=320, num_labels=10)),
         "EfficientNet-B0 (transformers)"),
     CorpusModel("convnext_tiny", ModelKind.IMAGE, _image(
         "ConvNextConfig", "ConvNextForImageClassification", {},
