@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import hashlib
+import inspect
 import io
 import json
 import os
@@ -165,7 +166,7 @@ def export(entry: EntryId, built: Built, out: Path) -> str:
                 program = torch.onnx.export(built.module, args, dynamo=True,
                                             opset_version=entry.opset, input_names=names,
                                             output_names=list(built.outputs),
-                                            dynamic_axes=dynamic)
+                                            **_dynamo_dynamic(built, dynamic))
                 if program is None:
                     return "the dynamo exporter returned no program"
                 program.save(str(out), external_data=False)
@@ -174,6 +175,25 @@ def export(entry: EntryId, built: Built, out: Path) -> str:
             traceback.print_exc()
         return one_line(exc)
     return ""
+
+
+def _dynamo_dynamic(built: Built, dynamic: dict[str, dict[int, str]]) -> dict[str, Any]:
+    """The dynamo exporter's dynamic axes: ``dynamic_axes`` (named, as for TorchScript)
+    where it can convert them; for a ``forward(*past)`` it cannot (it fails with "Failed
+    to convert 'dynamic_axes' to 'dynamic_shapes'"), ``dynamic_shapes`` in the
+    signature's structure, each axis ``Dim.AUTO`` (which also finds that the mask is one
+    longer than the past)."""
+    params = list(inspect.signature(built.module.forward).parameters.values())
+    if not any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+        return {"dynamic_axes": dynamic}
+    specs = [{axis: torch.export.Dim.AUTO for axis in s.dynamic} for s in built.inputs]
+    shapes: list[Any] = []
+    for p in params:
+        if p.kind is inspect.Parameter.VAR_POSITIONAL:
+            shapes.append(tuple(specs[len(shapes):]))
+            break
+        shapes.append(specs[len(shapes)])
+    return {"dynamic_shapes": tuple(shapes)}
 
 
 def _check(path: Path) -> str:
