@@ -123,6 +123,10 @@ def one_line(exc: BaseException) -> str:
     while cause.__cause__ is not None and cause.__cause__ is not cause:
         cause = cause.__cause__
     text = _ANSI.sub("", str(cause))
+    if "Status Message: " in text:   # onnxruntime: its source location and C++ signature
+        head, message = text.rsplit("Status Message: ", 1)
+        node = re.search(r"running (\w+) node\. Name:'([^']*)'", head)
+        text = (f"{node[1]} {node[2]}: " if node else "") + _ORT_WHERE.sub("", message)
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     first = next((ln for ln in lines if not ln.startswith(("[", "#", "="))),
                  lines[0] if lines else "")
@@ -132,6 +136,7 @@ def one_line(exc: BaseException) -> str:
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_ORT_WHERE = re.compile(r"^\S+:\d+ .*?\)( const)? ")
 
 
 def example_args(model: CorpusModel, built: Built) -> tuple[Any, ...]:
