@@ -128,7 +128,7 @@ def one_line(exc: BaseException) -> str:
         node = re.search(r"running (\w+) node\. Name:'([^']*)'", head)
         text = (f"{node[1]} {node[2]}: " if node else "") + _ORT_WHERE.sub("", message)
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    first = next((ln for ln in lines if not ln.startswith(("[", "#", "="))),
+    first = next((ln for ln in lines if not ln.startswith(("[", "#", "=", "Exception from"))),
                  lines[0] if lines else "")
     kind = type(exc).__name__ if cause is exc else \
         f"{type(exc).__name__} <- {type(cause).__name__}"
