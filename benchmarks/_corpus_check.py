@@ -77,7 +77,7 @@ def compare(ours: Sequence[np.ndarray], oracle: Sequence[np.ndarray], names: Seq
         if float(np.abs(b64[finite]).max()) < 1e-6:
             return float("inf"), float("inf"), f"{name}: the oracle's output is ~0 " \
                 "(vanished activations): the comparison would check nothing"
-        diff = np.abs(a64 - b64)[finite]
+        diff = np.abs(a64[finite] - b64[finite])
         ratio = float((diff / (atol + rtol * np.abs(b64[finite]))).max())
         if ratio > metric:
             metric, worst = ratio, name
