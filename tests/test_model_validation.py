@@ -302,6 +302,30 @@ def test_pool_kernel_larger_than_padded_input_is_refused(op) -> None:
                                _ort(fits, IMAGE)[0], atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.parametrize("op", ["MaxPool", "AveragePool", "LpPool"])
+@pytest.mark.parametrize("kernel,strides,pads", [
+    (320, 320, [0, 0, 0, 0]),   # global pooling as a huge kernel (transformers' EfficientNet)
+    (11, 4, [0, 0, 0, 0]),      # overhangs 8 by 3 < stride: one window, over what it covers
+    (10, 2, [1, 1, 0, 0]),      # 9 padded, overhang 1 < stride 2
+], ids=["global", "overhang", "padded"])
+def test_ceil_mode_pool_overhanging_by_less_than_a_stride_runs(op, kernel, strides,
+                                                                 pads) -> None:
+    # ceil_mode rounds the output size up: the window overhangs the padded input and
+    # pools the part it covers, in onnxruntime as in torch.
+    model = _pool(op, kernel_shape=[kernel, kernel], strides=[strides, strides], pads=pads,
+                  ceil_mode=1)
+    x = {"x": np.random.default_rng(0).random((1, 4, 8, 8), dtype=np.float32)}
+    expected = _ort(model, x)[0]
+    assert expected.shape == (1, 4, 1, 1)
+    np.testing.assert_allclose(segflow.InferenceSession(model).run(None, x)[0], expected,
+                               atol=ATOL, rtol=RTOL)
+    # One stride further and not even ceil_mode gives a window: refused as before.
+    beyond = _pool(op, kernel_shape=[8 + sum(pads[::2]) + strides] * 2,
+                   strides=[strides, strides], pads=pads, ceil_mode=1)
+    with pytest.raises(InvalidModel, match="'pool1'.*larger than the padded input"):
+        segflow.InferenceSession(beyond)
+
+
 def _ort(model: onnx.ModelProto, feeds):
     return ort.InferenceSession(model.SerializeToString(),
                                 providers=["CPUExecutionProvider"]).run(None, feeds)

@@ -365,21 +365,27 @@ def check_conv(node: Node) -> None:
         _check_fits(node, list(x[2:]), window)
 
 
-def _check_fits(node: Node, sizes: list[Any], kernel: list[Any]) -> None:
+def _check_fits(node: Node, sizes: list[Any], kernel: list[Any], ceil_mode: bool = False) -> None:
     """A window no larger than the input and its explicit pads (auto_pad NOTSET or
-    VALID: SAME pads to fit)."""
+    VALID: SAME pads to fit). With ``ceil_mode`` (pools) the output size is rounded up,
+    so a window that overhangs the padded input by less than a stride still makes one
+    output, over the part it covers (onnxruntime's and torch's pools agree): global
+    pooling written as a kernel larger than the input, as transformers' EfficientNet
+    does (``AvgPool2d(1280, ceil_mode=True)`` over 7x7)."""
     auto_pad = node.attrs.get("auto_pad", "NOTSET")
     if auto_pad not in ("NOTSET", "VALID"):
         return
     pads = _ints(node, "pads") if auto_pad == "NOTSET" else None
     pads = pads or [0] * (2 * len(kernel))
     dilations = _ints(node, "dilations") or [1] * len(kernel)
+    strides = _ints(node, "strides") or [1] * len(kernel)
     for axis, (size, k) in enumerate(zip(sizes, kernel)):
         if not isinstance(size, int) or not isinstance(k, int) or axis >= len(dilations):
             continue
         reach = dilations[axis] * (k - 1) + 1
         padded = size + pads[axis] + pads[axis + len(kernel)]
-        if reach > padded:
+        overhang = strides[axis] - 1 if ceil_mode and axis < len(strides) else 0
+        if reach > padded + overhang:
             raise _refuse(node, f"kernel of {reach} (dilated) at spatial axis {axis} is larger "
                                 f"than the padded input ({padded})")
 
@@ -398,7 +404,8 @@ def check_pool(node: Node) -> None:
     x = _shape(node.inputs[0]) if node.inputs else None
     if x is not None:
         # onnxruntime returns an empty tensor here; segflow's pools have no such case.
-        _check_fits(node, list(x[2:]), list(kernel))
+        _check_fits(node, list(x[2:]), list(kernel),
+                    ceil_mode=bool(node.attrs.get("ceil_mode", 0)))
 
 
 def check_slice(node: Node) -> None:
