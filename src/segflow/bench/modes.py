@@ -16,7 +16,8 @@ DEFAULT_MODES = ("bulk", "nobulk")
 # is present it would cost each model its compile and a quarter of the timed rounds in
 # the fixed time budget, and the default variant set would differ between machines.
 DEFAULT_PEERS = ("onnxruntime", "torch")
-# Every peer of segflow.bench.peers.PEERS (checked there), for --help without importing it.
+# The names of segflow.bench.peers.PEERS, for --help without importing torch (a test checks
+# that they match).
 PEER_NAMES = ("onnxruntime", "openvino", "openvino-default", "torch")
 
 
