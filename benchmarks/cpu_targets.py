@@ -3,10 +3,15 @@
 Every runtime runs the same model in the same process, in rounds: each round
 runs every runtime ``--per-round`` times (the order rotates per round), so
 machine noise hits all of them alike. A ratio is the median over rounds of
-(segflow median / peer median) within the round. Between onnxruntime's calls
-and another runtime's the script pauses ``--settle`` seconds (0.1, untimed):
-onnxruntime's thread pool spins ~40 ms after a run, and the runtime after it
-would otherwise share the cores with those spinning workers.
+(segflow median / peer median) within the round. Between the calls of a runtime
+with its own thread pool (onnxruntime, OpenVINO) and another runtime's the script
+pauses ``--settle`` seconds (0.1, untimed): onnxruntime's thread pool spins ~40 ms
+after a run, and the runtime after it would otherwise share the cores with those
+spinning workers.
+
+OpenVINO, where it is installed, is an extra column (``--no-openvino`` leaves it
+out): the ``openvino`` peer of ``segflow bench`` (float32, the latency hint,
+segflow's thread count). The targets stay against onnxruntime and eager.
 
     python benchmarks/cpu_targets.py                       # the full table
     python benchmarks/cpu_targets.py --cases mlp_chain --rounds 30
@@ -22,7 +27,8 @@ would otherwise share the cores with those spinning workers.
     python benchmarks/cpu_targets.py --standalone           # each runtime in its own process
 
 Peers: onnxruntime with default session options (CPU provider), torch eager
-(``segflow.models.torch_module``) under ``torch.inference_mode``. segflow runs
+(``segflow.models.torch_module``) under ``torch.inference_mode``, and optionally
+OpenVINO (``segflow.bench.peers``). segflow runs
 with its defaults unless ``--variants`` says otherwise (``key=value`` pairs
 joined by ``,``: ``compile``, ``engine``, ``threads``, pass switches
 ``fold_constants``/``fuse``/``dense_chain``/``layout``/``plan_memory`` = on|off,
@@ -59,6 +65,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 Runner = Callable[[], object]
+# Runtimes with their own thread pool: a pause (--settle) separates their calls from
+# another runtime's. segflow and torch eager share one OpenMP pool.
+OWN_POOLS = ("onnxruntime", "openvino")
 
 
 @dataclass(frozen=True)
@@ -130,7 +139,8 @@ def _mib(n: Any) -> str:
     return f"{int(n) / (1 << 20):.1f} MiB"
 
 
-def build_runners(case: Case, variants: list[str]) -> tuple[dict[str, Runner], dict[str, str]]:
+def build_runners(case: Case, variants: list[str], openvino: bool = False
+                  ) -> tuple[dict[str, Runner], dict[str, str]]:
     import onnxruntime as ort
     import torch
 
@@ -184,6 +194,18 @@ def build_runners(case: Case, variants: list[str]) -> tuple[dict[str, Runner], d
         with torch.inference_mode():
             return module(**tensors)
     runners["torch"] = eager
+    if openvino:
+        from segflow.bench.peers import ModelSource, PeerUnavailable, prepare_peer
+        from segflow.ir.types import Device
+
+        try:
+            peer = prepare_peer("openvino", ModelSource(model, case.model, build_opts), feeds,
+                                Device.parse("cpu"))
+        except PeerUnavailable as exc:
+            notes["openvino"] = str(exc)
+        else:
+            runners["openvino"] = peer.run
+            notes["openvino"] = f"{peer.detail}, {peer.version}"
     return runners, notes
 
 
@@ -191,8 +213,9 @@ def measure(runners: Mapping[str, Runner], rounds: int, per_round: int, warmup: 
             settle: float = 0.0) -> dict[str, list[list[float]]]:
     """Per runtime, per round: the latencies (seconds) of ``per_round`` calls.
 
-    ``settle`` seconds pass (untimed) between onnxruntime's calls and another
-    runtime's: its thread pool spins ~40 ms after a run, and whichever runtime
+    ``settle`` seconds pass (untimed) between the calls of a runtime in ``OWN_POOLS``
+    and another runtime's: onnxruntime's thread pool spins ~40 ms after a run (OpenVINO's
+    ~1 ms, docs/performance.md), and whichever runtime
     follows would share the cores with it (segflow's ResNet-50 batch-1 run took
     88-95 ms instead of 50 right after one). Whenever the runtime changes, the next
     one runs once untimed: a call right after an idle gap can run slow while the
@@ -216,7 +239,7 @@ def measure(runners: Mapping[str, Runner], rounds: int, per_round: int, warmup: 
         for name in order:
             run = runners[name]
             if name != previous:
-                if settle and "onnxruntime" in (name, previous):
+                if settle and (name in OWN_POOLS or previous in OWN_POOLS):
                     time.sleep(settle)
                 run()        # untimed: the first call after another runtime's, or after
                              # an idle gap, finds the caches (or the cores) cold
@@ -254,10 +277,10 @@ def overall_ms(times: list[list[float]]) -> float:
 
 
 def run_table(cases: list[Case], variants: list[str], rounds: int, per_round: int,
-              warmup: int, settle: float = 0.1) -> list[dict[str, Any]]:
+              warmup: int, settle: float = 0.1, openvino: bool = False) -> list[dict[str, Any]]:
     rows = []
     for case in cases:
-        runners, notes = build_runners(case, variants)
+        runners, notes = build_runners(case, variants, openvino)
         samples = measure(runners, rounds, per_round, warmup, settle)
         for name, note in notes.items():
             print(f"  {case.label} {name}: {note}", flush=True)
@@ -271,10 +294,14 @@ def run_table(cases: list[Case], variants: list[str], rounds: int, per_round: in
                    "vs_ort_iqr": spread(samples, name, "onnxruntime"),
                    "vs_eager_iqr": spread(samples, name, "torch"),
                    "target": _target(case)}
+            if "openvino" in samples:     # a column, not a target
+                row.update(ov_ms=overall_ms(samples["openvino"]),
+                           vs_ov=ratio(samples, name, "openvino"),
+                           vs_ov_iqr=spread(samples, name, "openvino"))
             row["pass"] = _passes(case, row)
             row["verdict"] = _verdict(case, row)
             rows.append(row)
-            print(_format_row(row), flush=True)
+            print(_format_row(row, openvino), flush=True)
     return rows
 
 
@@ -308,6 +335,7 @@ def _verdict(case: Case, row: Mapping[str, Any]) -> str:
 
 HEADER = (f"{'case':<16} {'runtime':<28} {'segflow ms':>10} {'ort ms':>9} {'eager ms':>9} "
           f"{'sf/ort [quartiles]':>20} {'sf/eager [quartiles]':>20}  target")
+OPENVINO_HEADER = f"   {'ov ms':>9} {'sf/ov [quartiles]':>20}"
 
 
 def _format_ratio(row: Mapping[str, Any], key: str) -> str:
@@ -315,10 +343,15 @@ def _format_ratio(row: Mapping[str, Any], key: str) -> str:
     return f"{row[key]:.2f} [{q1:.2f}-{q3:.2f}]"
 
 
-def _format_row(row: Mapping[str, Any]) -> str:
-    return (f"{row['case']:<16} {row['runtime']:<28} {row['ms']:>10.2f} {row['ort_ms']:>9.2f} "
+def _format_row(row: Mapping[str, Any], openvino: bool = False) -> str:
+    text = (f"{row['case']:<16} {row['runtime']:<28} {row['ms']:>10.2f} {row['ort_ms']:>9.2f} "
             f"{row['eager_ms']:>9.2f} {_format_ratio(row, 'vs_ort'):>20} "
             f"{_format_ratio(row, 'vs_eager'):>20}  {row['target']} {row['verdict']}")
+    if not openvino:
+        return text
+    if "vs_ov" not in row:
+        return text + f"   {'-':>9} {'-':>20}"
+    return text + f"   {row['ov_ms']:>9.2f} {_format_ratio(row, 'vs_ov'):>20}"
 
 
 # -- memory --------------------------------------------------------------------------------
@@ -480,6 +513,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--settle", type=float, default=0.1,
                         help="untimed seconds between onnxruntime's calls and another "
                              "runtime's (its pool spins ~40 ms after a run; 0: no pause)")
+    parser.add_argument("--no-openvino", action="store_true",
+                        help="leave out the OpenVINO column (shown when openvino is installed)")
     parser.add_argument("--memory", action="store_true", help="peak memory, fresh processes")
     parser.add_argument("--runs", type=int, default=5, help="runs per memory measurement")
     parser.add_argument("--json", help="write the rows here")
@@ -529,8 +564,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.standalone:
         run_standalone(cases, variants, max(args.runs, 20))
         return 0
-    print(HEADER)
-    rows = run_table(cases, variants, args.rounds, args.per_round, args.warmup, args.settle)
+    import importlib.util
+
+    openvino = not args.no_openvino and importlib.util.find_spec("openvino") is not None
+    print(HEADER + (OPENVINO_HEADER if openvino else ""))
+    rows = run_table(cases, variants, args.rounds, args.per_round, args.warmup, args.settle,
+                     openvino)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

@@ -79,13 +79,14 @@ def test_benchmark_measures_modes_and_peers() -> None:
     assert result.shapes == {"x": [2, 64]}
     text = format_results([result])
     for word in ("p50 ms", "p99 ms", "items/s", "segments", "pushes", "syncs", "kernels",
-                 "peak MiB", "onnxruntime (peer)", "bulk/onnxruntime"):
+                 "peak MiB", "onnxruntime (peer, f32)", "bulk/onnxruntime"):
         assert word in text
 
 
-def test_rounds_pause_around_onnxruntime_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """onnxruntime's thread pool spins after a run: the variant after it, and
-    onnxruntime after another variant, start ``settle_s`` later (untimed)."""
+def test_rounds_pause_at_every_change_of_runtime(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A runtime's thread pool spins after a run: whenever the runtime changes (segflow's
+    modes are one runtime, each peer another), the next starts ``settle_s`` later
+    (untimed); between two segflow modes there is no pause."""
     from segflow.bench import runner
 
     calls: list[str] = []
@@ -101,8 +102,8 @@ def test_rounds_pause_around_onnxruntime_only(monkeypatch: pytest.MonkeyPatch) -
     (result,) = run_benchmark(resolve_models([TINY]), settings)
     assert [v.name for v in result.variants] == ["bulk", "nobulk", "onnxruntime", "torch"]
     # Rounds [bulk nobulk ORT torch], [nobulk ORT torch bulk], [ORT torch bulk nobulk],
-    # after the warm-up ended with torch: two pauses a round, one on each side of ORT.
-    assert calls == ["settle"] * 6
+    # after the warm-up ended with torch: every change but bulk -> nobulk, 3 + 4 + 3.
+    assert calls == ["settle"] * 10
     # Each pause is followed by one untimed run: the timed runs are still one a round.
     assert all(v.latency is not None and v.latency.runs == 3 for v in result.variants)
     assert to_record([result], settings)["settings"]["settle_s"] == 0.0123
@@ -118,7 +119,7 @@ def test_every_variant_runs_once_untimed_after_another_ones_call() -> None:
 
     log: list[str] = []
     active = [runner._Live(name, runner.VariantKind.SEGFLOW, lambda name=name: log.append(name),
-                           own_pool=(name == "b")) for name in "abc"]
+                           runtime="peer" if name == "b" else "segflow") for name in "abc"]
     settings = BenchSettings(runs=3, warmup=0, settle_s=0.0)
     assert runner._timed_rounds(active, settings, lambda done: None) == 3
     # Rounds [a b c], [b c a], [c a b], after the warm-up ended with c: every call a pair.

@@ -88,6 +88,32 @@ def test_measure_pauses_only_around_onnxruntime(targets: ModuleType,
     assert events == ["segflow"] * 2 + ["onnxruntime"] * 2 + ["torch"] * 2
 
 
+def test_measure_pauses_around_openvino_too(targets: ModuleType,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """OpenVINO has its own thread pool like onnxruntime: a pause on each side of its
+    calls; none between segflow and eager, which share one OpenMP pool."""
+    events: list[str] = []
+    monkeypatch.setattr(targets.time, "sleep", lambda s: events.append("pause"))
+    runners = {name: (lambda n=name: events.append(n)) for name in ("segflow", "torch",
+                                                                    "openvino")}
+    targets.measure(runners, rounds=1, per_round=1, warmup=0, settle=0.1)
+    # After the (empty) warm-up the previous runtime is openvino, the last one.
+    assert events == ["pause", "segflow", "segflow", "torch", "torch",
+                      "pause", "openvino", "openvino"]
+
+
+def test_the_openvino_column_is_optional(targets: ModuleType) -> None:
+    row = {"case": "resnet50@1", "runtime": "segflow", "ms": 10.0, "ort_ms": 11.0,
+           "eager_ms": 20.0, "vs_ort": 0.91, "vs_ort_iqr": (0.9, 0.92), "vs_eager": 0.5,
+           "vs_eager_iqr": (0.49, 0.51), "target": "<= 1.00x ort", "verdict": "PASS"}
+    plain = targets._format_row(row)
+    assert plain.endswith("<= 1.00x ort PASS")
+    assert targets._format_row(row, openvino=True).split()[-2:] == ["-", "-"]
+    row.update(ov_ms=9.0, vs_ov=1.11, vs_ov_iqr=(1.05, 1.2))
+    assert targets._format_row(row, openvino=True) == (
+        plain + f"   {'9.00':>9} {'1.11 [1.05-1.20]':>20}")
+
+
 def _memory(held: float, held_anon: float, warm: float = 0.0) -> dict[str, float]:
     return {"held_mib": held, "held_anon_mib": held_anon, "warm_run_peak_mib": warm}
 

@@ -10,7 +10,13 @@ import argparse
 
 from segflow import progress
 from segflow.bench import baseline as gate
-from segflow.bench.modes import DEFAULT_MODELS, DEFAULT_MODES, DEFAULT_PEERS, MODES
+from segflow.bench.modes import (
+    DEFAULT_MODELS,
+    DEFAULT_MODES,
+    DEFAULT_PEERS,
+    MODES,
+    PEER_NAMES,
+)
 from segflow.model_args import (
     add_input_args,
     add_model_args,
@@ -111,7 +117,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Add ``bench`` and ``profile`` to the ``segflow`` command line."""
     p = sub.add_parser(
         "bench", help="benchmark models: latency, counters, peers, regression gate",
-        description="Benchmark segflow modes against peers (onnxruntime, PyTorch eager) "
+        description="Benchmark segflow modes against peers (onnxruntime, PyTorch eager, "
+                    "optionally OpenVINO) "
                     "in interleaved rounds; print latency p50/p90/p99, throughput, the "
                     "per-run counters and peak memory; optionally compare against a "
                     "baseline (counters exactly, timings as in-run ratios). Exit 1 when the "
@@ -128,7 +135,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help=f"segflow modes, comma separated, from {', '.join(MODES)} "
                         f"({','.join(DEFAULT_MODES)})")
     p.add_argument("--peers", default=",".join(DEFAULT_PEERS),
-                   help=f"peers, comma separated, or 'none' ({','.join(DEFAULT_PEERS)})")
+                   help=f"peers, comma separated, from {', '.join(PEER_NAMES)}, or 'none' "
+                        f"({','.join(DEFAULT_PEERS)}); openvino runs in float32, "
+                        "openvino-default in OpenVINO's default precision (bfloat16 on "
+                        "CPUs with AVX512_BF16 or AMX)")
     p.add_argument("--warmup", type=non_negative_int, default=1,
                    help="warmup rounds per model (1)")
     amount = p.add_mutually_exclusive_group()
@@ -137,9 +147,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     amount.add_argument("--seconds", type=positive_float, default=None,
                         help=f"timed seconds per model, at least 3 rounds ({DEFAULT_SECONDS:g})")
     p.add_argument("--settle", type=non_negative_float, default=0.1, metavar="SECONDS",
-                   help="untimed pause before and after each onnxruntime call, whose "
-                        "thread pool spins ~40 ms after a run and would slow the next "
-                        "variant (0.1; 0 measures that interference)")
+                   help="untimed pause whenever the runtime changes (segflow, each "
+                        "peer): a runtime's thread pool spins after a run (onnxruntime's "
+                        "~40 ms) and would slow the next variant (0.1; 0 measures that "
+                        "interference)")
     p.add_argument("--json", metavar="PATH", help="write the machine-readable record")
     p.add_argument("--save-baseline", metavar="PATH", help="write the record as a baseline")
     p.add_argument("--baseline", metavar="PATH",

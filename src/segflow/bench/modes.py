@@ -11,7 +11,14 @@ from dataclasses import dataclass
 
 DEFAULT_MODELS = ("resnet50", "mobilenet_v2", "bert_base", "mlp_chain")
 DEFAULT_MODES = ("bulk", "nobulk")
+# openvino is opt-in (--peers onnxruntime,openvino,torch): it is an optional install, and
+# by default every model's table would carry a "missing" row where it is absent; where it
+# is present it would cost each model its compile and a quarter of the timed rounds in
+# the fixed time budget, and the default variant set would differ between machines.
 DEFAULT_PEERS = ("onnxruntime", "torch")
+# The names of segflow.bench.peers.PEERS, for --help without importing torch (a test checks
+# that they match).
+PEER_NAMES = ("onnxruntime", "openvino", "openvino-default", "torch")
 
 
 @dataclass(frozen=True, slots=True)

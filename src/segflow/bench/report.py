@@ -21,15 +21,29 @@ def _counter_cells(v: VariantResult) -> list[str]:
     return [str(v.counters.get(c, "-")) for c in _COUNTERS]
 
 
+def _label(v: VariantResult) -> str:
+    """A peer's row names its precision, and says when its outputs failed the check."""
+    if v.kind.value == "segflow":
+        return v.name
+    facts = ["peer"] + ([v.precision] if v.precision else [])
+    differs = " DIFFERS" if v.check is not None and not v.check.ok else ""
+    return f"{v.name} ({', '.join(facts)}){differs}"
+
+
 def format_results(results: Sequence[ModelResult], *, counters_only: bool = False) -> str:
     """The table ``segflow bench`` prints, followed by ratios and notes."""
     notes: list[str] = []
     rows: list[list[str]] = []
     for r in results:
         for v in r.variants:
-            label = v.name if v.kind.value == "segflow" else f"{v.name} (peer)"
+            label = _label(v)
             if not v.ok:
                 notes.append(f"{r.model} [{v.name}]: {v.status}: {v.detail}")
+            if v.check is not None and not v.check.ok:
+                notes.append(f"{r.model} [{v.name}]: DIFFERS: outputs differ from "
+                             f"{v.check.against}'s by up to {v.check.max_abs_diff:.3g} "
+                             f"({v.check.relative_diff:.2g} of the largest output, tolerance "
+                             f"{v.check.tolerance:g}); timed, but it computes something else")
             if counters_only:
                 rows.append([r.model, label, *_counter_cells(v), v.status])
                 continue
@@ -39,7 +53,7 @@ def format_results(results: Sequence[ModelResult], *, counters_only: bool = Fals
             rel = f"{v.relative:.2f}x" if v.relative is not None else "-"
             mem = f"{v.peak_memory_mib:.1f}" if v.peak_memory_mib is not None else "-"
             rows.append([r.model, label, *timing, rel, *_counter_cells(v), mem])
-            if v.max_abs_diff is not None and v.max_abs_diff > 1e-2:
+            if v.max_abs_diff is not None and v.max_abs_diff > 1e-2 and v.check is None:
                 notes.append(f"{r.model} [{v.name}]: outputs differ from {r.reference} by "
                              f"up to {v.max_abs_diff:.3g}")
     if counters_only:

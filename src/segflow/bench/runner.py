@@ -6,19 +6,19 @@ paired ratios) and the record it writes are one contract with the gate in
 ``peers.py``.
 
 For each model every variant (a segflow mode or a peer) is prepared once,
-run once to record its counters and check its outputs, run once more under
+run once to record its counters and check its outputs (every peer's against
+onnxruntime's: ``OutputCheck``), run once more under
 the memory probe, warmed up, and then timed in rounds: each round runs every
 variant once, in an order rotated every round, so machine drift (thermal,
 other processes) hits all variants alike. Ratios between variants are the
 median of per-round ratios, which cancels drift that a ratio of medians
 would not.
 
-Between a peer with its own spinning thread pool (onnxruntime) and the next
-variant, and before such a peer, the runner idles ``settle_s`` seconds
-(untimed): otherwise whichever variant runs right after onnxruntime shares the
-cores with its still-spinning workers (up to twice its time on two cores), and
-onnxruntime likewise after torch's OpenMP threads. segflow and torch eager share one
-OpenMP pool and need no pause.
+Whenever the runtime changes (segflow's modes are one runtime, each peer another),
+the runner idles ``settle_s`` seconds (untimed): a runtime's thread pool keeps
+spinning after its run -- onnxruntime's for ~40 ms, OpenVINO's too
+(docs/performance.md) -- and whichever variant runs next would share the cores with
+those workers (up to twice its time on two cores).
 Whenever the variant changes, the next one runs once more untimed before its
 timed run: on a VM a call right after an idle gap can run slow while the cores
 come back (~10-25% for the first few calls after a 0.1 s sleep), and the first call
@@ -54,6 +54,9 @@ from segflow.ir.types import Device
 from segflow.model_args import Feeds, make_feeds, parse_dim_arg, parse_input_arg
 
 RECORD_SCHEMA = 1
+# A peer's outputs may differ from onnxruntime's by this fraction of the largest output
+# magnitude: float32 runtimes differ by ~1e-6 of it, bfloat16 by ~1e-2.
+CHECK_TOLERANCE = 1e-3
 
 
 class VariantKind(enum.Enum):
@@ -132,6 +135,31 @@ class LatencyStats:
 
 
 @dataclass(frozen=True, slots=True)
+class OutputCheck:
+    """A peer's outputs against another runtime's, checked once per model.
+
+    ``relative_diff`` is ``max_abs_diff`` over the largest magnitude among the outputs
+    checked against; ``ok`` when it is at most ``tolerance``. A peer that fails it is
+    still timed, and its row says that it computes something else.
+    """
+
+    against: str
+    max_abs_diff: float
+    relative_diff: float
+    tolerance: float
+    ok: bool
+
+    @classmethod
+    def of(cls, outputs: Sequence[np.ndarray], expected: Sequence[np.ndarray], against: str,
+           tolerance: float = CHECK_TOLERANCE) -> OutputCheck:
+        diff = _max_abs_diff(expected, outputs)
+        scale = max((float(np.max(np.abs(np.asarray(e, np.float64)))) for e in expected
+                     if np.size(e)), default=0.0)
+        relative = diff / scale if scale > 0 else (0.0 if diff == 0 else math.inf)
+        return cls(against, diff, relative, tolerance, relative <= tolerance)
+
+
+@dataclass(frozen=True, slots=True)
 class VariantResult:
     """One segflow mode or peer on one model. ``status`` is "ok", "missing" or "error"."""
 
@@ -145,6 +173,8 @@ class VariantResult:
     relative: float | None = None          # latency / reference variant, median per round
     peak_memory_mib: float | None = None
     max_abs_diff: float | None = None      # outputs vs the reference variant
+    precision: str | None = None           # a peer's compute precision ("f32", "bf16")
+    check: OutputCheck | None = None       # a peer's outputs vs onnxruntime's
 
     @property
     def ok(self) -> bool:
@@ -244,7 +274,9 @@ class _Live:
     peak_mib: float | None = None
     diff: float | None = None
     close: Callable[[], None] | None = None
-    own_pool: bool = False
+    runtime: str = "segflow"    # the pause between runtimes applies when this changes
+    precision: str | None = None
+    check: OutputCheck | None = None
 
 
 Progress = Callable[[str, float], None]
@@ -280,11 +312,12 @@ def _prepare(source: ModelSource, feeds: Mapping[str, np.ndarray],
         try:
             runner = prepare_peer(peer, source, feeds, device)
         except PeerUnavailable as exc:
-            live.append(_Live(peer, VariantKind.PEER, None, "missing", str(exc)))
+            live.append(_Live(peer, VariantKind.PEER, None, "missing", str(exc), runtime=peer))
             continue
         live.append(_Live(peer, VariantKind.PEER, runner.run,
                           detail=f"{runner.detail} ({peer} {runner.version})",
-                          own_pool=runner.own_pool))
+                          settings=dict(runner.settings) or None, runtime=peer,
+                          precision=runner.precision))
     return live
 
 
@@ -341,7 +374,7 @@ def _timed_rounds(active: list[_Live], settings: BenchSettings,
         for v in active[shift:] + active[:shift]:
             assert v.run is not None
             if previous is not None and previous is not v:
-                if previous.own_pool or v.own_pool:
+                if previous.runtime != v.runtime:
                     time.sleep(settings.settle_s)
                 v.run()         # untimed: the first call after another variant's (or an
                                 # idle gap) finds the caches (or the cores) cold
@@ -354,6 +387,19 @@ def _timed_rounds(active: list[_Live], settings: BenchSettings,
             (time.perf_counter() - start) / settings.seconds
         tick(min(done, 1.0))
     return rounds
+
+
+def _check_peers(live: list[_Live], outputs: Mapping[str, list[np.ndarray]]) -> None:
+    """Check every peer but onnxruntime against onnxruntime's outputs (the first segflow
+    mode's when onnxruntime did not run): a peer that computes something else must not
+    be timed as if it computed the same."""
+    against = "onnxruntime" if "onnxruntime" in outputs else next(
+        (v.name for v in live if v.kind is VariantKind.SEGFLOW and v.name in outputs), None)
+    if against is None:
+        return
+    for v in live:
+        if v.kind is VariantKind.PEER and v.name != against and v.name in outputs:
+            v.check = OutputCheck.of(outputs[v.name], outputs[against], against)
 
 
 def _paired_ratio(a: Sequence[int], b: Sequence[int]) -> float:
@@ -373,11 +419,16 @@ def bench_model(spec: ModelSpec, settings: BenchSettings,
     live = _prepare(source, feeds, settings, device, loaded.dims)
     try:
         reference_out: list[np.ndarray] | None = None
+        first_out: dict[str, list[np.ndarray]] = {}
         for v in live:
             if v.status == "ok":
                 out = _first_run(v, reference_out)
+                if out is not None:
+                    first_out[v.name] = out
                 if reference_out is None and out is not None:
                     reference_out = out
+        _check_peers(live, first_out)
+        del first_out
         active = [v for v in live if v.status == "ok"]
         setup_s = time.perf_counter() - t_setup
         t_bench = time.perf_counter()
@@ -416,7 +467,8 @@ def _result(spec: ModelSpec, source: ModelSource, feeds: Mapping[str, np.ndarray
             settings=v.settings,
             latency=LatencyStats.of(v.times, settings.batch_size) if v.times else None,
             relative=_paired_ratio(v.times, ref.times) if ref is not None and v.times else None,
-            peak_memory_mib=v.peak_mib, max_abs_diff=v.diff)
+            peak_memory_mib=v.peak_mib, max_abs_diff=v.diff, precision=v.precision,
+            check=v.check)
         for v in live)
     return ModelResult(
         model=spec.label, source=spec.path or f"builtin:{spec.builtin}",
@@ -453,6 +505,9 @@ def versions() -> dict[str, str]:
         out["onnxruntime"] = onnxruntime.__version__
     except ImportError:
         pass
+    openvino = sys.modules.get("openvino")   # imported by an openvino peer, if one ran
+    if openvino is not None:
+        out["openvino"] = openvino.__version__
     return out
 
 
