@@ -363,3 +363,30 @@ def test_library_refusals_are_one_phrase(tmp_path: Path):
                                    "PATH": "/usr/bin:/bin"})
     assert lib is None and why.startswith("could not be built: ") and "exited with 1" in why
     assert not list((tmp_path / "native").glob("*.so"))   # nothing half-written is left
+
+
+def _ffn_model(rows: int) -> bytes:
+    rng = np.random.default_rng(0)
+    w1 = numpy_helper.from_array(rng.standard_normal((256, 1024)).astype(np.float32), "w1")
+    w2 = numpy_helper.from_array(rng.standard_normal((1024, 256)).astype(np.float32), "w2")
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"]),
+             helper.make_node("Relu", ["h"], ["r"]),
+             helper.make_node("MatMul", ["r", "w2"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "ffn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, 256])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [rows, 256])], [w1, w2])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]
+                             ).SerializeToString()
+
+
+@pytest.mark.parametrize(("rows", "ops"), [(1, ["DenseChain"]),
+                                           (128, ["FusedGemm", "FusedGemm"])])
+def test_static_rows_past_the_native_limit_stay_apart(rows: int, ops: list[str]) -> None:
+    """128 rows x 256 x 1024 is past the kernel's per-call limit: the layers stay
+    FusedGemms; at 1 row they chain."""
+    model = _ffn_model(rows)
+    sess = segflow.InferenceSession(model, optimize={"layout": False})
+    assert [n.op_type for n in sess.graph.nodes] == ops
+    x = np.random.default_rng(1).standard_normal((rows, 256)).astype(np.float32)
+    want = ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    np.testing.assert_allclose(sess.run(None, {"x": x})[0], want[0], atol=1e-3, rtol=1e-4)

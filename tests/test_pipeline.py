@@ -81,14 +81,15 @@ def test_one_log_line_per_pass_and_compile():
     assert log[1].startswith("fuse: 69 -> 24 nodes (batchnorm 20")
     assert log[2] == "dense_chain: nothing to chain (no runs of small dense layers)"
     assert log[3].startswith("layout: prepacked for oneDNN: 20 convolutions (channels_last)")
-    assert log[5] == "compile: codegen (requested)"
+    assert log[4] == "specialize: nothing computes shapes at run time"
+    assert log[6] == "compile: codegen (requested)"
     graph.validate()
     # Without libdnnl's direct path, auto gives depthwise graphs to oneDNN Graph.
     auto = import_model(models.build("mobilenet_v2", num_classes=10, image_size=32))
     log = optimize(auto, OptimizeOptions.resolve(env={"SEGFLOW_ONEDNN_DIRECT": "0"}),
                    device=CPU)
     assert log[3] == "layout: skipped (oneDNN Graph packs its own weights)"
-    assert log[5].startswith("compile: onednn (auto: 52 convolutions, 17 depthwise")
+    assert log[6].startswith("compile: onednn (auto: 52 convolutions, 17 depthwise")
 
 
 def test_everything_off_leaves_the_imported_graph():
@@ -370,7 +371,7 @@ def test_training_runs_only_the_training_rows():
     assert [n.op_type for n in graph.nodes] == before and result.memory is None
     assert result.log == ("fold_constants: off (training)", "fuse: off (training)",
                           "dense_chain: off (training)", "layout: off (training)",
-                          "plan_memory: off (training)")
+                          "specialize: off (training)", "plan_memory: off (training)")
 
 
 def test_debug_prints_one_line_per_pass(capsys):

@@ -30,6 +30,7 @@ ENV_NO_FOLD = "SEGFLOW_NO_FOLD"                    # 1: skip constant folding
 ENV_NO_FUSE = "SEGFLOW_NO_FUSE"                    # 1: skip fusion; rule names: those rules
 ENV_NO_LAYOUT = "SEGFLOW_NO_LAYOUT"                # 1: keep dense NCHW convolution weights
 ENV_NO_MEMORY_PLAN = "SEGFLOW_NO_MEMORY_PLAN"      # 1: no memory plan, no in-place ops
+ENV_NO_SPECIALIZE = "SEGFLOW_NO_SPECIALIZE"       # 1: no plans per input shape
 ENV_COMPILE = "SEGFLOW_COMPILE"                    # auto | codegen | onednn | inductor | none
 ENV_INTRA_OP_THREADS = "SEGFLOW_INTRA_OP_THREADS"  # torch.set_num_threads (else OMP_NUM_THREADS)
 ENV_CACHE_DIR = "SEGFLOW_CACHE_DIR"  # compiled segments (compile="inductor"); else XDG cache
@@ -222,7 +223,7 @@ def cache_max_bytes(env: Mapping[str, str] | None = None) -> int:
 # A pass's SEGFLOW_NO_* variable: 1 switches the pass off.
 PASS_OFF_ENV = {"fold_constants": ENV_NO_FOLD, "fuse": ENV_NO_FUSE,
                 "dense_chain": ENV_NO_DENSE_CHAIN, "layout": ENV_NO_LAYOUT,
-                "plan_memory": ENV_NO_MEMORY_PLAN}
+                "specialize": ENV_NO_SPECIALIZE, "plan_memory": ENV_NO_MEMORY_PLAN}
 # The layout pass's choices that default to "where measured faster" (None when unset).
 AUTO_CHOICE_ENV = {"winograd": ENV_WINOGRAD, "native_linear": ENV_NATIVE_LINEAR,
                    "strassen": ENV_STRASSEN, "native_stem": ENV_NATIVE_STEM}

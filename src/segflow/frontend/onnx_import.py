@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -74,8 +74,13 @@ def declared_inputs(proto: onnx.ModelProto) -> list[Value]:
 
 
 def import_model(model: str | os.PathLike[str] | bytes | onnx.ModelProto,
-                 registry: OpRegistry | None = None) -> Graph:
+                 registry: OpRegistry | None = None, *,
+                 tensors: Mapping[str, torch.Tensor] | None = None) -> Graph:
     """Parse and check a model; return the segflow graph.
+
+    ``tensors``: initializers of the main graph by name, taken as they are instead of
+    read from the model (whose copies of them may then hold dims but no data): how a
+    graph planned again for one input shape shares its weights with the session's.
 
     >>> graph = import_model("model.onnx")  # doctest: +SKIP
     """
@@ -83,7 +88,7 @@ def import_model(model: str | os.PathLike[str] | bytes | onnx.ModelProto,
     opsets = check_structure(proto, NEWEST_ONNX_OPSET)
     inferred = _with_inferred_shapes(proto)
     schemas = SchemaChecker(opsets, proto.ir_version)
-    importer = _Importer(registry or default_registry(), opsets, schemas)
+    importer = _Importer(registry or default_registry(), opsets, schemas, tensors)
     graph = importer.graph(inferred.graph, parent=None, scope={},
                            initializers=proto.graph.initializer)
     graph.name = proto.graph.name or "main"
@@ -154,10 +159,12 @@ def _unknown_negative_dims(vi: onnx.ValueInfoProto) -> onnx.ValueInfoProto:
 
 class _Importer:
     def __init__(self, registry: OpRegistry, opsets: dict[str, int],
-                 schemas: SchemaChecker) -> None:
+                 schemas: SchemaChecker,
+                 tensors: Mapping[str, torch.Tensor] | None = None) -> None:
         self.registry = registry
         self.opsets = opsets
         self.schemas = schemas
+        self.tensors = tensors or {}
 
     def graph(self, gp: onnx.GraphProto, parent: Graph | None, scope: dict[str, Value],
               initializers: Sequence[onnx.TensorProto] | None = None) -> Graph:
@@ -168,8 +175,10 @@ class _Importer:
         names: dict[str, Value] = dict(scope)
         infos = {vi.name: vi for vi in [*gp.value_info, *gp.input, *gp.output]}
 
+        given = self.tensors if parent is None else {}
         for tensor in gp.initializer if initializers is None else initializers:
-            value = Value(tensor.name, const=_tensor(tensor))
+            const = given.get(tensor.name)
+            value = Value(tensor.name, const=_tensor(tensor) if const is None else const)
             value.spec = _spec_of_tensor(value.const)
             graph.add_initializer(value)
             names[tensor.name] = value

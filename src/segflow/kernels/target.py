@@ -23,6 +23,7 @@ import torch
 
 from segflow.kernels import linear as native_linear
 from segflow.kernels import stem, winograd
+from segflow.kernels.dense_chain import NATIVE_MAX_MACS as DENSE_CHAIN_MAX_MACS
 from segflow.kernels.native.build import NativeLibrary
 from segflow.kernels.onednn.geometry import ConvGeometry, geometry
 from segflow.kernels.onednn.library import BLOCK, DnnlError, Library, onednn_eltwise
@@ -142,6 +143,8 @@ class CpuTarget:
     # -- what kernel selection and weight packing ask of the kernels --------------------
     # (passes/ see kernels only through this class and kernels/choice.py)
     blocked_channels = BLOCK      # channels per block of libdnnl's nChw8c layout
+    # multiply-adds a dense chain's layer may take in one call and still run native
+    dense_chain_max_macs = DENSE_CHAIN_MAX_MACS
 
     @staticmethod
     def conv_geometry(shape: list[int], strides: tuple[int, ...], pads: tuple[int, ...],

@@ -11,6 +11,11 @@ A ``FusedGemm`` joins a chain when
 - its weight is a dense float32 constant of at most :data:`CHAIN_MAX_WEIGHT`
   elements (512 x 512), its bias (if any) a float32 constant vector, its
   input float32 of rank >= 2, and its activation one the native kernel has;
+- where its input's shape is static, its rows times its weight's elements are at most
+  ``CpuTarget.dense_chain_max_macs`` (past that the kernel hands every call to torch,
+  which runs the layers one by one without the separate ``FusedGemm``'s in-place
+  activation: a 4-layer encoder's 128 x 256 -> 1024 -> 256 feed-forwards measured ~6%
+  of a run slower chained, docs/performance.md);
 - and, past the first, it is the only reader of the previous layer's output
   (read once, as its input), which is not a graph output.
 
@@ -28,6 +33,7 @@ import torch
 from segflow.ir.graph import Graph, Node, Value
 from segflow.ir.types import DType
 from segflow.kernels.choice import DENSE_CHAIN_ACTIVATIONS
+from segflow.kernels.target import CpuTarget
 from segflow.ops.fused import FUSED_DOMAIN
 from segflow.passes._rewrite import new_const, remove_dead, replace_nodes, single_use
 from segflow.passes.result import PassResult
@@ -80,6 +86,12 @@ def _eligible(node: Node) -> bool:
             or x.spec.rank < 2 or weight is None or weight.dim() != 2
             or weight.dtype != torch.float32 or weight.numel() > CHAIN_MAX_WEIGHT):
         return False
+    if x.spec.is_static:   # rows known: a call the kernel would hand to torch stays apart
+        rows = 1
+        for d in x.spec.shape[:-1]:  # type: ignore[index]
+            rows *= int(d)  # type: ignore[arg-type]
+        if rows * weight.numel() > CpuTarget.dense_chain_max_macs:
+            return False
     bias = node.inputs[2] if len(node.inputs) > 2 else None
     if bias is not None and (bias.const is None or bias.const.is_mkldnn
                              or bias.const.dtype != torch.float32

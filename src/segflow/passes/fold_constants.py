@@ -7,6 +7,10 @@ Folded:
 - ``Shape`` / ``Size`` of a value whose spec shape is static (only the dims
   ``Shape``'s start/end select need be static).
 
+A node left unfolded whose data inputs have static shapes and whose other inputs are
+constants gets the static output shapes its kernel computes over meta tensors
+(``passes/static_shapes.py``), so a chain of computed reshapes settles in one walk.
+
 Not folded: nodes with subgraphs, random ops, and results larger than
 ``max_bytes`` (folding must not turn a cheap ``Expand`` into a huge weight).
 Dead nodes and unused initializers are removed afterwards.
@@ -30,6 +34,7 @@ from segflow.ops import default_registry
 from segflow.ops.registry import Kernel, OpRegistry, SubgraphRunner
 from segflow.passes._rewrite import new_const, remove_dead
 from segflow.passes.result import PassResult
+from segflow.passes.static_shapes import refine_static_shapes
 
 DEFAULT_MAX_BYTES = 64 << 20
 
@@ -81,19 +86,20 @@ def fold_constants(graph: Graph, registry: OpRegistry | None = None, *,
     """Fold constant subgraphs and static shapes of ``graph`` (in place)."""
     registry = registry or default_registry()
     ctx = _FoldContext()
-    folded = 0
+    folded = refined = 0
     for node in list(graph.nodes):
         results = _static_shape(node)
         if results is None and _foldable(node):
             results = _evaluate(node, registry, ctx)
         if results is None or len(results) < len(node.outputs):
+            refined += refine_static_shapes(node, registry, ctx)
             continue
         if sum(t.numel() * t.element_size() for t in results) > max_bytes:
             continue
         _replace_with_constants(graph, node, results)
         folded += 1
     removed = remove_dead(graph) if folded else 0
-    return PassResult(graph, bool(folded or removed))
+    return PassResult(graph, bool(folded or removed or refined))
 
 
 def _foldable(node: Node) -> bool:

@@ -19,7 +19,7 @@ from segflow.passes.fuse import RULE_NAMES
 from segflow.settings import AUTO_CHOICE_ENV, ENV_COMPILE, PipelineEnv, parse_choice
 
 # The passes ``optimize`` switches by name (the OptimizeOptions field of the same name).
-PASSES = ("fold_constants", "fuse", "dense_chain", "layout", "plan_memory")
+PASSES = ("fold_constants", "fuse", "dense_chain", "layout", "specialize", "plan_memory")
 # ``optimize`` keys for the layout pass's choices -> the OptimizeOptions field each sets
 # (their environment variables: settings.py).
 LAYOUT_CHOICES = {"layout.direct": "onednn_direct", "layout.blocked": "onednn_blocked",
@@ -57,6 +57,9 @@ class OptimizeOptions:
     fuse: bool = True
     dense_chain: bool = True
     layout: bool = True
+    # A graph computing its shapes from symbolic input dims is planned again for each
+    # input shape it runs at (passes/specialize.py, runtime/specialized.py).
+    specialize: bool = True
     plan_memory: bool = True
     # The fuse rules switched off (names from passes.fuse.RULE_NAMES), and those switched
     # on by name (``siblings`` is otherwise off where _siblings_off says).
@@ -149,7 +152,8 @@ class OptimizeOptions:
         return {"fold_constants": self.fold_constants, "fuse": self.fuse,
                 "fuse_off": ",".join(r for r in RULE_NAMES if r in self.fuse_off),
                 "dense_chain": self.dense_chain, "layout": self.layout,
-                "plan_memory": self.plan_memory, "compile": self.compile.resolve().value,
+                "specialize": self.specialize, "plan_memory": self.plan_memory,
+                "compile": self.compile.resolve().value,
                 "onednn_direct": self.onednn_direct, "onednn_blocked": self.onednn_blocked,
                 "arena": self.arena, "onednn_replay": self.onednn_replay,
                 "prebuild": self.prebuild,

@@ -2,7 +2,8 @@
 
 ``InferenceSession`` runs it between import and segmentation::
 
-    fold_constants -> fuse -> dense_chain -> layout -> (contiguous constants) -> plan_memory
+    fold_constants -> fuse -> dense_chain -> layout -> specialize -> (contiguous constants)
+        -> plan_memory
 
 Every pass has one signature, ``(graph, PassContext) -> PassResult(graph, changed,
 log)``: the context holds the device, the options (``passes/options.py``, resolved
@@ -49,6 +50,7 @@ from segflow.passes.options import (
 from segflow.passes.plan_memory import MemoryPlan, plan_memory
 from segflow.passes.result import PassResult
 from segflow.passes.select_kernels import select_kernels
+from segflow.passes.specialize import specialize_pass
 
 # The options' names stay importable from here, where the pipeline's callers look.
 __all__ = ["LAYOUT_CHOICES", "PASSES", "PIPELINE", "CompileMode", "OptimizeOptions",
@@ -330,6 +332,7 @@ PIPELINE: tuple[PassEntry, ...] = (
     PassEntry("fuse", fuse_pass, "fuse"),
     PassEntry("dense_chain", dense_chain_pass, "dense_chain"),
     PassEntry("layout", layout_pass, "layout", needs_backend=True),
+    PassEntry("specialize", specialize_pass, "specialize"),
     PassEntry("contiguous_constants", contiguous_constants_pass, None, training=True),
 )
 

@@ -58,9 +58,10 @@ _NOT_BASIC = {f"fuse.{rule}": False for rule in RULE_NAMES if rule not in BASIC_
 # Each level as segflow's ``optimize`` mapping; None: segflow's defaults.
 LEVEL_PASSES: dict[GraphOptimizationLevel, dict[str, bool] | None] = {
     GraphOptimizationLevel.ORT_DISABLE_ALL: {"fold_constants": False, "fuse": False,
-                                             "dense_chain": False, "layout": False},
+                                             "dense_chain": False, "layout": False,
+                                             "specialize": False},
     GraphOptimizationLevel.ORT_ENABLE_BASIC: {**_NOT_BASIC, "dense_chain": False,
-                                              "layout": False},
+                                              "layout": False, "specialize": False},
     GraphOptimizationLevel.ORT_ENABLE_EXTENDED: {"layout": False},
     GraphOptimizationLevel.ORT_ENABLE_LAYOUT: None,
     GraphOptimizationLevel.ORT_ENABLE_ALL: None,

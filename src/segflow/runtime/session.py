@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import threading
 import time
@@ -26,7 +27,7 @@ from segflow.engine import make_engine
 from segflow.engine.streams import StreamBackend
 from segflow.errors import InvalidInput
 from segflow.frontend.model_info import ModelInfo, describe_model
-from segflow.frontend.onnx_import import import_model, load_model
+from segflow.frontend.onnx_import import INFERENCE_DATA_LIMIT, import_model, load_model
 from segflow.ir.graph import Value
 from segflow.ir.types import Device, DeviceKind, DType
 from segflow.kernels.native.build import describe_cache as describe_native_cache
@@ -39,6 +40,7 @@ from segflow.passes.pipeline import (
     OptimizeOptions,
     configure_threads,
 )
+from segflow.passes.specialize import runtime_shape_nodes, shape_skeleton, symbolic_inputs
 from segflow.profiler.sink import EventSink, active_sink
 from segflow.runtime.aot_inductor import AotInductorSegment
 from segflow.runtime.arena import ArenaPool
@@ -63,11 +65,12 @@ from segflow.runtime.ort_session import (
 )
 from segflow.runtime.plan import Plan, make_plan
 from segflow.runtime.providers import ProviderSpec
+from segflow.runtime.specialized import BoundModel, Specializations
 from segflow.runtime.stats import RunStats
 from segflow.settings import BulkSettings, engine_for_plan, resolve_engine
 
 Tensor = torch.Tensor
-ModelSource = str | os.PathLike[str] | bytes | onnx.ModelProto
+ModelSource = str | os.PathLike[str] | bytes | onnx.ModelProto | BoundModel
 
 
 __all__ = ["InferenceSession", "NodeArg", "PendingRun"]
@@ -165,10 +168,22 @@ class InferenceSession(OrtSessionApi):
         config, profile = self._setup(model, sess_options, providers, provider_options,
                                       explicit, others, load_start)
         self.registry = registry or default_registry()
-        proto = load_model(model)
-        self.graph = import_model(proto, self.registry)
+        given = model.tensors if isinstance(model, BoundModel) else None
+        proto = load_model(model.proto if isinstance(model, BoundModel) else model)
+        self.graph = import_model(proto, self.registry, tensors=given)
         self.model_info: ModelInfo = describe_model(proto)
+        # A graph over symbolic dims may be planned again per input shape (see
+        # _specializations): the model's nodes and the weights as read, before the passes.
+        skeleton, stripped = (shape_skeleton(proto, INFERENCE_DATA_LIMIT)
+                              if symbolic_inputs(self.graph) and placement is None
+                              else (None, frozenset()))
         del proto   # the graph holds the weights now
+        initializers = self.graph.initializers
+        read: dict[str, Tensor] = {}
+        for name in stripped:
+            const = initializers[name].const if name in initializers else None
+            if const is not None:
+                read[name] = const
         if profile is not None:
             kind = "uri" if isinstance(model, str | os.PathLike) else "array"
             profile.session_span(f"model_loading_{kind}", load_start, time.perf_counter_ns())
@@ -204,6 +219,11 @@ class InferenceSession(OrtSessionApi):
         # With optimized_model_filepath set, the ONNX-expressible passes run first and
         # their graph is written (runtime/ort_session.py); their log lines lead.
         pipeline, written = self._run_passes(None if placement else self.device, dims)
+        self._optimize_config = config.get("optimize")
+        self._specialized = (self._specializations(skeleton, read)
+                             if skeleton is not None and self.options.specialize
+                             and runtime_shape_nodes(self.graph) else None)
+        del read
         self.plan: Plan = make_plan(self.graph, self.registry, self.settings, self.device,
                                     placement, pass_log=(*written, *pipeline.log),
                                     memory=pipeline.memory, choices=pipeline.choices)
@@ -299,6 +319,7 @@ class InferenceSession(OrtSessionApi):
         and gave back to the OS.
         """
         lines = [*self._executor.completion.describe(), *self.kernel_report(),
+                 *(self._specialized.describe() if self._specialized is not None else ()),
                  *self.compile_report.cached_package_lines(),
                  *self._nonfinite.describe(self.exact_runs)]
         if self.released_at_load >= 1 << 20:
@@ -337,6 +358,13 @@ class InferenceSession(OrtSessionApi):
         return held + sum(r.block_bytes for r in self.compile_report.native_replays)
 
     @property
+    def specializations(self) -> dict[tuple[tuple[int, ...], ...], InferenceSession]:
+        """The sessions planned for the input shapes runs brought so far, by the feeds'
+        shapes in input order (empty where the graph's shapes are not computed at run
+        time, or ``optimize={"specialize": False}``)."""
+        return self._specialized.sessions if self._specialized is not None else {}
+
+    @property
     def last_run_stats(self) -> RunStats | None:
         """Counters of the last run made by the calling thread."""
         return getattr(self._local, "stats", None)
@@ -353,9 +381,9 @@ class InferenceSession(OrtSessionApi):
         """
         if run_options is not None:
             check_run(run_options)
-        wanted, tensors, outputs, wait = self._start(output_names, input_feed)
+        runner, wanted, tensors, outputs, wait = self._start(output_names, input_feed)
         wait()
-        return self._arrays(wanted, tensors, outputs)
+        return runner._arrays(wanted, tensors, outputs)
 
     def run_async(self, output_names: Sequence[str] | None,
                   input_feed: Mapping[str, Any]) -> PendingRun:
@@ -368,21 +396,52 @@ class InferenceSession(OrtSessionApi):
         device busy. Where nothing runs asynchronously (host devices, profiled runs)
         the run is complete when this returns.
         """
-        wanted, tensors, outputs, wait = self._start(output_names, input_feed)
-        return PendingRun(self, wanted, tensors, outputs, wait, self._local.stats)
+        runner, wanted, tensors, outputs, wait = self._start(output_names, input_feed)
+        return PendingRun(runner, wanted, tensors, outputs, wait, self._local.stats)
 
     def _start(self, output_names: Sequence[str] | None, feeds: Mapping[str, Any]
-               ) -> tuple[Sequence[int], list[Tensor], list[Tensor], Callable[[], None]]:
-        """What :meth:`run` and :meth:`run_async` share: check the feeds, start the run,
-        keep its stats for this thread; the outputs are ready once ``wait()`` returns."""
+               ) -> tuple[InferenceSession, Sequence[int], list[Tensor], list[Tensor],
+                          Callable[[], None]]:
+        """What :meth:`run` and :meth:`run_async` share: check the feeds, start the run
+        (on the plan specialized for their shapes where there is one), keep its stats for
+        this thread; the outputs are ready once ``wait()`` returns. Returns the session
+        whose plan ran (its outputs are handed back by its ``_arrays``)."""
         tensors, dims = self._validate(feeds)
         wanted = self._output_indices(output_names)
-        executor = self._executor_for(tensors)
-        with self._numpy_run_mode():
+        runner = self._runner_for(tensors)
+        executor = runner._executor_for(tensors)
+        with runner._numpy_run_mode():
             outputs, stats, wait = executor.start(tensors, active_sink() or self._profile_sink,
                                                   host_outputs=True, dims=dims)
-        self._local.stats = self._sized(stats, dims)
-        return wanted, tensors, outputs, wait
+        self._local.stats = runner._sized(stats, dims)
+        return runner, wanted, tensors, outputs, wait
+
+    def _runner_for(self, feeds: Sequence[Tensor]) -> InferenceSession:
+        """The session whose plan runs ``feeds``: the one specialized for their shapes, or
+        this one (not specialized, or past the cap)."""
+        specialized = self._specialized
+        runner = specialized.session_for(feeds) if specialized is not None else None
+        return runner if runner is not None else self
+
+    def _specializations(self, skeleton: onnx.ModelProto, read: Mapping[str, Tensor]
+                         ) -> Specializations:
+        """Plans per input shape for this session's model (``runtime/specialized.py``):
+        each a session over ``skeleton`` with the inputs' dims bound and the weights
+        ``read`` at load, with this session's options less ``specialize`` (no profile,
+        no optimized model file)."""
+        model, sess_options, keywords = self._source
+        options = copy.copy(sess_options) if sess_options is not None else None
+        if options is not None:
+            options.optimized_model_filepath = ""
+            options.enable_profiling = False
+        base = self._optimize_config
+        optimize = {**base, "specialize": False} if isinstance(base, Mapping) \
+            else {"specialize": False}
+        child = {**keywords, "optimize": optimize, "dims": None, "device": self.device}
+
+        def build(bound: BoundModel) -> InferenceSession:
+            return InferenceSession(bound, options, **child)
+        return Specializations(skeleton, read, [v.name for v in self.graph.inputs], build)
 
     def _executor_for(self, feeds: Sequence[Tensor]) -> Executor:
         """The session's executor, or where its kernels lose NaN or Inf and ``feeds`` hold
@@ -426,12 +485,15 @@ class InferenceSession(OrtSessionApi):
         The outputs are ordinary tensors (not inference tensors), usable with autograd.
         """
         tensors, dims = self._validate(feeds)
-        outputs, stats = self._executor_for(tensors).run(
+        runner = self._runner_for(tensors)
+        outputs, stats = runner._executor_for(tensors).run(
             tensors, active_sink() or self._profile_sink, dims=dims)
-        self._local.stats = self._sized(stats, dims)
+        self._local.stats = runner._sized(stats, dims)
         return outputs
 
     def close(self) -> None:
+        if self._specialized is not None:
+            self._specialized.close()
         self._engine.close()
 
     def _rebuild(self, providers: Sequence[ProviderSpec],

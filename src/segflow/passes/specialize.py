@@ -1,0 +1,131 @@
+"""Pass ``specialize``: where a graph computes shapes at run time from symbolic input
+dims, it is planned again for each input shape it runs at.
+
+Exporters write a model's reshapes over symbolic batch and sequence dims as arithmetic
+on ``Shape`` outputs (``Shape -> Gather -> Unsqueeze -> Concat -> Reshape``, with
+``Slice``, ``Squeeze``, ``Mul`` and ``Div`` between). With the dims symbolic, that
+arithmetic runs on every call (dozens of one-element kernels a layer) and the reshapes
+it feeds have unknown output shapes, so the fuse rules that need shapes (the heads of
+an attention, a reshape that changes nothing) cannot match. Bound to one input shape
+the graph is static: ONNX's shape inference gives every value its shape, constant
+folding evaluates the whole arithmetic, and the pipeline sees what a fixed-shape export
+would have given it.
+
+The pass itself changes nothing: it finds the nodes that compute shapes at run time
+(:func:`runtime_shape_nodes`) and logs them. The session then keeps a copy of the model
+without its large weights (:func:`shape_skeleton`) and, for each input shape a run
+brings, binds the inputs' dims (:func:`bind_input_shapes`) and plans that graph with the
+session's weights and options (``runtime/specialized.py``).
+
+>>> sorted(runtime_shape_nodes(graph))            # doctest: +SKIP
+['Shape']
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+import onnx
+
+from segflow.ir.graph import Graph
+from segflow.passes.result import PassResult
+
+if TYPE_CHECKING:
+    from segflow.passes.pipeline import PassContext
+
+# The ops whose output is a shape (or a size) read off their input's dims at run time.
+SHAPE_OPS = ("Shape", "Size")
+# Specialized plans a session keeps; a shape past them runs the session's own plan
+# (no eviction: a workload cycling over more shapes would otherwise plan on every call).
+SPECIALIZE_CAP = 8
+
+
+def symbolic_inputs(graph: Graph) -> list[str]:
+    """The graph inputs with a dim that is not a fixed size (a name or unknown)."""
+    return [v.name for v in graph.inputs
+            if v.spec.shape is None or any(not isinstance(d, int) for d in v.spec.shape)]
+
+
+def runtime_shape_nodes(graph: Graph) -> Counter[str]:
+    """How many nodes of each op type read a shape off a value at run time (``Shape``,
+    ``Size``) in ``graph`` as it stands; empty when its inputs' dims are all fixed (the
+    pipeline has folded every such node then)."""
+    if not symbolic_inputs(graph):
+        return Counter()
+    return Counter(n.op_type for n in graph.nodes if n.domain == "" and n.op_type in SHAPE_OPS)
+
+
+def specialize_pass(graph: Graph, context: PassContext) -> PassResult:
+    """Log what a plan per input shape would fold (the session builds those plans)."""
+    nodes = runtime_shape_nodes(graph)
+    if not nodes:
+        return PassResult(graph, False, ("specialize: nothing computes shapes at run time",))
+    counts = ", ".join(f"{op} {n}" for op, n in sorted(nodes.items()))
+    return PassResult(graph, False, (
+        f"specialize: shapes computed at run time from {', '.join(symbolic_inputs(graph))} "
+        f"({counts}); planned again for each input shape, up to {SPECIALIZE_CAP}",))
+
+
+def shape_skeleton(proto: onnx.ModelProto, keep_bytes: int
+                   ) -> tuple[onnx.ModelProto, frozenset[str]]:
+    """A copy of ``proto`` whose initializers over ``keep_bytes`` keep their name, type and
+    dims but not their data (the session supplies those tensors, named in the returned
+    set), and without the exporter's value_info (shape inference derives it again for
+    the bound shape)."""
+    light = onnx.ModelProto()
+    _copy_but_graph(proto, light)
+    graph, source = light.graph, proto.graph
+    graph.name = source.name
+    graph.node.extend(source.node)
+    graph.input.extend(source.input)
+    graph.output.extend(source.output)
+    graph.sparse_initializer.extend(source.sparse_initializer)
+    stripped = set()
+    for tensor in source.initializer:
+        if _bytes(tensor) <= keep_bytes:
+            graph.initializer.append(tensor)
+        else:
+            graph.initializer.add(name=tensor.name, data_type=tensor.data_type,
+                                  dims=tensor.dims)
+            stripped.add(tensor.name)
+    return light, frozenset(stripped)
+
+
+def _copy_but_graph(proto: onnx.ModelProto, light: onnx.ModelProto) -> None:
+    light.ir_version = proto.ir_version
+    light.opset_import.extend(proto.opset_import)
+    light.functions.extend(proto.functions)
+    light.metadata_props.extend(proto.metadata_props)
+    light.producer_name = proto.producer_name
+    light.producer_version = proto.producer_version
+    light.domain = proto.domain
+    light.model_version = proto.model_version
+    light.doc_string = proto.doc_string
+
+
+def _bytes(tensor: onnx.TensorProto) -> int:
+    numel = 1
+    for d in tensor.dims:
+        numel *= int(d)
+    return numel * 8       # an upper bound: only small ones are kept whole
+
+
+def bind_input_shapes(skeleton: onnx.ModelProto,
+                      shapes: Mapping[str, Sequence[int]]) -> onnx.ModelProto:
+    """A copy of ``skeleton`` whose graph inputs named in ``shapes`` have those dims.
+
+    >>> bound = bind_input_shapes(skeleton, {"x": (1, 128, 256)})   # doctest: +SKIP
+    """
+    bound = onnx.ModelProto()
+    bound.CopyFrom(skeleton)
+    for vi in bound.graph.input:
+        dims = shapes.get(vi.name)
+        if dims is None or not vi.type.HasField("tensor_type"):
+            continue
+        shape = vi.type.tensor_type.shape
+        shape.ClearField("dim")
+        for size in dims:
+            shape.dim.add().dim_value = int(size)
+    return bound

@@ -1,0 +1,103 @@
+"""passes/specialize.py, passes/static_shapes.py and runtime/specialized.py: a graph that
+computes its reshape targets from Shape outputs over symbolic dims is planned again per
+input shape, its shape arithmetic folded; results equal onnxruntime's."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+import segflow
+
+ort = pytest.importorskip("onnxruntime")
+
+
+def _model() -> onnx.ModelProto:
+    """x[B, S, 8] -> Reshape to [B, S, 2, 4] from Shape arithmetic -> Transpose ->
+    Reshape back to [B, S, 8] (Shape/Gather/Unsqueeze/Concat, as exporters write it)."""
+    c = helper.make_tensor
+    nodes = [
+        helper.make_node("Shape", ["x"], ["s"]),
+        helper.make_node("Gather", ["s", "i0"], ["b"], axis=0),
+        helper.make_node("Gather", ["s", "i1"], ["q"], axis=0),
+        helper.make_node("Unsqueeze", ["b", "ax"], ["bu"]),
+        helper.make_node("Unsqueeze", ["q", "ax"], ["qu"]),
+        helper.make_node("Concat", ["bu", "qu", "two", "four"], ["shape4"], axis=0),
+        helper.make_node("Reshape", ["x", "shape4"], ["x4"]),
+        helper.make_node("Transpose", ["x4"], ["t"], perm=[0, 1, 3, 2]),
+        helper.make_node("Concat", ["bu", "qu", "eight"], ["shape3"], axis=0),
+        helper.make_node("Reshape", ["t", "shape3"], ["y"]),
+    ]
+    inits = [c("i0", TensorProto.INT64, [], [0]), c("i1", TensorProto.INT64, [], [1]),
+             c("ax", TensorProto.INT64, [1], [0]), c("two", TensorProto.INT64, [1], [2]),
+             c("four", TensorProto.INT64, [1], [4]), c("eight", TensorProto.INT64, [1], [8])]
+    graph = helper.make_graph(
+        nodes, "shape_arith",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _ops(graph) -> list[str]:  # type: ignore[no-untyped-def]
+    return [n.op_type for n in graph.nodes]
+
+
+@pytest.mark.parametrize("shape", [(1, 16, 8), (4, 128, 8)])
+def test_plan_per_shape_folds_the_shape_arithmetic(shape: tuple[int, int, int]) -> None:
+    model = _model()
+    sess = segflow.InferenceSession(model.SerializeToString())
+    oracle = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    np.testing.assert_allclose(sess.run(None, {"x": x})[0], oracle.run(None, {"x": x})[0],
+                               atol=1e-6, rtol=0)
+    # the session's own plan keeps the arithmetic: 10 nodes
+    assert len(sess.graph.nodes) == 10
+    assert "specialize: shapes computed at run time from x (Shape 1)" in sess.explain()
+    (key, specialized), = sess.specializations.items()
+    assert key == (shape,)
+    # bound: the arithmetic folds, the first Reshape gets a static shape and the
+    # reshapes and the transpose are all that is left
+    assert _ops(specialized.graph) == ["Reshape", "Transpose", "Reshape"]
+    assert all(v.spec.is_static for n in specialized.graph.nodes for v in n.outputs)
+
+
+def test_each_shape_planned_once_and_the_switch() -> None:
+    model = _model().SerializeToString()
+    sess = segflow.InferenceSession(model)
+    for shape in [(1, 4, 8), (2, 4, 8), (1, 4, 8)]:
+        sess.run(None, {"x": np.ones(shape, np.float32)})
+    assert sorted(sess.specializations) == [((1, 4, 8),), ((2, 4, 8),)]
+    off = segflow.InferenceSession(model, optimize={"specialize": False})
+    off.run(None, {"x": np.ones((1, 4, 8), np.float32)})
+    assert off.specializations == {}
+    assert "specialize: off" in off.explain()
+    assert off.options.specialize is False and sess.options.specialize is True
+
+
+def test_static_inputs_are_not_specialized() -> None:
+    model = _model()
+    dims = model.graph.input[0].type.tensor_type.shape.dim
+    dims[0].dim_value, dims[1].dim_value = 2, 3
+    sess = segflow.InferenceSession(model.SerializeToString())
+    sess.run(None, {"x": np.ones((2, 3, 8), np.float32)})
+    assert sess.specializations == {}
+    assert _ops(sess.graph) == ["Reshape", "Transpose", "Reshape"]
+    assert "specialize: nothing computes shapes at run time" in sess.explain()
+
+
+def test_cap_runs_the_own_plan_past_it() -> None:
+    from segflow.runtime.specialized import Specializations
+    model = _model().SerializeToString()
+    sess = segflow.InferenceSession(model)
+    specialized = sess._specialized
+    assert isinstance(specialized, Specializations)
+    specialized.cap = 1
+    oracle = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    for shape in [(1, 2, 8), (3, 2, 8)]:
+        x = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
+        np.testing.assert_allclose(sess.run(None, {"x": x})[0],
+                                   oracle.run(None, {"x": x})[0], atol=1e-6, rtol=0)
+    assert list(sess.specializations) == [((1, 2, 8),)]
+    assert specialized.declined == 1
