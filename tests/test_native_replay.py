@@ -51,21 +51,31 @@ def _replays(sess) -> list[NativeReplay]:
     return sess.compile_report.native_replays
 
 
+def _session(model, **optimize):
+    """One plan for every shape: the tests below follow one recording across sequence
+    lengths and thread counts (the builder's encoder reads its sequence length off a
+    Shape, so by default each input shape gets a plan of its own; see test_specialize)."""
+    return segflow.InferenceSession(model, optimize={"specialize": False, **optimize})
+
+
 def test_the_encoder_is_one_replayed_run_that_matches_onnxruntime(encoder):
     model, oracle = encoder
     # Query, key and value as one linear and a Split (views replayed as recorded).
     sess = segflow.InferenceSession(model, optimize={"fuse.siblings": True})
-    (replay,) = _replays(sess)
-    # 2 layers: query/key/value, attention, output, add + norm, FFN in, FFN out, add + norm.
-    assert replay.kernels == 14 and not replay.why_not
     for seed in range(5):        # new ids and masks every call, one shape
         _check(sess, oracle, _feeds(16, seed, batch=2))
+    # The runs took the plan specialized for their shape, which records its own replay.
+    (specialized,) = sess.specializations.values()
+    (replay,) = _replays(specialized)
+    # 2 layers: query/key/value, attention, output, add + norm, FFN in, FFN out, add + norm.
+    assert replay.kernels == 14 and not replay.why_not
     # The first call runs as before, the second records, the rest replay.
     assert replay.replays == 3
-    text = sess.explain()
+    text = specialized.explain()
+    assert "3 calls replayed" in sess.explain()   # the session's explain shows what ran
     assert "replayed runs (native kernels): 1 run, 14 kernels; 3 calls replayed" in text
     # Its block holds what dies inside the run: far less than every result of the run.
-    assert 0 < replay.block_bytes == sess.arena_bytes < 2 * 32 * 3072 * 4
+    assert 0 < replay.block_bytes == specialized.arena_bytes < 2 * 32 * 3072 * 4
     # Replayed calls still count as native calls, node by node (8 linears in the run,
     # and the pooler's after it).
     assert re.search(r"native linears: 9 nodes .*; 45 calls native, 0 through torch", text)
@@ -74,7 +84,7 @@ def test_the_encoder_is_one_replayed_run_that_matches_onnxruntime(encoder):
 
 def test_the_encoder_with_separate_projections_is_one_replayed_run(encoder):
     model, oracle = encoder
-    sess = segflow.InferenceSession(model, optimize={"fuse.siblings": False})
+    sess = _session(model, **{"fuse.siblings": False})
     (replay,) = _replays(sess)
     assert replay.kernels == 18 and not replay.why_not     # 3 projections a layer
     for seed in range(4):
@@ -84,7 +94,7 @@ def test_the_encoder_with_separate_projections_is_one_replayed_run(encoder):
 
 def test_results_are_new_tensors_at_every_call(encoder):
     model, oracle = encoder
-    sess = segflow.InferenceSession(model)
+    sess = _session(model)
     kept = []
     for seed in range(4):
         feeds = _feeds(16, seed)
@@ -101,7 +111,7 @@ def test_runs_and_tensor_runs_share_one_recording(encoder):
     # run() records under inference_mode; run_tensors() replays outside it, and its
     # results are ordinary tensors.
     model, oracle = encoder
-    sess = segflow.InferenceSession(model)
+    sess = _session(model)
     for seed in range(2):
         _check(sess, oracle, _feeds(16, seed))
     feeds = _feeds(16, 5)
@@ -116,7 +126,7 @@ def test_runs_and_tensor_runs_share_one_recording(encoder):
 
 def test_a_new_sequence_length_runs_as_before_until_it_is_recorded(encoder):
     model, oracle = encoder
-    sess = segflow.InferenceSession(model)
+    sess = _session(model)
     (replay,) = _replays(sess)
     counts = []
     for seed, seq in enumerate([16, 16, 16, 24, 24, 24, 24, 16]):
@@ -129,7 +139,7 @@ def test_a_new_sequence_length_runs_as_before_until_it_is_recorded(encoder):
 
 def test_a_change_of_thread_count_is_not_replayed(encoder):
     model, oracle = encoder
-    sess = segflow.InferenceSession(model)
+    sess = _session(model)
     (replay,) = _replays(sess)
     threads = torch.get_num_threads()
     try:

@@ -37,6 +37,9 @@ if TYPE_CHECKING:
 
 # The ops whose output is a shape (or a size) read off their input's dims at run time.
 SHAPE_OPS = ("Shape", "Size")
+# Ops whose output shape depends on their input's values, not only on its shape: a shape
+# read downstream of one stays a run-time value whatever the input dims are bound to.
+DATA_DEPENDENT_SHAPE_OPS = frozenset({"NonZero", "Unique", "Compress", "NonMaxSuppression"})
 # Specialized plans a session keeps; a shape past them runs the session's own plan
 # (no eviction: a workload cycling over more shapes would otherwise plan on every call).
 SPECIALIZE_CAP = 8
@@ -51,10 +54,26 @@ def symbolic_inputs(graph: Graph) -> list[str]:
 def runtime_shape_nodes(graph: Graph) -> Counter[str]:
     """How many nodes of each op type read a shape off a value at run time (``Shape``,
     ``Size``) in ``graph`` as it stands; empty when its inputs' dims are all fixed (the
-    pipeline has folded every such node then)."""
+    pipeline has folded every such node then). A shape read off a value downstream of a
+    NonZero (or another op whose output shape depends on data) is not counted: binding
+    the input dims would not fold it."""
     if not symbolic_inputs(graph):
         return Counter()
-    return Counter(n.op_type for n in graph.nodes if n.domain == "" and n.op_type in SHAPE_OPS)
+    dependent = _data_dependent_values(graph)
+    return Counter(n.op_type for n in graph.nodes if n.domain == "" and n.op_type in SHAPE_OPS
+                   and not (n.inputs and n.inputs[0] is not None
+                            and n.inputs[0].name in dependent))
+
+
+def _data_dependent_values(graph: Graph) -> set[str]:
+    """The values whose shape may depend on data (downstream of a NonZero and the like);
+    binding the input dims does not fix a shape read off them (nodes in order)."""
+    dependent: set[str] = set()
+    for node in graph.nodes:
+        if (node.domain == "" and node.op_type in DATA_DEPENDENT_SHAPE_OPS) or any(
+                v is not None and v.name in dependent for v in node.inputs):
+            dependent.update(v.name for v in node.outputs)
+    return dependent
 
 
 def specialize_pass(graph: Graph, context: PassContext) -> PassResult:

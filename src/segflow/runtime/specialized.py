@@ -101,6 +101,8 @@ class Specializations:
                                for name, dims in zip(self._names, key))
             lines.append(f"specialized for {shapes}: {len(session.graph.nodes)} nodes, "
                          f"{len(session.plan.segments)} segments")
+            # What its runs did (native calls, replays): the runs at that shape are its.
+            lines += [f"  {line}" for line in session.kernel_report()]
         for key, why in self.refused.items():
             lines.append(f"not specialized for {key}: {why}")
         if self.declined:
