@@ -453,6 +453,30 @@ def test_a_matmul_weight_is_kept_as_a_view_of_its_initializer_not_copied():
     assert torch.equal(merged, torch.from_numpy(np.concatenate([inits["w0"], inits["w1"]], 1)).t())
 
 
+def test_a_matmul_over_the_transpose_of_a_weight_reads_the_weight_itself():
+    # A language model's head: MatMul(x, Transpose(W)) with W [N, K] (too large to fold):
+    # the FusedGemm reads W as it is stored, and the Transpose goes.
+    k, n = 16, 24
+    w = _rand(n, k)
+    nodes = [helper.make_node("Transpose", ["w"], ["wt"], perm=[1, 0]),
+             helper.make_node("MatMul", ["x", "wt"], ["y"])]
+    model = _model(nodes, {"x": [2, 3, k]}, ["y"], {"w": w})
+    graph, _ = _fused(model, ["linear"])
+    (gemm,) = graph.nodes
+    assert gemm.op_type == "FusedGemm" and torch.equal(gemm.inputs[1].const, torch.from_numpy(w))
+    _check(model, {"x": _rand(2, 3, k)}, ["FusedGemm"])
+    # A Transpose read elsewhere too stays; one that is not 2-D leaves the MatMul alone.
+    nodes.append(helper.make_node("Relu", ["wt"], ["r"]))
+    graph, _ = _fused(_model(nodes, {"x": [2, 3, k]}, ["y", "r"], {"w": w}), ["linear"])
+    assert Counter(node.op_type for node in graph.nodes) == {"FusedGemm": 1, "Transpose": 1,
+                                                             "Relu": 1}
+    nodes = [helper.make_node("Transpose", ["w"], ["wt"], perm=[0, 2, 1]),
+             helper.make_node("MatMul", ["x", "wt"], ["y"])]
+    model = _model(nodes, {"x": [2, 3, k]}, ["y"], {"w": _rand(2, n, k)})
+    _, result = _fused(model, ["linear"])
+    assert not result.modified
+
+
 @pytest.mark.parametrize("case", ["activations differ", "one has no bias", "a graph output"])
 def test_sibling_linears_that_differ_stay_apart(case):
     if case == "activations differ":

@@ -10,7 +10,8 @@ They run in this order, each over the whole graph:
 2. ``batchnorm`` (:mod:`.batchnorm`): fold an inference BatchNormalization into the
    Conv or Gemm before it (new weight and bias constants).
 3. ``linear`` (:mod:`.linear`): Gemm, and MatMul (+ Add of a bias) with a constant
-   2-D weight, become ``segflow.FusedGemm`` (weight stored once in ``[N, K]`` layout).
+   2-D weight or the 2-D Transpose of one, become ``segflow.FusedGemm`` (weight stored
+   once in ``[N, K]`` layout).
 4. ``gelu`` (:mod:`.gelu`): the exporter's erf pattern ``x * 0.5 * (1 + erf(x / sqrt 2))``
    becomes one Gelu.
 5. ``conv`` (:mod:`.conv`): Conv with a constant weight becomes ``segflow.FusedConv``;

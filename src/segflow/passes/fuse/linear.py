@@ -1,5 +1,5 @@
-"""Rule ``linear``: Gemm, and MatMul (+ Add of a bias) with a constant 2-D weight,
-become ``segflow.FusedGemm``.
+"""Rule ``linear``: Gemm, and MatMul (+ Add of a bias) with a constant 2-D weight (or
+the 2-D Transpose of one), become ``segflow.FusedGemm``.
 
 The weight is stored once in ``[N, K]`` layout (torch's ``linear``), the bias as
 an ``[N]`` vector. A weight stored ``[K, N]`` (a MatMul's, a Gemm's without
@@ -69,15 +69,32 @@ def _gemm_to_fused(graph: Graph, gemm: Node) -> bool:
     return True
 
 
+def _weight_nk(value: Value | None) -> torch.Tensor | None:
+    """A MatMul's constant 2-D ``[K, N]`` operand in ``[N, K]`` layout: the transposed
+    view of a constant, or the constant itself where the operand is a 2-D Transpose of
+    one (exporters write a tied or ``[N, K]``-stored weight that way, and a Transpose of
+    a weight over folding's size limit stays a node: a language model's head)."""
+    b = const_tensor(value)
+    if b is not None:
+        return b.t() if b.dim() == 2 and b.dtype == torch.float32 else None
+    transpose = value.producer if value is not None else None
+    if not is_op(transpose, "Transpose") or transpose is None:
+        return None
+    w = const_tensor(transpose.inputs[0])
+    if w is None or w.dim() != 2 or w.dtype != torch.float32 \
+            or tuple(transpose.attrs.get("perm", (1, 0))) != (1, 0):
+        return None
+    return w
+
+
 def _matmul_to_fused(graph: Graph, mm: Node) -> bool:
     if len(mm.inputs) < 2:
         return False
     x = mm.inputs[0]
-    b = const_tensor(mm.inputs[1])
-    if (b is None or b.dim() != 2 or b.dtype != torch.float32 or not is_float32(x)
-            or x is None or x.spec.rank is None or x.spec.rank < 2):
+    w = _weight_nk(mm.inputs[1])
+    if w is None or not is_float32(x) or x is None or x.spec.rank is None or x.spec.rank < 2:
         return False
-    n = b.shape[1]
+    n = w.shape[0]
     anchor, absorbed, bias = mm, [], None
     consumer = only_consumer(graph, mm.outputs[0])
     if is_op(consumer, "Add"):
@@ -86,7 +103,7 @@ def _matmul_to_fused(graph: Graph, mm: Node) -> bool:
         bias = _bias_vector(other, n)
         if bias is not None:
             anchor, absorbed = consumer, [mm]
-    inputs: list[Value | None] = [x, new_const(graph, f"{mm.name}.weight_nk", b.t())]
+    inputs: list[Value | None] = [x, new_const(graph, f"{mm.name}.weight_nk", w)]
     if bias is not None:
         inputs.append(new_const(graph, f"{anchor.name}.bias", bias))
     fused = Node("FusedGemm", inputs, [Value(anchor.outputs[0].name)], {}, name=mm.name,
