@@ -101,3 +101,47 @@ def test_cap_runs_the_own_plan_past_it() -> None:
                                    oracle.run(None, {"x": x})[0], atol=1e-6, rtol=0)
     assert list(sess.specializations) == [((1, 2, 8),)]
     assert specialized.declined == 1
+
+
+def _packed_weights(sess) -> dict[str, object]:  # type: ignore[no-untyped-def]
+    """The constant each FusedGemm reads as its weight, by node name."""
+    return {n.name: n.inputs[1].const for n in sess.graph.nodes
+            if n.op_type == "FusedGemm" and n.inputs[1] is not None}
+
+
+def test_plans_per_shape_share_the_packed_weights() -> None:
+    from segflow import models
+    from segflow.kernels.native.build import NativeLibrary
+    if NativeLibrary.probe()[0] is None:
+        pytest.skip("native kernels unavailable: no linear is packed")
+    # BERT-base's widths, so the linears are packed; the encoder reads its sequence
+    # length off a Shape, so each input shape gets a plan of its own.
+    size = {"layers": 1, "hidden": 768, "heads": 12, "ffn": 3072, "vocab": 50,
+            "max_positions": 32}
+    model = models.build("bert_tiny", **size, seq_len=8)
+    sess = segflow.InferenceSession(model)
+    oracle = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    for seq in (8, 16):
+        feeds = models.example_inputs("bert_tiny", batch_size=1, seed=seq, **size, seq_len=seq)
+        for got, want in zip(sess.run(None, feeds), oracle.run(None, feeds), strict=True):
+            np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    own = _packed_weights(sess)
+    assert own
+    assert len(sess.specializations) == 2
+    for specialized in sess.specializations.values():
+        theirs = _packed_weights(specialized)
+        # every linear the shape leaves alone reads the very tensor the session packed
+        shared = [name for name, w in theirs.items() if own.get(name) is w]
+        assert len(shared) == len(own) == len(theirs), (len(shared), len(own), len(theirs))
+
+
+def test_a_shape_read_off_a_nonzero_does_not_specialize() -> None:
+    from segflow import models
+    model = models.build("nonzero_mid")
+    sess = segflow.InferenceSession(model)
+    assert "specialize: nothing computes shapes at run time" in sess.explain()
+    feeds = models.example_inputs("nonzero_mid", batch_size=3)
+    oracle = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    for got, want in zip(sess.run(None, feeds), oracle.run(None, feeds), strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    assert sess.specializations == {}

@@ -6,13 +6,17 @@ convolution's the transform ``U`` (``[36, C, K]``), a large linear's the native
 kernel's panels, libdnnl's inner-product packing or torch's. The packed constant
 replaces the dense one, so the model holds one copy; one dense weight read by several
 nodes with the same packing parameters is packed once (:class:`WeightPacker`), and it
-is freed as soon as its last reader has its packed copy.
+is freed as soon as its last reader has its packed copy. Sessions planned over the
+same weights (a session and its plans per input shape, ``runtime/specialized.py``)
+share what is packed from them through a :class:`PackStore`: each weight is packed
+once for all of them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 
@@ -31,6 +35,47 @@ class PackParams:
     input_size: tuple[int, ...] | None
 
 
+_T = TypeVar("_T")
+
+
+class PackStore:
+    """What was packed from a set of shared weights, by the source's bytes and layout and
+    how it was packed; only sources inside those weights' storages are kept (a weight
+    the passes computed, a folded BatchNorm's, is one session's own and is not kept).
+
+    Packed tensors are read, never written, by the kernels, so sessions may share them.
+
+    >>> store = PackStore(read.values())                      # doctest: +SKIP
+    >>> panels = store.packed(w, ("panels",), lambda: pack(w))   # doctest: +SKIP
+    """
+
+    __slots__ = ("_weights", "_storages", "_packed", "hits")
+
+    def __init__(self, weights: Iterable[torch.Tensor]) -> None:
+        self._weights = tuple(weights)   # keeps the storages the keys point into alive
+        self._storages = {w.untyped_storage().data_ptr() for w in self._weights
+                          if not w.is_mkldnn}
+        self._packed: dict[tuple[Any, ...], Any] = {}
+        self.hits = 0
+
+    def packed(self, source: torch.Tensor, how: tuple[Any, ...], make: Callable[[], _T]) -> _T:
+        """``make()``'s result for ``source`` packed ``how``, made once across sessions."""
+        if source.is_mkldnn or source.untyped_storage().data_ptr() not in self._storages:
+            return make()
+        key = (source.untyped_storage().data_ptr(), source.storage_offset(),
+               tuple(source.shape), source.stride(), source.dtype, how)
+        if key in self._packed:
+            self.hits += 1
+            return self._packed[key]    # type: ignore[no-any-return]
+        result = self._packed[key] = make()
+        return result
+
+
+def _made(store: PackStore | None, source: torch.Tensor, how: tuple[Any, ...],
+          make: Callable[[], _T]) -> _T:
+    return store.packed(source, how, make) if store is not None else make()
+
+
 @dataclass(frozen=True, slots=True)
 class PackedConv:
     """A convolution weight as packed: the constant and what it was packed for."""
@@ -47,6 +92,7 @@ class WeightPacker:
 
     graph: Graph
     target: CpuTarget
+    store: PackStore | None = None      # packings shared with other sessions' packers
     convs: dict[tuple[int, PackParams, int], PackedConv] = field(default_factory=dict)
     linears: dict[tuple[int, str, int | None], Value] = field(default_factory=dict)
     strassen_wmax: dict[int, float | None] = field(default_factory=dict)  # id(panels) -> check
@@ -65,8 +111,11 @@ class WeightPacker:
         key = (id(weight), params, blocked + plain_input)
         done = self.convs.get(key)
         if done is None:
-            tensor, packed_for, verified, libdnnl_bytes = pack_conv(
-                weight.const, params, self.target if direct else None, blocked, plain_input)
+            const = weight.const
+            tensor, packed_for, verified, libdnnl_bytes = _made(
+                self.store, const, ("conv", params, direct, blocked, plain_input),
+                lambda: pack_conv(const, params, self.target if direct else None, blocked,
+                                  plain_input))
             value = Value(fresh_name(self.graph, f"{weight.name}.onednn"), weight.spec,
                           const=tensor)
             self.graph.add_initializer(value)
@@ -84,8 +133,10 @@ class WeightPacker:
         assert weight is not None and weight.const is not None
         value = self.winograd.get(id(weight))
         if value is None:
+            const = weight.const
             value = Value(fresh_name(self.graph, f"{weight.name}.winograd"), weight.spec,
-                          const=self.target.winograd_weight(weight.const))
+                          const=_made(self.store, const, ("winograd",),
+                                      lambda: self.target.winograd_weight(const)))
             self.graph.add_initializer(value)
             self.winograd[id(weight)] = value
         self.graph.set_input(node, 1, value)
@@ -103,13 +154,18 @@ class WeightPacker:
         key = (id(weight), "panels", None)
         value = self.linears.get(key)
         if value is None:
-            top = torch.empty(n) if strassen else None
+            def make() -> tuple[torch.Tensor, float | None]:
+                top = torch.empty(n) if strassen else None
+                panels = self.target.native_linear_weight(w, top)
+                return panels, (self.target.strassen_spread(top, n, k)
+                                if top is not None else None)
+            panels, spread = _made(self.store, w, ("panels", strassen), make)
             value = Value(fresh_name(self.graph, f"{weight.name}.panels"), weight.spec,
-                          const=self.target.native_linear_weight(w, top))
+                          const=panels)
             self.graph.add_initializer(value)
             self.linears[key] = value
-            if top is not None:
-                self.strassen_wmax[id(value)] = self.target.strassen_spread(top, n, k)
+            if strassen:
+                self.strassen_wmax[id(value)] = spread
         self.graph.set_input(node, 1, value)
         self.release(weight)
         return self.strassen_wmax.get(id(value)) if strassen else None
@@ -140,7 +196,8 @@ class WeightPacker:
         key = (id(weight), packing, rows)
         value = self.linears.get(key)
         if value is None:
-            tensor = pack()
+            assert weight.const is not None
+            tensor = _made(self.store, weight.const, (packing, rows), pack)
             if tensor is None:
                 return False
             value = Value(fresh_name(self.graph, f"{weight.name}.{packing}"), weight.spec,

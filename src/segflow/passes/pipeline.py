@@ -47,6 +47,7 @@ from segflow.passes.options import (
     OptimizeOptions,
     configure_threads,
 )
+from segflow.passes.pack_weights import PackStore
 from segflow.passes.plan_memory import MemoryPlan, plan_memory
 from segflow.passes.result import PassResult
 from segflow.passes.select_kernels import select_kernels
@@ -83,6 +84,7 @@ class PassContext:
     registry: OpRegistry | None = None
     backend: CompileMode = CompileMode.CODEGEN
     training: bool = False         # the graph is differentiated after the pipeline
+    packs: PackStore | None = None  # packed weights shared with other sessions' pipelines
 
 
 Pass = Callable[[Graph, PassContext], PassResult]
@@ -108,8 +110,8 @@ def optimize(graph: Graph, options: OptimizeOptions, *, registry: OpRegistry | N
 
 def run_pipeline(graph: Graph, options: OptimizeOptions, *, registry: OpRegistry | None = None,
                  device: Device | None = None, target: CpuTarget | None = None,
-                 training: bool = False, dims: Mapping[str, int] | None = None
-                 ) -> PipelineResult:
+                 training: bool = False, dims: Mapping[str, int] | None = None,
+                 packs: PackStore | None = None) -> PipelineResult:
     """Run :data:`PIPELINE`'s enabled passes, then plan memory; one log line each.
 
     ``device``: where the graph will run; None means a custom placement, whose
@@ -118,9 +120,11 @@ def run_pipeline(graph: Graph, options: OptimizeOptions, *, registry: OpRegistry
     ``training``: only the rows marked for training run (the graph is differentiated
     next, and its gradients need the forward ops as imported); no memory plan.
     ``dims``: symbolic input dims to plan memory at (those not named: 1).
+    ``packs``: weights packed by other sessions over the same weights (and where this
+    pipeline's packings go for them).
     """
     context = PassContext(device, options, target or CpuTarget.detect(), registry,
-                          training=training)
+                          training=training, packs=packs)
     choices = KernelChoices()
     log: list[str] = []
     why = ""
@@ -312,7 +316,8 @@ def layout_pass(graph: Graph, context: PassContext) -> PassResult:
     selection = select_kernels(graph, device, context.target, direct=options.onednn_direct,
                                blocked=options.onednn_blocked, winograd=options.winograd,
                                native_linear=options.native_linear,
-                               strassen=options.strassen, native_stem=options.native_stem)
+                               strassen=options.strassen, native_stem=options.native_stem,
+                               packs=context.packs)
     choices = selection.choices
     if not selection.modified:
         return PassResult(graph, False, (

@@ -45,7 +45,7 @@ from segflow.kernels.choice import (
 )
 from segflow.kernels.target import CpuTarget
 from segflow.ops.fused import FUSED_DOMAIN, LINEAR_PACK_MIN_WEIGHT, activation_of
-from segflow.passes.pack_weights import PackParams, WeightPacker
+from segflow.passes.pack_weights import PackParams, PackStore, WeightPacker
 from segflow.passes.result import PassResult
 
 # The row count a linear whose rows are not known at load (a symbolic batch or
@@ -71,10 +71,12 @@ class Selection:
 def select_kernels(graph: Graph, device: Device, target: CpuTarget, *, direct: bool = True,
                    blocked: bool = True, winograd: bool | None = None,
                    native_linear: bool | None = None, strassen: bool | None = None,
-                   native_stem: bool | None = None) -> Selection:
+                   native_stem: bool | None = None, packs: PackStore | None = None
+                   ) -> Selection:
     """Choose the kernels of ``graph``'s convolutions, poolings and large linears on
     ``target`` and pack their weights for them (in place), and give segflow's fused ops
-    their native kernel; a no-op off the CPU."""
+    their native kernel; a no-op off the CPU. ``packs``: packings shared with other
+    sessions over the same weights."""
     if device.kind is not DeviceKind.CPU:
         return Selection(PassResult(graph, False), KernelChoices())
     # Not a change of the graph: these kernels read the node's own inputs.
@@ -82,7 +84,7 @@ def select_kernels(graph: Graph, device: Device, target: CpuTarget, *, direct: b
              if node.domain == FUSED_DOMAIN and node.op_type in NATIVE_FUSED}
     if not target.onednn_ops:
         return Selection(PassResult(graph, False), KernelChoices.of_mapping(fused))
-    packer = WeightPacker(graph, target)
+    packer = WeightPacker(graph, target, packs)
     choices: dict[Node, KernelChoice] = {}
     use_dnnl = direct and target.dnnl is not None
     region: set[int] = set()

@@ -26,6 +26,7 @@ from segflow.ir.types import Device, DType
 from segflow.kernels.target import CpuTarget
 from segflow.ops.registry import OpRegistry
 from segflow.passes.fuse import RULE_NAMES
+from segflow.passes.pack_weights import PackStore
 from segflow.passes.pipeline import OptimizeOptions, PipelineResult, run_pipeline
 from segflow.profiler.ort_profile import SessionProfile
 from segflow.profiler.sink import EventSink
@@ -171,7 +172,8 @@ class OrtSessionApi:
             check_run(run_options)
         iobinding.execute(self.run_tensors)
 
-    def _run_passes(self, device: Device | None, dims: Mapping[str, int] | None = None
+    def _run_passes(self, device: Device | None, dims: Mapping[str, int] | None = None,
+                    packs: PackStore | None = None
                     ) -> tuple[PipelineResult, tuple[str, ...]]:
         """The session's pipeline, and where ``optimized_model_filepath`` is set, first the
         passes whose results are standard ONNX (constant folding and the basic fusions, as
@@ -194,7 +196,7 @@ class OrtSessionApi:
                         if line.startswith(("fold_constants", "fuse")))
         before = [(n.domain, n.op_type) for n in self.graph.nodes]
         result = run_pipeline(self.graph, self.options, registry=self.registry, device=device,
-                              target=self.target, dims=dims)
+                              target=self.target, dims=dims, packs=packs)
         if path and (len(result.choices)
                      or before != [(n.domain, n.op_type) for n in self.graph.nodes]):
             warnings.warn(f"optimized_model_filepath: {path} holds the graph after constant "

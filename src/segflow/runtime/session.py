@@ -35,6 +35,7 @@ from segflow.kernels.report import ReportFamily, describe_families
 from segflow.kernels.target import CpuTarget
 from segflow.ops import default_registry
 from segflow.ops.registry import OpRegistry
+from segflow.passes.pack_weights import PackStore
 from segflow.passes.pipeline import (
     CompileMode,
     OptimizeOptions,
@@ -218,9 +219,12 @@ class InferenceSession(OrtSessionApi):
         carried = nonfinite_reach(self.graph, self.registry)[1] if weights_finite else None
         # With optimized_model_filepath set, the ONNX-expressible passes run first and
         # their graph is written (runtime/ort_session.py); their log lines lead.
-        pipeline, written = self._run_passes(None if placement else self.device, dims)
+        # Planned again per input shape, its plans take the weights packed here.
+        packs = (model.packs if isinstance(model, BoundModel)
+                 else PackStore(read.values()) if read and self.options.specialize else None)
+        pipeline, written = self._run_passes(None if placement else self.device, dims, packs)
         self._optimize_config = config.get("optimize")
-        self._specialized = (self._specializations(skeleton, read)
+        self._specialized = (self._specializations(skeleton, read, packs)
                              if skeleton is not None and self.options.specialize
                              and runtime_shape_nodes(self.graph) else None)
         del read
@@ -423,8 +427,8 @@ class InferenceSession(OrtSessionApi):
         runner = specialized.session_for(feeds) if specialized is not None else None
         return runner if runner is not None else self
 
-    def _specializations(self, skeleton: onnx.ModelProto, read: Mapping[str, Tensor]
-                         ) -> Specializations:
+    def _specializations(self, skeleton: onnx.ModelProto, read: Mapping[str, Tensor],
+                         packs: PackStore | None) -> Specializations:
         """Plans per input shape for this session's model (``runtime/specialized.py``):
         each a session over ``skeleton`` with the inputs' dims bound and the weights
         ``read`` at load, with this session's options less ``specialize`` (no profile,
@@ -441,7 +445,8 @@ class InferenceSession(OrtSessionApi):
 
         def build(bound: BoundModel) -> InferenceSession:
             return InferenceSession(bound, options, **child)
-        return Specializations(skeleton, read, [v.name for v in self.graph.inputs], build)
+        return Specializations(skeleton, read, [v.name for v in self.graph.inputs], build,
+                               packs=packs)
 
     def _executor_for(self, feeds: Sequence[Tensor]) -> Executor:
         """The session's executor, or where its kernels lose NaN or Inf and ``feeds`` hold

@@ -6,8 +6,10 @@ Each such session shares the weights the session read at load (:class:`BoundMode
 the model without its large initializers, and those tensors by name) and runs the whole
 pipeline at its shape: the shape arithmetic folds into constants, the reshapes it fed
 get static shapes, and the fuse rules match what they match on a fixed-shape export.
-What each keeps beyond the shared weights is its own packed copies of the weights the
-layout pass packs, its plan and its bound kernels.
+The layout pass packs each weight once for all of them (a :class:`PackStore` over the
+weights as read): a plan takes the packing another made of the same weight the same
+way. What each keeps of its own is what its shape changes: a convolution's packing
+for another input size, its plan and its bound kernels.
 
 At most ``cap`` shapes are specialized; runs at any other shape use the session's own
 plan, as do shapes whose bound model does not import (a shape the exporter's arithmetic
@@ -25,6 +27,7 @@ import onnx
 import torch
 
 from segflow.errors import InvalidModel, UnsupportedOp
+from segflow.passes.pack_weights import PackStore
 from segflow.passes.specialize import SPECIALIZE_CAP, bind_input_shapes
 
 if TYPE_CHECKING:
@@ -36,10 +39,13 @@ ShapeKey = tuple[tuple[int, ...], ...]
 @dataclass(frozen=True, slots=True)
 class BoundModel:
     """A model whose large initializers are given as tensors (by name) rather than read
-    from ``proto``, which holds their dims only; a session accepts it as its model."""
+    from ``proto``, which holds their dims only; a session accepts it as its model.
+    ``packs``: what other sessions packed from those tensors (its layout pass takes a
+    weight's packing from there rather than packing it again)."""
 
     proto: onnx.ModelProto
     tensors: Mapping[str, torch.Tensor]
+    packs: PackStore | None = None
 
 
 class Specializations:
@@ -49,12 +55,12 @@ class Specializations:
     """
 
     __slots__ = ("_skeleton", "_tensors", "_names", "_build", "cap", "_sessions",
-                 "refused", "declined", "_lock")
+                 "refused", "declined", "_lock", "_packs")
 
     def __init__(self, skeleton: onnx.ModelProto, tensors: Mapping[str, torch.Tensor],
                  input_names: Sequence[str],
                  build: Callable[[BoundModel], InferenceSession],
-                 cap: int = SPECIALIZE_CAP) -> None:
+                 cap: int = SPECIALIZE_CAP, packs: PackStore | None = None) -> None:
         self._skeleton = skeleton
         self._tensors = tensors
         self._names = tuple(input_names)
@@ -64,6 +70,7 @@ class Specializations:
         self.refused: dict[ShapeKey, str] = {}   # shapes whose bound model did not import
         self.declined = 0                        # runs past the cap, on the own plan
         self._lock = threading.Lock()
+        self._packs = packs
 
     def session_for(self, feeds: Sequence[torch.Tensor]) -> InferenceSession | None:
         """The session specialized for the feeds' shapes, built now if this is the first
@@ -81,7 +88,7 @@ class Specializations:
                 return None
             bound = bind_input_shapes(self._skeleton, dict(zip(self._names, key)))
             try:
-                session = self._build(BoundModel(bound, self._tensors))
+                session = self._build(BoundModel(bound, self._tensors, self._packs))
             except (InvalidModel, UnsupportedOp) as exc:
                 self.refused[key] = str(exc).splitlines()[0]
                 return None
