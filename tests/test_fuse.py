@@ -86,8 +86,8 @@ def test_nothing_to_fuse_leaves_the_graph_alone():
 
 def test_every_rule_is_named_and_selectable():
     names = [name for name, _ in RULES]
-    assert names == ["noops", "batchnorm", "linear", "gelu", "conv", "activation", "attention",
-                     "layernorm", "siblings"]
+    assert names == ["noops", "pad", "batchnorm", "linear", "gelu", "conv", "activation",
+                     "attention", "layernorm", "siblings"]
     with pytest.raises(ValueError, match="unknown fuse rules"):
         run_rules(import_model(_model([helper.make_node("Relu", ["x"], ["y"])],
                                       {"x": [2]}, ["y"])), ["nope"])
@@ -99,6 +99,17 @@ def _noop_model():
              helper.make_node("Relu", ["b"], ["out"])]
     return _model(nodes, {"x": [1, 2, 5, 5]}, ["out"], {"w": _rand(3, 2, 3, 3)}), \
         {"x": _rand(1, 2, 5, 5)}
+
+
+def _pad_conv(pads=(0, 0, 0, 0, 0, 0, 1, 1), value=None, mode="constant", stride=2):
+    """A "same"-padded stride-2 convolution as transformers' ports export it: Pad, Conv."""
+    inputs = ["x", "p"] + (["v"] if value is not None else [])
+    inits = {"w": _rand(4, 3, 3, 3), "p": np.array(pads, np.int64)}
+    if value is not None:
+        inits["v"] = np.array(value, np.float32)
+    nodes = [helper.make_node("Pad", inputs, ["xp"], mode=mode),
+             helper.make_node("Conv", ["xp", "w"], ["out"], strides=[stride, stride])]
+    return _model(nodes, {"x": [2, 3, 9, 8]}, ["out"], inits), {"x": _rand(2, 3, 9, 8)}
 
 
 def _resnet():
@@ -144,6 +155,7 @@ def _sibling_linears(acts=("Relu", "Relu"), bias=(True, True), graph_output=Fals
 # "+Op": an op the rule adds, there with the rule on, not off)
 _RULE_CASES = {
     "noops": (_noop_model, "Identity"),
+    "pad": (_pad_conv, "Pad"),
     "batchnorm": (_resnet, "BatchNormalization"),
     "linear": (_bert, "MatMul"),
     "gelu": (_bert, "Erf"),
@@ -198,6 +210,38 @@ def test_transpose_pair_merges_into_one():
     assert result.modified and [n.op_type for n in graph.nodes] == ["Transpose"]
     assert graph.outputs[0].name == "out"
     _check(model, {"x": _rand(2, 3, 4)})
+
+
+@pytest.mark.parametrize("pads", [(0, 0, 0, 0, 0, 0, 1, 1), (0, 0, 1, 2, 0, 0, 2, 0)])
+def test_a_zero_pad_before_a_conv_becomes_its_padding(pads):
+    model, feeds = _pad_conv(pads)
+    sess = _check(model, feeds, ["FusedConv"])
+    (conv,) = sess.graph.nodes
+    assert list(conv.attrs["pads"]) == [pads[2], pads[3], pads[6], pads[7]]
+    feeds["x"][0, 1, 3, 2] = np.nan       # a NaN stays where the unpadded conv puts it
+    feeds["x"][1, 0, 0, 0] = np.inf
+    _check(model, feeds)
+    _check(*_pad_conv(pads, value=0.0), expect_ops=["FusedConv"])
+
+
+@pytest.mark.parametrize("case", ["value", "mode", "batch", "negative"])
+def test_pads_that_are_not_zero_padding_of_the_spatial_dims_stay(case):
+    model, feeds = {
+        "value": lambda: _pad_conv(value=1.5),
+        "mode": lambda: _pad_conv((0, 0, 1, 1, 0, 0, 1, 1), mode="reflect"),
+        "batch": lambda: _pad_conv((1, 0, 0, 0, 0, 0, 1, 1)),
+        "negative": lambda: _pad_conv((0, 0, 0, -1, 0, 0, 1, 1)),
+    }[case]()
+    graph, _ = _fused(model, ["pad"])
+    assert [n.op_type for n in graph.nodes] == ["Pad", "Conv"]
+    _check(model, feeds)
+
+
+def test_a_pad_of_nothing_is_dropped():
+    model, feeds = _pad_conv((0,) * 8)
+    graph, _ = _fused(model, ["pad"])
+    assert [n.op_type for n in graph.nodes] == ["Conv"]
+    _check(model, feeds)
 
 
 def test_noops_that_change_things_stay():

@@ -145,3 +145,66 @@ def test_a_shape_read_off_a_nonzero_does_not_specialize() -> None:
     for got, want in zip(sess.run(None, feeds), oracle.run(None, feeds), strict=True):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
     assert sess.specializations == {}
+
+
+def _padded_conv_model() -> onnx.ModelProto:
+    """x[B, 3, 8, 8] -> Pad by amounts computed from x's height (TensorFlow's "same"
+    padding as exporters write it) -> Conv: shape inference names the Conv's output dims
+    with symbols no input declares."""
+    c = helper.make_tensor
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((4, 3, 3, 3)).astype(np.float32)
+    nodes = [
+        helper.make_node("Shape", ["x"], ["s"]),
+        helper.make_node("Gather", ["s", "i2"], ["h"], axis=0),
+        helper.make_node("Sub", ["h", "seven"], ["one"]),         # 8 - 7 = 1
+        helper.make_node("Unsqueeze", ["one", "ax"], ["end"]),
+        helper.make_node("Concat", ["zeros6", "end", "end"], ["pads"], axis=0),
+        helper.make_node("Pad", ["x", "pads"], ["xp"]),
+        helper.make_node("Conv", ["xp", "w"], ["y"], strides=[2, 2]),
+    ]
+    inits = [c("i2", TensorProto.INT64, [], [2]), c("seven", TensorProto.INT64, [], [7]),
+             c("ax", TensorProto.INT64, [1], [0]), c("zeros6", TensorProto.INT64, [6], [0] * 6),
+             onnx.numpy_helper.from_array(w, "w")]
+    graph = helper.make_graph(
+        nodes, "padded_conv",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def test_a_padding_computed_from_the_input_size_is_planned_per_shape() -> None:
+    model = _padded_conv_model()
+    sess = segflow.InferenceSession(model.SerializeToString())
+    oracle = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    assert "specialize: shapes computed at run time from x (Shape 1)" in sess.explain()
+    (conv,) = [n for n in sess.graph.nodes if n.op_type == "FusedConv"]
+    assert any(isinstance(d, str) and d != "batch" for d in conv.outputs[0].spec.shape)
+    for batch in (1, 3):
+        x = np.random.default_rng(batch).standard_normal((batch, 3, 8, 8)).astype(np.float32)
+        np.testing.assert_allclose(sess.run(None, {"x": x})[0], oracle.run(None, {"x": x})[0],
+                                   atol=1e-5, rtol=1e-5)
+    for (shape,), specialized in sess.specializations.items():
+        (conv,) = [n for n in specialized.graph.nodes if n.op_type == "FusedConv"]
+        assert conv.outputs[0].spec.shape == (shape[0], 4, 4, 4)
+    assert len(sess.specializations) == 2
+
+
+def test_dims_no_input_declares_are_planned_per_shape() -> None:
+    from segflow.frontend.onnx_import import import_model
+    from segflow.passes.specialize import specialize_reason, unbound_dims
+    nodes = [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Sigmoid", ["r"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        value_info=[helper.make_tensor_value_info("r", TensorProto.FLOAT, ["rows", 8])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    imported = import_model(model)
+    assert unbound_dims(imported) == ["rows"]
+    assert specialize_reason(imported) == "dims unknown until run time (rows) over x"
+    sess = segflow.InferenceSession(model.SerializeToString())
+    x = np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32)
+    np.testing.assert_allclose(sess.run(None, {"x": x})[0], 1 / (1 + np.exp(-np.maximum(x, 0))),
+                               atol=1e-6, rtol=0)
+    ((key, specialized),) = sess.specializations.items()
+    assert key == ((3, 8),) and specialized.graph.nodes[0].outputs[0].spec.shape == (3, 8)

@@ -76,15 +76,43 @@ def _data_dependent_values(graph: Graph) -> set[str]:
     return dependent
 
 
+def unbound_dims(graph: Graph) -> list[str]:
+    """The symbolic dims of computed values that no graph input declares (sorted): shape
+    inference could not relate them to the inputs' (a convolution whose padding was
+    computed from its input's size, say), so the memory plan and the kernels see sizes
+    unknown until run time; empty when the inputs' dims are all fixed. Values downstream
+    of a NonZero and the like are left out: their dims depend on data."""
+    if not symbolic_inputs(graph):
+        return []
+    declared = {d for v in graph.inputs for d in (v.spec.shape or ()) if isinstance(d, str)}
+    dependent = _data_dependent_values(graph)   # binding the inputs would not fix these
+    return sorted({d for node in graph.nodes for v in node.outputs if v.name not in dependent
+                   for d in (v.spec.shape or ()) if isinstance(d, str) and d not in declared})
+
+
+def specialize_reason(graph: Graph) -> str | None:
+    """Why a plan per input shape pays for ``graph`` (None: it does not): shapes it
+    computes at run time (:func:`runtime_shape_nodes`), or dims of its values that are
+    unknown until run time (:func:`unbound_dims`)."""
+    nodes = runtime_shape_nodes(graph)
+    if nodes:
+        counts = ", ".join(f"{op} {n}" for op, n in sorted(nodes.items()))
+        return f"shapes computed at run time from {', '.join(symbolic_inputs(graph))} ({counts})"
+    unbound = unbound_dims(graph)
+    if unbound:
+        shown = ", ".join(unbound[:3]) + (f", ... ({len(unbound)})" if len(unbound) > 3 else "")
+        return (f"dims unknown until run time ({shown}) over "
+                f"{', '.join(symbolic_inputs(graph))}")
+    return None
+
+
 def specialize_pass(graph: Graph, context: PassContext) -> PassResult:
     """Log what a plan per input shape would fold (the session builds those plans)."""
-    nodes = runtime_shape_nodes(graph)
-    if not nodes:
+    reason = specialize_reason(graph)
+    if reason is None:
         return PassResult(graph, False, ("specialize: nothing computes shapes at run time",))
-    counts = ", ".join(f"{op} {n}" for op, n in sorted(nodes.items()))
     return PassResult(graph, False, (
-        f"specialize: shapes computed at run time from {', '.join(symbolic_inputs(graph))} "
-        f"({counts}); planned again for each input shape, up to {SPECIALIZE_CAP}",))
+        f"specialize: {reason}; planned again for each input shape, up to {SPECIALIZE_CAP}",))
 
 
 def shape_skeleton(proto: onnx.ModelProto, keep_bytes: int

@@ -41,7 +41,7 @@ from segflow.passes.pipeline import (
     OptimizeOptions,
     configure_threads,
 )
-from segflow.passes.specialize import runtime_shape_nodes, shape_skeleton, symbolic_inputs
+from segflow.passes.specialize import shape_skeleton, specialize_reason, symbolic_inputs
 from segflow.profiler.sink import EventSink, active_sink
 from segflow.runtime.aot_inductor import AotInductorSegment
 from segflow.runtime.arena import ArenaPool
@@ -226,7 +226,7 @@ class InferenceSession(OrtSessionApi):
         self._optimize_config = config.get("optimize")
         self._specialized = (self._specializations(skeleton, read, packs)
                              if skeleton is not None and self.options.specialize
-                             and runtime_shape_nodes(self.graph) else None)
+                             and specialize_reason(self.graph) is not None else None)
         del read
         self.plan: Plan = make_plan(self.graph, self.registry, self.settings, self.device,
                                     placement, pass_log=(*written, *pipeline.log),

@@ -7,24 +7,26 @@ They run in this order, each over the whole graph:
 1. ``noops`` (:mod:`.noops`): drop Identity, inference Dropout, Cast to the same
    type, Reshape/Flatten/Squeeze/Unsqueeze whose static output shape equals the
    input's, identity Transposes; merge Transpose pairs.
-2. ``batchnorm`` (:mod:`.batchnorm`): fold an inference BatchNormalization into the
+2. ``pad`` (:mod:`.pad`): a zero constant Pad of a Conv's spatial dims becomes the
+   Conv's own (possibly asymmetric) padding; a Pad of nothing is dropped.
+3. ``batchnorm`` (:mod:`.batchnorm`): fold an inference BatchNormalization into the
    Conv or Gemm before it (new weight and bias constants).
-3. ``linear`` (:mod:`.linear`): Gemm, and MatMul (+ Add of a bias) with a constant
+4. ``linear`` (:mod:`.linear`): Gemm, and MatMul (+ Add of a bias) with a constant
    2-D weight or the 2-D Transpose of one, become ``segflow.FusedGemm`` (weight stored
    once in ``[N, K]`` layout).
-4. ``gelu`` (:mod:`.gelu`): the exporter's erf pattern ``x * 0.5 * (1 + erf(x / sqrt 2))``
+5. ``gelu`` (:mod:`.gelu`): the exporter's erf pattern ``x * 0.5 * (1 + erf(x / sqrt 2))``
    becomes one Gelu.
-5. ``conv`` (:mod:`.conv`): Conv with a constant weight becomes ``segflow.FusedConv``;
+6. ``conv`` (:mod:`.conv`): Conv with a constant weight becomes ``segflow.FusedConv``;
    a following same-shape Add becomes its residual input.
-6. ``activation`` (:mod:`.activation`): a Relu / Clip / LeakyRelu / Sigmoid / Tanh /
+7. ``activation`` (:mod:`.activation`): a Relu / Clip / LeakyRelu / Sigmoid / Tanh /
    HardSigmoid / HardSwish / Gelu after a fused Conv or Gemm becomes its post-op.
-7. ``attention`` (:mod:`.attention`): ``softmax(Q @ Kt * s + M) @ V`` becomes
+8. ``attention`` (:mod:`.attention`): ``softmax(Q @ Kt * s + M) @ V`` becomes
    ``segflow.Attention``.
-8. ``layernorm`` (:mod:`.layernorm`): an Add read only by a LayerNormalization over
+9. ``layernorm`` (:mod:`.layernorm`): an Add read only by a LayerNormalization over
    the last axis becomes ``segflow.AddLayerNorm`` (a transformer's residual add).
-9. ``siblings`` (:mod:`.siblings`): FusedGemms reading the same input (a
-   transformer's query, key and value projections) become one FusedGemm over their
-   stacked weights and a Split into views.
+10. ``siblings`` (:mod:`.siblings`): FusedGemms reading the same input (a
+    transformer's query, key and value projections) become one FusedGemm over their
+    stacked weights and a Split into views.
 
 The order matters where rules build on each other: ``batchnorm`` folds into the
 plain Conv/Gemm that ``conv``/``linear`` then fuse, and ``activation`` only finds
@@ -51,6 +53,7 @@ from segflow.passes.fuse.gelu import fuse_gelu
 from segflow.passes.fuse.layernorm import fuse_layernorm
 from segflow.passes.fuse.linear import fuse_linear
 from segflow.passes.fuse.noops import fuse_noops
+from segflow.passes.fuse.pad import fuse_pad
 from segflow.passes.fuse.siblings import fuse_siblings
 from segflow.passes.result import PassResult
 
@@ -58,6 +61,7 @@ Rule = Callable[[Graph], int]
 
 RULES: tuple[tuple[str, Rule], ...] = (
     ("noops", fuse_noops),
+    ("pad", fuse_pad),
     ("batchnorm", fuse_batchnorm),
     ("linear", fuse_linear),
     ("gelu", fuse_gelu),
