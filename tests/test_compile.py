@@ -393,3 +393,34 @@ def test_an_inline_split_whose_sizes_do_not_fit_names_the_node():
     assert sess.run(None, {"x": np.ones((1, 2, 3, 6), np.float32)})[0].shape == (1, 6)
     with pytest.raises(ExecutionError, match=r"While executing .*Split\(%a, %sizes\)"):
         sess.run(None, {"x": np.ones((1, 2, 3, 7), np.float32)})
+
+
+@pytest.mark.parametrize("allowzero", [0, 1])
+def test_a_reshape_to_a_constant_shape_and_a_transpose_are_one_line_each(allowzero):
+    # x [n, 4, 6] -> Relu -> Reshape [0, 4, 2, 3] (0: the input's dim) -> Transpose
+    # (0, 2, 1, 3) -> Reshape [-1, 12] -> Transpose (no perm: reversed).
+    shape0 = [0, 4, 2, 3] if not allowzero else [2, 4, 2, 3]
+    nodes = [helper.make_node("Relu", ["x"], ["a"]),
+             helper.make_node("Reshape", ["a", "s0"], ["b"], allowzero=allowzero),
+             helper.make_node("Transpose", ["b"], ["c"], perm=[0, 2, 1, 3]),
+             helper.make_node("Reshape", ["c", "s1"], ["d"]),
+             helper.make_node("Transpose", ["d"], ["out"])]
+    inits = [numpy_helper.from_array(np.array(shape0, np.int64), "s0"),
+             numpy_helper.from_array(np.array([-1, 12], np.int64), "s1")]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4, 6])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)], initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 8
+    sess = segflow.InferenceSession(model, engine="inline", optimize={"fuse": False})
+    source = _generated_source(sess)
+    assert (".shape[0], 4, 2, 3))" if not allowzero else ".reshape((2, 4, 2, 3))") in source
+    assert ".reshape((-1, 12))" in source and ".permute((0, 2, 1, 3))" in source
+    assert ".permute((1, 0))" in source
+    x = np.random.default_rng(0).standard_normal((2, 4, 6)).astype(np.float32)
+    want = ort.InferenceSession(model.SerializeToString(),
+                                providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_array_equal(sess.run(None, {"x": x})[0], want)
+    if allowzero:   # a shape that does not fit fails at run time, naming the node
+        with pytest.raises(ExecutionError, match=r"While executing .*Reshape"):
+            sess.run(None, {"x": np.ones((3, 4, 6), np.float32)})

@@ -65,6 +65,10 @@ def inline_form(node: Node, inplace_input: int | None, device: torch.device,
                             onednn=target.onednn_ops)
     if node.domain == "" and node.op_type == "Flatten":
         return inline_flatten(node)
+    if node.domain == "" and node.op_type == "Reshape":
+        return inline_reshape(node, consts)
+    if node.domain == "" and node.op_type == "Transpose":
+        return inline_transpose(node)
     op = _CORE.get(node.op_type)
     if node.domain != "" or op is None or len(node.outputs) != 1:
         return None
@@ -109,6 +113,42 @@ def inline_flatten(node: Node) -> Inline | None:
     if axis != 1 and axis != 1 - len(shape):
         return None
     return Inline("{in0}.flatten(1)")
+
+
+def inline_reshape(node: Node, consts: Sequence[Tensor | None]) -> Inline | None:
+    """A Reshape to a constant shape: ``x.reshape((a, b, c))``, the view or copy its
+    kernel makes, without reading the shape tensor on every call (an exported
+    transformer reshapes a few times a layer: a GPT-2 decoding step ~150 times). A 0
+    (copy the input's dim, without ``allowzero``) reads the input's dim; a shape that does
+    not fit fails in ``reshape`` at run time, as the kernel does."""
+    if len(node.outputs) != 1 or not node.inputs or node.inputs[0] is None:
+        return None
+    if node.opset < 5:
+        raw = node.attrs.get("shape")
+        dims = [int(d) for d in raw] if raw is not None else None
+    else:
+        const = consts[1] if len(consts) > 1 else None
+        dims = [int(d) for d in const.reshape(-1).tolist()] if const is not None \
+            and not const.is_floating_point() and not const.is_mkldnn else None
+    if dims is None:
+        return None
+    copy_dims = not int(node.attrs.get("allowzero", 0))
+    parts = [f"{{in0}}.shape[{i}]" if d == 0 and copy_dims else str(d) for i, d in enumerate(dims)]
+    return Inline(f"{{in0}}.reshape(({', '.join(parts)}{',' if len(parts) == 1 else ''}))")
+
+
+def inline_transpose(node: Node) -> Inline | None:
+    """A Transpose: ``x.permute(perm)``, the view its kernel returns (no perm: the dims
+    reversed, where the input's rank is known)."""
+    x = node.inputs[0] if node.inputs else None
+    if x is None or len(node.outputs) != 1:
+        return None
+    perm = node.attrs.get("perm")
+    if perm is None:
+        if x.spec.rank is None:
+            return None
+        perm = list(reversed(range(x.spec.rank)))
+    return Inline(f"{{in0}}.permute({tuple(int(p) for p in perm)})")
 
 
 def constants_of(step: Step, template: Sequence[Tensor | None], produced: set[int]
