@@ -93,6 +93,11 @@ def _check(model: onnx.ModelProto, sess: segflow.InferenceSession, shape: tuple[
     (3, 16, 1, 1, [0, 0, 0, 0], (8, 8), "clip", 1),         # a 1x1 stem
     (3, 32, 11, 4, [2, 2, 2, 2], (67, 67), "relu", 1),      # AlexNet-like, stride 4
     (2, 32, 3, 1, [1, 1, 1, 1], (3, 2), None, 1),           # an image smaller than a block
+    # TensorFlow's "same": the end padded only (even sizes), or more than the begin (odd)
+    (3, 32, 3, 2, [0, 0, 1, 1], (224, 224), "clip", 1),     # transformers' MobileNetV2
+    (3, 32, 3, 2, [0, 0, 1, 1], (64, 64), "clip", 3),
+    (3, 32, 3, 2, [1, 0, 2, 1], (37, 30), "relu", 2),
+    (3, 64, 7, 2, [2, 3, 3, 2], (41, 40), None, 1),
 ])
 def test_matches_onnxruntime(cin, cout, kernel, stride, pads, size, activation, batch):
     model = _conv_model(cin, cout, kernel, stride, pads, size, activation)

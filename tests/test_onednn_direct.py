@@ -333,7 +333,7 @@ def test_layout_packs_a_direct_convolution_once_in_libdnnl_format(monkeypatch, s
     dense = torch.randn(*shape)
     group = input_size[1] // shape[1]
     k = shape[-1]
-    params = PackParams((k // 2, k // 2), (1, 1), (1, 1), group, input_size)
+    params = PackParams((k // 2,) * 4, (1, 1), (1, 1), group, input_size)
     assert LIB is not None
     geo = geometry(shape, (1, 1), (k // 2,) * 2, (1, 1), group)
     wanted = LIB.preferred_weight(dense, geo, input_size)

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from segflow.ir.graph import Node
 from segflow.kernels.choice import KernelChoice, KernelKind
@@ -160,9 +161,21 @@ class WinogradPacking(TorchPacking):
         return inverse_transform(w)
 
 
+def padded_size(spec: ConvSpec, size: Sequence[int]) -> tuple[int, ...]:
+    """The size of an input of ``size`` once ``spec.input_pad`` padded it (``size``
+    itself where the padding is symmetric): what torch's op sees."""
+    if not spec.begin_end:
+        return tuple(int(d) for d in size)
+    n = spec.spatial
+    return (*(int(d) for d in size[:2]),
+            *(int(d) + spec.begin_end[i] + spec.begin_end[n + i]
+              for i, d in enumerate(size[2:])))
+
+
 def weight_for(node: Node, spec: ConvSpec, choice: KernelChoice,
                lib: Library | None) -> WeightForInput:
-    """How a call finds torch's packing of ``node``'s weight for its input shape."""
+    """How a call finds torch's packing of ``node``'s weight for its input shape (the
+    padded one, where the padding is asymmetric: ``onednn_conv_callable``)."""
     packed_for = choice.packed_for
     torch_packing = None
     weight = node.inputs[1]
@@ -171,17 +184,32 @@ def weight_for(node: Node, spec: ConvSpec, choice: KernelChoice,
     if choice.libdnnl_packed and packed_for and weight is not None \
             and weight.spec.shape is not None:
         geo = geometry([int(d) for d in weight.spec.shape], spec.strides,  # type: ignore[arg-type]
-                       spec.pads, spec.dilations, spec.group)
+                       spec.begin_end_pads, spec.dilations, spec.group)
         torch_packing = TorchPacking(spec, geo, packed_for, choice.blocked,
                                      choice.blocked and not choice.blocked_input, lib)
-    return WeightForInput(spec, packed_for, torch_packing)
+    return WeightForInput(spec, padded_size(spec, packed_for) if packed_for else None,
+                          torch_packing)
 
 
 def onednn_conv_callable(spec: ConvSpec, act: Activation, params: list[float],
                          inplace: bool, weight_for: WeightForInput,
                          post: tuple[str, list[float], str] | None) -> Callable[..., Tensor]:
     """``fn(x, w, b, z?) -> y`` over oneDNN's fused convolution ops, with ``post`` fused
-    (None: the activation runs after them)."""
+    (None: the activation runs after them). torch's op takes one pad per dim: an
+    asymmetric padding pads the input first (``ConvSpec.input_pad``)."""
+    fn = _onednn_conv_callable(spec, act, params, inplace, weight_for, post)
+    pad = spec.input_pad
+    if pad is None:
+        return fn
+
+    def padded(x: Tensor, *rest: Tensor | None) -> Tensor:
+        return fn(F.pad(x, pad), *rest)
+    return padded
+
+
+def _onednn_conv_callable(spec: ConvSpec, act: Activation, params: list[float],
+                          inplace: bool, weight_for: WeightForInput,
+                          post: tuple[str, list[float], str] | None) -> Callable[..., Tensor]:
     ops = torch.ops.mkldnn
     conv = ops._convolution_pointwise.default
     args = (spec.pads, spec.strides, spec.dilations, spec.group)
@@ -252,8 +280,8 @@ def bind_direct_conv(node: Node, ctx: BindContext) -> Kernel:
 
         def after(y: Tensor) -> Tensor:
             return finish(y, params)
-    geo = geometry([int(d) for d in weight.spec.shape], spec.strides, spec.pads,  # type: ignore[arg-type]
-                   spec.dilations, spec.group)
+    geo = geometry([int(d) for d in weight.spec.shape], spec.strides,  # type: ignore[arg-type]
+                   spec.begin_end_pads, spec.dilations, spec.group)
     fallback_inplace = (onednn_conv_callable(spec, act, params, True, weights, post)
                         if spec.has_residual else None)
     native = target.native
@@ -293,7 +321,8 @@ def inline_conv(node: Node, choice: KernelChoice, inplace_input: int | None,
     spec = conv_spec(node)
     act, params = activation_of(node)
     post = act.onednn(params)
-    if not spec.has_residual and post is not None and not choice.calls_libdnnl:
+    if not spec.has_residual and post is not None and not choice.calls_libdnnl \
+            and spec.input_pad is None:
         # Call the oneDNN op itself: one ATen call, no Python frame in between.
         attr, scalars, algorithm = post
         bound = {"conv": torch.ops.mkldnn._convolution_pointwise.default,

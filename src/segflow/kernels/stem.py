@@ -72,7 +72,8 @@ def vector_width(native: NativeLibrary) -> int:
 def unfit(spec: ConvGeometry, in_channels: int, width: int,
           eltwise: tuple[int, float, float] | None) -> str | None:
     """Why a convolution is not one the kernel runs (None: it is), given the build's
-    vector ``width``."""
+    vector ``width``. Padding may be asymmetric: the kernel takes the top and left pads
+    and the output size, and checks each tap against both edges of the image."""
     if len(spec.weight_dims) != 4 or len(spec.kernel) != 2:
         return "not an ungrouped 2-D convolution"
     if in_channels > MAX_IN_CHANNELS:
@@ -81,7 +82,7 @@ def unfit(spec: ConvGeometry, in_channels: int, width: int,
         return "dilated"
     if spec.out_channels % width:
         return f"output channels not a multiple of {width}"
-    if any(p < 0 for p in spec.pads):
+    if any(p < 0 for p in spec.pads_begin + spec.pads_end):
         return "negative padding"
     if eltwise is not None and clamp_activation(eltwise) is None:
         return "an activation other than ReLU, LeakyReLU (slope 0 to 1) or Clip"
@@ -144,7 +145,7 @@ class NativeStem:
         bias = b.detach().float().contiguous() if b is not None else None
         plan = _Plan(n=n, c=c, h=h, w=width, k=k, oh=oh, ow=ow, kh=spec.kernel[0],
                      kw=spec.kernel[1], sh=spec.strides[0], sw=spec.strides[1],
-                     pt=spec.pads[0], pl=spec.pads[1])
+                     pt=spec.pads_begin[0], pl=spec.pads_begin[1])
         if op.eltwise is not None:
             plan.act = 1
             plan.slope, plan.lo, plan.hi = clamp_activation(op.eltwise)  # type: ignore[misc]

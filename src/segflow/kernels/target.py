@@ -149,7 +149,8 @@ class CpuTarget:
     @staticmethod
     def conv_geometry(shape: list[int], strides: tuple[int, ...], pads: tuple[int, ...],
                       dilations: tuple[int, ...], groups: int) -> ConvGeometry:
-        """A convolution's geometry as libdnnl and the native kernels read it."""
+        """A convolution's geometry as libdnnl and the native kernels read it (``pads``:
+        ONNX's ``[begin..., end...]``)."""
         return geometry(shape, strides, pads, dilations, groups)
 
     @staticmethod

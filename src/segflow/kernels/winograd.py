@@ -89,6 +89,10 @@ def unfit(spec: ConvGeometry, in_channels: int,
         return "not a 3x3 stride-1 undilated convolution"
     if len(spec.weight_dims) != 4:
         return "grouped"
+    if not spec.symmetric:
+        # Its fallback, torch's oneDNN op, takes one pad per dim; 3x3 stride-1 "same"
+        # padding is symmetric anyway.
+        return "asymmetric padding"
     if spec.out_channels % _LANES or in_channels % _LANES:
         return f"channels not a multiple of {_LANES}"
     if eltwise is not None and clamp_activation(eltwise) is None:
@@ -298,8 +302,8 @@ class Winograd:
         bias = b.detach().float().contiguous() if b is not None else None
         zeros = torch.zeros(c)
         self.workspace.reserve(_POINTS * chunk * (c + k))
-        plan = _Plan(n=n, h=h, w=width, c=c, k=k, oh=oh, ow=ow, pt=spec.pads[0],
-                     pl=spec.pads[1], th=th, tw=tw, residual=int(z is not None))
+        plan = _Plan(n=n, h=h, w=width, c=c, k=k, oh=oh, ow=ow, pt=spec.pads_begin[0],
+                     pl=spec.pads_begin[1], th=th, tw=tw, residual=int(z is not None))
         if op.eltwise is not None:
             plan.act = 1
             plan.slope, plan.lo, plan.hi = clamp_activation(op.eltwise)  # type: ignore[misc]

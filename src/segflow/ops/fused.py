@@ -184,6 +184,19 @@ class ConvSpec:
     has_bias: bool
     has_residual: bool
 
+    @property
+    def begin_end_pads(self) -> list[int]:
+        """The pads as ONNX writes them, ``[begin..., end...]``, symmetric or not (what
+        libdnnl's convolution takes: ``kernels/onednn/geometry.py``)."""
+        return self.begin_end or self.pads + self.pads
+
+    @property
+    def input_pad(self) -> list[int] | None:
+        """``F.pad``'s pads that make an asymmetric padding explicit before a kernel that
+        takes one pad per dim (torch's), which then pads by :attr:`pads` (zeros); None
+        where the padding is symmetric."""
+        return torch_pad(self.begin_end) if self.begin_end else None
+
 
 def conv_spec(node: Node) -> ConvSpec:
     weight = node.inputs[1]
@@ -216,7 +229,7 @@ def _conv_fn(node: Node) -> Callable[..., Tensor]:
     spec = conv_spec(node)
     act, params = activation_of(node)
     conv = _CONV[spec.spatial]
-    pad = torch_pad(spec.begin_end) if spec.begin_end else None
+    pad = spec.input_pad
 
     def conv_fn(x: Tensor, w: Tensor, b: Tensor | None = None,
                 z: Tensor | None = None) -> Tensor:
@@ -233,7 +246,7 @@ def _fused_conv(node: Node, ctx: BindContext) -> Kernel:
     spec = conv_spec(node)
     act, params = activation_of(node)
     conv = _CONV[spec.spatial]
-    pad = torch_pad(spec.begin_end) if spec.begin_end else None
+    pad = spec.input_pad
 
     def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
         x, w = inputs[0], inputs[1]

@@ -28,11 +28,24 @@ from segflow.kernels.target import CpuTarget
 class PackParams:
     """What oneDNN's weight format depends on (equal params share one packed weight)."""
 
-    pads: tuple[int, ...]
+    pads: tuple[int, ...]            # ONNX's [begin..., end...], symmetric or not
     strides: tuple[int, ...]
     dilations: tuple[int, ...]
     groups: int
     input_size: tuple[int, ...] | None
+
+    def torch_form(self) -> tuple[list[int], list[int] | None]:
+        """The pads (one per dim) and the input size torch's packing is made for: an
+        asymmetric padding runs torch's op over an input padded beforehand, with no
+        pads of its own (``kernels/conv.py``, ``onednn_conv_callable``)."""
+        spatial = len(self.pads) // 2
+        begin, end = list(self.pads[:spatial]), list(self.pads[spatial:])
+        if begin == end:
+            return begin, None if self.input_size is None else list(self.input_size)
+        size = None if self.input_size is None else [
+            *self.input_size[:2],
+            *(d + b + e for d, b, e in zip(self.input_size[2:], begin, end, strict=True))]
+        return [0] * spatial, size
 
 
 _T = TypeVar("_T")
@@ -241,19 +254,20 @@ def pack_conv(dense: torch.Tensor, params: PackParams, target: CpuTarget | None,
     packs each weight once. Without libdnnl, or where it describes no packing, the
     weight is torch's, for torch's oneDNN op.
     """
-    def pack(size: tuple[int, ...] | None) -> torch.Tensor:
+    def pack() -> torch.Tensor:
+        pads, torch_size = params.torch_form()
         return torch.ops.mkldnn._reorder_convolution_weight(
-            dense, list(params.pads), list(params.strides), list(params.dilations),
-            params.groups, None if size is None else list(size))
+            dense, pads, list(params.strides), list(params.dilations), params.groups,
+            torch_size)
 
     size = params.input_size
     if target is None or target.dnnl is None or size is None:
-        return pack(size), size, None, False
+        return pack(), size, None, False
     geo = target.conv_geometry(list(dense.shape), params.strides, params.pads,
                                params.dilations, params.groups)
     packed = target.libdnnl_conv_weight(dense, geo, size, blocked, plain_input)
     if packed is None:
-        return pack(size), size, None, False
+        return pack(), size, None, False
     return packed, size, size, True
 
 

@@ -1,10 +1,10 @@
 """Select kernels: decide, once, which kernel runs each convolution, pooling and linear.
 
 On a CPU with torch's oneDNN ops, every 2-D/3-D ``segflow.FusedConv`` with a
-float32 constant weight and symmetric padding runs on a packed weight and writes
-channels-last output, so a convolution stack stays NHWC from its first convolution to
-its last and converts only where it starts (the torch ops in between keep the memory
-format they are given). Each node's decision is a :class:`KernelChoice`
+float32 constant weight (any padding, symmetric or not) runs on a packed weight and
+writes channels-last output, so a convolution stack stays NHWC from its first
+convolution to its last and converts only where it starts (the torch ops in between
+keep the memory format they are given). Each node's decision is a :class:`KernelChoice`
 (``kernels/choice.py``), returned in a :class:`KernelChoices` that the Plan carries;
 the weights are packed for it by ``passes/pack_weights.py``. In order:
 
@@ -44,7 +44,7 @@ from segflow.kernels.choice import (
     KernelKind,
 )
 from segflow.kernels.target import CpuTarget
-from segflow.ops.fused import FUSED_DOMAIN, LINEAR_PACK_MIN_WEIGHT, activation_of
+from segflow.ops.fused import FUSED_DOMAIN, LINEAR_PACK_MIN_WEIGHT, activation_of, conv_spec
 from segflow.passes.pack_weights import PackParams, PackStore, WeightPacker
 from segflow.passes.result import PassResult
 
@@ -296,8 +296,9 @@ def winograd_tiles(node: Node, params: PackParams) -> int | None:
     shape = x.spec.shape if x is not None else None
     if shape is None or len(shape) != 4 or not all(isinstance(d, int) for d in shape[2:]):
         return None
-    pads = list(params.pads) or [0, 0]
-    out = [int(shape[2 + i]) + 2 * int(pads[i]) - 2 for i in range(2)]  # type: ignore[arg-type]
+    pads = list(params.pads) or [0, 0, 0, 0]
+    out = [int(shape[2 + i]) + int(pads[i]) + int(pads[2 + i]) - 2  # type: ignore[arg-type]
+           for i in range(2)]
     return math.ceil(out[0] / 4) * math.ceil(out[1] / 4)
 
 
@@ -336,18 +337,14 @@ def packable(node: Node) -> PackParams | None:
     w = weight.const
     if w.dtype != torch.float32 or w.dim() not in (4, 5):
         return None
-    spatial = w.dim() - 2
-    attrs = node.attrs
-    pads = list(attrs.get("pads", [0] * (2 * spatial)))
-    if pads[:spatial] != pads[spatial:]:
-        return None  # oneDNN takes symmetric padding only
-    strides = tuple(int(s) for s in attrs.get("strides", [1] * spatial))
-    dilations = tuple(int(d) for d in attrs.get("dilations", [1] * spatial))
-    groups = int(attrs.get("group", 1))
+    spec = conv_spec(node)
     input_size = None
     shape = x.spec.shape
     if shape is not None and len(shape) == w.dim() and all(isinstance(d, int) for d in shape[1:]):
         # A symbolic batch packs for batch 1; oneDNN accepts any batch with this weight.
         input_size = tuple(d if isinstance(d, int) else 1 for d in shape)
-    return PackParams(tuple(int(p) for p in pads[:spatial]), strides, dilations, groups,
-                      input_size)
+    # Asymmetric pads too: libdnnl takes the begin and end pads apart, and torch's op
+    # (the fallback, or the kernel without libdnnl) reads an input padded beforehand.
+    return PackParams(tuple(int(p) for p in spec.begin_end_pads),
+                      tuple(int(s) for s in spec.strides), tuple(int(d) for d in spec.dilations),
+                      spec.group, input_size)

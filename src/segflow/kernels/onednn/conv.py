@@ -248,8 +248,7 @@ class DirectConv(DirectOp):
         any_weights = lib.any_desc(spec.weight_dims)
         try:
             made, weights_md, impl = lib.convolution(
-                src_md, any_weights, bias_md, dst_md, spec.strides, spec.dilations, spec.pads,
-                attr)
+                src_md, any_weights, bias_md, dst_md, spec, attr)
         finally:
             lib.destroy([("memory_desc", any_weights), ("primitive_attr", attr)])
         assert made is not None

@@ -19,22 +19,41 @@ class ConvGeometry:
     weight_dims: tuple[int, ...]     # oneDNN's: (g, oc/g, ic/g, k...) when grouped
     kernel: tuple[int, ...]
     strides: tuple[int, ...]
-    pads: tuple[int, ...]
+    pads_begin: tuple[int, ...]      # top/left (front) padding, one per spatial dim
+    pads_end: tuple[int, ...]        # bottom/right (back) padding
     dilations: tuple[int, ...]
 
+    @property
+    def symmetric(self) -> bool:
+        """Whether each spatial dim is padded as much at its end as at its begin: what a
+        kernel that takes one pad per dim (torch's oneDNN op) needs. TensorFlow's "same"
+        padding of a strided convolution pads only the end of an even-sized input."""
+        return self.pads_begin == self.pads_end
+
     def output_size(self, input_size: Sequence[int]) -> tuple[int, ...]:
-        spatial = [(size + 2 * p - d * (k - 1) - 1) // s + 1 for size, p, d, k, s in
-                   zip(input_size[2:], self.pads, self.dilations, self.kernel, self.strides,
-                       strict=True)]
+        spatial = [(size + pb + pe - d * (k - 1) - 1) // s + 1 for size, pb, pe, d, k, s in
+                   zip(input_size[2:], self.pads_begin, self.pads_end, self.dilations,
+                       self.kernel, self.strides, strict=True)]
         return (int(input_size[0]), self.out_channels, *spatial)
 
 
 def geometry(weight_shape: Sequence[int], strides: Sequence[int], pads: Sequence[int],
              dilations: Sequence[int], group: int) -> ConvGeometry:
+    """The geometry of a convolution; ``pads`` is ONNX's ``[begin..., end...]`` (two per
+    spatial dim) or one per spatial dim, padded alike at both ends.
+
+    >>> geometry([32, 3, 3, 3], (2, 2), (0, 0, 1, 1), (1, 1), 1).output_size((1, 3, 224, 224))
+    (1, 32, 112, 112)
+    """
     oc, icg, *kernel = (int(d) for d in weight_shape)
+    spatial = len(kernel)
+    if len(pads) not in (spatial, 2 * spatial):
+        raise ValueError(f"{len(pads)} pads for a {spatial}-D convolution")
+    begin = tuple(int(p) for p in pads[:spatial])
+    end = tuple(int(p) for p in pads[spatial:]) or begin
     dims = (oc, icg, *kernel) if group == 1 else (group, oc // group, icg, *kernel)
-    return ConvGeometry(oc, dims, tuple(kernel), tuple(int(s) for s in strides),
-                        tuple(int(p) for p in pads), tuple(int(d) for d in dilations))
+    return ConvGeometry(oc, dims, tuple(kernel), tuple(int(s) for s in strides), begin, end,
+                        tuple(int(d) for d in dilations))
 
 
 def channels_last_format(rank: int) -> torch.memory_format:

@@ -305,8 +305,8 @@ class Library:
             src, dst = self._activation_descs(spec, input_size, True, plain_input)
             any_weights = self.any_desc(spec.weight_dims)
             owned += [("memory_desc", d) for d in (src, dst, any_weights)]
-            _, md, impl = self.convolution(src, any_weights, None, dst, spec.strides,
-                                           spec.dilations, spec.pads, None, create=False)
+            _, md, impl = self.convolution(src, any_weights, None, dst, spec, None,
+                                           create=False)
             owned.append(("memory_desc", md))
         except DnnlError:
             return None
@@ -389,19 +389,19 @@ class Library:
         return attr, src1
 
     def convolution(self, src: Pointer, weights: Pointer, bias: Pointer | None, dst: Pointer,
-                    strides: Sequence[int], dilations: Sequence[int], pads: Sequence[int],
-                    attr: Pointer | None, *, create: bool = True
+                    spec: ConvGeometry, attr: Pointer | None, *, create: bool = True
                     ) -> tuple[Pointer | None, Pointer, str]:
-        """(primitive, its weights descriptor, implementation name) for a forward conv.
+        """(primitive, its weights descriptor, implementation name) for a forward conv
+        of ``spec``'s strides, dilations and padding (libdnnl takes the begin and the end
+        pads apart, so an asymmetric padding is its own primitive, no padded copy).
 
         ``create=False`` stops at the descriptor (no JIT code): primitive None.
         """
         dll = self._dll
-        spatial = len(strides)
         pd = self._make(dll.dnnl_convolution_forward_primitive_desc_create, self.engine,
                         FORWARD_INFERENCE, CONVOLUTION_DIRECT, src, weights, bias, dst,
-                        Dims(*strides), Dims(*[d - 1 for d in dilations]),
-                        Dims(*pads[:spatial]), Dims(*pads[:spatial]), attr)
+                        Dims(*spec.strides), Dims(*[d - 1 for d in spec.dilations]),
+                        Dims(*spec.pads_begin), Dims(*spec.pads_end), attr)
         return self._weighted(pd, create)
 
     def _weighted(self, pd: Pointer, create: bool) -> tuple[Pointer | None, Pointer, str]:
@@ -514,8 +514,8 @@ class Library:
             src, dst = self._activation_descs(spec, input_size, blocked, plain_input)
             any_weights = self.any_desc(spec.weight_dims)
             try:
-                _, kept, _ = self.convolution(src, any_weights, None, dst, spec.strides,
-                                              spec.dilations, spec.pads, None, create=False)
+                _, kept, _ = self.convolution(src, any_weights, None, dst, spec, None,
+                                              create=False)
             finally:
                 self.destroy([("memory_desc", d) for d in (src, dst, any_weights)])
             if self._preferred.setdefault(key, kept) is not kept:   # another thread's
