@@ -72,9 +72,10 @@ class ScaledDotAttention(NativeOrTorch):
     ``heads`` 0: ``k`` is K transposed (``[..., D, Sk]``); ``heads`` H: all three are
     ``[B, S, H * D]`` and so is the result. ``nan_to_zero``: rows of probabilities
     holding a NaN are zeros. ``exact``: calls through torch keep NaN and Inf where the
-    unfused ops put them (the unfused ops rather than ``scaled_dot_product_attention``). ``library`` is the native library (None:
-    always torch); ``why_native`` says why there is none. ``native_calls`` /
-    ``torch_calls`` count how calls ran and ``why_torch`` why any went through torch.
+    unfused ops put them (the unfused ops rather than ``scaled_dot_product_attention``).
+    ``library`` is the native library (None: always torch); ``why_native`` says why
+    there is none. ``native_calls`` / ``torch_calls`` count how calls ran and
+    ``why_torch`` why any went through torch.
     """
 
     family = ReportFamily.ATTENTION
