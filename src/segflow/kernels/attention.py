@@ -11,14 +11,16 @@ The fuse pass's ``attention`` rule writes the node in one of two forms:
   ``[B, Sq, H * Dv]``.
 
 Either way it is ``softmax(Q K^T * scale + M) V`` per batch and head, with M an
-additive float mask broadcast to the scores. On CPU, float32 inputs with at most
-one batch dimension before the heads run through ``kernels/native/attention.c``: the
-heads are read in place through strides (no copies to split or merge them), K and V
-are packed into panels and the softmax is taken on a few rows of scores while they
-sit in L1. Anything else (other dtypes or devices, more batch dimensions, batch
-dims that differ, a mask that would grow the scores, no native library) runs
-torch's ``scaled_dot_product_attention``, or the plain ops where that does not
-broadcast, counted with the reason for ``explain()``.
+additive float mask broadcast to the scores; with ``nan_to_zero`` 1 a row of
+probabilities holding a NaN (all scores -inf, a NaN or +inf score) is zeros instead
+(the ``Where(IsNaN(p), 0, p)`` torch exports write after the softmax). On CPU,
+float32 inputs with at most one batch dimension before the heads run through
+``kernels/native/attention.c``: the heads are read in place through strides (no
+copies to split or merge them), K and V are packed into panels and the softmax is
+taken on a few rows of scores while they sit in L1. Anything else (other dtypes or
+devices, more batch dimensions, batch dims that differ, a mask that would grow the
+scores, no native library) runs torch's ``scaled_dot_product_attention``, or the
+plain ops where that does not broadcast, counted with the reason for ``explain()``.
 
 Numerics: the native path differs from torch's by float32 rounding (exp is a
 polynomial within 1e-7 relative of exp over a softmax's range, as attention.c
@@ -51,13 +53,15 @@ class _CallArgs(ctypes.Structure):
 
     _fields_ = [("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p),
                 ("mask", ctypes.c_void_p), ("y", ctypes.c_void_p), ("scratch", ctypes.c_void_p),
-                ("sizes", ctypes.c_void_p), ("scale", ctypes.c_float), ("pad_", ctypes.c_int32),
+                ("sizes", ctypes.c_void_p), ("scale", ctypes.c_float), ("flags", ctypes.c_int32),
                 ("parallel", ctypes.c_void_p), ("thread_num", ctypes.c_void_p),
                 ("num_threads", ctypes.c_void_p)]
     output: torch.Tensor
     shape: tuple[int, int, int, int]
     keep: tuple[object, ...]
 
+
+_NAN_TO_ZERO = 1    # SEGFLOW_ATTENTION_NAN_TO_ZERO of kernels/native/attention.c
 
 _Geometry = tuple[tuple[int, ...], ...]   # (shape, strides) of Q, K, V as [B, H, S, D]
 
@@ -66,9 +70,12 @@ class ScaledDotAttention(NativeOrTorch):
     """``fn(q, k, v, mask=None)``: a ``segflow.Attention`` node's computation.
 
     ``heads`` 0: ``k`` is K transposed (``[..., D, Sk]``); ``heads`` H: all three are
-    ``[B, S, H * D]`` and so is the result. ``library`` is the native library (None:
-    always torch); ``why_native`` says why there is none. ``native_calls`` /
-    ``torch_calls`` count how calls ran and ``why_torch`` why any went through torch.
+    ``[B, S, H * D]`` and so is the result. ``nan_to_zero``: rows of probabilities
+    holding a NaN are zeros. ``exact``: calls through torch keep NaN and Inf where the
+    unfused ops put them (the unfused ops rather than ``scaled_dot_product_attention``).
+    ``library`` is the native library (None: always torch); ``why_native`` says why
+    there is none. ``native_calls`` / ``torch_calls`` count how calls ran and
+    ``why_torch`` why any went through torch.
     """
 
     family = ReportFamily.ATTENTION
@@ -84,10 +91,12 @@ class ScaledDotAttention(NativeOrTorch):
                                      limit)
 
     def __init__(self, scale: float, heads: int, library: NativeLibrary | None,
-                 why_native: str) -> None:
+                 why_native: str, nan_to_zero: bool = False, exact: bool = True) -> None:
         super().__init__(library, why_native)
         self.scale = scale
         self.heads = heads
+        self.nan_to_zero = nan_to_zero
+        self.exact = exact
         self._fn = None
         self._address = 0
         self._scratch_floats = None
@@ -214,8 +223,8 @@ class ScaledDotAttention(NativeOrTorch):
         sizes = _Sizes(batch, heads, sq, sk, d, dv, *qs, *ks, *vs, *ms, *ys, threads)
         call = _CallArgs(q.data_ptr(), k.data_ptr(), v.data_ptr(),
                          None if mask is None else mask.data_ptr(), out.data_ptr(),
-                         scratch.data_ptr(), ctypes.addressof(sizes), self.scale, 0,
-                         *self._openmp)
+                         scratch.data_ptr(), ctypes.addressof(sizes), self.scale,
+                         _NAN_TO_ZERO if self.nan_to_zero else 0, *self._openmp)
         call.output = out
         call.shape = (batch, sq, heads, dv)
         # The mask as the kernel reads it, where that is a copy (the caller holds the rest).
@@ -232,7 +241,7 @@ class ScaledDotAttention(NativeOrTorch):
     def through_torch(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None
                       ) -> Tensor:
         """The node through torch alone: the op's reference (``ops/fused.py``)."""
-        return attention(q, k, v, mask, self.scale, self.heads)
+        return attention(q, k, v, mask, self.scale, self.heads, self.nan_to_zero, self.exact)
 
 
 def _heads(t: Tensor, h: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -279,7 +288,15 @@ class AttentionKernel(OpKernel):
 
 
 def bind_attention(node: Node, ctx: BindContext) -> AttentionKernel:
-    """The native attention (through torch per call where it declines, counted)."""
+    """The native attention (through torch per call where it declines, counted).
+
+    Without the native library every call goes through torch, and there torch's
+    ``scaled_dot_product_attention`` (which gives 0 for a NaN row) runs only where the
+    node may lose NaN (``ctx.allow_inexact``); with it, the rare calls it declines run
+    the unfused ops."""
     library, why = ctx.target.native_for(ctx.device)
+    exact = library is not None or not ctx.allow_inexact(
+        node, "torch's scaled_dot_product_attention gives 0 for a row with a NaN score")
     return AttentionKernel(ScaledDotAttention(float(node.attrs["scale"]),
-                                              int(node.attrs.get("heads", 0)), library, why))
+                                              int(node.attrs.get("heads", 0)), library, why,
+                                              bool(node.attrs.get("nan_to_zero", 0)), exact))

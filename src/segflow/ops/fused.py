@@ -8,7 +8,8 @@ Each fused op is one kernel: it counts as one node and one kernel in RunStats.
   ``Linear``) layout; ``X`` may have any rank >= 2.
 - ``Attention(Q, Kt, V, M?)``: ``softmax(Q @ Kt * scale + M) @ V`` (``Kt`` is K
   already transposed, as exporters emit it); with a ``heads`` attribute H it reads
-  ``[B, S, H * D]`` activations and writes the heads merged back.
+  ``[B, S, H * D]`` activations and writes the heads merged back; with ``nan_to_zero``
+  1 the probabilities are ``Where(IsNaN(p), 0, p)`` (torch's safe softmax).
 - ``AddLayerNorm(A, B, Scale, Bias?)``: ``LayerNormalization(A + B)`` over the last
   axis.
 
@@ -375,19 +376,24 @@ def linear_kernel(node: Node, fn: Callable[[Tensor, Tensor, Tensor | None], Tens
 
 # -- Attention and AddLayerNorm: their reference kernels -----------------------------------
 def attention(q: Tensor, kt: Tensor, v: Tensor, mask: Tensor | None, scale: float,
-              heads: int) -> Tensor:
+              heads: int, nan_to_zero: bool = False, exact: bool = False) -> Tensor:
     """``softmax(Q Kt * scale + M) V`` through torch: an Attention node's reference (and
     traceable) form, and its native kernel's fallback (``kernels/attention.py``). With
-    ``heads`` H the inputs are ``[B, S, H * D]`` and the heads are merged back."""
+    ``heads`` H the inputs are ``[B, S, H * D]`` and the heads are merged back; with
+    ``nan_to_zero`` the probabilities' NaNs are zeros. ``exact``: NaN and Inf where the
+    unfused ops put them (torch's CPU ``scaled_dot_product_attention`` gives 0 for a row
+    with a NaN score or no unmasked key, where the unfused ops give NaN)."""
     if not heads:
-        return _sdpa(q, kt.transpose(-2, -1), v, mask, scale)
+        return _sdpa(q, kt.transpose(-2, -1), v, mask, scale, nan_to_zero, exact)
     b, sq = q.shape[0], q.shape[1]
     qh, kh, vh = (t.reshape(t.shape[0], t.shape[1], heads, t.shape[2] // heads).transpose(1, 2)
                   for t in (q, kt, v))
-    return _sdpa(qh, kh, vh, mask, scale).transpose(1, 2).reshape(b, sq, v.shape[2])
+    return _sdpa(qh, kh, vh, mask, scale, nan_to_zero, exact).transpose(1, 2).reshape(
+        b, sq, v.shape[2])
 
 
-def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> Tensor:
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
+          nan_to_zero: bool, exact: bool = False) -> Tensor:
     batch = q.shape[:-2]
     fits = k.shape[:-2] == batch and v.shape[:-2] == batch
     if mask is not None:
@@ -396,12 +402,16 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) ->
         scores = (*batch, q.shape[-2], k.shape[-2])
         fits = fits and mask.dim() <= len(scores) and all(
             m in (1, s) for m, s in zip(reversed(mask.shape), reversed(scores)))
-    if not fits:
+    if not fits or nan_to_zero or exact:
         # Broadcasting SDPA does not do (batch dims that differ, a mask that grows the
-        # scores): the ops as the graph wrote them.
+        # scores), nor does it keep the NaNs of the softmax: the ops as the graph wrote
+        # them.
         y = torch.matmul(q, k.transpose(-2, -1)) * scale
         y = y + mask if mask is not None else y
-        return torch.matmul(torch.softmax(y, dim=-1), v)
+        p = torch.softmax(y, dim=-1)
+        if nan_to_zero:
+            p = torch.where(torch.isnan(p), 0.0, p)
+        return torch.matmul(p, v)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
@@ -418,9 +428,10 @@ def add_layer_norm(a: Tensor, b: Tensor, scale: Tensor, bias: Tensor | None,
 def attention_fn(node: Node) -> Callable[..., Tensor]:
     """``fn(q, kt, v, mask=None)``: the node's reference form."""
     scale, heads = float(node.attrs["scale"]), int(node.attrs.get("heads", 0))
+    nan_to_zero = bool(node.attrs.get("nan_to_zero", 0))
 
     def fn(q: Tensor, kt: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
-        return attention(q, kt, v, mask, scale, heads)
+        return attention(q, kt, v, mask, scale, heads, nan_to_zero)
     return fn
 
 
@@ -529,7 +540,8 @@ OPS: list[OpDef] = [
     OpDef("FusedGemm", _fused_gemm, domain=FUSED_DOMAIN,
           doc="act(X @ W^T + B): Gemm/MatMul+Add with activation, W in [N, K] layout"),
     OpDef("Attention", _reference(attention_fn), domain=FUSED_DOMAIN,
-          doc="softmax(Q @ Kt * scale + M) @ V as one scaled-dot-product-attention kernel"),
+          doc="softmax(Q @ Kt * scale + M) @ V as one scaled-dot-product-attention kernel "
+              "(nan_to_zero: a NaN row of probabilities is zeros)"),
     OpDef("AddLayerNorm", _reference(add_layer_norm_fn), domain=FUSED_DOMAIN,
           doc="LayerNormalization(A + B, Scale, Bias) over the last axis in one kernel"),
 ]

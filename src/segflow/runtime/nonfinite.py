@@ -5,8 +5,10 @@ post-ops take max/min instructions that return the bound for a NaN, and its
 erf-GELU gives NaN for +inf (``Activation.onednn_loses``); libdnnl's max pooling
 skips NaN; Winograd's transforms and Strassen's sums spread a NaN or an infinity
 over a tile or half a matrix, where a direct kernel keeps it to the outputs that
-read it. A kernel binder asks ``BindContext.allow_inexact`` before choosing one of
-them, and :class:`NonFinitePolicy` answers:
+read it; torch's CPU ``scaled_dot_product_attention`` (an Attention node's torch
+path without the native library) gives 0 for a row that holds a NaN score. A
+kernel binder asks ``BindContext.allow_inexact`` before choosing one of them, and
+:class:`NonFinitePolicy` answers:
 
 - A node that a NaN or an infinity can reach from inside the graph never gets
   one: :func:`nonfinite_reach` follows the results of every node whose op may

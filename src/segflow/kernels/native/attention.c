@@ -28,6 +28,12 @@
  * Numerics: exp is a polynomial after range reduction (within 1e-7 relative over
  * the softmax's range); every sum is fused-multiply-added in order. A row
  * whose scores are all -inf (fully masked) gives NaN, as the unfused ops do.
+ *
+ * With SEGFLOW_ATTENTION_NAN_TO_ZERO in `flags`, a row of probabilities holding a
+ * NaN becomes zeros before it meets V (the "safe softmax" torch exports write as
+ * Where(IsNaN(p), 0, p)). A NaN anywhere in a row makes the row's sum NaN and so every
+ * probability of it NaN, so the sum alone tells: one test a row, and the zeroed row
+ * still goes through P V, so that a non-finite V gives NaN there as 0 * Inf does.
  */
 #include <math.h>
 #include <stddef.h>
@@ -35,6 +41,8 @@
 #include <string.h>
 
 #include "panel.h"
+
+#define SEGFLOW_ATTENTION_NAN_TO_ZERO 1   /* kernels/attention.py's flag of the same name */
 
 /* One call's arguments (segflow_attention fills it). Strides are in floats, in the
  * order batch, head, row, column. */
@@ -46,6 +54,7 @@ typedef struct {
     int64_t qs[4], ks[4], vs[4], ms[4], ys[4];
     int64_t scratch_threads;
     float scale;
+    int32_t flags;                   /* SEGFLOW_ATTENTION_NAN_TO_ZERO */
     int32_t status;                  /* 1: a thread found no scratch of its own */
     int64_t next;                    /* the next unclaimed work unit */
     void (*parallel)(void (*fn)(void *), void *data, unsigned threads, unsigned flags);
@@ -179,7 +188,13 @@ softmax_rows(const segflow_attention_t *p, int R, float *s, int64_t ld,
             row[i] = e[0];
             tail[r] += e[0];
         }
-        inv[r] = 1.0f / (tail[r] + sum_lanes(acc[r]));
+        const float sum = tail[r] + sum_lanes(acc[r]);
+        if (isnan(sum) && (p->flags & SEGFLOW_ATTENTION_NAN_TO_ZERO)) {
+            memset(row, 0, (size_t)n * sizeof(float));
+            inv[r] = 1.0f;
+        } else {
+            inv[r] = 1.0f / sum;
+        }
     }
 }
 
@@ -281,15 +296,16 @@ static void work(void *data) {
 
 /* Run it; 0 (1 only if a thread found no scratch). `sizes` holds 27 numbers: batch,
  * heads, sq, sk, d, dv; the strides of Q, K, V, the mask and Y (4 each); the threads
- * the scratch has room for (at most that many run). Under ~64k multiply-adds it
+ * the scratch has room for (at most that many run). `flags`: see the top. Under ~64k multiply-adds it
  * stays on this thread: waking the pool costs more. */
 int segflow_attention(const float *q, const float *k, const float *v, const float *mask,
                       float *y, float *scratch, const int64_t *sizes, float scale,
-                      void (*parallel)(void (*)(void *), void *, unsigned, unsigned),
+                      int32_t flags, void (*parallel)(void (*)(void *), void *, unsigned, unsigned),
                       int (*thread_num)(void), int (*num_threads)(void)) {
     segflow_attention_t p = {q, k, v, mask, y, scratch, sizes[0], sizes[1], sizes[2],
                              sizes[3], sizes[4], sizes[5], {0}, {0}, {0}, {0}, {0},
-                             sizes[26], scale, 0, 0, parallel, thread_num, num_threads};
+                             sizes[26], scale, flags, 0, 0, parallel, thread_num,
+                             num_threads};
     for (int i = 0; i < 4; i++) {
         p.qs[i] = sizes[6 + i];
         p.ks[i] = sizes[10 + i];
@@ -313,7 +329,7 @@ typedef struct {
     float *y, *scratch;
     const int64_t *sizes;
     float scale;
-    int32_t pad_;
+    int32_t flags;
     void (*parallel)(void (*)(void *), void *, unsigned, unsigned);
     int (*thread_num)(void);
     int (*num_threads)(void);
@@ -321,5 +337,5 @@ typedef struct {
 
 int segflow_attention_call(const segflow_attention_call_t *a) {
     return segflow_attention(a->q, a->k, a->v, a->mask, a->y, a->scratch, a->sizes, a->scale,
-                             a->parallel, a->thread_num, a->num_threads);
+                             a->flags, a->parallel, a->thread_num, a->num_threads);
 }

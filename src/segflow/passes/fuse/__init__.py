@@ -21,7 +21,9 @@ They run in this order, each over the whole graph:
 7. ``activation`` (:mod:`.activation`): a Relu / Clip / LeakyRelu / Sigmoid / Tanh /
    HardSigmoid / HardSwish / Gelu after a fused Conv or Gemm becomes its post-op.
 8. ``attention`` (:mod:`.attention`): ``softmax(Q @ Kt * s + M) @ V`` becomes
-   ``segflow.Attention``.
+   ``segflow.Attention``, as torch's exporters write it: constant scalings of Q, Kt
+   or the scores, an additive mask, the safe softmax ``Where(IsNaN(p), 0, p)``
+   (``nan_to_zero``), and the reshapes and transposes that split and merge heads.
 9. ``layernorm`` (:mod:`.layernorm`): an Add read only by a LayerNormalization over
    the last axis becomes ``segflow.AddLayerNorm`` (a transformer's residual add).
 10. ``siblings`` (:mod:`.siblings`): FusedGemms reading the same input (a
