@@ -86,8 +86,8 @@ def test_nothing_to_fuse_leaves_the_graph_alone():
 
 def test_every_rule_is_named_and_selectable():
     names = [name for name, _ in RULES]
-    assert names == ["noops", "pad", "batchnorm", "linear", "gelu", "conv", "activation",
-                     "attention", "layernorm", "siblings"]
+    assert names == ["noops", "pad", "batchnorm", "linear", "gelu", "gelu_tanh", "silu",
+                     "conv", "activation", "attention", "layernorm", "siblings"]
     with pytest.raises(ValueError, match="unknown fuse rules"):
         run_rules(import_model(_model([helper.make_node("Relu", ["x"], ["y"])],
                                       {"x": [2]}, ["y"])), ["nope"])
@@ -151,6 +151,63 @@ def _sibling_linears(acts=("Relu", "Relu"), bias=(True, True), graph_output=Fals
     return model, {"x": _rand(3, 5, 16)}
 
 
+def _tanh_gelu_after_linear(tail="half_x_first", cube="pow", swap=False, rank=3):
+    """A MatMul + bias (reshaped back to 3-D around a 2-D Gemm where ``rank`` is 2, as
+    GPT-2's exports do), then the tanh GELU in one of the exporters' associations.
+
+    ``tail``: ``half_x_first`` ``(x * 0.5) * (1 + t)`` (both torch exporters),
+    ``x_first`` ``(x * (1 + t)) * 0.5``, ``half_last`` ``x * (0.5 * (1 + t))``;
+    ``cube``: ``pow`` or ``mul`` (``x * x * x``); ``swap``: constants first."""
+    k, n = 8, 12
+    inits = {"w": _rand(k, n, scale=0.5), "b": _rand(n), "three": np.array(3.0, np.float32),
+             "kappa": np.array(0.044715, np.float32),
+             "beta": np.array(math.sqrt(2 / math.pi), np.float32),
+             "one": np.array(1.0, np.float32), "half": np.array(0.5, np.float32)}
+
+    def mul(a, b, out):
+        return helper.make_node("Mul", [b, a] if swap else [a, b], [out])
+
+    if rank == 2:
+        inits.update({"flat": np.array([-1, k], np.int64), "back": np.array([2, 5, n], np.int64)})
+        nodes = [helper.make_node("Reshape", ["x", "flat"], ["x2"]),
+                 helper.make_node("Gemm", ["x2", "w", "b"], ["g"]),
+                 helper.make_node("Reshape", ["g", "back"], ["y"])]
+    else:
+        nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]),
+                 helper.make_node("Add", ["m", "b"], ["y"])]
+    if cube == "pow":
+        nodes.append(helper.make_node("Pow", ["y", "three"], ["c"]))
+    else:
+        nodes += [helper.make_node("Mul", ["y", "y"], ["sq"]), mul("sq", "y", "c")]
+    nodes += [mul("c", "kappa", "ck"),
+              helper.make_node("Add", ["ck", "y"] if swap else ["y", "ck"], ["i"]),
+              mul("i", "beta", "ib"), helper.make_node("Tanh", ["ib"], ["t"]),
+              helper.make_node("Add", ["one", "t"] if swap else ["t", "one"], ["t1"])]
+    if tail == "half_x_first":
+        nodes += [mul("y", "half", "h"), mul("h", "t1", "out")]
+    elif tail == "x_first":
+        nodes += [mul("y", "t1", "p"), mul("p", "half", "out")]
+    else:
+        nodes += [mul("half", "t1", "h"), mul("y", "h", "out")]
+    model = _model(nodes, {"x": [2, 5, k]}, ["out"], inits)
+    return model, {"x": _rand(2, 5, k, scale=2.0)}
+
+
+def _silu_after_conv(swap=False, alpha=None):
+    """Conv, then ``x * sigmoid(x)`` (``x * sigmoid(alpha * x)`` where ``alpha``)."""
+    inits = {"w": _rand(8, 4, 3, 3, scale=0.3), "b": _rand(8)}
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1])]
+    arg = "c"
+    if alpha is not None:
+        inits["alpha"] = np.array(alpha, np.float32)
+        nodes.append(helper.make_node("Mul", ["alpha", "c"] if swap else ["c", "alpha"], ["ca"]))
+        arg = "ca"
+    nodes += [helper.make_node("Sigmoid", [arg], ["s"]),
+              helper.make_node("Mul", ["s", "c"] if swap else ["c", "s"], ["out"])]
+    model = _model(nodes, {"x": ["batch", 4, 6, 6]}, ["out"], inits)
+    return model, {"x": _rand(2, 4, 6, 6, scale=2.0)}
+
+
 # rule -> (model and feeds, the op the rule rewrites away: gone with the rule on, kept off;
 # "+Op": an op the rule adds, there with the rule on, not off)
 _RULE_CASES = {
@@ -159,6 +216,8 @@ _RULE_CASES = {
     "batchnorm": (_resnet, "BatchNormalization"),
     "linear": (_bert, "MatMul"),
     "gelu": (_bert, "Erf"),
+    "gelu_tanh": (lambda: _tanh_gelu_after_linear(), "Tanh"),
+    "silu": (lambda: _silu_after_conv(), "Sigmoid"),
     "conv": (_resnet, "Conv"),
     "activation": (_resnet, "Relu"),
     "attention": (_bert, "Softmax"),
@@ -414,6 +473,141 @@ def test_gelu_without_a_linear_before_it_is_one_gelu_node():
              helper.make_node("Mul", ["h", "e1"], ["out"])]
     model = _model(nodes, {"x": [4, 5]}, ["out"], inits)
     _check(model, {"x": _rand(4, 5)}, ["Gelu"])
+
+
+def _check_nonfinite(model, feeds, **session):
+    """Feeds with NaN, +Inf and -Inf at a few places give onnxruntime's results, the
+    non-finite ones included (assert_allclose takes NaN as equal to NaN only)."""
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    sess = segflow.InferenceSession(model, engine="inline", **session)
+    for value in (np.nan, np.inf, -np.inf):
+        poisoned = {}
+        for name, array in feeds.items():
+            array = array.copy()
+            array.reshape(-1)[[0, 7, array.size // 2]] = value
+            poisoned[name] = array
+        want = ref.run(None, poisoned)
+        assert not all(np.isfinite(w).all() for w in want)
+        for w, g in zip(want, sess.run(None, poisoned), strict=True):
+            np.testing.assert_allclose(g, w, atol=ATOL, rtol=RTOL, err_msg=f"feeds with {value}")
+
+
+def _erf_gelu_after_linear(tail):
+    """MatMul + bias, then the erf GELU with its tail associated as ``tail`` says:
+    ``x_first`` ``(x * (1 + e)) * 0.5`` (TorchScript), ``half_last``
+    ``x * (0.5 * (1 + e))`` (dynamo), ``half_x_first`` ``(x * 0.5) * (1 + e)``."""
+    k, n = 8, 6
+    inits = {"w": _rand(k, n), "b": _rand(n), "sqrt2": np.array(math.sqrt(2), np.float32),
+             "one": np.array(1.0, np.float32), "half": np.array(0.5, np.float32)}
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]),
+             helper.make_node("Add", ["b", "m"], ["y"]),
+             helper.make_node("Div", ["y", "sqrt2"], ["d"]),
+             helper.make_node("Erf", ["d"], ["e"]),
+             helper.make_node("Add", ["e", "one"], ["e1"])]
+    nodes += {"x_first": [helper.make_node("Mul", ["y", "e1"], ["p"]),
+                          helper.make_node("Mul", ["p", "half"], ["out"])],
+              "half_last": [helper.make_node("Mul", ["half", "e1"], ["h"]),
+                            helper.make_node("Mul", ["y", "h"], ["out"])],
+              "half_x_first": [helper.make_node("Mul", ["y", "half"], ["h"]),
+                               helper.make_node("Mul", ["h", "e1"], ["out"])]}[tail]
+    return _model(nodes, {"x": ["batch", 5, k]}, ["out"], inits), {"x": _rand(2, 5, 8)}
+
+
+@pytest.mark.parametrize("tail", ["x_first", "half_last", "half_x_first"])
+def test_erf_gelu_in_each_association_becomes_a_post_op(tail):
+    model, feeds = _erf_gelu_after_linear(tail)
+    sess = _check(model, feeds, ["FusedGemm"])
+    assert sess.graph.nodes[0].attrs["activation"] == "Gelu"
+    _check_nonfinite(model, feeds)
+
+
+@pytest.mark.parametrize("swap", [False, True], ids=["x_first", "const_first"])
+@pytest.mark.parametrize("cube", ["pow", "mul"])
+@pytest.mark.parametrize("tail", ["half_x_first", "x_first", "half_last"])
+def test_tanh_gelu_in_each_association_becomes_a_post_op(tail, cube, swap):
+    model, feeds = _tanh_gelu_after_linear(tail, cube, swap)
+    sess = _check(model, feeds, ["FusedGemm"])
+    node = sess.graph.nodes[0]
+    assert node.attrs["activation"] == "GeluTanh"
+    _check_nonfinite(model, feeds)
+
+
+def test_tanh_gelu_after_a_reshaped_gemm_moves_before_the_reshape():
+    """GPT-2's form: 2-D Gemm, Reshape to 3-D, GELU; the GELU becomes the Gemm's
+    post-op and the Reshape then carries the output's name."""
+    model, feeds = _tanh_gelu_after_linear(rank=2)
+    sess = _check(model, feeds)
+    ops = Counter(n.op_type for n in sess.graph.nodes)
+    assert ops["FusedGemm"] == 1 and not {"Tanh", "Pow", "Mul", "Add", "Gelu"} & set(ops)
+    (gemm,) = [n for n in sess.graph.nodes if n.op_type == "FusedGemm"]
+    assert gemm.attrs["activation"] == "GeluTanh"
+    assert sess.graph.outputs[0].name == "out"
+    _check_nonfinite(model, feeds)
+
+
+def test_tanh_gelu_with_other_constants_is_left_alone():
+    model, feeds = _tanh_gelu_after_linear()
+    for init in model.graph.initializer:
+        if init.name == "kappa":
+            init.CopyFrom(numpy_helper.from_array(np.array(0.05, np.float32), "kappa"))
+    sess = _check(model, feeds)
+    assert "Tanh" in {n.op_type for n in sess.graph.nodes}
+    assert sess.graph.nodes[0].attrs.get("activation", "") == ""
+
+
+def test_tanh_gelu_without_a_linear_is_one_gelu_node():
+    model, feeds = _tanh_gelu_after_linear()
+    # Drop the linear: the pattern reads the graph input.
+    nodes = [n for n in model.graph.node if n.op_type not in ("MatMul",)
+             and n.output[0] != "y"]
+    for n in nodes:
+        n.input[:] = ["x" if i == "y" else i for i in n.input]
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    sess = _check(model, feeds, ["Gelu"])
+    assert sess.graph.nodes[0].attrs["approximate"] == "tanh"
+    _check_nonfinite(model, feeds)
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_silu_after_a_conv_becomes_its_post_op(swap):
+    model, feeds = _silu_after_conv(swap)
+    sess = _check(model, feeds, ["FusedConv"])
+    node = sess.graph.nodes[0]
+    assert (node.attrs["activation"], list(node.attrs["activation_params"])) == ("Swish", [1.0])
+    _check_nonfinite(model, feeds)
+    _check(model, feeds, compile="none")
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_scaled_swish_after_a_conv_becomes_its_post_op(swap):
+    model, feeds = _silu_after_conv(swap, alpha=1.702)
+    sess = _check(model, feeds, ["FusedConv"])
+    node = sess.graph.nodes[0]
+    assert node.attrs["activation"] == "Swish"
+    assert node.attrs["activation_params"][0] == pytest.approx(1.702)
+    _check_nonfinite(model, feeds)
+
+
+def test_silu_without_a_conv_is_one_swish_node():
+    nodes = [helper.make_node("Sigmoid", ["x"], ["s"]),
+             helper.make_node("Mul", ["s", "x"], ["out"])]
+    model = _model(nodes, {"x": [4, 5]}, ["out"])
+    feeds = {"x": _rand(4, 5, scale=3.0)}
+    _check(model, feeds, ["Swish"])
+    _check_nonfinite(model, feeds)
+
+
+def test_silu_whose_sigmoid_is_read_elsewhere_is_left_alone():
+    model, feeds = _silu_after_conv()
+    model.graph.output.append(helper.make_tensor_value_info("s", TensorProto.FLOAT, None))
+    sess = _check(model, feeds)
+    assert Counter(n.op_type for n in sess.graph.nodes) == Counter(["FusedConv", "Sigmoid", "Mul"])
+    # A sigmoid of another value is a gate, not SiLU.
+    nodes = [helper.make_node("Sigmoid", ["g"], ["s"]),
+             helper.make_node("Mul", ["x", "s"], ["out"])]
+    model = _model(nodes, {"x": [4, 5], "g": [4, 5]}, ["out"])
+    _check(model, {"x": _rand(4, 5), "g": _rand(4, 5)}, ["Sigmoid", "Mul"])
 
 
 def test_gemm_with_alpha_or_full_c_is_left_alone():

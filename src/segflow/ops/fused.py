@@ -82,6 +82,19 @@ def _hardsigmoid_onednn(p: Sequence[float]) -> tuple[str, list[float], str] | No
     return ("hardsigmoid", [], "") if abs(alpha - 1 / 6) < 1e-7 and beta == 0.5 else None
 
 
+def _swish(x: Tensor, p: Sequence[float]) -> Tensor:
+    return F.silu(x) if p[0] == 1.0 else x * torch.sigmoid(x * p[0])
+
+
+def _swish_(x: Tensor, p: Sequence[float]) -> Tensor:
+    return F.silu(x, inplace=True) if p[0] == 1.0 else x.mul_(torch.sigmoid(x * p[0]))
+
+
+def _swish_onednn(p: Sequence[float]) -> tuple[str, list[float], str] | None:
+    # torch's oneDNN "swish" post-op is SiLU: it takes no alpha.
+    return ("swish", [], "") if p[0] == 1.0 else None
+
+
 ACTIVATIONS: Mapping[str, Activation] = {
     "": Activation("", lambda x, p: x, lambda p: ("none", [], "")),
     "Relu": Activation("Relu", lambda x, p: torch.relu(x), lambda p: ("relu", [], ""),
@@ -106,13 +119,16 @@ ACTIVATIONS: Mapping[str, Activation] = {
     "GeluTanh": Activation("GeluTanh", lambda x, p: F.gelu(x, approximate="tanh"),
                            lambda p: ("gelu", [], "tanh"),
                            lambda x, p: torch.ops.aten.gelu_(x, approximate="tanh")),
+    # x * sigmoid(alpha x); oneDNN's swish, like onnxruntime's Sigmoid then Mul, gives
+    # +inf for +inf and NaN for -inf (-inf * 0).
+    "Swish": Activation("Swish", _swish, _swish_onednn, _swish_),
 }
 
 # Activations that evaluate a transcendental function per element. As a post-op of oneDNN's
 # AVX2 matmul they are far slower than the same function run after it by torch in place
 # (docs/performance.md, "Kernel selection"); the target says where they are fused
 # (``CpuTarget.fuses_transcendental_post_ops``).
-_TRANSCENDENTAL = frozenset({"Sigmoid", "Tanh", "Gelu", "GeluTanh"})
+_TRANSCENDENTAL = frozenset({"Sigmoid", "Tanh", "Gelu", "GeluTanh", "Swish"})
 
 
 def linear_post_op(act: Activation, params: Sequence[float], fuses_transcendental: bool

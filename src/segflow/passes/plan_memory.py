@@ -39,7 +39,7 @@ FRESH_OUTPUT_OPS = frozenset({
     "Sigmoid", "Tanh", "Erf", "Exp", "Log", "Sqrt", "Neg", "Abs", "Reciprocal", "Softmax",
     "LogSoftmax", "LayerNormalization", "BatchNormalization", "InstanceNormalization",
     "MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool", "Concat", "Gelu",
-    "LeakyRelu", "HardSigmoid", "HardSwish", "Where", "Equal", "Greater", "Less", "Not",
+    "LeakyRelu", "HardSigmoid", "HardSwish", "Swish", "Where", "Equal", "Greater", "Less", "Not",
     "FusedConv", "FusedGemm", "DenseChain", "Attention", "AddLayerNorm", "Clip", "ReduceMean",
     "ReduceSum", "ReduceMax",
 })

@@ -88,6 +88,7 @@ ELTWISE: dict[str, Callable[[Sequence[float], str], tuple[int, float, float] | N
     "tanh": lambda s, a: (33, 0.0, 0.0),
     "hardsigmoid": lambda s, a: (40, 1.0 / 6.0, 0.5),
     "sigmoid": lambda s, a: (41, 0.0, 0.0),
+    "swish": lambda s, a: (44, 1.0, 0.0),                        # x * logistic(alpha x)
     "hardtanh": lambda s, a: (47, float(s[0]), float(s[1])),     # clip_v2: lo <= x <= hi
     "hardswish": lambda s, a: (52, 1.0 / 6.0, 0.5),
     "gelu": lambda s, a: (43, 0.0, 0.0) if a == "tanh" else (49, 0.0, 0.0),

@@ -14,25 +14,31 @@ They run in this order, each over the whole graph:
 4. ``linear`` (:mod:`.linear`): Gemm, and MatMul (+ Add of a bias) with a constant
    2-D weight or the 2-D Transpose of one, become ``segflow.FusedGemm`` (weight stored
    once in ``[N, K]`` layout).
-5. ``gelu`` (:mod:`.gelu`): the exporter's erf pattern ``x * 0.5 * (1 + erf(x / sqrt 2))``
-   becomes one Gelu.
-6. ``conv`` (:mod:`.conv`): Conv with a constant weight becomes ``segflow.FusedConv``;
+5. ``gelu`` (:mod:`.gelu`): the exporters' erf pattern ``x * 0.5 * (1 + erf(x / sqrt 2))``,
+   in any association, becomes one Gelu.
+6. ``gelu_tanh`` (:mod:`.gelu_tanh`): the tanh approximation
+   ``0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x^3)))`` becomes one
+   ``Gelu(approximate="tanh")``.
+7. ``silu`` (:mod:`.silu`): ``x * sigmoid(x)`` and ``x * sigmoid(alpha * x)`` become one
+   Swish.
+8. ``conv`` (:mod:`.conv`): Conv with a constant weight becomes ``segflow.FusedConv``;
    a following same-shape Add becomes its residual input.
-7. ``activation`` (:mod:`.activation`): a Relu / Clip / LeakyRelu / Sigmoid / Tanh /
-   HardSigmoid / HardSwish / Gelu after a fused Conv or Gemm becomes its post-op.
-8. ``attention`` (:mod:`.attention`): ``softmax(Q @ Kt * s + M) @ V`` becomes
-   ``segflow.Attention``, as torch's exporters write it: constant scalings of Q, Kt
-   or the scores, an additive mask, the safe softmax ``Where(IsNaN(p), 0, p)``
-   (``nan_to_zero``), and the reshapes and transposes that split and merge heads.
-9. ``layernorm`` (:mod:`.layernorm`): an Add read only by a LayerNormalization over
-   the last axis becomes ``segflow.AddLayerNorm`` (a transformer's residual add).
-10. ``siblings`` (:mod:`.siblings`): FusedGemms reading the same input (a
+9. ``activation`` (:mod:`.activation`): a Relu / Clip / LeakyRelu / Sigmoid / Tanh /
+   HardSigmoid / HardSwish / Gelu / Swish after a fused Conv or Gemm becomes its post-op.
+10. ``attention`` (:mod:`.attention`): ``softmax(Q @ Kt * s + M) @ V`` becomes
+    ``segflow.Attention``, as torch's exporters write it: constant scalings of Q, Kt
+    or the scores, an additive mask, the safe softmax ``Where(IsNaN(p), 0, p)``
+    (``nan_to_zero``), and the reshapes and transposes that split and merge heads.
+11. ``layernorm`` (:mod:`.layernorm`): an Add read only by a LayerNormalization over
+    the last axis becomes ``segflow.AddLayerNorm`` (a transformer's residual add).
+12. ``siblings`` (:mod:`.siblings`): FusedGemms reading the same input (a
     transformer's query, key and value projections) become one FusedGemm over their
     stacked weights and a Split into views.
 
 The order matters where rules build on each other: ``batchnorm`` folds into the
 plain Conv/Gemm that ``conv``/``linear`` then fuse, and ``activation`` only finds
-the fused nodes those two made. With a rule off, the nodes it would have taken
+the fused nodes those two made and the single activation nodes ``gelu``, ``gelu_tanh``
+and ``silu`` made of elementwise chains. With a rule off, the nodes it would have taken
 stay as they are and the later rules match around them (a Conv followed by a
 BatchNormalization and a Relu stays three nodes when ``batchnorm`` is off).
 
@@ -52,11 +58,13 @@ from segflow.passes.fuse.attention import fuse_attention
 from segflow.passes.fuse.batchnorm import fuse_batchnorm
 from segflow.passes.fuse.conv import fuse_conv
 from segflow.passes.fuse.gelu import fuse_gelu
+from segflow.passes.fuse.gelu_tanh import fuse_gelu_tanh
 from segflow.passes.fuse.layernorm import fuse_layernorm
 from segflow.passes.fuse.linear import fuse_linear
 from segflow.passes.fuse.noops import fuse_noops
 from segflow.passes.fuse.pad import fuse_pad
 from segflow.passes.fuse.siblings import fuse_siblings
+from segflow.passes.fuse.silu import fuse_silu
 from segflow.passes.result import PassResult
 
 Rule = Callable[[Graph], int]
@@ -67,6 +75,8 @@ RULES: tuple[tuple[str, Rule], ...] = (
     ("batchnorm", fuse_batchnorm),
     ("linear", fuse_linear),
     ("gelu", fuse_gelu),
+    ("gelu_tanh", fuse_gelu_tanh),
+    ("silu", fuse_silu),
     ("conv", fuse_conv),
     ("activation", fuse_activation),
     ("attention", fuse_attention),

@@ -8,6 +8,7 @@ import torch
 
 from segflow.ir.graph import Graph, Node, Value
 from segflow.ir.types import DType
+from segflow.passes._rewrite import const_scalar
 
 
 def live_nodes(graph: Graph, op_type: str | None = None) -> Iterator[Node]:
@@ -52,3 +53,48 @@ def other_input(node: Node, value: Value) -> Value | None:
     """The other operand of a binary ``node`` that reads ``value``."""
     a, b = node.inputs[0], node.inputs[1]
     return b if a is value else a
+
+
+def constant_operand(node: Node | None, value: Value, target: float) -> bool:
+    """``node`` is a binary op reading ``value`` and a one-element constant ``target``
+    (:func:`close_to`) that does not widen ``value``'s rank by broadcasting."""
+    if node is None or len(node.inputs) != 2 or value not in node.inputs:
+        return False
+    other = other_input(node, value)
+    if other is None or other is value or not close_to(const_scalar(other), target):
+        return False
+    rank, const_rank = value.spec.rank, other.spec.rank
+    return const_rank is None or const_rank == 0 or (rank is not None and const_rank <= rank)
+
+
+def scaled_product(graph: Graph, value: Value, x: Value, factor: float
+                   ) -> tuple[Node, list[Node]] | None:
+    """Match ``value * x * factor`` in any association of the two multiplications,
+    ``value`` and the partial product each read once; returns (the last Mul, the other).
+
+    The exporters write an activation's final product in each of ``(value * x) * c``,
+    ``(value * c) * x`` and ``(x * c) * value`` (the GELU forms' ``0.5``).
+    """
+    first = only_consumer(graph, value)
+    if not is_op(first, "Mul"):
+        return None
+    assert first is not None
+    partner = other_input(first, value)
+    if partner is None or partner is value:
+        return None
+    if partner is x or constant_operand(first, value, factor):
+        second = only_consumer(graph, first.outputs[0])
+        if not is_op(second, "Mul"):
+            return None
+        assert second is not None
+        if partner is x and constant_operand(second, first.outputs[0], factor):
+            return second, [first]
+        if partner is not x and other_input(second, first.outputs[0]) is x:
+            return second, [first]
+        return None
+    half = partner.producer
+    if (is_op(half, "Mul") and half is not None and x in half.inputs
+            and constant_operand(half, x, factor)
+            and only_consumer(graph, half.outputs[0]) is first):
+        return first, [half]
+    return None

@@ -1,9 +1,13 @@
 """Rule ``activation``: an activation right after a FusedConv or FusedGemm becomes
 its post-op (``activation`` and ``activation_params`` attributes).
 
-Relu, LeakyRelu, Clip (constant bounds), Sigmoid, Tanh, HardSigmoid, HardSwish
-and Gelu (erf or tanh) qualify; the kernels decide at bind time whether the
-library fuses it or it runs in place after the kernel (``ops/fused.py``).
+A Reshape (Flatten, Squeeze, Unsqueeze) read only by the activation may stand between
+them: the activation is elementwise, so it moves before the reshape.
+
+Relu, LeakyRelu, Clip (constant bounds), Sigmoid, Tanh, HardSigmoid, HardSwish,
+Gelu (erf or tanh) and Swish (SiLU and its scaled form) qualify; the kernels decide
+at bind time whether the library fuses it or it runs in place after the kernel
+(``ops/fused.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ def _activation(node: Node) -> tuple[str, list[float]] | None:
     op = node.op_type
     if op in ("Relu", "Sigmoid", "Tanh", "HardSwish"):
         return op, []
+    if op == "Swish":
+        return op, [float(node.attrs.get("alpha", 1.0))]
     if op == "LeakyRelu":
         return op, [float(node.attrs.get("alpha", 0.01))]
     if op == "HardSigmoid":
@@ -55,6 +61,12 @@ def _activation(node: Node) -> tuple[str, list[float]] | None:
     return None
 
 
+# Ops that only reshape their first input: an elementwise activation after one is the
+# same activation before it (GPT-2's exports reshape the MLP's 2-D Gemm back to 3-D
+# before its GELU).
+_RESHAPES = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze"})
+
+
 def fuse_activation(graph: Graph) -> int:
     count = 0
     for node in live_nodes(graph):
@@ -62,13 +74,28 @@ def fuse_activation(graph: Graph) -> int:
                 or node.attrs.get("activation"):
             continue
         consumer = only_consumer(graph, node.outputs[0])
+        reshape = None
+        if consumer is not None and consumer.domain == "" and consumer.op_type in _RESHAPES \
+                and consumer.inputs[0] is node.outputs[0]:
+            reshape, consumer = consumer, only_consumer(graph, consumer.outputs[0])
         act = _activation(consumer) if consumer is not None else None
-        if consumer is None or act is None or consumer.inputs[0] is not node.outputs[0]:
+        if consumer is None or act is None \
+                or consumer.inputs[0] is not (reshape or node).outputs[0]:
             continue
         attrs = dict(node.attrs)
         attrs["activation"], attrs["activation_params"] = act
-        fused = Node(node.op_type, node.inputs, [Value(consumer.outputs[0].name)], attrs,
-                     name=node.name, domain=FUSED_DOMAIN, opset=node.opset)
-        replace_nodes(graph, consumer, [node], fused)
+        if reshape is None:
+            fused = Node(node.op_type, node.inputs, [Value(consumer.outputs[0].name)], attrs,
+                         name=node.name, domain=FUSED_DOMAIN, opset=node.opset)
+            replace_nodes(graph, consumer, [node], fused)
+        else:
+            fused = Node(node.op_type, node.inputs, [Value(node.outputs[0].name)], attrs,
+                         name=node.name, domain=FUSED_DOMAIN, opset=node.opset)
+            replace_nodes(graph, node, [], fused)
+            # The reshape now carries the activation's result, under its name.
+            reshaped, activated = reshape.outputs[0], consumer.outputs[0]
+            graph.replace_all_uses(activated, reshaped)
+            graph.remove(consumer)
+            reshaped.name = activated.name
         count += 1
     return count

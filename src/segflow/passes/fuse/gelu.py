@@ -1,5 +1,9 @@
 """Rule ``gelu``: the exporters' erf pattern ``x * 0.5 * (1 + erf(x / sqrt 2))``,
 in any association of its multiplications, becomes one Gelu node.
+
+TorchScript writes ``(x * (1 + erf)) * 0.5``, the dynamo exporter
+``x * (0.5 * (1 + erf))``, hand-written graphs often ``(x * 0.5) * (1 + erf)``
+(:func:`~segflow.passes.fuse._match.scaled_product` takes all three).
 """
 
 from __future__ import annotations
@@ -8,7 +12,15 @@ import math
 
 from segflow.ir.graph import Graph, Node, Value
 from segflow.passes._rewrite import const_scalar, replace_nodes
-from segflow.passes.fuse._match import close_to, is_op, live_nodes, only_consumer, other_input
+from segflow.passes.fuse._match import (
+    close_to,
+    constant_operand,
+    is_op,
+    live_nodes,
+    only_consumer,
+    other_input,
+    scaled_product,
+)
 
 
 def fuse_gelu(graph: Graph) -> int:
@@ -46,24 +58,10 @@ def _gelu_tail(graph: Graph, erf: Node, x: Value | None) -> tuple[Node, list[Nod
     if not is_op(add, "Add") or x is None:
         return None
     assert add is not None
-    if not close_to(const_scalar(other_input(add, erf.outputs[0])), 1.0):
+    if not constant_operand(add, erf.outputs[0], 1.0):
         return None
-    mul1 = only_consumer(graph, add.outputs[0])
-    if not is_op(mul1, "Mul"):
+    product = scaled_product(graph, add.outputs[0], x, 0.5)
+    if product is None:
         return None
-    assert mul1 is not None
-    partner = other_input(mul1, add.outputs[0])
-    if partner is x:
-        # (x * (1 + erf)) * 0.5
-        mul2 = only_consumer(graph, mul1.outputs[0])
-        if is_op(mul2, "Mul") and close_to(const_scalar(other_input(mul2, mul1.outputs[0])), 0.5):  # type: ignore[arg-type]
-            assert mul2 is not None
-            return mul2, [add, mul1]
-        return None
-    # (x * 0.5) * (1 + erf)
-    half = partner.producer if partner is not None else None
-    if (is_op(half, "Mul") and half is not None and x in half.inputs
-            and close_to(const_scalar(other_input(half, x)), 0.5)
-            and only_consumer(graph, half.outputs[0]) is mul1):
-        return mul1, [add, half]
-    return None
+    last, absorbed = product
+    return last, [add, *absorbed]
