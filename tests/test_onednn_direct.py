@@ -259,7 +259,8 @@ def test_oneDNN_objects_are_freed_with_the_convolution():
 
 def test_eltwise_table_covers_every_fusable_activation():
     for name, act in fused.ACTIVATIONS.items():
-        params = {"Clip": [0.0, 6.0], "LeakyRelu": [0.1], "HardSigmoid": [1 / 6, 0.5]}.get(
+        params = {"Clip": [0.0, 6.0], "LeakyRelu": [0.1], "HardSigmoid": [1 / 6, 0.5],
+                  "Swish": [1.0]}.get(
             name, [])
         post = act.onednn(params)
         if post is not None and post[0] != "none":
