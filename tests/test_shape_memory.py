@@ -31,10 +31,13 @@ ATOL, RTOL = 1e-4, 1e-3
 # with it, +46 MiB after the lengths and +46 after del + gc (+38 with the free heap
 # handed back), torch eager +22. Of that, ~20 MiB is torch's bounded set of primitives,
 # which stays for the process; the rest is heap kept under host_memory="retain" and
-# torch's own per-thread buffers. 64 MiB leaves ~18 MiB for another CPU or allocator
-# and still fails the unbounded behaviour by ~50 MiB.
-MAX_GROWTH_MIB = 64.0
-MAX_AFTER_DEL_MIB = 64.0
+# torch's own per-thread buffers. The encoder reads its sequence length off a Shape, so
+# its first 8 lengths also get plans of their own (passes/specialize.py; weights shared,
+# each with its plan, kernels and per-row packings): +56 MiB on EPYC-Z4, +69 in a fresh
+# clone's CI run on the same machine. 80 MiB leaves room for that spread and still
+# fails the unbounded behaviour by ~37 MiB.
+MAX_GROWTH_MIB = 80.0
+MAX_AFTER_DEL_MIB = 80.0
 
 
 def test_rss_over_128_sequence_lengths_is_bounded_and_returned() -> None:
