@@ -118,7 +118,7 @@ def inline_flatten(node: Node) -> Inline | None:
 def inline_reshape(node: Node, consts: Sequence[Tensor | None]) -> Inline | None:
     """A Reshape to a constant shape: ``x.reshape((a, b, c))``, the view or copy its
     kernel makes, without reading the shape tensor on every call (an exported
-    transformer reshapes a few times a layer: a GPT-2 decoding step ~150 times). A 0
+    transformer reshapes a few times a layer). A 0
     (copy the input's dim, without ``allowzero``) reads the input's dim; a shape that does
     not fit fails in ``reshape`` at run time, as the kernel does."""
     if len(node.outputs) != 1 or not node.inputs or node.inputs[0] is None:

@@ -1,8 +1,8 @@
 """Rule ``pad``: a zero constant Pad of a convolution's spatial dims becomes the
 convolution's own padding.
 
-Exporters write TensorFlow-style "same" padding (transformers' MobileNet and
-EfficientNet ports) as an explicit ``Pad`` before each ``Conv``, its amounts computed
+Exporters write TensorFlow-style "same" padding (ports of TensorFlow models) as an
+explicit ``Pad`` before each ``Conv``, its amounts computed
 from the feature map's size (folded to constants once the shapes are known). A Pad
 read only by a ``Conv`` (``auto_pad`` NOTSET), padding with zeros, in ``constant``
 mode, by non-negative amounts on the spatial dims only, is added to the Conv's
