@@ -75,6 +75,15 @@ def normalize_axis(axis: int, rank: int) -> int:
     return axis + rank if axis < 0 else axis
 
 
+def pads_over_axes(pads: Sequence[int], axes: Sequence[int], rank: int) -> list[int]:
+    """A Pad's amounts for ``axes`` (begins, then ends) over all ``rank`` dims."""
+    full = [0] * (2 * rank)
+    for i, a in enumerate(axes):
+        a = normalize_axis(a, rank)
+        full[a], full[rank + a] = pads[i], pads[len(axes) + i]
+    return full
+
+
 def float_dtype_like(t: Tensor) -> torch.dtype:
     return t.dtype if t.is_floating_point() else torch.float32
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from segflow.errors import InvalidModel
 from segflow.ir.graph import Node
 from segflow.ops import _pooling, _roi
-from segflow.ops._common import ints, normalize_axis
+from segflow.ops._common import ints, normalize_axis, pads_over_axes
 from segflow.ops._resize import (
     AspectPolicy,
     Coord,
@@ -193,11 +193,7 @@ def _pad(node: Node, ctx: BindContext) -> Kernel:
             value = cv.reshape(-1)[0].item() if cv is not None else 0
             axes_t = _opt(inputs, 3)
             if axes_t is not None:
-                axes = [normalize_axis(a, rank) for a in ints(axes_t)]
-                full = [0] * (2 * rank)
-                for i, a in enumerate(axes):
-                    full[a], full[rank + a] = pads[i], pads[len(axes) + i]
-                pads = full
+                pads = pads_over_axes(pads, ints(axes_t), rank)
         if len(pads) != 2 * rank:
             raise ValueError(f"Pad: {len(pads)} pads for a rank-{rank} input "
                              f"(expected {2 * rank})")

@@ -14,6 +14,7 @@ is zeros.
 from __future__ import annotations
 
 from segflow.ir.graph import Graph, Node
+from segflow.ops._common import ints, pads_over_axes
 from segflow.passes._rewrite import bypass, can_bypass, const_scalar
 from segflow.passes.fuse._match import const_tensor, is_op, live_nodes, only_consumer
 
@@ -57,28 +58,22 @@ def _zero_pad_amounts(pad: Node) -> list[int] | None:
         if raw is None or float(pad.attrs.get("value", 0.0)) != 0.0:
             return None
         amounts = [int(p) for p in raw]
-        axes = list(range(rank))
     else:
         pads = const_tensor(pad.inputs[1]) if len(pad.inputs) > 1 else None
-        if pads is None:
-            return None
         value = pad.inputs[2] if len(pad.inputs) > 2 else None
-        if value is not None and const_scalar(value) != 0.0:
+        if pads is None or (value is not None and const_scalar(value) != 0.0):
             return None
-        amounts = [int(p) for p in pads.reshape(-1).tolist()]
-        given = const_tensor(pad.inputs[3]) if len(pad.inputs) > 3 and pad.inputs[3] is not None \
-            else None
-        if len(pad.inputs) > 3 and pad.inputs[3] is not None and given is None:
-            return None
-        axes = [int(a) % rank for a in given.reshape(-1).tolist()] if given is not None \
-            else list(range(rank))
-    if len(amounts) != 2 * len(axes) or any(a < 0 for a in amounts):
+        amounts = ints(pads)
+        axes_value = pad.inputs[3] if len(pad.inputs) > 3 else None
+        if axes_value is not None:
+            axes = const_tensor(axes_value)
+            if axes is None or len(amounts) != 2 * axes.numel() \
+                    or any(not -rank <= a < rank for a in ints(axes)):
+                return None
+            amounts = pads_over_axes(amounts, ints(axes), rank)
+    if len(amounts) != 2 * rank or any(a < 0 for a in amounts):
         return None
-    full = [0] * (2 * rank)
-    for i, axis in enumerate(axes):
-        full[axis] += amounts[i]
-        full[rank + axis] += amounts[len(axes) + i]
-    return full
+    return amounts
 
 
 def _merged_pads(conv: Node, amounts: list[int]) -> list[int] | None:
