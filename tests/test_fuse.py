@@ -87,7 +87,7 @@ def test_nothing_to_fuse_leaves_the_graph_alone():
 def test_every_rule_is_named_and_selectable():
     names = [name for name, _ in RULES]
     assert names == ["noops", "pad", "batchnorm", "linear", "gelu", "gelu_tanh", "silu",
-                     "conv", "activation", "attention", "layernorm", "siblings"]
+                     "conv", "activation", "attention", "layernorm", "siblings", "views"]
     with pytest.raises(ValueError, match="unknown fuse rules"):
         run_rules(import_model(_model([helper.make_node("Relu", ["x"], ["y"])],
                                       {"x": [2]}, ["y"])), ["nope"])
@@ -208,6 +208,24 @@ def _silu_after_conv(swap=False, alpha=None):
     return model, {"x": _rand(2, 4, 6, 6, scale=2.0)}
 
 
+def _head_split(seq=1, shared=False, batch=1):
+    """A linear's output split into heads as exporters write it: flatten, reshape to
+    heads, transpose the heads ahead of the sequence (a copy unless ``seq`` is 1)."""
+    inits = {"w": _rand(8, 8), "flat": np.array([-1, 8], np.int64),
+             "heads": np.array([-1, seq, 2, 4], np.int64)}
+    nodes = [helper.make_node("Reshape", ["x", "flat"], ["f"]),
+             helper.make_node("MatMul", ["f", "w"], ["m"]),
+             helper.make_node("Reshape", ["m", "heads"], ["h"]),
+             helper.make_node("Transpose", ["h"], ["t"], perm=[0, 2, 1, 3]),
+             helper.make_node("Relu", ["t"], ["out"])]
+    outputs = ["out"]
+    if shared:
+        nodes.append(helper.make_node("Neg", ["h"], ["other"]))
+        outputs.append("other")
+    model = _model(nodes, {"x": [batch, seq, 8]}, outputs, inits)
+    return model, {"x": _rand(1, seq, 8)}
+
+
 # rule -> (model and feeds, the op the rule rewrites away: gone with the rule on, kept off;
 # "+Op": an op the rule adds, there with the rule on, not off)
 _RULE_CASES = {
@@ -223,6 +241,7 @@ _RULE_CASES = {
     "attention": (_bert, "Softmax"),
     "layernorm": (_residual_layer_norm, "LayerNormalization"),
     "siblings": (_sibling_linears, "+Split"),
+    "views": (_head_split, "Transpose"),
 }
 
 
@@ -269,6 +288,58 @@ def test_transpose_pair_merges_into_one():
     assert result.modified and [n.op_type for n in graph.nodes] == ["Transpose"]
     assert graph.outputs[0].name == "out"
     _check(model, {"x": _rand(2, 3, 4)})
+
+
+def _ops(graph):
+    return [n.op_type for n in graph.nodes]
+
+
+def test_a_transpose_of_unit_axes_and_the_reshape_before_it_become_one_reshape():
+    model, feeds = _head_split()
+    graph, result = _fused(model, ["views"])
+    assert result.modified and _ops(graph) == ["Reshape", "MatMul", "Reshape", "Relu"]
+    reshape = graph.nodes[2]
+    assert reshape.inputs[0].name == "m" and reshape.outputs[0].name == "t"
+    assert tuple(reshape.inputs[1].const.tolist()) == (1, 2, 1, 4)
+    feeds["x"][0, 0, 3] = np.nan
+    feeds["x"][0, 0, 5] = -np.inf
+    _check(model, feeds)
+
+
+def test_a_transpose_that_moves_data_stays():
+    model, feeds = _head_split(seq=3)
+    graph, result = _fused(model, ["views"])
+    assert not result.modified
+    assert _ops(graph) == ["Reshape", "MatMul", "Reshape", "Transpose", "Relu"]
+    _check(model, feeds)
+
+
+def test_a_run_of_views_read_elsewhere_keeps_the_shared_reshape():
+    model, feeds = _head_split(shared=True)
+    graph, _ = _fused(model, ["views"])
+    assert Counter(_ops(graph)) == Counter(["Reshape", "MatMul", "Reshape", "Reshape",
+                                            "Relu", "Neg"])
+    assert not any(n.op_type == "Transpose" for n in graph.nodes)
+    _check(model, feeds)
+
+
+def test_a_run_of_views_back_to_the_first_shape_is_dropped():
+    nodes = [helper.make_node("Unsqueeze", ["x", "axes"], ["a"]),
+             helper.make_node("Transpose", ["a"], ["b"], perm=[1, 0, 2]),
+             helper.make_node("Flatten", ["b"], ["c"], axis=1),
+             helper.make_node("Relu", ["c"], ["out"])]
+    model = _model(nodes, {"x": [1, 6]}, ["out"], {"axes": np.array([0], np.int64)})
+    graph, result = _fused(model, ["views"])
+    assert result.modified and _ops(graph) == ["Relu"]
+    assert graph.nodes[0].inputs[0].name == "x"
+    _check(model, {"x": _rand(1, 6)})
+
+
+def test_views_with_an_unknown_dim_stay():
+    model, feeds = _head_split(batch="batch")
+    graph, result = _fused(model, ["views"])
+    assert not result.modified and "Transpose" in _ops(graph)
+    _check(model, feeds)
 
 
 @pytest.mark.parametrize("pads", [(0, 0, 0, 0, 0, 0, 1, 1), (0, 0, 1, 2, 0, 0, 2, 0)])

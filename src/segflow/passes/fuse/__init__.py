@@ -34,6 +34,8 @@ They run in this order, each over the whole graph:
 12. ``siblings`` (:mod:`.siblings`): FusedGemms reading the same input (a
     transformer's query, key and value projections) become one FusedGemm over their
     stacked weights and a Split into views.
+13. ``views`` (:mod:`.views`): a Transpose that moves only size-1 axes is a Reshape, and
+    a run of Reshape/Flatten/Squeeze/Unsqueeze is one Reshape (or none).
 
 The order matters where rules build on each other: ``batchnorm`` folds into the
 plain Conv/Gemm that ``conv``/``linear`` then fuse, and ``activation`` only finds
@@ -65,6 +67,7 @@ from segflow.passes.fuse.noops import fuse_noops
 from segflow.passes.fuse.pad import fuse_pad
 from segflow.passes.fuse.siblings import fuse_siblings
 from segflow.passes.fuse.silu import fuse_silu
+from segflow.passes.fuse.views import fuse_views
 from segflow.passes.result import PassResult
 
 Rule = Callable[[Graph], int]
@@ -82,6 +85,7 @@ RULES: tuple[tuple[str, Rule], ...] = (
     ("attention", fuse_attention),
     ("layernorm", fuse_layernorm),
     ("siblings", fuse_siblings),
+    ("views", fuse_views),
 )
 RULE_NAMES: tuple[str, ...] = tuple(name for name, _ in RULES)
 
