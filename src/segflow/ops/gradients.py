@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from segflow.errors import UnsupportedOp
 from segflow.ir.graph import Node, Value
 
 if TYPE_CHECKING:
@@ -142,6 +143,10 @@ def batch_norm(ctx: GradContext, node: Node, douts: Sequence[Value | None]) -> G
 
 
 def layer_norm(ctx: GradContext, node: Node, douts: Sequence[Value | None]) -> Grads:
+    """The saved Mean and InvStdDev outputs feed the backward kernel; where the loss also
+    reads them, their gradients flow through a recomputed forward instead."""
+    if any(g is not None for g in douts[1:]):
+        return recompute(ctx, node, douts)
     x, scale, bias = node.inputs[0], node.inputs[1], _input(node, 2)
     mean = ctx.forward_output(node, 1)
     invstd = ctx.forward_output(node, 2)
@@ -182,6 +187,77 @@ def recompute(ctx: GradContext, node: Node, douts: Sequence[Value | None]) -> Gr
     grads = ctx.emit("Vjp", [*douts, *node.inputs], len(node.inputs), like=list(node.inputs),
                      forward=forward, bind=ctx.opdef(node).bind, need=_mask(ctx, len(node.inputs)))
     return [g if ctx.need(i) else None for i, g in enumerate(grads)]
+
+
+def global_max_pool(ctx: GradContext, node: Node, douts: Sequence[Value | None]) -> Grads:
+    x = node.inputs[0]
+    return [ctx.emit1("GlobalMaxPoolGrad", [douts[0], x, node.outputs[0]], like=x)]
+
+
+# -- selection: kernels in segflow.ops.backward_select ------------------------------------
+def gather(ctx: GradContext, node: Node, douts: Sequence[Value | None]) -> Grads:
+    """Gather and GatherElements: the gradient added back at the indices."""
+    x, idx = node.inputs[0], node.inputs[1]
+    assert x is not None
+    return [ctx.emit1(f"{node.op_type}Grad", [douts[0], ctx.shape_of(x), idx], like=x,
+                      axis=int(node.attrs.get("axis", 0))), None]
+
+
+def scatter_nd(ctx: GradContext, node: Node, douts: Sequence[Value | None]) -> Grads:
+    """ScatterND without reduction or with ``add`` (the others have no rule)."""
+    reduction = str(node.attrs.get("reduction", "none"))
+    if reduction not in ("none", "add"):
+        raise UnsupportedOp(f"no gradient rule for op ScatterND with reduction {reduction!r} "
+                            f"(node {node.name!r}, {node.label})")
+    data, idx, updates = node.inputs[0], node.inputs[1], node.inputs[2]
+    assert updates is not None
+    ddata, dupdates = ctx.emit("ScatterNDGrad", [douts[0], idx, ctx.shape_of(updates)], 2,
+                               like=[data, updates], need=[int(ctx.need(0)), int(ctx.need(2))],
+                               reduction=reduction)
+    return [ddata if ctx.need(0) else None, None, dupdates if ctx.need(2) else None]
+
+
+def split(ctx: GradContext, node: Node, douts: Sequence[Value | None]) -> Grads:
+    shapes = [ctx.shape_of(v) for v in node.outputs]
+    return [ctx.emit1("SplitGrad", [*douts, *shapes], like=node.inputs[0],
+                      axis=int(node.attrs.get("axis", 0)))]
+
+
+def where(ctx: GradContext, node: Node, douts: Sequence[Value | None]) -> Grads:
+    """Each branch gets the gradient where it was chosen; the condition gets none."""
+    cond, a, b = node.inputs[0], node.inputs[1], node.inputs[2]
+    assert a is not None and b is not None
+    da, db = ctx.emit("WhereGrad", [douts[0], cond, ctx.shape_of(a), ctx.shape_of(b)], 2,
+                      like=[a, b], need=[int(ctx.need(1)), int(ctx.need(2))])
+    return [None, da if ctx.need(1) else None, db if ctx.need(2) else None]
+
+
+def extremum(ctx: GradContext, node: Node, douts: Sequence[Value | None]) -> Grads:
+    """Max and Min over any number of broadcasting inputs; ties share the gradient."""
+    xs = list(node.inputs)
+    if len(xs) == 1:
+        return [douts[0]]
+    grads = ctx.emit("ExtremumGrad", [douts[0], node.outputs[0], *xs], len(xs), like=xs,
+                     need=_mask(ctx, len(xs)))
+    return [g if ctx.need(i) else None for i, g in enumerate(grads)]
+
+
+def pad(ctx: GradContext, node: Node, douts: Sequence[Value | None]) -> Grads:
+    """Pad in every mode; the constant value (opset >= 11) gets what fell on the padding."""
+    x = node.inputs[0]
+    assert x is not None
+    mode = str(node.attrs.get("mode", "constant"))
+    attrs: dict[str, Any] = {"mode": mode}
+    if node.opset < 11:
+        attrs["old_pads"] = list(node.attrs.get("pads", node.attrs.get("paddings", [])))
+        rest: list[Value | None] = []
+    else:
+        rest = list(node.inputs[1:])
+    value = _input(node, 2) if node.opset >= 11 else None
+    need_value = value is not None and mode == "constant" and ctx.need(2)
+    dx, dvalue = ctx.emit("PadGrad", [douts[0], ctx.shape_of(x), *rest], 2, like=[x, value],
+                          need=[int(ctx.need(0)), int(need_value)], **attrs)
+    return [dx if ctx.need(0) else None, None, dvalue if need_value else None, None]
 
 
 # -- shape ops ----------------------------------------------------------------------------
