@@ -34,8 +34,10 @@ def _rand(seed: int, *shape: int, ties: bool = False) -> np.ndarray:
 
 def check(params: dict[str, np.ndarray], build: Build, reference: TorchFn, *,
           consts: dict[str, np.ndarray] | None = None, opset: int = 18,
-          tolerance: tuple[float, float] = (RTOL, ATOL)) -> segflow.TrainingSession:
-    """The gradients of sum(op(...) * R) w.r.t. every param agree with torch.autograd."""
+          tolerance: tuple[float, float] = (RTOL, ATOL), backward: str | None = None
+          ) -> segflow.TrainingSession:
+    """The gradients of sum(op(...) * R) w.r.t. every param agree with torch.autograd;
+    ``backward``: the backward op the rule must have emitted."""
     consts = consts or {}
     leaves = {n: torch.tensor(a, requires_grad=True) for n, a in params.items()}
     expected = reference(**leaves, **{n: torch.tensor(a) for n, a in consts.items()})
@@ -56,6 +58,8 @@ def check(params: dict[str, np.ndarray], build: Build, reference: TorchFn, *,
         assert leaf.grad is not None
         torch.testing.assert_close(grads[name], leaf.grad, rtol=tolerance[0], atol=tolerance[1],
                                    msg=lambda m, n=name: f"d/d{n}: {m}")
+    if backward is not None:
+        assert backward in {n.op_type for n in sess.differentiated.backward_nodes}
     return sess
 
 
@@ -87,7 +91,7 @@ GATHER = [  # x shape, indices (repeats, negatives), axis
 def test_gather(shape: tuple[int, ...], indices: object, axis: int) -> None:
     idx = np.array(indices, dtype=np.int64)
     check({"x": _rand(1, *shape)}, _op("Gather", "x", "idx", axis=axis),
-          lambda x, idx: _gather(x, idx, axis), consts={"idx": idx})
+          lambda x, idx: _gather(x, idx, axis), consts={"idx": idx}, backward="GatherGrad")
 
 
 def test_gather_embedding_rows_used_twice_accumulate() -> None:
@@ -108,7 +112,7 @@ def test_gather_elements(axis: int) -> None:
         return torch.gather(x, a, torch.where(idx < 0, idx + size, idx))
 
     check({"x": x}, _op("GatherElements", "x", "idx", axis=axis), reference,
-          consts={"idx": idx})
+          consts={"idx": idx}, backward="GatherElementsGrad")
 
 
 SCATTER_ND = [  # data shape, indices (no duplicates), updates shape
@@ -133,7 +137,7 @@ def test_scatter_nd(shape: tuple[int, ...], indices: list[object], ushape: tuple
     consts = {k: v for k, v in arrays.items() if k not in params}
     consts["idx"] = np.array(indices, dtype=np.int64)
     sess = check(params, _op("ScatterND", "data", "idx", "updates"), _scatter_nd,
-                 consts=consts)
+                 consts=consts, backward="ScatterNDGrad")
     if "data" in params:  # the scattered positions get no gradient
         keys = tuple(consts["idx"][..., k] for k in range(consts["idx"].shape[-1]))
         assert not sess.grad("data").numpy()[keys].any()
@@ -182,7 +186,7 @@ def test_split_sizes_input_reversed_concat() -> None:
 def test_split_unused_part_gets_zero() -> None:
     check({"x": _rand(10, 5, 3)},
           lambda b, s: b.op("Split", s["x"], outputs=3, axis=-2, num_outputs=3)[1],
-          lambda x: torch.split(x, 2, 0)[1])
+          lambda x: torch.split(x, 2, 0)[1], backward="SplitGrad")
 
 
 def test_split_attribute_form_before_opset_13() -> None:
@@ -198,7 +202,7 @@ def test_where_broadcasting(wrt: tuple[str, ...]) -> None:
     consts: dict[str, np.ndarray] = {"cond": cond}
     consts.update({k: v for k, v in arrays.items() if k not in wrt})
     check({k: arrays[k] for k in wrt}, _op("Where", "cond", "a", "b"),
-          lambda cond, a, b: torch.where(cond, a, b), consts=consts)
+          lambda cond, a, b: torch.where(cond, a, b), consts=consts, backward="WhereGrad")
 
 
 @pytest.mark.parametrize("op", ["Max", "Min"])
@@ -218,7 +222,7 @@ def test_extremum_variadic_ties_share_evenly_as_amax(op: str) -> None:
         stacked = torch.stack(torch.broadcast_tensors(a, b, c))
         return stacked.amax(0) if op == "Max" else stacked.amin(0)
 
-    check(params, _op(op, "a", "b", "c"), reference)
+    check(params, _op(op, "a", "b", "c"), reference, backward="ExtremumGrad")
 
 
 def test_extremum_single_input_is_identity() -> None:
@@ -240,7 +244,10 @@ def test_extremum_nan_operand_takes_the_gradient() -> None:
 def test_global_max_pool_ties_share_evenly(shape: tuple[int, ...]) -> None:
     x = _rand(20, *shape, ties=True)
     dims = tuple(range(2, len(shape)))
-    check({"x": x}, _op("GlobalMaxPool", "x"), lambda x: x.amax(dim=dims, keepdim=True))
+    flat = x.reshape(*shape[:2], -1)
+    assert ((flat == flat.max(axis=-1, keepdims=True)).sum(axis=-1) > 1).any()
+    check({"x": x}, _op("GlobalMaxPool", "x"), lambda x: x.amax(dim=dims, keepdim=True),
+          backward="GlobalMaxPoolGrad")
 
 
 # -- Pad --------------------------------------------------------------------------------
@@ -278,7 +285,7 @@ def test_pad_modes(mode: str, pads: list[int]) -> None:
         return F.pad(F.pad(x, crop), grow, mode=_TORCH_MODE[mode])
 
     check({"x": x}, _op("Pad", "x", "pads", mode=mode), reference,
-          consts={"pads": np.array(pads, dtype=np.int64)})
+          consts={"pads": np.array(pads, dtype=np.int64)}, backward="PadGrad")
 
 
 def test_pad_constant_value_and_axes_inputs() -> None:
@@ -329,7 +336,7 @@ def test_resize(attrs: dict[str, object], target: tuple[str, np.ndarray],
         inputs = (s["x"], None, given) if kind == "scales" else (s["x"], None, None, given)
         return b.op("Resize", *inputs, **attrs)
 
-    check({"x": _rand(24, 2, 3, 4, 5)}, build, lambda x: reference(x))
+    check({"x": _rand(24, 2, 3, 4, 5)}, build, lambda x: reference(x), backward="Vjp")
 
 
 CONV_T = [  # ONNX attributes, torch keywords (None: cropped by hand)
@@ -357,7 +364,7 @@ def test_conv_transpose(attrs: dict[str, object], torch_kw: dict[str, object] | 
         return full[:, :, 0:full.shape[2] - 1, 1:]
 
     names = ("x", "w", "b") if bias else ("x", "w")
-    check(params, _op("ConvTranspose", *names, **attrs), reference)
+    check(params, _op("ConvTranspose", *names, **attrs), reference, backward="Vjp")
 
 
 def test_conv_transpose_1d_weight_only() -> None:
@@ -370,7 +377,7 @@ def test_conv_transpose_1d_weight_only() -> None:
 def test_instance_normalization(shape: tuple[int, ...]) -> None:
     params = {"x": _rand(30, *shape), "s": _rand(31, 3), "b": _rand(32, 3)}
     check(params, _op("InstanceNormalization", "x", "s", "b", epsilon=1e-3),
-          lambda x, s, b: F.instance_norm(x, weight=s, bias=b, eps=1e-3))
+          lambda x, s, b: F.instance_norm(x, weight=s, bias=b, eps=1e-3), backward="GroupNormGrad")
 
 
 @pytest.mark.parametrize("opset", [18, 21])
@@ -385,7 +392,7 @@ def test_group_normalization(opset: int) -> None:
         return F.group_norm(x, 2, s, b, 1e-4)
 
     check(params, _op("GroupNormalization", "x", "s", "b", num_groups=2, epsilon=1e-4),
-          reference, opset=opset)
+          reference, opset=opset, backward="GroupNormGrad")
 
 
 def _layer_norm_parts(x: torch.Tensor, axis: int, eps: float
@@ -400,6 +407,14 @@ def test_layer_norm_negative_axis_without_bias() -> None:
     params = {"x": _rand(36, 2, 3, 4), "s": _rand(37, 3, 4)}
     check(params, _op("LayerNormalization", "x", "s", axis=-2, epsilon=1e-4),
           lambda x, s: _layer_norm_parts(x, -2, 1e-4)[0] * s)
+
+
+def test_instance_normalization_frozen_input_and_bias() -> None:
+    params = {"s": _rand(46, 3)}
+    consts = {"x": _rand(47, 2, 3, 5), "b": _rand(48, 3)}
+    check(params, _op("InstanceNormalization", "x", "s", "b"),
+          lambda s, x, b: F.instance_norm(x, weight=s, bias=b, eps=1e-5), consts=consts,
+          backward="GroupNormGrad")
 
 
 def test_layer_norm_frozen_scale() -> None:
@@ -422,7 +437,7 @@ def test_layer_norm_mean_and_inv_std_outputs_are_differentiated() -> None:
         normed, mean, inv = _layer_norm_parts(x, -1, 1e-4)
         return normed * s + b + mean + inv * inv
 
-    check(params, build, reference, tolerance=(1e-4, 1e-5))
+    check(params, build, reference, tolerance=(1e-4, 1e-5), backward="Vjp")
 
 
 # -- Softmax / LogSoftmax over every opset's axis semantics -----------------------------
@@ -450,7 +465,7 @@ def test_softmax_axis_semantics(op: str, opset: int, attr: int | None, axis: int
                                 flatten: bool) -> None:
     attrs = {} if attr is None else {"axis": attr}
     check({"x": _rand(44, 2, 3, 4)}, _op(op, "x", **attrs),
-          _softmax_ref(op == "LogSoftmax", axis, flatten), opset=opset)
+          _softmax_ref(op == "LogSoftmax", axis, flatten), opset=opset, backward="SoftmaxGrad")
 
 
 # -- Einsum -----------------------------------------------------------------------------
@@ -470,4 +485,4 @@ def test_einsum(equation: str, shapes: list[tuple[int, ...]]) -> None:
     names = [f"x{i}" for i in range(len(shapes))]
     params = {n: _rand(45 + i, *s) for i, (n, s) in enumerate(zip(names, shapes))}
     check(params, _op("Einsum", *names, equation=equation),
-          lambda **xs: torch.einsum(equation, *(xs[n] for n in names)))
+          lambda **xs: torch.einsum(equation, *(xs[n] for n in names)), backward="Vjp")

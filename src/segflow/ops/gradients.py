@@ -156,6 +156,23 @@ def layer_norm(ctx: GradContext, node: Node, douts: Sequence[Value | None]) -> G
     return [g if ctx.need(i) else None for i, g in enumerate(grads)]
 
 
+def group_norm(ctx: GradContext, node: Node, douts: Sequence[Value | None]) -> Grads:
+    """InstanceNormalization and GroupNormalization: the forward node becomes
+    ``segflow.GroupNormTraining``, which also returns the per-group mean and inverse std
+    the backward kernel reads (an instance norm is a group norm with one channel a group)."""
+    x, scale, bias = node.inputs[0], node.inputs[1], node.inputs[2]
+    attrs: dict[str, Any] = {"epsilon": float(node.attrs.get("epsilon", 1e-5))}
+    if node.op_type == "InstanceNormalization":
+        attrs["num_groups"] = 0  # one group per channel, known when the kernel runs
+    else:
+        attrs["num_groups"] = int(node.attrs["num_groups"])
+        attrs["per_group"] = int(node.opset < 21)  # opset 18 scales and shifts per group
+    mean, invstd = ctx.rewrite(node, "GroupNormTraining", 2, **attrs)
+    grads = ctx.emit("GroupNormGrad", [douts[0], x, scale, mean, invstd], 3,
+                     like=[x, scale, bias], need=_mask(ctx, 3), **attrs)
+    return [g if ctx.need(i) else None for i, g in enumerate(grads)]
+
+
 def dropout(ctx: GradContext, node: Node, douts: Sequence[Value | None]) -> Grads:
     mask = ctx.forward_output(node, 1)
     return [ctx.emit1("DropoutGrad", [douts[0], mask, _input(node, 1), _input(node, 2)],
