@@ -205,6 +205,20 @@ def test_where_broadcasting(wrt: tuple[str, ...]) -> None:
           lambda cond, a, b: torch.where(cond, a, b), consts=consts, backward="WhereGrad")
 
 
+def test_where_masked_softmax_with_infinite_fill_stays_finite() -> None:
+    """The attention-mask pattern: the unchosen -inf branch must not turn gradients NaN."""
+    cond = np.tril(np.ones((4, 4), dtype=bool))
+    fill = np.array(-np.inf)
+
+    def build(b: GraphBuilder, s: dict[str, Sym]) -> Sym:
+        return b.op("Softmax", b.op("Where", s["cond"], s["scores"], s["fill"]), axis=-1)
+
+    sess = check({"scores": _rand(49, 2, 4, 4)}, build,
+                 lambda scores, cond, fill: torch.softmax(torch.where(cond, scores, fill), -1),
+                 consts={"cond": cond, "fill": fill}, backward="WhereGrad")
+    assert np.isfinite(sess.grad("scores").numpy()).all()
+
+
 @pytest.mark.parametrize("op", ["Max", "Min"])
 def test_extremum_two_inputs_ties_split_in_half_as_torch(op: str) -> None:
     a, b = _rand(14, 3, 4, ties=True), _rand(15, 4, ties=True)
@@ -339,18 +353,19 @@ def test_resize(attrs: dict[str, object], target: tuple[str, np.ndarray],
     check({"x": _rand(24, 2, 3, 4, 5)}, build, lambda x: reference(x), backward="Vjp")
 
 
-CONV_T = [  # ONNX attributes, torch keywords (None: cropped by hand)
+CONV_T = [  # ONNX attributes, torch keywords (None: cropped by hand), the backward emitted
     ({"strides": [2, 2], "pads": [1, 1, 1, 1], "output_padding": [1, 1]},
-     {"stride": 2, "padding": 1, "output_padding": 1}),
-    ({"group": 2, "dilations": [2, 1]}, {"groups": 2, "dilation": (2, 1)}),
-    ({"strides": [2, 1], "pads": [0, 1, 1, 0]}, None),
+     {"stride": 2, "padding": 1, "output_padding": 1}, "ConvGrad"),
+    ({"group": 2, "dilations": [2, 1]}, {"groups": 2, "dilation": (2, 1)}, "ConvGrad"),
+    ({"strides": [2, 1], "pads": [0, 1, 1, 0]}, None, "ConvGrad"),
+    ({"strides": [2, 1], "auto_pad": "SAME_UPPER"}, None, "Vjp"),  # pads from the output
 ]
 
 
-@pytest.mark.parametrize(("attrs", "torch_kw"), CONV_T)
+@pytest.mark.parametrize(("attrs", "torch_kw", "emitted"), CONV_T)
 @pytest.mark.parametrize("bias", [False, True])
 def test_conv_transpose(attrs: dict[str, object], torch_kw: dict[str, object] | None,
-                        bias: bool) -> None:
+                        emitted: str, bias: bool) -> None:
     groups = int(attrs.get("group", 1))  # type: ignore[call-overload]
     params = {"x": _rand(25, 2, 4, 3, 4), "w": _rand(26, 4, 6 // groups, 3, 2)}
     if bias:
@@ -360,16 +375,23 @@ def test_conv_transpose(attrs: dict[str, object], torch_kw: dict[str, object] | 
                   ) -> torch.Tensor:
         if torch_kw is not None:
             return F.conv_transpose2d(x, w, b, **torch_kw)  # type: ignore[arg-type]
-        full = F.conv_transpose2d(x, w, b, stride=(2, 1))
+        full = F.conv_transpose2d(x, w, b, stride=(2, 1))  # 7 x 5
+        if "auto_pad" in attrs:  # to 6 x 4: SAME_UPPER drops the extra row and column last
+            return full[:, :, :-1, :-1]
         return full[:, :, 0:full.shape[2] - 1, 1:]
 
     names = ("x", "w", "b") if bias else ("x", "w")
-    check(params, _op("ConvTranspose", *names, **attrs), reference, backward="Vjp")
+    sess = check(params, _op("ConvTranspose", *names, **attrs), reference, backward=emitted)
+    if emitted == "ConvGrad":  # dx is a Conv of dy: the adjoint needs no recomputation
+        assert "Vjp" not in {n.op_type for n in sess.differentiated.backward_nodes}
 
 
-def test_conv_transpose_1d_weight_only() -> None:
-    check({"w": _rand(28, 3, 2, 3)}, _op("ConvTranspose", "x", "w", strides=[2]),
-          lambda w, x: F.conv_transpose1d(x, w, stride=2), consts={"x": _rand(29, 2, 3, 5)})
+@pytest.mark.parametrize("opset", [11, 18])  # ReduceSum takes its axes as an attribute at 11
+def test_conv_transpose_1d_frozen_input(opset: int) -> None:
+    check({"w": _rand(28, 3, 2, 3), "b": _rand(30, 2)},
+          _op("ConvTranspose", "x", "w", "b", strides=[2]),
+          lambda w, b, x: F.conv_transpose1d(x, w, b, stride=2),
+          consts={"x": _rand(29, 2, 3, 5)}, opset=opset, backward="ConvGrad")
 
 
 # -- normalization ----------------------------------------------------------------------

@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from segflow.errors import UnsupportedOp
 from segflow.ir.graph import Node, Value
 
@@ -100,6 +102,34 @@ def conv(ctx: GradContext, node: Node, douts: Sequence[Value | None]) -> Grads:
                           need=_mask(ctx, 3), **_window_attrs(node))
     return [dx if ctx.need(0) else None, dw if ctx.need(1) else None,
             db if ctx.need(2) else None]
+
+
+def conv_transpose(ctx: GradContext, node: Node, douts: Sequence[Value | None]) -> Grads:
+    """ConvTranspose is the adjoint of Conv with the same weight and window: dx is that
+    Conv of dy, and dw is Conv's weight gradient with x and dy trading places. The
+    forms whose pads depend on an output size (``output_shape``, SAME) recompute."""
+    x, w, b = node.inputs[0], node.inputs[1], _input(node, 2)
+    assert x is not None and w is not None
+    rank = x.spec.rank
+    if rank is None or "output_shape" in node.attrs or \
+            node.attrs.get("auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
+        return recompute(ctx, node, douts)
+    dy = douts[0]
+    window = {k: v for k, v in _window_attrs(node).items() if k != "auto_pad"}
+    dx = dw = db = None
+    if ctx.need(0):
+        dx = ctx.emit1("Conv", [dy, w], domain="", like=x, **window)
+    if ctx.need(1):
+        dw = ctx.emit("ConvGrad", [x, dy, w], 3, like=[None, w, None], need=[0, 1, 0],
+                      **window)[1]
+    if b is not None and ctx.need(2):
+        axes = [0, *range(2, rank)]
+        if ctx.graph.opsets.get("", 17) >= 13:
+            db = ctx.emit1("ReduceSum", [dy, ctx.const(torch.tensor(axes), "axes")],
+                           domain="", like=b, keepdims=0)
+        else:
+            db = ctx.emit1("ReduceSum", [dy], domain="", like=b, axes=axes, keepdims=0)
+    return [dx, dw, db]
 
 
 def _window_attrs(node: Node) -> dict[str, Any]:

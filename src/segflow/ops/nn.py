@@ -462,7 +462,7 @@ def _softmax_cross_entropy(node: Node, ctx: BindContext) -> Kernel:
 
 OPS: list[OpDef] = [
     OpDef("Conv", _conv, grad=gradients.conv),
-    OpDef("ConvTranspose", _conv_transpose, grad=gradients.recompute),
+    OpDef("ConvTranspose", _conv_transpose, grad=gradients.conv_transpose),
     OpDef("MaxPool", _maxpool, grad=gradients.max_pool),
     OpDef("AveragePool", _avgpool, grad=gradients.recompute),
     OpDef("GlobalAveragePool", _global_pool("mean"), grad=gradients.global_average_pool),
