@@ -145,7 +145,7 @@ def _pad_grad(node: Node, ctx: BindContext) -> Kernel:
         rank = len(shape)
         pads = list(attr_pads) if attr_pads is not None else ints(inputs[2])
         axes = inputs[4] if len(inputs) > 4 else None
-        if axes is not None:
+        if axes is not None and axes.numel():  # an empty tensor is an omitted input
             pads = pads_over_axes(pads, ints(axes), rank)
         begins, ends = pads[:rank], pads[rank:]
         kept = [s - max(0, -b) - max(0, -e) for s, b, e in zip(shape, begins, ends)]
