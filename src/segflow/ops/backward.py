@@ -311,6 +311,56 @@ def _layernorm_grad(node: Node, ctx: BindContext) -> Kernel:
     return _partial(kernel)
 
 
+class _Groups:
+    """How a GroupNormTraining/GroupNormGrad node groups channels: ``num_groups`` 0 is
+    one group per channel (InstanceNormalization); ``per_group`` scales are per group."""
+
+    def __init__(self, node: Node) -> None:
+        self.eps = float(node.attrs.get("epsilon", 1e-5))
+        self.groups = int(node.attrs["num_groups"])
+        self.per_group = bool(node.attrs.get("per_group", 0))
+
+    def sizes(self, x: Tensor) -> tuple[int, int, int, int]:
+        """(N, C, spatial size, groups) as aten's group norm takes them."""
+        n, c = x.shape[0], x.shape[1]
+        return n, c, math.prod(x.shape[2:]), self.groups or c
+
+    def per_channel(self, t: Tensor | None, c: int, groups: int) -> Tensor | None:
+        return t.repeat_interleave(c // groups) if t is not None and self.per_group else t
+
+
+def _groupnorm_training(node: Node, ctx: BindContext) -> Kernel:
+    """Instance/GroupNormalization that also returns the saved mean and inverse std."""
+    spec = _Groups(node)
+
+    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+        x, scale, bias = inputs[0], inputs[1], inputs[2]
+        assert x is not None
+        n, c, hw, groups = spec.sizes(x)
+        return list(aten.native_group_norm(x.contiguous(), spec.per_channel(scale, c, groups),
+                                           spec.per_channel(bias, c, groups), n, c, hw,
+                                           groups, spec.eps))
+    return kernel
+
+
+def _groupnorm_grad(node: Node, ctx: BindContext) -> Kernel:
+    spec = _Groups(node)
+    mask = _need(node, 3)
+
+    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor | None]:
+        dy, x, scale, mean, invstd = inputs[:5]
+        assert dy is not None and x is not None and scale is not None
+        n, c, hw, groups = spec.sizes(x)
+        dx, dscale, dbias = aten.native_group_norm_backward(
+            dy.contiguous(), x.contiguous(), mean, invstd, spec.per_channel(scale, c, groups),
+            n, c, hw, groups, mask)
+        if spec.per_group:
+            dscale = None if dscale is None else dscale.reshape(groups, -1).sum(1)
+            dbias = None if dbias is None else dbias.reshape(groups, -1).sum(1)
+        return [dx, dscale, dbias]
+    return _partial(kernel)
+
+
 # -- pooling ------------------------------------------------------------------------------
 _MAXPOOL = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
 
@@ -549,6 +599,9 @@ OPS: list[OpDef] = [
           doc="training-mode BatchNormalization that also returns saved statistics"),
     OpDef("BatchNormGrad", _batchnorm_grad, domain=DOMAIN),
     OpDef("LayerNormGrad", _layernorm_grad, domain=DOMAIN),
+    OpDef("GroupNormTraining", _groupnorm_training, domain=DOMAIN,
+          doc="Instance/GroupNormalization that also returns saved statistics"),
+    OpDef("GroupNormGrad", _groupnorm_grad, domain=DOMAIN),
     OpDef("MaxPoolTrain", _maxpool_train, domain=DOMAIN,
           doc="MaxPool that also returns torch-style argmax indices"),
     OpDef("MaxPoolGrad", _maxpool_grad, domain=DOMAIN),

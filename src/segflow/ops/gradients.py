@@ -16,6 +16,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import torch
+
+from segflow.errors import UnsupportedOp
 from segflow.ir.graph import Node, Value
 
 if TYPE_CHECKING:
@@ -101,6 +104,34 @@ def conv(ctx: GradContext, node: Node, douts: Sequence[Value | None]) -> Grads:
             db if ctx.need(2) else None]
 
 
+def conv_transpose(ctx: GradContext, node: Node, douts: Sequence[Value | None]) -> Grads:
+    """ConvTranspose is the adjoint of Conv with the same weight and window: dx is that
+    Conv of dy, and dw is Conv's weight gradient with x and dy trading places. The
+    forms whose pads depend on an output size (``output_shape``, SAME) recompute."""
+    x, w, b = node.inputs[0], node.inputs[1], _input(node, 2)
+    assert x is not None and w is not None
+    rank = x.spec.rank
+    if rank is None or "output_shape" in node.attrs or \
+            node.attrs.get("auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
+        return recompute(ctx, node, douts)
+    dy = douts[0]
+    window = {k: v for k, v in _window_attrs(node).items() if k != "auto_pad"}
+    dx = dw = db = None
+    if ctx.need(0):
+        dx = ctx.emit1("Conv", [dy, w], domain="", like=x, **window)
+    if ctx.need(1):
+        dw = ctx.emit("ConvGrad", [x, dy, w], 3, like=[None, w, None], need=[0, 1, 0],
+                      **window)[1]
+    if b is not None and ctx.need(2):
+        axes = [0, *range(2, rank)]
+        if ctx.graph.opsets.get("", 17) >= 13:
+            db = ctx.emit1("ReduceSum", [dy, ctx.const(torch.tensor(axes), "axes")],
+                           domain="", like=b, keepdims=0)
+        else:
+            db = ctx.emit1("ReduceSum", [dy], domain="", like=b, axes=axes, keepdims=0)
+    return [dx, dw, db]
+
+
 def _window_attrs(node: Node) -> dict[str, Any]:
     keys = ("kernel_shape", "strides", "dilations", "pads", "auto_pad", "group", "ceil_mode")
     return {k: node.attrs[k] for k in keys if k in node.attrs}
@@ -142,12 +173,33 @@ def batch_norm(ctx: GradContext, node: Node, douts: Sequence[Value | None]) -> G
 
 
 def layer_norm(ctx: GradContext, node: Node, douts: Sequence[Value | None]) -> Grads:
+    """The saved Mean and InvStdDev outputs feed the backward kernel; where the loss also
+    reads them, their gradients flow through a recomputed forward instead."""
+    if any(g is not None for g in douts[1:]):
+        return recompute(ctx, node, douts)
     x, scale, bias = node.inputs[0], node.inputs[1], _input(node, 2)
     mean = ctx.forward_output(node, 1)
     invstd = ctx.forward_output(node, 2)
     grads = ctx.emit("LayerNormGrad", [douts[0], x, scale, bias, mean, invstd], 3,
                      like=[x, scale, bias], need=_mask(ctx, 3),
                      axis=int(node.attrs.get("axis", -1)))
+    return [g if ctx.need(i) else None for i, g in enumerate(grads)]
+
+
+def group_norm(ctx: GradContext, node: Node, douts: Sequence[Value | None]) -> Grads:
+    """InstanceNormalization and GroupNormalization: the forward node becomes
+    ``segflow.GroupNormTraining``, which also returns the per-group mean and inverse std
+    the backward kernel reads (an instance norm is a group norm with one channel a group)."""
+    x, scale, bias = node.inputs[0], node.inputs[1], node.inputs[2]
+    attrs: dict[str, Any] = {"epsilon": float(node.attrs.get("epsilon", 1e-5))}
+    if node.op_type == "InstanceNormalization":
+        attrs["num_groups"] = 0  # one group per channel, known when the kernel runs
+    else:
+        attrs["num_groups"] = int(node.attrs["num_groups"])
+        attrs["per_group"] = int(node.opset < 21)  # opset 18 scales and shifts per group
+    mean, invstd = ctx.rewrite(node, "GroupNormTraining", 2, **attrs)
+    grads = ctx.emit("GroupNormGrad", [douts[0], x, scale, mean, invstd], 3,
+                     like=[x, scale, bias], need=_mask(ctx, 3), **attrs)
     return [g if ctx.need(i) else None for i, g in enumerate(grads)]
 
 
@@ -182,6 +234,77 @@ def recompute(ctx: GradContext, node: Node, douts: Sequence[Value | None]) -> Gr
     grads = ctx.emit("Vjp", [*douts, *node.inputs], len(node.inputs), like=list(node.inputs),
                      forward=forward, bind=ctx.opdef(node).bind, need=_mask(ctx, len(node.inputs)))
     return [g if ctx.need(i) else None for i, g in enumerate(grads)]
+
+
+def global_max_pool(ctx: GradContext, node: Node, douts: Sequence[Value | None]) -> Grads:
+    x = node.inputs[0]
+    return [ctx.emit1("GlobalMaxPoolGrad", [douts[0], x, node.outputs[0]], like=x)]
+
+
+# -- selection: kernels in segflow.ops.backward_select ------------------------------------
+def gather(ctx: GradContext, node: Node, douts: Sequence[Value | None]) -> Grads:
+    """Gather and GatherElements: the gradient added back at the indices."""
+    x, idx = node.inputs[0], node.inputs[1]
+    assert x is not None
+    return [ctx.emit1(f"{node.op_type}Grad", [douts[0], ctx.shape_of(x), idx], like=x,
+                      axis=int(node.attrs.get("axis", 0))), None]
+
+
+def scatter_nd(ctx: GradContext, node: Node, douts: Sequence[Value | None]) -> Grads:
+    """ScatterND without reduction or with ``add`` (the others have no rule)."""
+    reduction = str(node.attrs.get("reduction", "none"))
+    if reduction not in ("none", "add"):
+        raise UnsupportedOp(f"no gradient rule for op ScatterND with reduction {reduction!r} "
+                            f"(node {node.name!r}, {node.label})")
+    data, idx, updates = node.inputs[0], node.inputs[1], node.inputs[2]
+    assert updates is not None
+    ddata, dupdates = ctx.emit("ScatterNDGrad", [douts[0], idx, ctx.shape_of(updates)], 2,
+                               like=[data, updates], need=[int(ctx.need(0)), int(ctx.need(2))],
+                               reduction=reduction)
+    return [ddata if ctx.need(0) else None, None, dupdates if ctx.need(2) else None]
+
+
+def split(ctx: GradContext, node: Node, douts: Sequence[Value | None]) -> Grads:
+    shapes = [ctx.shape_of(v) for v in node.outputs]
+    return [ctx.emit1("SplitGrad", [*douts, *shapes], like=node.inputs[0],
+                      axis=int(node.attrs.get("axis", 0)))]
+
+
+def where(ctx: GradContext, node: Node, douts: Sequence[Value | None]) -> Grads:
+    """Each branch gets the gradient where it was chosen; the condition gets none."""
+    cond, a, b = node.inputs[0], node.inputs[1], node.inputs[2]
+    assert a is not None and b is not None
+    da, db = ctx.emit("WhereGrad", [douts[0], cond, ctx.shape_of(a), ctx.shape_of(b)], 2,
+                      like=[a, b], need=[int(ctx.need(1)), int(ctx.need(2))])
+    return [None, da if ctx.need(1) else None, db if ctx.need(2) else None]
+
+
+def extremum(ctx: GradContext, node: Node, douts: Sequence[Value | None]) -> Grads:
+    """Max and Min over any number of broadcasting inputs; ties share the gradient."""
+    xs = list(node.inputs)
+    if len(xs) == 1:
+        return [douts[0]]
+    grads = ctx.emit("ExtremumGrad", [douts[0], node.outputs[0], *xs], len(xs), like=xs,
+                     need=_mask(ctx, len(xs)))
+    return [g if ctx.need(i) else None for i, g in enumerate(grads)]
+
+
+def pad(ctx: GradContext, node: Node, douts: Sequence[Value | None]) -> Grads:
+    """Pad in every mode; the constant value (opset >= 11) gets what fell on the padding."""
+    x = node.inputs[0]
+    assert x is not None
+    mode = str(node.attrs.get("mode", "constant"))
+    attrs: dict[str, Any] = {"mode": mode}
+    if node.opset < 11:
+        attrs["old_pads"] = list(node.attrs.get("pads", node.attrs.get("paddings", [])))
+        rest: list[Value | None] = []
+    else:
+        rest = list(node.inputs[1:])
+    value = _input(node, 2) if node.opset >= 11 else None
+    need_value = value is not None and mode == "constant" and ctx.need(2)
+    dx, dvalue = ctx.emit("PadGrad", [douts[0], ctx.shape_of(x), *rest], 2, like=[x, value],
+                          need=[int(ctx.need(0)), int(need_value)], **attrs)
+    return [dx if ctx.need(0) else None, None, dvalue if need_value else None, None]
 
 
 # -- shape ops ----------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from segflow.errors import InvalidModel
 from segflow.ir.graph import Node
-from segflow.ops import _pooling, _roi
+from segflow.ops import _pooling, _roi, gradients
 from segflow.ops._common import ints, normalize_axis, pads_over_axes
 from segflow.ops._resize import (
     AspectPolicy,
@@ -373,10 +373,11 @@ def _col2im(node: Node, ctx: BindContext) -> Kernel:
 
 
 OPS: list[OpDef] = [
-    OpDef("Resize", _resize, since=10, host_reads=reads_on_host(1, 2, 3)),
+    OpDef("Resize", _resize, since=10, host_reads=reads_on_host(1, 2, 3),
+          grad=gradients.recompute),
     OpDef("Upsample", _upsample, doc="deprecated since opset 10; Resize semantics",
           host_reads=reads_on_host(1, since=9)),
-    OpDef("Pad", _pad, host_reads=reads_on_host(1, 2, 3, since=11)),
+    OpDef("Pad", _pad, host_reads=reads_on_host(1, 2, 3, since=11), grad=gradients.pad),
     OpDef("DepthToSpace", _depth_to_space),
     OpDef("SpaceToDepth", _space_to_depth),
     OpDef("GridSample", _grid_sample),

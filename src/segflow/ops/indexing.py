@@ -18,6 +18,7 @@ from segflow.engine.base import ExecType
 from segflow.errors import InvalidModel
 from segflow.ir.graph import Node
 from segflow.ir.types import DType
+from segflow.ops import gradients
 from segflow.ops._common import ints, normalize_axis
 from segflow.ops.registry import BindContext, Kernel, OpDef, reads_on_host
 
@@ -357,11 +358,11 @@ def _eye_like(node: Node, ctx: BindContext) -> Kernel:
 
 
 OPS: list[OpDef] = [
-    OpDef("GatherElements", _gather_elements),
+    OpDef("GatherElements", _gather_elements, grad=gradients.gather),
     OpDef("GatherND", _gather_nd),
     OpDef("ScatterElements", _scatter_elements),
     OpDef("Scatter", _scatter_elements, until=10, doc="ScatterElements before opset 11"),
-    OpDef("ScatterND", _scatter_nd),
+    OpDef("ScatterND", _scatter_nd, grad=gradients.scatter_nd),
     OpDef("TensorScatter", _tensor_scatter),
     OpDef("TopK", _topk, classify=_topk_exec, host_reads=reads_on_host(1, since=10),
           doc="LOCAL when k is computed: the output shape depends on it"),

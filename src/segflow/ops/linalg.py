@@ -11,6 +11,7 @@ import torch
 from segflow.errors import UnsupportedOp
 from segflow.ir.graph import Node
 from segflow.ir.types import DType
+from segflow.ops import gradients
 from segflow.ops._common import has_input
 from segflow.ops.registry import BindContext, Kernel, OpDef
 
@@ -144,7 +145,7 @@ def _flex_attention(node: Node, ctx: BindContext) -> Kernel:
 
 
 OPS: list[OpDef] = [
-    OpDef("Einsum", _einsum, since=12),
+    OpDef("Einsum", _einsum, since=12, grad=gradients.recompute),
     OpDef("Det", _det, since=11),
     OpDef("LinearAttention", _linear_attention, since=27),
     OpDef("FlexAttention", _flex_attention, domain="ai.onnx.preview", since=1),
