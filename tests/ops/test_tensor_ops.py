@@ -280,6 +280,11 @@ CONV_T = [
     {"strides": [2, 2]},
     {"strides": [2, 2], "output_padding": [1, 1]},
     {"strides": [3, 2], "output_shape": [10, 8]},
+    # An output_shape below the full output crops the larger half at the start.
+    {"strides": [2, 2], "output_shape": [6, 5]},
+    {"strides": [2, 2], "output_shape": [6, 6], "pads": [1, 1, 1, 1]},
+    {"strides": [2, 2], "output_shape": [6, 7], "auto_pad": "SAME_UPPER"},
+    {"strides": [2, 2], "output_shape": [5, 6], "auto_pad": "SAME_LOWER"},
     {"strides": [2, 2], "auto_pad": "SAME_UPPER"},
     {"strides": [2, 2], "auto_pad": "SAME_LOWER"},
     {"pads": [1, 0, 0, 2]},

@@ -102,13 +102,16 @@ def _conv_transpose(node: Node, ctx: BindContext) -> Kernel:
         full = [s * (i - 1) + op + (k - 1) * d + 1 for s, i, op, k, d in
                 zip(strides, in_sizes, out_pad, kshape, dil)]
         target = list(attrs["output_shape"])[-n:] if "output_shape" in attrs else None
-        if same:
-            # Pads split the surplus over the target (default: input * stride).
+        if same or target is not None:
+            # Pads split the surplus over the target (SAME's default: input * stride), the
+            # larger half at the end for SAME_UPPER and at the start otherwise (explicit
+            # pads do not count once there is an output_shape); a target past the full
+            # output gets zeros at the end, as onnxruntime writes them.
             want = target or [i * s for i, s in zip(in_sizes, strides)]
             total = [f - t for f, t in zip(full, want)]
             upper = auto_pad == "SAME_UPPER"
-            begin = [t // 2 if upper else t - t // 2 for t in total]
-            end = [t - t // 2 if upper else t // 2 for t in total]
+            begin = [0 if t < 0 else t // 2 if upper else t - t // 2 for t in total]
+            end = [t - b for t, b in zip(total, begin)]
             target = None
         else:
             pads = list(attrs.get("pads", [0] * 2 * n))
