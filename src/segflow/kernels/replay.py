@@ -64,7 +64,8 @@ class Prepared:
 
     ``fields`` pair each input position whose address ``args`` holds with the field
     holding it (None: it cannot be replayed, ``why_not`` says why: it copies an input
-    first, or does more than its kernel); ``out_field`` holds ``output``'s address.
+    first, or does more than its kernel); ``out_field`` holds ``output``'s address, and
+    ``more`` pairs each further output (a kernel with several) with its field.
     ``keep``: what the pointers need kept alive (scratch, copies). ``op`` runs and counts
     it (``run_prepared``).
     """
@@ -77,6 +78,12 @@ class Prepared:
     op: Replayable
     out_field: str = "y"
     why_not: str = "copies an input before its kernel reads it"   # where fields is None
+    more: tuple[tuple[Tensor, str], ...] = ()
+
+    @property
+    def outputs(self) -> tuple[tuple[Tensor, str], ...]:
+        """Every output with the field holding its address, in the op's order."""
+        return ((self.output, self.out_field), *self.more)
 
 
 class Replayable(Protocol):

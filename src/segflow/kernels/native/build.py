@@ -59,7 +59,7 @@ SOURCES = tuple(Path(__file__).parent / name
                              "winograd.c"))
 # Included by the sources (part of the build's key, not compiled on their own).
 HEADERS = tuple(Path(__file__).parent / name for name in ("linear.h", "panel.h"))
-ABI = 16         # segflow_native_abi() of the sources this module speaks to
+ABI = 17         # segflow_native_abi() of the sources this module speaks to
 FLAGS = ("-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 120
 # How long a process waits for another that is building the same library (then builds its own).
