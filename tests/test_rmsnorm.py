@@ -121,6 +121,8 @@ def test_a_residual_add_before_it_joins_with_the_sum_as_an_output(compile_mode, 
     (fused,) = [n for n in sess.graph.nodes if n.op_type == "AddLayerNorm"]
     assert [v.name for v in fused.outputs] == (["y", "h"] if read_again else ["y"])
     assert fused.attrs["simplified"] == 1
+    form = "1 RMS, 1 writing the sum" if read_again else "1 RMS"
+    assert f"add + layer norm: 1 node ({form}); " in "\n".join(sess.kernel_report())
 
 
 @pytest.mark.parametrize("eps", [0.0, 1e-12, 1e-5, 0.1])

@@ -141,9 +141,13 @@ class AddLayerNorm(NativeOrTorch):
     @classmethod
     def describe_all(cls, ops: Sequence[tuple[str, AddLayerNorm]], limit: int = 8
                      ) -> list[str]:
-        """``explain()`` lines: how many AddLayerNorm nodes, how their calls ran and why
-        any went through torch."""
-        return describe_native_calls(cls.family.value, ops, "", limit)
+        """``explain()`` lines: how many AddLayerNorm nodes (how many in the RMS form, how
+        many writing the sum too), how their calls ran and why any went through torch."""
+        parts = [f"{n} {what}" for n, what in
+                 ((sum(op.simplified for _, op in ops), "RMS"),
+                  (sum(op.with_sum for _, op in ops), "writing the sum")) if n]
+        return describe_native_calls(cls.family.value, ops,
+                                     f" ({', '.join(parts)})" if parts else "", limit)
 
     def _why_torch(self, a: Tensor, b: Tensor | None, scale: Tensor, bias: Tensor | None
                    ) -> str:
