@@ -39,7 +39,7 @@ They run in this order, each over the whole graph:
 13. ``siblings`` (:mod:`.siblings`): FusedGemms reading the same input (a
     transformer's query, key and value projections) become one FusedGemm over their
     stacked weights and a Split into views.
-13. ``views`` (:mod:`.views`): a Transpose that moves only size-1 axes is a Reshape, and
+14. ``views`` (:mod:`.views`): a Transpose that moves only size-1 axes is a Reshape, and
     a run of Reshape/Flatten/Squeeze/Unsqueeze is one Reshape (or none).
 
 The order matters where rules build on each other: ``batchnorm`` folds into the
