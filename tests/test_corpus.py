@@ -74,6 +74,38 @@ def test_small_resnet_matches_onnxruntime(corpus: Corpus, exporter: Exporter,
     _assert_all_pass(rows, {(1, None), (4, None)})
 
 
+@pytest.mark.parametrize("model,exporter,norm_op", [("gpt2", DYNAMO, "LayerNormalization"),
+                                                    ("t5_small_encoder", TS, "ReduceMean")])
+def test_every_normalization_of_a_pre_ln_transformer_is_one_fused_node(
+        corpus: Corpus, model: str, exporter: Exporter, norm_op: str) -> None:
+    # Pre-LN blocks read each residual sum again after its norm (GPT-2's LayerNorms, T5's
+    # RMS norms written out as Pow, ReduceMean, Add, Sqrt, Div, Mul, Mul): each norm, with
+    # the Add before it, is one AddLayerNorm in the plan that runs, and the results match.
+    import onnx
+    from _corpus_models import MODELS
+
+    import segflow
+
+    entry_id = EntryId(model, exporter, 18, small=True)
+    rows = _checked(corpus, entry_id)
+    _assert_all_pass(rows, TEXT_SHAPES)
+    entry = corpus.obtain(entry_id)
+    assert entry.path is not None
+    norms = sum(n.op_type == norm_op
+                for n in onnx.load(entry.path, load_external_data=False).graph.node)
+    built = corpus.built(model, True)
+    sess = segflow.InferenceSession(entry.path)
+    sess.run(None, MODELS[model].feeds(built, 1, 16))
+    (plan,) = sess.specializations.values()
+    ops = list(plan.graph.nodes)
+    fused = [n for n in ops if n.op_type == "AddLayerNorm"]
+    assert norms > 2 and len(fused) == norms
+    assert not any(n.op_type in ("LayerNormalization", "RMSNormalization", "ReduceMean")
+                   for n in ops)
+    # All but the last residual sum are read again (the embeddings' one too).
+    assert sum(len(n.outputs) == 2 for n in fused) >= norms - 2
+
+
 def test_an_export_is_cached_listed_and_checked_before_use(corpus: Corpus) -> None:
     entry_id = EntryId("resnet50", TS, 17, small=True)
     first = corpus.obtain(entry_id)

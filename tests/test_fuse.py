@@ -87,7 +87,8 @@ def test_nothing_to_fuse_leaves_the_graph_alone():
 def test_every_rule_is_named_and_selectable():
     names = [name for name, _ in RULES]
     assert names == ["noops", "pad", "batchnorm", "linear", "gelu", "gelu_tanh", "silu",
-                     "conv", "activation", "attention", "layernorm", "siblings", "views"]
+                     "conv", "activation", "attention", "rmsnorm", "layernorm", "siblings",
+                     "views"]
     with pytest.raises(ValueError, match="unknown fuse rules"):
         run_rules(import_model(_model([helper.make_node("Relu", ["x"], ["y"])],
                                       {"x": [2]}, ["y"])), ["nope"])
@@ -128,6 +129,22 @@ def _residual_layer_norm():
     model = _model(nodes, {"x": ["batch", 8, 32], "r": ["batch", 8, 32]}, ["out"],
                    {"g": _rand(32), "b": _rand(32)})
     return model, {"x": _rand(2, 8, 32), "r": _rand(2, 8, 32)}
+
+
+def _rms_norm():
+    """T5's RMS norm as torch writes it: Pow, ReduceMean, Add eps, Sqrt, Div(1, .), Mul x,
+    Mul weight."""
+    nodes = [helper.make_node("Pow", ["x", "two"], ["p"]),
+             helper.make_node("ReduceMean", ["p", "axes"], ["m"], keepdims=1),
+             helper.make_node("Add", ["m", "eps"], ["v"]),
+             helper.make_node("Sqrt", ["v"], ["root"]),
+             helper.make_node("Div", ["one", "root"], ["inv"]),
+             helper.make_node("Mul", ["x", "inv"], ["n"]),
+             helper.make_node("Mul", ["w", "n"], ["out"])]
+    inits = {"two": np.float32(2), "axes": np.array([-1], np.int64), "eps": np.float32(1e-6),
+             "one": np.float32(1), "w": _rand(32)}
+    return _model(nodes, {"x": ["batch", 8, 32]}, ["out"], inits, opset=18), \
+        {"x": _rand(2, 8, 32)}
 
 
 def _sibling_linears(acts=("Relu", "Relu"), bias=(True, True), graph_output=False):
@@ -239,6 +256,7 @@ _RULE_CASES = {
     "conv": (_resnet, "Conv"),
     "activation": (_resnet, "Relu"),
     "attention": (_bert, "Softmax"),
+    "rmsnorm": (_rms_norm, "ReduceMean"),
     "layernorm": (_residual_layer_norm, "LayerNormalization"),
     "siblings": (_sibling_linears, "+Split"),
     "views": (_head_split, "Transpose"),

@@ -19,6 +19,7 @@ import torch
 import segflow
 from concurrency import run_in_threads
 from segflow import models
+from segflow.kernels.layer_norm import AddLayerNorm
 from segflow.kernels.linear import NativeLinear, pack
 from segflow.kernels.native.build import NativeLibrary
 from segflow.kernels.replay import NativeReplay, NativeStep
@@ -218,3 +219,38 @@ def test_two_linears_replay_with_the_feed_and_results_written_anew():
     want = torch.nn.functional.linear(torch.nn.functional.linear(wide[:, :32], w1, b1), w2, b2)
     torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-5)
     assert replay.replays == 2
+
+
+@pytest.mark.parametrize("sum_read_after", [False, True])
+def test_a_kernel_with_two_outputs_replays_both(sum_read_after):
+    # A pre-LN block's add + norm writes the normalized rows and the sum; the sum dies
+    # inside the run (the block holds it) or is returned with the run's result.
+    first = AddLayerNorm(1e-5, LIB, WHY, with_sum=True)
+    linear, packed, bias, w = _linear(32, 32)
+    second = AddLayerNorm(1e-5, LIB, WHY)
+    gamma, beta = torch.randn(32), torch.randn(32)
+    steps = [NativeStep(first, (0, 1, 2, 3), (6, 7), "first"),
+             NativeStep(linear, (6, 4, 5), (8,), "linear"),
+             NativeStep(second, (8, 7, 2, 3), (9,), "second")]
+    returns = [9, 7] if sum_read_after else [9]
+    replay = NativeReplay(steps, 6, [2, 3, 4, 5], returns, LIB)
+    results = []
+    for _ in range(4):
+        x, r = torch.randn(8, 32), torch.randn(8, 32)
+        x[1, 3] = float("nan")
+        r[5, 0] = float("inf")
+        results.append((x, r, replay(x, r, gamma, beta, packed, bias)))
+    assert replay.replays == 2 and not replay.why_not
+    assert replay.block_bytes > 0
+    for x, r, got in results:
+        s = x + r
+        y = torch.nn.functional.layer_norm(s, (32,), gamma, beta, 1e-5)
+        want = torch.nn.functional.layer_norm(torch.nn.functional.linear(y, w, bias) + s,
+                                              (32,), gamma, beta, 1e-5)
+        torch.testing.assert_close(got[0], want, atol=1e-4, rtol=1e-4, equal_nan=True)
+        assert torch.isnan(got[0][1]).all() and torch.isnan(got[0][5]).all()
+        assert not torch.isnan(got[0][[0, 2, 3, 4, 6, 7]]).any()
+        if sum_read_after:
+            torch.testing.assert_close(got[1], s, atol=0, rtol=0, equal_nan=True)
+    if sum_read_after:     # each call's sum is a tensor of its own
+        assert results[-1][2][1].data_ptr() != results[-2][2][1].data_ptr()

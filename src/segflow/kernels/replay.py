@@ -56,6 +56,7 @@ Tensor = torch.Tensor
 RECORD_AFTER_MISSES = 2
 _Signature = tuple[torch.Size, tuple[int, ...], torch.dtype]
 _Slot = tuple[Any, str]          # (an argument structure, the field holding an address)
+_Shapes = tuple[tuple[torch.Size, torch.dtype], ...]    # a kernel step's outputs
 
 
 @dataclass(slots=True)
@@ -64,7 +65,8 @@ class Prepared:
 
     ``fields`` pair each input position whose address ``args`` holds with the field
     holding it (None: it cannot be replayed, ``why_not`` says why: it copies an input
-    first, or does more than its kernel); ``out_field`` holds ``output``'s address.
+    first, or does more than its kernel); ``out_field`` holds ``output``'s address, and
+    ``more`` pairs each further output (a kernel with several) with its field.
     ``keep``: what the pointers need kept alive (scratch, copies). ``op`` runs and counts
     it (``run_prepared``).
     """
@@ -77,13 +79,19 @@ class Prepared:
     op: Replayable
     out_field: str = "y"
     why_not: str = "copies an input before its kernel reads it"   # where fields is None
+    more: tuple[tuple[Tensor, str], ...] = ()
+
+    @property
+    def outputs(self) -> tuple[tuple[Tensor, str], ...]:
+        """Every output with the field holding its address, in the op's order."""
+        return ((self.output, self.out_field), *self.more)
 
 
 class Replayable(Protocol):
     """An op a :class:`NativeReplay` can record: called as generated code calls it, or
     prepared (into ``out`` where given) and run."""
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Tensor: ...
+    def __call__(self, *args: Any, **kwargs: Any) -> Tensor | tuple[Tensor, ...]: ...
 
     def prepare(self, *args: Any, **kwargs: Any) -> Prepared | None: ...
 
@@ -150,8 +158,7 @@ class NativeReplay:
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
         self._run_calls = fn
         self._busy = threading.Lock()
-        self._seen: tuple[list[_Signature | None], list[tuple[torch.Size, torch.dtype]]] | None \
-            = None
+        self._seen: tuple[list[_Signature | None], list[_Shapes]] | None = None
         self._recording: _Recording | None = None
         self._misses = 0
         self.why_not = ""        # why the run is never recorded (a step it cannot replay)
@@ -238,12 +245,12 @@ class NativeReplay:
         values: list[Tensor | None] = [*inputs, *([None] * (self.n_values - self.n_inputs))]
         self._run_from(0, values)
         if note:
-            shapes = []
+            shapes: list[_Shapes] = []
             for step in self.steps:
                 if step.op is not None:
-                    out = values[step.outputs[0]]
-                    assert out is not None
-                    shapes.append((out.shape, out.dtype))
+                    outs = [values[slot] for slot in step.outputs]
+                    assert all(t is not None for t in outs)
+                    shapes.append(tuple((t.shape, t.dtype) for t in outs))  # type: ignore[union-attr]
             self._seen = (self._signatures(inputs), shapes)
             self._misses = 0
         return tuple(values[i] for i in self.outputs)
@@ -254,8 +261,10 @@ class NativeReplay:
                 if step.op is None:
                     _split(step, values)
                 else:
-                    values[step.outputs[0]] = step.op(
-                        *[None if a is None else values[a] for a in step.args])
+                    result = step.op(*[None if a is None else values[a] for a in step.args])
+                    results = result if isinstance(result, tuple) else (result,)
+                    for slot, tensor in zip(step.outputs, results, strict=True):
+                        values[slot] = tensor
             except ExecutionError:
                 raise
             except Exception as exc:
@@ -266,8 +275,7 @@ class NativeReplay:
                 for i, t in enumerate(inputs)]
 
     # -- recording -------------------------------------------------------------------
-    def _layout(self, shapes: Sequence[tuple[torch.Size, torch.dtype]]
-                ) -> tuple[Tensor | None, dict[int, Tensor]]:
+    def _layout(self, shapes: Sequence[_Shapes]) -> tuple[Tensor | None, dict[int, Tensor]]:
         """One block for the kernels' results that die inside the run, and a view of it
         per such result (by value index)."""
         root: dict[int, int] = {}    # a split's parts -> the value they are views of
@@ -284,9 +292,9 @@ class NativeReplay:
                 for slot in step.outputs:
                     root[slot] = root.get(source, source)
             else:
-                shape, dtype = shapes[kernel]
+                for slot, (shape, dtype) in zip(step.outputs, shapes[kernel], strict=True):
+                    made[slot] = (index, shape, dtype)
                 kernel += 1
-                made[step.outputs[0]] = (index, shape, dtype)
         returned = {root.get(i, i) for i in self.outputs}
         wanted = []
         for slot, (start, shape, dtype) in made.items():
@@ -309,7 +317,7 @@ class NativeReplay:
         return block, views
 
     def _record(self, inputs: Sequence[Tensor | None],
-                shapes: Sequence[tuple[torch.Size, torch.dtype]]) -> tuple[Tensor | None, ...]:
+                shapes: Sequence[_Shapes]) -> tuple[Tensor | None, ...]:
         """Run with the kernels' results in the block, recording each call."""
         block, views = self._layout(shapes)
         values: list[Tensor | None] = [*inputs, *([None] * (self.n_values - self.n_inputs))]
@@ -325,13 +333,12 @@ class NativeReplay:
                 _split(step, values)
                 continue
             args = [None if a is None else values[a] for a in step.args]
-            slot = step.outputs[0]
-            out = views.get(slot)
+            outs = [views.get(slot) for slot in step.outputs]
             try:
-                call = step.op.prepare(*args, out=out)
+                call = step.op.prepare(*args, out=outs[0] if len(outs) == 1 else tuple(outs))
             except Exception as exc:
                 raise node_failed(step.label, exc) from exc
-            why = self._unfit(step, call, out)
+            why = self._unfit(step, call, outs)
             if why:
                 self.why_not = f"{step.label} {why}"
                 self._run_from(index, values)
@@ -341,18 +348,24 @@ class NativeReplay:
                 step.op.run_prepared(call)
             except Exception as exc:
                 raise node_failed(step.label, exc) from exc
-            values[slot] = call.output
+            for slot, (tensor, _) in zip(step.outputs, call.outputs, strict=True):
+                values[slot] = tensor
             calls.append((call, step))
         self._recording = self._recorded(inputs, values, calls, block)
         return tuple(values[i] for i in self.outputs)
 
-    def _unfit(self, step: NativeStep, call: Prepared | None, out: Tensor | None) -> str:
-        """Why ``call`` cannot be replayed ("" where it can)."""
+    def _unfit(self, step: NativeStep, call: Prepared | None, outs: Sequence[Tensor | None]
+               ) -> str:
+        """Why ``call`` cannot be replayed ("" where it can); ``outs``: the storage given
+        for each of the step's outputs."""
         if call is None:
             return "has no native call to record (its fallback runs, or a form it does not record)"
         if call.fields is None:
             return call.why_not
-        if out is not None and call.output is not out:
+        if len(call.outputs) != len(step.outputs):
+            return "returns another number of outputs than its node"
+        if any(out is not None and made is not out
+               for out, (made, _) in zip(outs, call.outputs, strict=True)):
             return "did not write into the run's storage"
         fields = {position for position, _ in call.fields}
         for position, a in enumerate(step.args):
@@ -375,13 +388,13 @@ class NativeReplay:
         for i, t in enumerate(inputs):
             if t is not None and i not in self.constants and i in readers:
                 fed.append((i, (t.shape, t.stride(), t.dtype), readers[i]))
-        producer = {step.outputs[0]: call for call, step in calls}
+        producer = {slot: (call.args, field) for call, step in calls
+                    for slot, (_, field) in zip(step.outputs, call.outputs, strict=True)}
         returned = []
         for i in self.outputs:
             t = values[i]
             assert t is not None and i in producer
-            returned.append((i, t.shape, t.dtype,
-                             [(producer[i].args, producer[i].out_field), *readers.get(i, [])]))
+            returned.append((i, t.shape, t.dtype, [producer[i], *readers.get(i, [])]))
         array = (KernelCall * len(calls))()
         for entry, (call, _) in zip(array, calls, strict=True):
             entry.fn = call.fn

@@ -141,17 +141,18 @@ class NativeOrTorch:
 
 class OpKernel:
     """A fused node's kernel over an op object that counts how its calls ran:
-    ``kernel(inputs) -> [op(*inputs)]`` (an absent optional input is not passed). The
-    op stays reachable, so generated code calls it directly and ``explain()`` can
-    count its calls (:func:`reporting_ops`)."""
+    ``kernel(inputs) -> [op(*inputs)]`` (the op's outputs, where it returns a tuple of
+    them). The op stays reachable, so generated code calls it directly and ``explain()``
+    can count its calls (:func:`reporting_ops`)."""
 
     __slots__ = ("op",)
 
-    def __init__(self, op: Callable[..., torch.Tensor]) -> None:
+    def __init__(self, op: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]]) -> None:
         self.op = op
 
     def __call__(self, inputs: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
-        return [self.op(*inputs)]
+        out = self.op(*inputs)
+        return list(out) if isinstance(out, tuple) else [out]
 
 
 def describe_native_calls(what: str, ops: Sequence[tuple[str, Any]], form: str = "",

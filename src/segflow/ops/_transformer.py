@@ -206,6 +206,17 @@ def bind_rotary(node: Node, ctx: BindContext) -> Kernel:
     return kernel
 
 
+def rms_norm(x: Tensor, scale: Tensor, axis: int, eps: float) -> Tensor:
+    """RMSNormalization's semantics, ``x / sqrt(mean(x * x) + eps) * scale`` over the axes
+    from ``axis`` on (half types computed in float32): the op's kernel, and the reference
+    of ``segflow.AddLayerNorm``'s ``simplified`` form (``ops/fused.py``)."""
+    a = normalize_axis(axis, x.dim())
+    work = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    dims = tuple(range(a, x.dim()))
+    inv = torch.rsqrt((work * work).mean(dim=dims, keepdim=True) + eps)
+    return ((work * inv).to(x.dtype) * scale).to(x.dtype)
+
+
 def bind_rms_norm(node: Node, ctx: BindContext) -> Kernel:
     axis = int(node.attrs.get("axis", -1))
     eps = float(node.attrs.get("epsilon", 1e-5))
@@ -213,11 +224,7 @@ def bind_rms_norm(node: Node, ctx: BindContext) -> Kernel:
     def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
         x, scale = inputs[0], inputs[1]
         assert x is not None and scale is not None
-        a = normalize_axis(axis, x.dim())
-        work = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        dims = tuple(range(a, x.dim()))
-        inv = torch.rsqrt((work * work).mean(dim=dims, keepdim=True) + eps)
-        return [((work * inv).to(x.dtype) * scale).to(x.dtype)]
+        return [rms_norm(x, scale, axis, eps)]
     return kernel
 
 

@@ -10,8 +10,11 @@ Each fused op is one kernel: it counts as one node and one kernel in RunStats.
   already transposed, as exporters emit it); with a ``heads`` attribute H it reads
   ``[B, S, H * D]`` activations and writes the heads merged back; with ``nan_to_zero``
   1 the probabilities are ``Where(IsNaN(p), 0, p)`` (torch's safe softmax).
-- ``AddLayerNorm(A, B, Scale, Bias?)``: ``LayerNormalization(A + B)`` over the last
-  axis.
+- ``AddLayerNorm(A, B?, Scale, Bias?) -> Y, S?``: ``LayerNormalization(A + B)`` over
+  the last axis (``simplified`` 1: ``RMSNormalization(A + B)``, no centring, as
+  onnxruntime's SkipSimplifiedLayerNormalization); ``S``, where declared, is the sum
+  ``A + B`` itself (a pre-LN residual that a later Add reads again). Without ``B`` it
+  normalizes ``A``.
 
 The OpDef rows bind the reference kernels: plain torch, on any device (a linear picks
 MKL's addmm or torch's oneDNN matmul by size; :func:`attention`, :func:`add_layer_norm`).
@@ -36,6 +39,7 @@ import torch.nn.functional as F
 
 from segflow.ir.graph import Node
 from segflow.ops._common import gelu_erf, torch_pad
+from segflow.ops._transformer import rms_norm
 from segflow.ops.registry import BindContext, Kernel, OpDef
 from segflow.shape_cache import RowAdmission
 
@@ -177,7 +181,8 @@ def activation_of(node: Node) -> tuple[Activation, list[float]]:
 
 @dataclass(frozen=True, slots=True)
 class Inline:
-    """A Python expression computing a node's single output, for generated code.
+    """A Python expression computing a node's output (a tuple of its outputs where it
+    has several), for generated code.
 
     ``expr`` names the node's inputs ``{in0}``, ``{in1}`` ... and every object in
     ``bound`` by its key; the code generator substitutes locals and closure names.
@@ -431,14 +436,19 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
-def add_layer_norm(a: Tensor, b: Tensor, scale: Tensor, bias: Tensor | None,
-                   epsilon: float) -> Tensor:
-    """The unfused ops, ``F.layer_norm(a + b)`` over the last axis: an AddLayerNorm
-    node's reference form and its native kernel's fallback (``kernels/layer_norm.py``)."""
-    s = a + b
+def add_layer_norm(a: Tensor, b: Tensor | None, scale: Tensor, bias: Tensor | None,
+                   epsilon: float, simplified: bool = False) -> tuple[Tensor, Tensor]:
+    """The unfused ops, ``F.layer_norm(a + b)`` over the last axis (``simplified``:
+    RMSNormalization's :func:`~segflow.ops._transformer.rms_norm`), and the sum: an
+    AddLayerNorm node's reference form and its native kernel's fallback
+    (``kernels/layer_norm.py``). ``b`` None: the sum is ``a``."""
+    s = a if b is None else a + b
     shape = s.shape[-1:]
+    if simplified:
+        y = rms_norm(s, scale, -1, epsilon)
+        return (y if bias is None else y + bias), s
     return F.layer_norm(s, shape, scale.expand(shape),
-                        None if bias is None else bias.expand(shape), epsilon)
+                        None if bias is None else bias.expand(shape), epsilon), s
 
 
 def attention_fn(node: Node) -> Callable[..., Tensor]:
@@ -451,22 +461,40 @@ def attention_fn(node: Node) -> Callable[..., Tensor]:
     return fn
 
 
-def add_layer_norm_fn(node: Node) -> Callable[..., Tensor]:
-    """``fn(a, b, scale, bias=None)``: the node's reference form."""
-    epsilon = float(node.attrs.get("epsilon", 1e-5))
+@dataclass(frozen=True, slots=True)
+class AddLayerNormSpec:
+    """An AddLayerNorm node's attributes and outputs, parsed once."""
 
-    def fn(a: Tensor, b: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:
-        return add_layer_norm(a, b, scale, bias, epsilon)
+    epsilon: float
+    simplified: bool      # RMSNormalization: no centring
+    with_sum: bool        # the node's second output is the sum
+
+    @classmethod
+    def of(cls, node: Node) -> AddLayerNormSpec:
+        return cls(float(node.attrs.get("epsilon", 1e-5)),
+                   bool(int(node.attrs.get("simplified", 0))), len(node.outputs) > 1)
+
+
+def add_layer_norm_fn(node: Node) -> Callable[..., Tensor | tuple[Tensor, Tensor]]:
+    """``fn(a, b, scale, bias=None)``: the node's reference form (the normalized tensor,
+    or it and the sum where the node has both outputs)."""
+    spec = AddLayerNormSpec.of(node)
+
+    def fn(a: Tensor, b: Tensor | None, scale: Tensor, bias: Tensor | None = None
+           ) -> Tensor | tuple[Tensor, Tensor]:
+        y, s = add_layer_norm(a, b, scale, bias, spec.epsilon, spec.simplified)
+        return (y, s) if spec.with_sum else y
     return fn
 
 
-def _reference(make: Callable[[Node], Callable[..., Tensor]]) -> Callable[[Node, BindContext],
-                                                                           Kernel]:
+def _reference(make: Callable[[Node], Callable[..., Tensor | tuple[Tensor, ...]]]
+               ) -> Callable[[Node, BindContext], Kernel]:
     def bind(node: Node, ctx: BindContext) -> Kernel:
         fn = make(node)
 
         def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
-            return [fn(*inputs)]
+            out = fn(*inputs)
+            return list(out) if isinstance(out, tuple) else [out]
         return kernel
     return bind
 
@@ -559,5 +587,6 @@ OPS: list[OpDef] = [
           doc="softmax(Q @ Kt * scale + M) @ V as one scaled-dot-product-attention kernel "
               "(nan_to_zero: a NaN row of probabilities is zeros)"),
     OpDef("AddLayerNorm", _reference(add_layer_norm_fn), domain=FUSED_DOMAIN,
-          doc="LayerNormalization(A + B, Scale, Bias) over the last axis in one kernel"),
+          doc="LayerNormalization (simplified: RMSNormalization) of A + B over the last "
+              "axis in one kernel, and the sum as an optional second output"),
 ]

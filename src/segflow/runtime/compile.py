@@ -301,8 +301,7 @@ def generate(steps: Sequence[Step], template: Sequence[Tensor | None], live_out:
         # A kernel that uploads host inputs first is called as it is.
         inline = (inline_form(node, None if traceable else slot_inplace, device, consts, traceable,
                           step.kernel, step.choice, target)
-                  if len(step.outputs) == 1 and not isinstance(step.kernel, UploadInputs)
-                  else None)
+                  if not isinstance(step.kernel, UploadInputs) else None)
         split = inline_split(node, consts) if not isinstance(step.kernel, UploadInputs) \
             else None
         if split is not None:
@@ -313,7 +312,8 @@ def generate(steps: Sequence[Step], template: Sequence[Tensor | None], live_out:
             names = {key: em.bind(obj, "b") for key, obj in inline.bound.items()
                      if "{" + key + "}" in inline.expr}
             expr = inline.expr.format(**{f"in{i}": a for i, a in enumerate(args)}, **names)
-            body.append(f"v{step.outputs[0]} = {expr}")
+            body.append(f"{''.join(f'v{slot}, ' for slot in step.outputs)}= {expr}"
+                        if len(step.outputs) > 1 else f"v{step.outputs[0]} = {expr}")
         else:
             kernel = em.bind(step.kernel, "k")
             call = f"{kernel}(({', '.join(args)}{',' if len(args) == 1 else ''}))"

@@ -39,7 +39,8 @@ class GraphOptimizationLevel(enum.IntEnum):
       BatchNormalization into the Conv/Gemm before it): ``fold_constants`` and the
       fuse rules ``noops`` and ``batchnorm``.
     - ``ORT_ENABLE_EXTENDED``: every fuse rule (segflow's fused Gemm/Conv with post-ops,
-      Gelu, Attention, AddLayerNorm, sibling linears) and dense chains; no layout pass.
+      Gelu, Attention, RMSNormalization, AddLayerNorm, sibling linears) and dense chains;
+      no layout pass.
     - ``ORT_ENABLE_LAYOUT`` and ``ORT_ENABLE_ALL`` (the default): everything, the layout
       pass's kernel choices and packed weights included; the ``SEGFLOW_NO_*`` variables
       still apply.

@@ -129,7 +129,7 @@ def _native_op(step: Step) -> Replayable | None:
     """The native kernel's op a step calls, where a replay can record it (None: another
     kind of step)."""
     kernel = step.kernel
-    if len(step.outputs) != 1 or not isinstance(kernel, OpKernel):
+    if not isinstance(kernel, OpKernel):
         return None
     op = kernel.op
     return op if isinstance(op, NativeLinear | AddLayerNorm | ScaledDotAttention) else None

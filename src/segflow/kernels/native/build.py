@@ -7,9 +7,9 @@ executes costs 8-10 us a step in Python right after a kernel, well under one in 
 (``replay.c``, ``kernels/onednn/replay.py``). And some work a library does, but not as
 fast as it could on the CPUs we measure: a 3x3 convolution as Winograd where libdnnl
 has none for AVX2 (``winograd.c``), a linear over a weight packed in panels
-(``gemm.c``, ``kernels/linear.py``), a residual add and LayerNormalization in
-one pass (``layer_norm.c``, ``kernels/layer_norm.py``), attention reading its heads in
-place (``attention.c``, ``kernels/attention.py``), an NCHW image copied into
+(``gemm.c``, ``kernels/linear.py``), a residual add and LayerNormalization or
+RMSNormalization in one pass (``layer_norm.c``, ``kernels/layer_norm.py``), attention
+reading its heads in place (``attention.c``, ``kernels/attention.py``), an NCHW image copied into
 channels-last (``staging.c``, ``kernels/staging.py``). For such work segflow ships C source and
 builds it with the system C compiler (``$CC``, else ``cc``; ``-O3 -march=native``)
 the first time a process needs it, into one library in ``<cache dir>/native/``
@@ -59,15 +59,16 @@ SOURCES = tuple(Path(__file__).parent / name
                              "winograd.c"))
 # Included by the sources (part of the build's key, not compiled on their own).
 HEADERS = tuple(Path(__file__).parent / name for name in ("linear.h", "panel.h"))
-ABI = 16         # segflow_native_abi() of the sources this module speaks to
+ABI = 17         # segflow_native_abi() of the sources this module speaks to
 FLAGS = ("-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 120
 # How long a process waits for another that is building the same library (then builds its own).
 LOCK_WAIT_S = BUILD_TIMEOUT_S + 30
 # What falls back (to torch, or to libdnnl called from Python) without the library: the
 # notice and explain() name it, so that a missing compiler's cost is visible where it is paid.
-FALLBACKS = ("dense chains", "packed linears (and Strassen)", "add + LayerNorm", "attention",
-             "the convolution stem", "Winograd transforms", "image staging", "replayed runs")
+FALLBACKS = ("dense chains", "packed linears (and Strassen)", "add + LayerNorm/RMSNorm",
+             "attention", "the convolution stem", "Winograd transforms", "image staging",
+             "replayed runs")
 # What that costs, as measured (docs/performance.md, "Without a C compiler").
 FALLBACK_COST = ("measured at 1.1x the time for ResNet-50 and BERT-tiny, 1.3x for ResNet-18, "
                  "10x for a chain of tiny layers")

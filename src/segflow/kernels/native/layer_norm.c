@@ -1,13 +1,16 @@
-/* segflow native kernels: LayerNormalization over the sum of two tensors.
+/* segflow native kernels: LayerNormalization (or RMSNormalization) over the sum of two
+ * tensors.
  *
  * segflow_add_layer_norm computes, for each of `rows` rows of `width` floats,
  * y = (s - mean(s)) / sqrt(var(s) + eps) * gamma + beta with s = a + b (b may be
- * NULL: s = a; beta may be NULL: no shift). a, b and y are row-major [rows][width]
- * (y may be a or b); gamma and beta have `width` floats. A row is summed into y,
- * then its mean and its variance about that mean are taken (two passes over the
- * row while it sits in L1), then it is normalized in place. The OpenMP threads
- * libdnnl uses (kernels/layer_norm.py passes libgomp's entry points) claim the rows
- * in chunks.
+ * NULL: s = a; beta may be NULL: no shift). With `rms` set the row is not centred:
+ * y = s / sqrt(mean(s * s) + eps) * gamma (+ beta), ONNX's RMSNormalization. a, b, y
+ * and sum are row-major [rows][width] (y and sum may be a or b); gamma and beta have
+ * `width` floats. A row is summed into `sum` where given (the residual a later Add
+ * reads again, written in the same pass), else into y; then its mean and its variance
+ * about that mean are taken (two passes over the row while it sits in L1), then it is
+ * normalized into y. The OpenMP threads libdnnl uses (kernels/layer_norm.py passes
+ * libgomp's entry points) claim the rows in chunks.
  *
  * It exists because a transformer's residual Add and the LayerNormalization after
  * it are two passes over the activations through torch (each a kernel call that
@@ -32,9 +35,10 @@ typedef struct {
     const float *a, *b;           /* [rows][width]; b may be NULL */
     const float *gamma, *beta;    /* [width]; beta may be NULL */
     float *y;                     /* [rows][width] */
+    float *sum;                   /* [rows][width], a + b; may be NULL */
     int64_t rows, width;
     float eps;
-    int32_t pad_;
+    int32_t rms;                  /* 1: RMSNormalization (no centring) */
     void (*parallel)(void (*fn)(void *), void *data, unsigned threads, unsigned flags);
     int (*thread_num)(void);
     int (*num_threads)(void);
@@ -45,39 +49,40 @@ static void normalize_row(const segflow_layer_norm_t *p, int64_t r) {
     const int64_t w = p->width, wv = w / 8 * 8;
     const float *a = p->a + r * w, *b = p->b ? p->b + r * w : NULL;
     float *y = p->y + r * w;
+    float *t = p->sum ? p->sum + r * w : y;   /* where the row's sum is kept */
     v8 acc = splat(0.0f);
     float tail = 0.0f;
     for (int64_t i = 0; i < wv; i += 8) {
         v8 s = *(const v8 *)(a + i);
         if (b)
             s += *(const v8 *)(b + i);
-        *(v8 *)(y + i) = s;
+        *(v8 *)(t + i) = s;
         acc += s;
     }
     for (int64_t i = wv; i < w; i++) {
-        y[i] = a[i] + (b ? b[i] : 0.0f);
-        tail += y[i];
+        t[i] = a[i] + (b ? b[i] : 0.0f);
+        tail += t[i];
     }
-    const float mean = (hsum(acc) + tail) / (float)w;
+    const float mean = p->rms ? 0.0f : (hsum(acc) + tail) / (float)w;
     const v8 m = splat(mean);
     acc = splat(0.0f);
     tail = 0.0f;
     for (int64_t i = 0; i < wv; i += 8) {
-        v8 d = *(v8 *)(y + i) - m;
+        v8 d = *(v8 *)(t + i) - m;
         acc += d * d;
     }
     for (int64_t i = wv; i < w; i++)
-        tail += (y[i] - mean) * (y[i] - mean);
+        tail += (t[i] - mean) * (t[i] - mean);
     const float rstd = 1.0f / sqrtf((hsum(acc) + tail) / (float)w + p->eps);
     const v8 rs = splat(rstd);
     for (int64_t i = 0; i < wv; i += 8) {
-        v8 v = (*(v8 *)(y + i) - m) * rs * *(const v8 *)(p->gamma + i);
+        v8 v = (*(v8 *)(t + i) - m) * rs * *(const v8 *)(p->gamma + i);
         if (p->beta)
             v += *(const v8 *)(p->beta + i);
         *(v8 *)(y + i) = v;
     }
     for (int64_t i = wv; i < w; i++)
-        y[i] = (y[i] - mean) * rstd * p->gamma[i] + (p->beta ? p->beta[i] : 0.0f);
+        y[i] = (t[i] - mean) * rstd * p->gamma[i] + (p->beta ? p->beta[i] : 0.0f);
 }
 
 /* The threads claim chunks of rows (about 8 a thread) until none are left: a split

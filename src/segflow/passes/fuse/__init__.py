@@ -29,18 +29,24 @@ They run in this order, each over the whole graph:
     ``segflow.Attention``, as torch's exporters write it: constant scalings of Q, Kt
     or the scores, an additive mask, the safe softmax ``Where(IsNaN(p), 0, p)``
     (``nan_to_zero``), and the reshapes and transposes that split and merge heads.
-11. ``layernorm`` (:mod:`.layernorm`): an Add read only by a LayerNormalization over
-    the last axis becomes ``segflow.AddLayerNorm`` (a transformer's residual add).
-12. ``siblings`` (:mod:`.siblings`): FusedGemms reading the same input (a
+11. ``rmsnorm`` (:mod:`.rmsnorm`): the exporters' root-mean-square normalization
+    ``x / sqrt(mean(x^2, -1) + eps) * w`` (its Pow/Mul, Sqrt/Div/Reciprocal forms)
+    becomes one ONNX RMSNormalization.
+12. ``layernorm`` (:mod:`.layernorm`): an Add read by a LayerNormalization or
+    RMSNormalization over the last axis becomes ``segflow.AddLayerNorm`` (a transformer's
+    residual add), with the sum as its second output where something else reads it (a
+    pre-LN residual); an RMSNormalization alone becomes one too (its native kernel).
+13. ``siblings`` (:mod:`.siblings`): FusedGemms reading the same input (a
     transformer's query, key and value projections) become one FusedGemm over their
     stacked weights and a Split into views.
-13. ``views`` (:mod:`.views`): a Transpose that moves only size-1 axes is a Reshape, and
+14. ``views`` (:mod:`.views`): a Transpose that moves only size-1 axes is a Reshape, and
     a run of Reshape/Flatten/Squeeze/Unsqueeze is one Reshape (or none).
 
 The order matters where rules build on each other: ``batchnorm`` folds into the
 plain Conv/Gemm that ``conv``/``linear`` then fuse, and ``activation`` only finds
 the fused nodes those two made and the single activation nodes ``gelu``, ``gelu_tanh``
-and ``silu`` made of elementwise chains. With a rule off, the nodes it would have taken
+and ``silu`` made of elementwise chains, and ``layernorm`` the RMSNormalization nodes
+``rmsnorm`` made. With a rule off, the nodes it would have taken
 stay as they are and the later rules match around them (a Conv followed by a
 BatchNormalization and a Relu stays three nodes when ``batchnorm`` is off).
 
@@ -65,6 +71,7 @@ from segflow.passes.fuse.layernorm import fuse_layernorm
 from segflow.passes.fuse.linear import fuse_linear
 from segflow.passes.fuse.noops import fuse_noops
 from segflow.passes.fuse.pad import fuse_pad
+from segflow.passes.fuse.rmsnorm import fuse_rmsnorm
 from segflow.passes.fuse.siblings import fuse_siblings
 from segflow.passes.fuse.silu import fuse_silu
 from segflow.passes.fuse.views import fuse_views
@@ -83,6 +90,7 @@ RULES: tuple[tuple[str, Rule], ...] = (
     ("conv", fuse_conv),
     ("activation", fuse_activation),
     ("attention", fuse_attention),
+    ("rmsnorm", fuse_rmsnorm),
     ("layernorm", fuse_layernorm),
     ("siblings", fuse_siblings),
     ("views", fuse_views),
