@@ -6,6 +6,8 @@ collects them. To add an op, add one row to the family it belongs to.
 
 from segflow.ops import (
     backward,
+    contrib_fused,
+    contrib_quant,
     control,
     copy,
     dense_chain,
@@ -24,7 +26,7 @@ from segflow.ops import (
 from segflow.ops.registry import BindContext, Kernel, OpDef, OpRegistry
 
 ALL_FAMILIES = (elementwise, nn, tensor, reduce, indexing, image, control, rnn, quant, linalg,
-                misc, copy, backward, fused, dense_chain)
+                misc, copy, backward, fused, dense_chain, contrib_quant, contrib_fused)
 
 
 
