@@ -250,7 +250,7 @@ def _qlinear_average_pool(node: Node, ctx: BindContext) -> Kernel:
         if channels_last:
             mean = mean.movedim(1, -1)
         # onnxruntime rounds mean / y_scale + y_zero_point (in float32) to the integer.
-        y = mean / torch.tensor(_scalar(y_s, "Y")) + np.float32(_zero_point(y_zp))
+        y = mean / torch.tensor(_scalar(y_s, "Y")) + float(_zero_point(y_zp))
         return [_round_saturate(y, 0, x.dtype).contiguous()]
     return kernel
 
