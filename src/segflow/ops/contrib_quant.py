@@ -168,7 +168,7 @@ def _requantize_table(x_scale: np.float32, x_zp: int, y_scale: np.float32, y_zp:
 
 def _lookup(x: Tensor, table: Tensor) -> Tensor:
     index = x.contiguous().view(torch.uint8).to(torch.int64)
-    return table[index]
+    return table.to(x.device)[index]
 
 
 def _table_op(fn_of_node):  # type: ignore[no-untyped-def]
@@ -284,7 +284,7 @@ def _qlinear_softmax(node: Node, ctx: BindContext) -> Kernel:
         xi = rows.to(torch.int64)
         distance = (xi - xi.amax(dim=1, keepdim=True)).to(torch.float64)
         exp = _f32(torch.exp((distance + bit_shift) * x_scale))
-        total = torch.zeros(rows.shape[0], dtype=torch.float32)
+        total = torch.zeros(rows.shape[0], dtype=torch.float32, device=x.device)
         for j in range(reduce_len):   # onnxruntime's order: a float32 sum left to right
             total = total + exp[:, j]
         y_scale = torch.tensor(np.float32(np.floor(np.float32(1.0) / _scalar(y_s, "Y"))))
@@ -366,6 +366,8 @@ def _dynamic_quantize_matmul(node: Node, ctx: BindContext) -> Kernel:
     def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
         a, b, b_s, b_zp, bias = _inputs(inputs, 5)
         assert a is not None and b is not None and b_s is not None
+        if a.device.type == "meta":   # shapes only (passes/static_shapes.py): no range
+            return [torch.matmul(a, b.to(device=a.device, dtype=torch.float32))]
         qa, a_scale, a_zp = quantize_uint8_dynamic(a)
         acc = torch.matmul(qa.to(torch.float64) - a_zp, _b_centered(b, b_zp))
         scales = torch.tensor(a_scale) * _float_scale(b_s)
