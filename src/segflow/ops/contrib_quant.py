@@ -33,7 +33,7 @@ import torch
 
 from segflow.errors import UnsupportedOp
 from segflow.ir.graph import Node
-from segflow.ops._common import has_input, normalize_axis
+from segflow.ops._common import normalize_axis
 from segflow.ops.nn import _avgpool
 from segflow.ops.quant import (
     _INT_RANGES,
@@ -196,10 +196,7 @@ def _sigmoid_fn(node: Node):  # type: ignore[no-untyped-def]
 
 
 def _qlinear_concat(node: Node, ctx: BindContext) -> Kernel:
-    axis_attr = int(node.attrs["axis"])
-    if (len(node.inputs) - 2) % 3 or len(node.inputs) < 5:
-        raise UnsupportedOp(f"{node.label}: QLinearConcat takes y_scale, y_zero_point and "
-                            "(x, scale, zero point) triples")
+    axis_attr = int(node.attrs["axis"])   # its inputs are checked at load (validate.py)
 
     def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
         y_scale, y_zp = _scalar(inputs[0], "Y"), _zero_point(inputs[1])
@@ -375,20 +372,9 @@ def _dynamic_quantize_matmul(node: Node, ctx: BindContext) -> Kernel:
     return kernel
 
 
-def _needs(count: int):  # type: ignore[no-untyped-def]
-    """A bind wrapper refusing, at bind time, a node with fewer than ``count`` inputs."""
-    def wrap(bind):  # type: ignore[no-untyped-def]
-        def checked(node: Node, ctx: BindContext) -> Kernel:
-            if sum(1 for i in range(count) if has_input(node, i)) < count:
-                raise UnsupportedOp(f"{node.label}: {node.op_type} needs {count} inputs")
-            return bind(node, ctx)  # type: ignore[no-any-return]
-        return checked
-    return wrap
-
-
 OPS: list[OpDef] = [
-    OpDef("QLinearAdd", _needs(2)(_qlinear_add), domain=MS_DOMAIN),
-    OpDef("QLinearMul", _needs(2)(_qlinear_mul), domain=MS_DOMAIN),
+    OpDef("QLinearAdd", _qlinear_add, domain=MS_DOMAIN),
+    OpDef("QLinearMul", _qlinear_mul, domain=MS_DOMAIN),
     OpDef("QLinearConcat", _qlinear_concat, domain=MS_DOMAIN),
     OpDef("QLinearGlobalAveragePool", _qlinear_global_average_pool, domain=MS_DOMAIN),
     OpDef("QLinearAveragePool", _qlinear_average_pool, domain=MS_DOMAIN),
