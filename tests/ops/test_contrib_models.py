@@ -69,6 +69,7 @@ def test_qoperator_resnet_matches_onnxruntime(corpus: Corpus, tmp_path: Path) ->
         assert np.abs(got - expected).max() <= 32 * step
 
 
+@pytest.mark.slow
 def test_optimized_bert_matches_onnxruntime(corpus: Corpus, tmp_path: Path) -> None:
     from onnxruntime.transformers.optimizer import optimize_model
 
@@ -88,3 +89,51 @@ def test_optimized_bert_matches_onnxruntime(corpus: Corpus, tmp_path: Path) -> N
     got = segflow.InferenceSession(str(path)).run(None, feeds)
     for e, g in zip(expected, got):
         np.testing.assert_allclose(g, e, rtol=1e-3, atol=1e-4)
+
+
+def test_optimized_eager_bert_fuses_attention_and_matches_onnxruntime(tmp_path: Path) -> None:
+    """A BERT whose attention is the explicit matmul-softmax-matmul the optimizer matches
+    (an SDPA export keeps its attention unfused): Attention, EmbedLayerNormalization,
+    SkipLayerNormalization and BiasGelu, a padded row in the mask."""
+    import torch
+    from onnxruntime.transformers.optimizer import optimize_model
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,
+                        num_attention_heads=4, intermediate_size=64,
+                        max_position_embeddings=64, attn_implementation="eager")
+    bert = BertModel(config).eval()
+
+    class Outputs(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bert = bert
+
+        def forward(self, ids: torch.Tensor, mask: torch.Tensor,
+                    types: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return tuple(self.bert(input_ids=ids, attention_mask=mask, token_type_ids=types,
+                                   return_dict=False))
+
+    ids = torch.randint(0, 100, (2, 16))
+    mask = torch.ones(2, 16, dtype=torch.int64)
+    mask[1, 10:] = 0
+    types = (torch.arange(16) >= 8).to(torch.int64).expand(2, 16)
+    names = ["input_ids", "attention_mask", "token_type_ids"]
+    exported = tmp_path / "bert.onnx"
+    torch.onnx.export(Outputs(), (ids, mask, types), str(exported), input_names=names,
+                      output_names=["hidden", "pooled"], opset_version=14, dynamo=False,
+                      dynamic_axes={n: {0: "batch", 1: "seq"} for n in names})
+    optimized = optimize_model(str(exported), model_type="bert", num_heads=4, hidden_size=32)
+    path = tmp_path / "opt.onnx"
+    optimized.save_model_to_file(str(path))
+    fused = _ms_ops(onnx.load(str(path)))
+    assert fused == Counter({"SkipLayerNormalization": 4, "Attention": 2, "BiasGelu": 2,
+                             "EmbedLayerNormalization": 1}), fused
+    oracle = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    inputs = {i.name for i in oracle.get_inputs()}
+    feeds = {n: t.numpy() for n, t in zip(names, (ids, mask, types)) if n in inputs}
+    expected = oracle.run(None, feeds)
+    got = segflow.InferenceSession(str(path)).run(None, feeds)
+    for e, g in zip(expected, got):
+        np.testing.assert_allclose(g, e, rtol=1e-3, atol=1e-5)
