@@ -145,19 +145,9 @@ def _fast_gelu(node: Node, ctx: BindContext) -> Kernel:
 
 
 # -- layer norms -------------------------------------------------------------------------------
-def _normalize(x: Tensor, gamma: Tensor, beta: Tensor | None, eps: float
-               ) -> tuple[Tensor, Tensor, Tensor]:
-    """LayerNorm over the last axis: the result, the mean and the inverse std ([.., 1])."""
-    mean = x.mean(dim=-1, keepdim=True)
-    var = ((x - mean) ** 2).mean(dim=-1, keepdim=True)
-    inv = torch.rsqrt(var + eps)
-    y = (x - mean) * inv * gamma
-    return (y if beta is None else y + beta), mean, inv
-
-
 def _skip_layer_norm(node: Node, ctx: BindContext) -> Kernel:
     eps = float(node.attrs.get("epsilon", 1e-12))
-    wanted = [v is not None for v in node.outputs]
+    n_out = len(node.outputs)
 
     def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
         x, skip, gamma, beta, bias = _inputs(inputs, 5)
@@ -165,8 +155,9 @@ def _skip_layer_norm(node: Node, ctx: BindContext) -> Kernel:
         total = x + skip
         if bias is not None:
             total = total + bias
-        y, mean, inv = _normalize(total, gamma, beta, eps)
-        return [y, mean, inv, total][:len(wanted)]
+        # One op for the normalized sum and its statistics ([.., 1] mean and inverse std).
+        y, mean, inv = torch.native_layer_norm(total, total.shape[-1:], gamma, beta, eps)
+        return [y, mean, inv, total][:n_out]
     return kernel
 
 
@@ -187,7 +178,7 @@ def _embed_layer_norm(node: Node, ctx: BindContext) -> Kernel:
         total = words[ids.to(torch.int64)] + pos
         if segments is not None and segment_table is not None:
             total = total + segment_table[segments.to(torch.int64)]
-        y, _, _ = _normalize(total, gamma, beta, eps)
+        y = F.layer_norm(total, total.shape[-1:], gamma, beta, eps)
         if mask is None:
             mask_index = torch.zeros(ids.shape[0], dtype=torch.int32)
         else:
