@@ -163,9 +163,10 @@ def test_multi_head_attention(with_mask: bool) -> None:
     _check([node], feeds, ["y"], {"bias": _f(3 * hidden)})
 
 
+@pytest.mark.parametrize("accuracy_level", [0, 4])
 @pytest.mark.parametrize("zero_points", ["none", "packed", "float"])
 @pytest.mark.parametrize("k_dim,block", [(64, 32), (48, 32), (32, 16)])
-def test_matmul_nbits(zero_points: str, k_dim: int, block: int) -> None:
+def test_matmul_nbits(zero_points: str, k_dim: int, block: int, accuracy_level: int) -> None:
     n_dim = 6
     blocks = -(-k_dim // block)
     b = RNG.integers(0, 256, (n_dim, blocks, block // 2)).astype(np.uint8)
@@ -178,5 +179,6 @@ def test_matmul_nbits(zero_points: str, k_dim: int, block: int) -> None:
     elif zero_points == "float":
         inits["zp"] = RNG.uniform(5, 10, n_dim * blocks).astype(np.float32)
         inputs[3] = "zp"
-    node = _ms("MatMulNBits", inputs, ["y"], K=k_dim, N=n_dim, bits=4, block_size=block)
+    node = _ms("MatMulNBits", inputs, ["y"], K=k_dim, N=n_dim, bits=4, block_size=block,
+               accuracy_level=accuracy_level)
     _check([node], {"a": _f(3, k_dim)}, ["y"], inits, rtol=1e-4, atol=1e-4)

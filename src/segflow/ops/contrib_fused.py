@@ -20,7 +20,8 @@ its graph fusions write. Reference kernels in plain torch, with onnxruntime's se
   and value.
 - ``MatMulNBits``: ``A @ dequantize(B)^T``, with B 4-bit in blocks of ``block_size``
   along K (two values a byte, low nibble first), a scale per block and a zero point per
-  block (packed 4-bit, or of the scales' type; 8 where absent).
+  block (packed 4-bit, or of the scales' type; 8 where absent); with ``accuracy_level``
+  4, A quantized to int8 per block first, as onnxruntime's CPU kernel does.
 """
 
 from __future__ import annotations
@@ -329,24 +330,47 @@ def _matmul_nbits(node: Node, ctx: BindContext) -> Kernel:
         raise UnsupportedOp(f"{node.label}: MatMulNBits with g_idx is not supported")
     blocks = -(-k_dim // block)
 
-    def weight(b: Tensor, scales: Tensor, zero_points: Tensor | None) -> Tensor:
-        q = _unpack_nibbles(b.reshape(n_dim, -1)).to(torch.float32)[:, :blocks * block]
-        s = scales.reshape(n_dim, blocks).to(torch.float32)
+    # accuracy_level 4: onnxruntime quantizes A to int8 per block of K (symmetric, scale
+    # max|a| / 127) and multiplies in integers, where the zero points are 4-bit ones.
+    int8_a = int(node.attrs.get("accuracy_level", 0)) == 4
+
+    def codes(b: Tensor, zero_points: Tensor | None) -> tuple[Tensor, Tensor]:
+        """The weight's 4-bit values [N, blocks, block] and zero points [N, blocks]."""
+        q = _unpack_nibbles(b.reshape(n_dim, -1))[:, :blocks * block]
         if zero_points is None:
-            zp = torch.full((n_dim, blocks), 8.0)
+            zp = torch.full((n_dim, blocks), 8, dtype=torch.uint8, device=b.device)
         elif zero_points.dtype == torch.uint8:
-            zp = _unpack_nibbles(zero_points.reshape(n_dim, -1))[:, :blocks].to(torch.float32)
+            zp = _unpack_nibbles(zero_points.reshape(n_dim, -1))[:, :blocks]
         else:
-            zp = zero_points.reshape(n_dim, blocks).to(torch.float32)
-        q = q.reshape(n_dim, blocks, block)
-        w = (q - zp[:, :, None]) * s[:, :, None]
+            zp = zero_points.reshape(n_dim, blocks)
+        return q.reshape(n_dim, blocks, block), zp
+
+    def weight(b: Tensor, scales: Tensor, zero_points: Tensor | None) -> Tensor:
+        q, zp = codes(b, zero_points)
+        s = scales.reshape(n_dim, blocks).to(torch.float32)
+        w = (q.to(torch.float32) - zp.to(torch.float32)[:, :, None]) * s[:, :, None]
         return w.reshape(n_dim, blocks * block)[:, :k_dim]
+
+    def int8_product(a: Tensor, b: Tensor, scales: Tensor, zero_points: Tensor | None
+                     ) -> Tensor:
+        q, zp = codes(b, zero_points)
+        centered = q.to(torch.float64) - zp.to(torch.float64)[:, :, None]
+        padded = F.pad(a, (0, blocks * block - k_dim)).reshape(*a.shape[:-1], blocks, block)
+        a_scale = padded.abs().amax(dim=-1, keepdim=True) / 127.0
+        inverse = torch.where(a_scale != 0, 1.0 / a_scale, torch.zeros_like(a_scale))
+        qa = torch.round(padded * inverse).to(torch.float64)
+        acc = torch.einsum("...bk,nbk->...nb", qa, centered).to(torch.float32)
+        s = scales.reshape(n_dim, blocks).to(torch.float32)
+        return (acc * a_scale.squeeze(-1).unsqueeze(-2) * s).sum(dim=-1)
 
     def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
         a, b, scales, zero_points, _, bias = _inputs(inputs, 6)
         assert a is not None and b is not None and scales is not None
-        w = weight(b, scales, zero_points).to(a.dtype)
-        y = torch.matmul(a, w.t())
+        if int8_a and a.dtype == torch.float32 and (zero_points is None
+                                                    or zero_points.dtype == torch.uint8):
+            y = int8_product(a, b, scales, zero_points)
+        else:
+            y = torch.matmul(a, weight(b, scales, zero_points).to(a.dtype).t())
         return [y if bias is None else y + bias]
     return kernel
 
