@@ -182,3 +182,25 @@ def test_matmul_nbits(zero_points: str, k_dim: int, block: int, accuracy_level: 
     node = _ms("MatMulNBits", inputs, ["y"], K=k_dim, N=n_dim, bits=4, block_size=block,
                accuracy_level=accuracy_level)
     _check([node], {"a": _f(3, k_dim)}, ["y"], inits, rtol=1e-4, atol=1e-4)
+
+
+def test_nonfinite_inputs_propagate_as_in_onnxruntime() -> None:
+    # NaN and infinities where activations clamp (Relu, Clip) and through the norms and
+    # attention: compared NaN for NaN.
+    x = _f(1, 2, 5, 5)
+    x[0, 0, 2, 2], x[0, 1, 1, 1], x[0, 1, 3, 3] = np.nan, np.inf, -np.inf
+    w = _f(3, 2, 3, 3)
+    conv = [_ms("FusedConv", ["x", "w"], [f"c{i}"], activation=act, pads=[1, 1, 1, 1], **extra)
+            for i, (act, extra) in enumerate([("Relu", {}),
+                                              ("Clip", {"activation_params": [-0.5, 0.5]})])]
+    got = _check(conv, {"x": x}, ["c0", "c1"], {"w": w})
+    assert np.isnan(got[0]).any() and np.isnan(got[1]).any()
+    a = _f(4, 6)
+    a[0, 0], a[1, 1] = np.nan, np.inf
+    _check([_ms("FusedGemm", ["a", "b"], ["y"], activation="Relu")], {"a": a}, ["y"],
+           {"b": _f(6, 3)})
+    h = _f(2, 4, 8)
+    h[0, 0, 0], h[0, 1, 3] = np.inf, np.nan
+    nodes = [_ms("SkipLayerNormalization", ["h", "h", "g"], ["n"]),
+             _ms("Attention", ["h", "wq", "bq"], ["att"], num_heads=2)]
+    _check(nodes, {"h": h}, ["n", "att"], {"g": _f(8), "wq": _f(8, 24), "bq": _f(24)})
