@@ -48,7 +48,9 @@ def _params(dtype: type, scales: dict[str, float], zps: dict[str, int]) -> dict[
 @pytest.mark.parametrize("dtype", QTYPES)
 @pytest.mark.parametrize("op", ["QLinearAdd", "QLinearMul"])
 @pytest.mark.parametrize("shapes", [((3, 40), (3, 40)), ((2, 3, 8), (8,)), ((2, 3, 8), (3, 1)),
-                                    ((1,), (4, 5)), ((4, 5), ())])
+                                    ((1,), (4, 5)), ((4, 5), ()),
+                                    # past 65536 elements: the kernel's table of byte pairs
+                                    ((2, 300, 128), (2, 300, 128)), ((2, 300, 128), (300, 1))])
 def test_qlinear_binary(op: str, dtype: type, shapes: tuple[tuple[int, ...], ...]) -> None:
     zp = {np.uint8: (128, 120, 131), np.int8: (-3, 5, 1)}[dtype]
     params = _params(dtype, {"as": 0.037, "bs": 0.021, "cs": 0.02},
@@ -59,6 +61,20 @@ def test_qlinear_binary(op: str, dtype: type, shapes: tuple[tuple[int, ...], ...
     info = np.iinfo(dtype)
     if shapes[0] == shapes[1]:
         assert got[0].min() == info.min or got[0].max() == info.max  # saturation exercised
+
+
+@pytest.mark.parametrize("dtype", QTYPES)
+@pytest.mark.parametrize("op", ["QLinearAdd", "QLinearMul"])
+def test_qlinear_binary_every_pair_of_values(op: str, dtype: type) -> None:
+    # All 65536 (a, b) pairs: every rounding tie these scales and zero points make.
+    zp = {np.uint8: (128, 120, 131), np.int8: (-3, 5, 1)}[dtype]
+    params = _params(dtype, {"as": 0.037, "bs": 0.021, "cs": 0.02},
+                     {"az": zp[0], "bz": zp[1], "cz": zp[2]})
+    info = np.iinfo(dtype)
+    values = np.arange(info.min, info.max + 1).astype(dtype)
+    feeds = {"a": np.repeat(values, 256).reshape(256, 256), "b": np.tile(values, (256, 1))}
+    node = _ms(op, ["a", "as", "az", "b", "bs", "bz", "cs", "cz"], ["c"])
+    _exact(make_model([node], feeds, ["c"], 17, params, MS), feeds)
 
 
 @pytest.mark.parametrize("dtype", QTYPES)

@@ -26,7 +26,7 @@ saturate to the output type.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -129,16 +129,20 @@ def _qlinear_add(node: Node, ctx: BindContext) -> Kernel:
         za, zb, zc = _zero_point(a_zp), _zero_point(b_zp), _zero_point(c_zp)
         # onnxruntime's vector kernel: c = a * (sa/sc) + b * (sb/sc) + fixed, as two FMAs.
         ratio_a, ratio_b = sa / sc, sb / sc
-        fixed = np.float32(zc) - (ratio_a * np.float32(za) + ratio_b * np.float32(zb))
-        ai, bi = a.to(torch.int32), b.to(torch.int32)
-        # The kernel folds an operand that is a scalar in its span into the fixed part
-        # first (a multiply-add as well), else b before a.
-        if _scalar_side(a.shape, b.shape) == "a":
-            y = _fma(bi, ratio_b, _fma(ai, ratio_a, fixed))
-        else:
-            y = _fma(ai, ratio_a, _fma(bi, ratio_b, fixed))
-        shape = torch.broadcast_shapes(a.shape, b.shape)
-        return [_round_saturate(y.expand(shape), 0, a.dtype).contiguous()]
+        # Its constant part as compiled: zc - fma(ratio_a, za, ratio_b * zb).
+        inner = _fma(torch.tensor(za), ratio_a, ratio_b * np.float32(zb)).item()
+        fixed = np.float32(zc) - np.float32(inner)
+        fold_a_first = _scalar_side(a.shape, b.shape) == "a"
+
+        def combine(ai: Tensor, bi: Tensor) -> Tensor:
+            # The kernel folds an operand that is a scalar in its span into the fixed
+            # part first (a multiply-add as well), else b before a.
+            if fold_a_first:
+                y = _fma(bi, ratio_b, _fma(ai, ratio_a, fixed))
+            else:
+                y = _fma(ai, ratio_a, _fma(bi, ratio_b, fixed))
+            return _round_saturate(y, 0, a.dtype)
+        return [_pairwise(combine, a, b)]
     return kernel
 
 
@@ -148,11 +152,29 @@ def _qlinear_mul(node: Node, ctx: BindContext) -> Kernel:
         assert a is not None and b is not None
         _int_range(a.dtype)
         sa, sb, sc = _scalar(a_s, "A"), _scalar(b_s, "B"), _scalar(c_s, "C")
-        ratio = sa * sb / sc
-        product = (a.to(torch.int32) - _zero_point(a_zp)) * (b.to(torch.int32) - _zero_point(b_zp))
-        y = product.to(torch.float32) * torch.tensor(ratio)
-        return [_round_saturate(y, _zero_point(c_zp), a.dtype)]
+        ratio = torch.tensor(sa * sb / sc)
+        za, zb, zc = _zero_point(a_zp), _zero_point(b_zp), _zero_point(c_zp)
+
+        def combine(ai: Tensor, bi: Tensor) -> Tensor:
+            product = (ai - za) * (bi - zb)
+            return _round_saturate(product.to(torch.float32) * ratio, zc, a.dtype)
+        return [_pairwise(combine, a, b)]
     return kernel
+
+
+def _pairwise(combine: Callable[[Tensor, Tensor], Tensor], a: Tensor, b: Tensor) -> Tensor:
+    """``combine`` (over int32 operands) broadcast over ``a`` and ``b``: through a table
+    of its value for every pair of bytes where the result is larger than that table, so
+    the float arithmetic runs over 65536 pairs, not every element."""
+    shape = torch.broadcast_shapes(a.shape, b.shape)
+    if int(np.prod(shape)) < 1 << 16:
+        return combine(a.to(torch.int32), b.to(torch.int32)).expand(shape).contiguous()
+    values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(a.dtype)
+    values = values.to(a.device).to(torch.int32)
+    table = combine(values[:, None], values[None, :]).reshape(-1)
+    index = a.contiguous().view(torch.uint8).to(torch.int64) * 256 \
+        + b.contiguous().view(torch.uint8).to(torch.int64)
+    return table[index]
 
 
 def _requantize_table(x_scale: np.float32, x_zp: int, y_scale: np.float32, y_zp: int,
