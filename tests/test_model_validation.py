@@ -241,6 +241,35 @@ INVALID["AveragePool dilations before opset 19"] = Case(
     lambda: _pool("AveragePool", kernel_shape=[2, 2], dilations=[1, 1]), InvalidModel,
     ("'pool1'", "dilations"))
 
+MS = [h.make_opsetid("com.microsoft", 1)]
+
+
+def _contrib(op: str, inputs: list[str], inits=(), **attrs) -> onnx.ModelProto:
+    node = h.make_node(op, inputs, ["y"], name="ms1", domain="com.microsoft", **attrs)
+    return _model([node], [_vi("x", (2, 3, 8))], [_vi("y", None)], inits, extra_opsets=MS)
+
+
+_SCALE = [h.make_tensor(n, T.FLOAT, [], [0.1]) for n in ("s", "t")]
+INVALID |= {
+    "contrib op unknown to segflow": Case(
+        lambda: _contrib("NoSuchContribOp", ["x"]), UnsupportedOp,
+        ("NoSuchContribOp", "com.microsoft", "'ms1'")),
+    "Attention without num_heads": Case(
+        lambda: _contrib("Attention", ["x", "w"], [_weight((8, 24))]), InvalidModel,
+        ("'ms1'", "Attention", "num_heads")),
+    "SkipLayerNormalization without gamma": Case(
+        lambda: _contrib("SkipLayerNormalization", ["x", "x"]), InvalidModel,
+        ("'ms1'", "SkipLayerNormalization", "input 2")),
+    "MatMulNBits without block_size": Case(
+        lambda: _contrib("MatMulNBits", ["x", "b", "s"],
+                         [h.make_tensor("b", T.UINT8, [4, 1, 4], [0] * 16), _SCALE[0]],
+                         K=8, N=4), InvalidModel, ("'ms1'", "MatMulNBits", "block_size")),
+    "QLinearConcat with a broken triple": Case(
+        lambda: _contrib("QLinearConcat", ["s", "z", "x", "t", "z", "x", "t"],
+                         [*_SCALE, h.make_tensor("z", T.UINT8, [], [0])], axis=0),
+        InvalidModel, ("'ms1'", "QLinearConcat", "triples")),
+}
+
 
 def _ort_refuses(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> bool:
     """Whether onnxruntime refuses ``model`` at session creation (or, given feeds, at

@@ -48,3 +48,37 @@ def test_a_value_reading_kernel_leaves_the_spec() -> None:
     out = sess.run(None, {"x": np.array([0, 1, 2], np.float32)})[0]
     assert out.tolist() == [[1, 2]]
     assert not sess.graph.nodes[0].outputs[0].spec.is_static
+
+
+def _contrib_graph(op: str):  # type: ignore[no-untyped-def]
+    """x -> (a com.microsoft op ONNX has no schema for) -> MatMul: ONNX's inference leaves
+    both outputs unknown."""
+    c = helper.make_tensor
+    if op == "SkipLayerNormalization":
+        first = helper.make_node(op, ["x", "x", "g"], ["s"], domain="com.microsoft")
+    else:
+        first = helper.make_node(op, ["x", "q"], ["s"], domain="com.microsoft")
+    nodes = [first, helper.make_node("MatMul", ["s", "w"], ["y"])]
+    inits = [c("g", TensorProto.FLOAT, [8], [1.0] * 8), c("q", TensorProto.FLOAT, [8], [0.5] * 8),
+             c("w", TensorProto.FLOAT, [8, 4], [0.1] * 32)]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid("com.microsoft", 1)])
+    return import_model(model.SerializeToString())
+
+
+def test_a_contrib_op_gets_static_shapes_and_so_do_its_consumers() -> None:
+    graph = _contrib_graph("SkipLayerNormalization")
+    assert [v.spec.shape for n in graph.nodes for v in n.outputs] == [None, None]
+    assert fold_constants(graph).changed
+    assert [v.spec.shape for n in graph.nodes for v in n.outputs] == [(2, 3, 8), (2, 3, 4)]
+    graph.validate()
+
+
+def test_a_contrib_op_in_another_domain_is_not_run() -> None:
+    graph = _contrib_graph("BiasGelu")
+    graph.nodes[0].domain = "com.example"   # a domain whose kernels are not known to suit
+    assert not fold_constants(graph).changed
+    assert graph.nodes[0].outputs[0].spec.shape is None

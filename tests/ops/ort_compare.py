@@ -15,8 +15,10 @@ import segflow
 
 def make_model(nodes: Sequence[onnx.NodeProto], inputs: dict[str, np.ndarray],
                outputs: Sequence[str], opset: int,
-               initializers: dict[str, np.ndarray] | None = None) -> onnx.ModelProto:
-    """A model whose inputs are typed from ``inputs`` and whose outputs are untyped."""
+               initializers: dict[str, np.ndarray] | None = None,
+               domains: dict[str, int] | None = None) -> onnx.ModelProto:
+    """A model whose inputs are typed from ``inputs`` and whose outputs are untyped;
+    ``domains`` adds opset imports (``{"com.microsoft": 1}``)."""
     graph = helper.make_graph(
         list(nodes), "t",
         [helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape)
@@ -24,7 +26,9 @@ def make_model(nodes: Sequence[onnx.NodeProto], inputs: dict[str, np.ndarray],
         [helper.make_empty_tensor_value_info(name) for name in outputs],
         initializer=[onnx.numpy_helper.from_array(a, name)
                      for name, a in (initializers or {}).items()])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    imports = [helper.make_opsetid("", opset)]
+    imports += [helper.make_opsetid(d, v) for d, v in (domains or {}).items()]
+    model = helper.make_model(graph, opset_imports=imports)
     model.ir_version = min(model.ir_version, 10)  # what this onnxruntime accepts
     return model
 

@@ -22,13 +22,16 @@ runs them:
 - :data:`OP_CHECKS`, op type -> checker, on the imported graph where the specs
   are known: what onnxruntime's kernels refuse when created or at their first
   run (groups against channels, a kernel against its weight or its padded
-  input, pool pads against the kernel), refused at load instead.
+  input, pool pads against the kernel), refused at load instead; for the
+  com.microsoft ops segflow implements, :data:`CONTRIB_SIGNATURES`, the inputs and
+  attributes onnxruntime's contrib schemas require (ONNX has none to check them by).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import onnx
@@ -264,12 +267,15 @@ Checker = Callable[[Node], None]
 
 
 def check_ops(graph: Graph) -> None:
-    """Run :data:`OP_CHECKS` over every node of ``graph`` and its subgraphs."""
+    """Run :data:`OP_CHECKS` (ai.onnx) and :data:`CONTRIB_SIGNATURES` (com.microsoft) over
+    every node of ``graph`` and its subgraphs."""
     for node in graph.walk():
         if node.domain == "":
             check = OP_CHECKS.get(node.op_type)
             if check is not None:
                 check(node)
+        elif node.domain == CONTRIB_DOMAIN:
+            check_contrib(node)
 
 
 def _refuse(node: Node, what: str) -> InvalidModel:
@@ -504,6 +510,69 @@ OP_CHECKS: dict[str, Checker] = {
     "Hardmax": _axis_within(0),
     "Flatten": _axis_within(1),
 }
+
+
+# -- com.microsoft ----------------------------------------------------------------------
+CONTRIB_DOMAIN = "com.microsoft"
+
+
+@dataclass(frozen=True, slots=True)
+class ContribSignature:
+    """What onnxruntime's schema of a contrib op requires: the input positions that must be
+    given and the attributes without a default. ONNX knows no contrib schemas, so neither
+    its checker nor :class:`SchemaChecker` sees these."""
+
+    inputs: tuple[int, ...]
+    attrs: tuple[str, ...] = ()
+
+
+_QLINEAR_BINARY = ContribSignature((0, 1, 3, 4, 6))
+_QLINEAR_UNARY = ContribSignature((0, 1, 3))
+
+CONTRIB_SIGNATURES: dict[str, ContribSignature] = {
+    "QLinearAdd": _QLINEAR_BINARY,
+    "QLinearMul": _QLINEAR_BINARY,
+    "QLinearConcat": ContribSignature((0, 1, 2, 3, 4), ("axis",)),
+    "QLinearGlobalAveragePool": _QLINEAR_UNARY,
+    "QLinearAveragePool": ContribSignature((0, 1, 3), ("kernel_shape",)),
+    "QLinearSigmoid": _QLINEAR_UNARY,
+    "QLinearLeakyRelu": _QLINEAR_UNARY,
+    "QLinearSoftmax": ContribSignature((0, 1, 3), ("opset",)),
+    "QGemm": ContribSignature((0, 1, 2, 3, 4, 5)),
+    "DynamicQuantizeMatMul": ContribSignature((0, 1, 2)),
+    "MatMulIntegerToFloat": ContribSignature((0, 1, 2, 3)),
+    "QuantizeLinear": ContribSignature((0, 1)),
+    "DequantizeLinear": ContribSignature((0, 1)),
+    "FusedConv": ContribSignature((0, 1)),
+    "FusedGemm": ContribSignature((0, 1)),
+    "FusedMatMul": ContribSignature((0, 1)),
+    "Gelu": ContribSignature((0,)),
+    "FastGelu": ContribSignature((0,)),
+    "BiasGelu": ContribSignature((0, 1)),
+    "SkipLayerNormalization": ContribSignature((0, 1, 2)),
+    "EmbedLayerNormalization": ContribSignature((0, 2, 3, 5, 6)),
+    "Attention": ContribSignature((0, 1), ("num_heads",)),
+    "MultiHeadAttention": ContribSignature((0,), ("num_heads",)),
+    "MatMulNBits": ContribSignature((0, 1, 2), ("K", "N", "block_size")),
+}
+
+
+def check_contrib(node: Node) -> None:
+    """A com.microsoft node against its :data:`CONTRIB_SIGNATURES` row (an op without one
+    is refused by the op registry, which names it)."""
+    signature = CONTRIB_SIGNATURES.get(node.op_type)
+    if signature is None:
+        return
+    for index in signature.inputs:
+        if index >= len(node.inputs) or node.inputs[index] is None:
+            raise _refuse(node, f"input {index} is required ({node.op_type} has "
+                                f"{len(node.inputs)} inputs)")
+    for name in signature.attrs:
+        if name not in node.attrs:
+            raise _refuse(node, f"attribute {name} is required")
+    if node.op_type == "QLinearConcat" and (len(node.inputs) - 2) % 3:
+        raise _refuse(node, "inputs after y_scale and y_zero_point come in (x, scale, "
+                            f"zero point) triples; it has {len(node.inputs) - 2}")
 
 
 def onnx_type(dtype: DType) -> str:

@@ -7,6 +7,8 @@ collects them. To add an op, add one row to the family it belongs to.
 from segflow.ops import (
     backward,
     backward_select,
+    contrib_fused,
+    contrib_quant,
     control,
     copy,
     dense_chain,
@@ -25,7 +27,8 @@ from segflow.ops import (
 from segflow.ops.registry import BindContext, Kernel, OpDef, OpRegistry
 
 ALL_FAMILIES = (elementwise, nn, tensor, reduce, indexing, image, control, rnn, quant, linalg,
-                misc, copy, backward, backward_select, fused, dense_chain)
+                misc, copy, backward, backward_select, fused, dense_chain, contrib_quant,
+                contrib_fused)
 
 
 

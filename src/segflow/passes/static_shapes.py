@@ -27,6 +27,9 @@ from segflow.ir.graph import Node
 from segflow.ir.types import DType, TensorSpec
 from segflow.ops.registry import BindContext, OpRegistry
 
+# The domains whose rows' kernels run here: ONNX's, and onnxruntime's contrib ops, whose
+# outputs ONNX's shape inference leaves unknown (it has no schemas for them).
+_DOMAINS = frozenset({"", "com.microsoft"})
 # Ops never run here: a subgraph's, or ones whose result has no fixed shape anyway.
 _DATA_DEPENDENT = frozenset({"NonZero", "Unique", "NonMaxSuppression", "TopK", "Compress",
                              "RandomNormal", "RandomUniform", "RandomNormalLike",
@@ -36,7 +39,7 @@ _DATA_DEPENDENT = frozenset({"NonZero", "Unique", "NonMaxSuppression", "TopK", "
 def refine_static_shapes(node: Node, registry: OpRegistry, ctx: BindContext) -> bool:
     """Give ``node``'s outputs the fixed shapes its kernel computes over meta tensors of
     its non-constant inputs (all of fixed shape); True where a spec changed."""
-    if node.subgraphs or node.domain != "" or node.op_type in _DATA_DEPENDENT \
+    if node.subgraphs or node.domain not in _DOMAINS or node.op_type in _DATA_DEPENDENT \
             or all(v.spec.is_static and v.spec.dtype is not None for v in node.outputs):
         return False
     inputs: list[torch.Tensor | None] = []
