@@ -122,6 +122,22 @@ def test_qlinear_conv_per_channel_with_bias() -> None:
     np.testing.assert_allclose(got.astype(np.int64), expected.astype(np.int64), rtol=0, atol=1)
 
 
+@pytest.mark.parametrize("op", ["QLinearConv", "QLinearMatMul"])
+def test_requantization_rounds_the_float32_product_as_onnxruntime(op: str) -> None:
+    # 5 * float32(0.1) is 0.5000000075 in float64 but exactly 0.5 in float32, where the
+    # tie rounds to even: onnxruntime's outputs are 0, 2, 2, 4, 4 here, not 1, 2, 3, 4, 5.
+    x = np.array([5, 15, 25, 35, 45], np.uint8)
+    one = np.array(1.0, np.float32)
+    feeds = {"x": x.reshape(1, 1, 5, 1) if op == "QLinearConv" else x.reshape(5, 1),
+             "xs": one, "xzp": np.array(0, np.uint8),
+             "w": np.ones((1, 1, 1, 1) if op == "QLinearConv" else (1, 1), np.int8),
+             "ws": np.array(0.1, np.float32), "wzp": np.array(0, np.int8),
+             "ys": one, "yzp": np.array(0, np.uint8)}
+    node = helper.make_node(op, list(feeds), ["y"])
+    (got,) = assert_matches_ort(make_model([node], feeds, ["y"], 10), feeds, rtol=0, atol=0)
+    assert got.reshape(-1).tolist() == [0, 2, 2, 4, 4]
+
+
 def test_quantize_rejects_exotic_output_type() -> None:
     import segflow
 
