@@ -10,7 +10,9 @@ the weights are packed for it by ``passes/pack_weights.py``. In order:
 
 - With libdnnl (``CpuTarget.dnnl``, option ``direct``), a convolution is a
   ``DIRECT_CONV``: a primitive built once per input shape over libdnnl's own packing.
-  A max or global pooling reading such a convolution's output is a ``DIRECT_POOL``.
+  A max or global pooling reading such a convolution's output is a ``DIRECT_POOL``,
+  and a Mul of it by a per-channel ``[N, C, 1, 1]`` scale (:func:`broadcast_scale`) a
+  ``DIRECT_BINARY``, so that a squeeze-excitation block stays among direct kernels.
 - On a target where it is preferred (``blocked``), a depthwise/1x1 stack runs on
   nChw8c activations (:func:`blocked_region`).
 - A 3x3 stride-1 convolution outside that region that Winograd takes (``winograd``;
@@ -35,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from segflow.ir.graph import Graph, Node
-from segflow.ir.types import Device, DeviceKind
+from segflow.ir.types import Device, DeviceKind, DType
 from segflow.kernels.choice import (
     DIRECT_POOL_OPS,
     NATIVE_FUSED,
@@ -108,6 +110,13 @@ def select_kernels(graph: Graph, device: Device, target: CpuTarget, *, direct: b
             choices[node] = KernelChoice(
                 KernelKind.DIRECT_POOL,
                 blocked_input=source is not None and id(source.producer) in region)
+            continue
+        scale = broadcast_scale(node, choices) if use_dnnl else None
+        if scale is not None:
+            big = node.inputs[1 - scale]
+            choices[node] = KernelChoice(
+                KernelKind.DIRECT_BINARY, broadcast_input=scale,
+                blocked_input=big is not None and id(big.producer) in region)
             continue
         if node.domain != FUSED_DOMAIN or node.op_type != "FusedConv":
             continue
@@ -212,6 +221,34 @@ def _direct_pool(node: Node, choices: dict[Node, KernelChoice]) -> bool:
     return (node.domain == "" and node.op_type in DIRECT_POOL_OPS and len(node.outputs) == 1
             and producer is not None and producer in choices
             and choices[producer].calls_libdnnl)
+
+
+def broadcast_scale(node: Node, choices: dict[Node, KernelChoice]) -> int | None:
+    """The input (0 or 1) of a float32 Mul that is a per-channel scale of the other:
+    ``[N, C, H, W]`` (or 5-D) from a direct kernel (channels-last) times ``[N or 1, C,
+    1, 1]``, the product the big operand's shape. None where the Mul is not one."""
+    if node.domain != "" or node.op_type != "Mul" or len(node.inputs) != 2 \
+            or len(node.outputs) != 1:
+        return None
+    a, b = node.inputs
+    out = node.outputs[0].spec.shape
+    if a is None or b is None or a is b or out is None:
+        return None
+    for scale, big in ((1, a), (0, b)):
+        small = node.inputs[scale]
+        assert small is not None
+        producer = big.producer
+        if producer is None or producer not in choices or not choices[producer].calls_libdnnl:
+            continue
+        shape, scale_shape = big.spec.shape, small.spec.shape
+        if shape is None or scale_shape is None or tuple(out) != tuple(shape) \
+                or big.spec.dtype is not DType.FLOAT32 or small.spec.dtype is not DType.FLOAT32:
+            continue
+        if len(shape) in (4, 5) and len(scale_shape) == len(shape) \
+                and scale_shape[1] == shape[1] and scale_shape[0] in (1, shape[0]) \
+                and all(d == 1 for d in scale_shape[2:]):
+            return scale
+    return None
 
 
 def blocked_region(graph: Graph, target: CpuTarget) -> set[int]:
