@@ -114,8 +114,7 @@ def direct_replay(run: Sequence[Step], inplace_input: Callable[[Step], int | Non
             native = _native_op(step)
             assert isinstance(native, NativeLinear)
             op = native
-        inplace = step.choice.kind in DIRECT_CONV_KINDS and adds_residual_in_place(
-            step.node, inplace_input(step))
+        inplace = in_place(step, inplace_input(step))
         args = tuple(position[s] if s else None for s in step.inputs)
         (slot,) = step.outputs
         position[slot] = n_inputs + offset
@@ -125,6 +124,17 @@ def direct_replay(run: Sequence[Step], inplace_input: Callable[[Step], int | Non
     replay = DirectReplay(replay_steps, n_inputs, [position[s] for s in outputs],
                           native=target.native, native_why=target.native_why)
     return replay, inputs, outputs
+
+
+def in_place(step: Step, slot: int | None) -> bool:
+    """Whether a replayed direct step writes over its input ``slot`` (None: none), which
+    the memory plan lets it overwrite: a residual convolution's residual, or a channel
+    scale's big operand."""
+    choice = step.choice
+    if choice.kind in DIRECT_CONV_KINDS:
+        return adds_residual_in_place(step.node, slot)
+    return choice.kind is KernelKind.DIRECT_BINARY and choice.broadcast_input is not None \
+        and slot == 1 - choice.broadcast_input
 
 
 def _native_op(step: Step) -> Replayable | None:

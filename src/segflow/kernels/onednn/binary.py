@@ -78,6 +78,22 @@ class DirectBinary(DirectOp):
         self._run(call, x, y, s)
         return y
 
+    def inplace_call(self, a: Tensor, b: Tensor) -> Tensor:
+        """The product written over the big operand, where the memory plan lets it
+        overwrite that input (it dies here), as generated code calls it: libdnnl's binary
+        runs with its destination at its source. A call the primitive does not serve
+        returns a new tensor (the fallback's)."""
+        x, s = self.operands(a, b)
+        key = self._key(x, s)
+        try:
+            call = self.calls[key]
+        except KeyError:
+            call = self._build(key, lambda: self._make_call(x, s))
+        if call is None:
+            return self._fallback(x, s)
+        self._run(call, x, x, s)
+        return x
+
     def _fallback(self, x: Tensor, s: Tensor) -> Tensor:
         if not self.blocked_input:
             return self.fallback(*self.operands(x, s))

@@ -319,24 +319,29 @@ class DirectReplay:
                         fixed.add(a)       # the weight and bias a primitive was built for
                 assert x is not None and w is not None
                 call = op.call_for(x, z, step.inplace)
+                target = z if step.inplace else given
                 ok = (call is not None and call.source is w and call.bias is b
-                      and call.in_format is None and op.after is None
-                      and out is (z if step.inplace else given))
+                      and call.in_format is None and op.after is None and out is target)
             elif isinstance(op, DirectBinary):
-                # The big operand is the call's source, the scale its third memory.
+                # The big operand is the call's source, the scale its third memory; in
+                # place, the source is also its destination.
                 order = (0, 1) if op.broadcast_input == 1 else (1, 0)
                 source_arg, scale_arg = (step.args[i] for i in order)
                 x, z = (args[i] for i in order)
                 assert x is not None and z is not None
+                if step.inplace and source_arg is not None and source_arg < n:
+                    return None    # its output is a tensor from outside: not recordable
                 call = op.call_for(x, z)
-                ok = call is not None and out is given
+                target = x if step.inplace else given
+                ok = call is not None and out is target
             else:
                 z = None
                 assert x is not None
                 call = op.call_for(x)
+                target = given
                 ok = call is not None and out is given
             if not ok or call is None or out is None:
-                if out is None or out is not (z if step.inplace else given):
+                if out is None or out is not target:
                     rest = index     # a new tensor each run: the rest runs as before
                     break
                 plan.append((index, None, None, (ctypes.c_size_t * 3)()))
