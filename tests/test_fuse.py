@@ -86,7 +86,7 @@ def test_nothing_to_fuse_leaves_the_graph_alone():
 
 def test_every_rule_is_named_and_selectable():
     names = [name for name, _ in RULES]
-    assert names == ["noops", "pad", "batchnorm", "linear", "gelu", "gelu_tanh", "silu",
+    assert names == ["noops", "global_pool", "pad", "batchnorm", "linear", "gelu", "gelu_tanh", "silu",
                      "conv", "activation", "attention", "layernorm", "siblings"]
     with pytest.raises(ValueError, match="unknown fuse rules"):
         run_rules(import_model(_model([helper.make_node("Relu", ["x"], ["y"])],
@@ -208,10 +208,21 @@ def _silu_after_conv(swap=False, alpha=None):
     return model, {"x": _rand(2, 4, 6, 6, scale=2.0)}
 
 
+def _spatial_mean_after_conv(axes=(2, 3), keepdims=1):
+    """Conv, then ReduceMean over ``axes`` (opset 18: axes an input)."""
+    inits = {"w": _rand(8, 4, 3, 3, scale=0.3), "b": _rand(8),
+             "axes": np.array(list(axes), np.int64)}
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("ReduceMean", ["c", "axes"], ["out"], keepdims=keepdims)]
+    model = _model(nodes, {"x": ["batch", 4, 6, 6]}, ["out"], inits, opset=18)
+    return model, {"x": _rand(2, 4, 6, 6, scale=2.0)}
+
+
 # rule -> (model and feeds, the op the rule rewrites away: gone with the rule on, kept off;
 # "+Op": an op the rule adds, there with the rule on, not off)
 _RULE_CASES = {
     "noops": (_noop_model, "Identity"),
+    "global_pool": (_spatial_mean_after_conv, "ReduceMean"),
     "pad": (_pad_conv, "Pad"),
     "batchnorm": (_resnet, "BatchNormalization"),
     "linear": (_bert, "MatMul"),
@@ -241,6 +252,25 @@ def test_each_rule_switched_off_leaves_its_pattern_and_the_results(rule):
     assert any(n.op_type == op_type.lstrip("+") for n in present.graph.nodes)
     assert f"rules off: {rule}" in off.explain()
     assert "rules off" not in on.explain()
+
+
+# -- global_pool -------------------------------------------------------------------------
+@pytest.mark.parametrize("axes", [(2, 3), (-1, -2)])
+def test_a_spatial_mean_becomes_global_average_pool(axes):
+    model, feeds = _spatial_mean_after_conv(axes)
+    graph, result = _fused(model, ["global_pool"])
+    assert result.modified
+    assert [n.op_type for n in graph.nodes] == ["Conv", "GlobalAveragePool"]
+    _check(model, feeds, ["FusedConv", "GlobalAveragePool"])
+
+
+@pytest.mark.parametrize(("axes", "keepdims"), [((2,), 1), ((1, 2, 3), 1), ((2, 3), 0)])
+def test_other_means_stay(axes, keepdims):
+    model, feeds = _spatial_mean_after_conv(axes, keepdims)
+    graph, result = _fused(model, ["global_pool"])
+    assert not result.modified
+    assert [n.op_type for n in graph.nodes] == ["Conv", "ReduceMean"]
+    _check(model, feeds, ["FusedConv", "ReduceMean"])
 
 
 # -- no-ops ------------------------------------------------------------------------------
