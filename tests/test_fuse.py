@@ -86,8 +86,8 @@ def test_nothing_to_fuse_leaves_the_graph_alone():
 
 def test_every_rule_is_named_and_selectable():
     names = [name for name, _ in RULES]
-    assert names == ["noops", "global_pool", "pad", "batchnorm", "linear", "gelu", "gelu_tanh", "silu",
-                     "conv", "activation", "attention", "layernorm", "siblings"]
+    assert names == ["noops", "global_pool", "pad", "batchnorm", "linear", "gelu", "gelu_tanh",
+                     "silu", "conv", "activation", "attention", "layernorm", "siblings"]
     with pytest.raises(ValueError, match="unknown fuse rules"):
         run_rules(import_model(_model([helper.make_node("Relu", ["x"], ["y"])],
                                       {"x": [2]}, ["y"])), ["nope"])
