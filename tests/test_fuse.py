@@ -101,14 +101,17 @@ def _noop_model():
         {"x": _rand(1, 2, 5, 5)}
 
 
-def _pad_conv(pads=(0, 0, 0, 0, 0, 0, 1, 1), value=None, mode="constant", stride=2):
-    """A "same"-padded stride-2 convolution as transformers' ports export it: Pad, Conv."""
+def _pad_conv(pads=(0, 0, 0, 0, 0, 0, 1, 1), value=None, mode="constant", stride=2,
+              auto_pad=None):
+    """A "same"-padded stride-2 convolution as transformers' ports export it: Pad, Conv
+    (the Conv's ``auto_pad`` where given: the torchscript exporter writes VALID)."""
     inputs = ["x", "p"] + (["v"] if value is not None else [])
     inits = {"w": _rand(4, 3, 3, 3), "p": np.array(pads, np.int64)}
     if value is not None:
         inits["v"] = np.array(value, np.float32)
     nodes = [helper.make_node("Pad", inputs, ["xp"], mode=mode),
-             helper.make_node("Conv", ["xp", "w"], ["out"], strides=[stride, stride])]
+             helper.make_node("Conv", ["xp", "w"], ["out"], strides=[stride, stride],
+                              **({"auto_pad": auto_pad} if auto_pad else {}))]
     return _model(nodes, {"x": [2, 3, 9, 8]}, ["out"], inits), {"x": _rand(2, 3, 9, 8)}
 
 
@@ -301,25 +304,28 @@ def test_transpose_pair_merges_into_one():
     _check(model, {"x": _rand(2, 3, 4)})
 
 
+@pytest.mark.parametrize("auto_pad", [None, "VALID", "NOTSET"])
 @pytest.mark.parametrize("pads", [(0, 0, 0, 0, 0, 0, 1, 1), (0, 0, 1, 2, 0, 0, 2, 0)])
-def test_a_zero_pad_before_a_conv_becomes_its_padding(pads):
-    model, feeds = _pad_conv(pads)
+def test_a_zero_pad_before_a_conv_becomes_its_padding(pads, auto_pad):
+    model, feeds = _pad_conv(pads, auto_pad=auto_pad)
     sess = _check(model, feeds, ["FusedConv"])
     (conv,) = sess.graph.nodes
     assert list(conv.attrs["pads"]) == [pads[2], pads[3], pads[6], pads[7]]
+    assert conv.attrs.get("auto_pad", "NOTSET") == "NOTSET"
     feeds["x"][0, 1, 3, 2] = np.nan       # a NaN stays where the unpadded conv puts it
     feeds["x"][1, 0, 0, 0] = np.inf
     _check(model, feeds)
     _check(*_pad_conv(pads, value=0.0), expect_ops=["FusedConv"])
 
 
-@pytest.mark.parametrize("case", ["value", "mode", "batch", "negative"])
+@pytest.mark.parametrize("case", ["value", "mode", "batch", "negative", "same"])
 def test_pads_that_are_not_zero_padding_of_the_spatial_dims_stay(case):
     model, feeds = {
         "value": lambda: _pad_conv(value=1.5),
         "mode": lambda: _pad_conv((0, 0, 1, 1, 0, 0, 1, 1), mode="reflect"),
         "batch": lambda: _pad_conv((1, 0, 0, 0, 0, 0, 1, 1)),
         "negative": lambda: _pad_conv((0, 0, 0, -1, 0, 0, 1, 1)),
+        "same": lambda: _pad_conv(auto_pad="SAME_UPPER"),
     }[case]()
     graph, _ = _fused(model, ["pad"])
     assert [n.op_type for n in graph.nodes] == ["Pad", "Conv"]
