@@ -23,7 +23,7 @@ from replays import replays
 from segflow.kernels.choice import KernelKind
 from segflow.kernels.onednn.binary import DirectBinary, per_channel
 from segflow.kernels.onednn.library import BINARY_MUL, Library
-from targets import count
+from targets import as_cpu, count
 
 LIB = Library.load()
 pytestmark = pytest.mark.skipif(LIB is None, reason=f"libdnnl {Library.probe()[1]}")
@@ -78,11 +78,11 @@ def _block(pool: str = "GlobalAveragePool", swap: bool = False, scale_channels: 
     return model
 
 
-def _poisoned(batch: int, value: float) -> dict[str, np.ndarray]:
+def _poisoned(batch: int, value: float, channels: int = 8) -> dict[str, np.ndarray]:
     """A feed with ``value`` (NaN or an infinity) at two places of its first image; the
     other images finite."""
-    x = _rand(batch, 8, 10, 10, scale=2.0)
-    x[0, 3, 4, 5] = value
+    x = _rand(batch, channels, 10, 10, scale=2.0)
+    x[0, 2, 4, 5] = value
     x[0, 0, 0, 0] = value
     return {"x": x}
 
@@ -158,6 +158,69 @@ def test_the_choice_switched_off_with_the_direct_path():
     model = _block()
     sess = segflow.InferenceSession(model, compile="codegen", optimize={"layout.direct": False})
     assert count(sess, KernelKind.DIRECT_BINARY) == 0
+    _compare(model, sess, {"x": _rand(2, 8, 10, 10)})
+
+
+def _depthwise_block() -> Any:
+    """A 3x3 stem over the RGB image, a depthwise 3x3 conv (both + SiLU), the squeeze-excitation
+    scale of its output, a 1x1 conv and a global pooling: a region the layout pass may
+    run on nChw8c activations, the scale inside it."""
+    inits = {"we": _rand(C, 3, 3, 3, scale=0.4), "be": _rand(C),
+             "wd": _rand(C, 1, 3, 3, scale=0.4), "bd": _rand(C),
+             "w1": _rand(8, C, 1, 1, scale=0.5), "b1": _rand(8),
+             "w2": _rand(C, 8, 1, 1, scale=0.5), "b2": _rand(C),
+             "w3": _rand(C, C, 1, 1, scale=0.3), "b3": _rand(C)}
+    nodes = [helper.make_node("Conv", ["x", "we", "be"], ["ce"], pads=[1, 1, 1, 1]),
+             *_silu("ce", "ae"),
+             helper.make_node("Conv", ["ae", "wd", "bd"], ["cd"], pads=[1, 1, 1, 1], group=C),
+             *_silu("cd", "ad"),
+             helper.make_node("GlobalAveragePool", ["ad"], ["p"]),
+             helper.make_node("Conv", ["p", "w1", "b1"], ["c1"]), *_silu("c1", "a1"),
+             helper.make_node("Conv", ["a1", "w2", "b2"], ["c2"]),
+             helper.make_node("Sigmoid", ["c2"], ["s"]),
+             helper.make_node("Mul", ["ad", "s"], ["m"]),
+             helper.make_node("Conv", ["m", "w3", "b3"], ["c3"]),
+             helper.make_node("GlobalAveragePool", ["c3"], ["out"])]
+    graph = helper.make_graph(
+        nodes, "se_dw",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 10, 10])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)],
+        initializer=[numpy_helper.from_array(a, n) for n, a in inits.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 8
+    return model
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_the_scale_runs_inside_the_blocked_region(monkeypatch, batch):
+    as_cpu(monkeypatch, avx512=False)      # where the region is preferred (8-float vectors)
+    model = _depthwise_block()
+    sess = segflow.InferenceSession(model, compile="codegen")
+    nodes = sess.plan.graph.nodes
+    (mul,) = [n for n in nodes if n.op_type == "Mul"]
+    choices = sess.plan.choices
+    if not any(choices[n].blocked for n in nodes):
+        pytest.skip("this libdnnl has no nChw8c depthwise kernel on this CPU")
+    assert choices.kind(mul) is KernelKind.DIRECT_BINARY and choices[mul].blocked_input
+    convs = [n for n in nodes if n.op_type == "FusedConv"]
+    # The expansion, depthwise and last conv in the region; the two on the pooled map not.
+    assert [choices[n].blocked for n in convs] == [True, True, False, False, True]
+    assert choices[convs[-1]].blocked_input
+    pools = [n for n in nodes if n.op_type == "GlobalAveragePool"]
+    assert [choices[p].blocked_input for p in pools] == [True, True]
+    for _ in range(3):
+        _compare(model, sess, {"x": _rand(batch, 3, 10, 10, scale=2.0)})
+    for value in (np.nan, np.inf, -np.inf):
+        _compare(model, sess, _poisoned(batch, value, channels=3))
+
+
+def test_a_scale_whose_output_leaves_the_region_takes_it_off(monkeypatch):
+    as_cpu(monkeypatch, avx512=False)
+    model = _block()     # the scale's output goes to a conv whose output is the graph's
+    sess = segflow.InferenceSession(model, compile="codegen")
+    nodes = sess.plan.graph.nodes
+    assert not any(sess.plan.choices[n].blocked or sess.plan.choices[n].blocked_input
+                   for n in nodes)
     _compare(model, sess, {"x": _rand(2, 8, 10, 10)})
 
 
