@@ -86,9 +86,9 @@ def test_nothing_to_fuse_leaves_the_graph_alone():
 
 def test_every_rule_is_named_and_selectable():
     names = [name for name, _ in RULES]
-    assert names == ["noops", "pad", "batchnorm", "linear", "gelu", "gelu_tanh", "silu",
-                     "conv", "activation", "attention", "rmsnorm", "layernorm", "siblings",
-                     "views"]
+    assert names == ["noops", "global_pool", "pad", "batchnorm", "linear", "gelu", "gelu_tanh",
+                     "silu", "conv", "activation", "attention", "rmsnorm", "layernorm",
+                     "siblings", "views"]
     with pytest.raises(ValueError, match="unknown fuse rules"):
         run_rules(import_model(_model([helper.make_node("Relu", ["x"], ["y"])],
                                       {"x": [2]}, ["y"])), ["nope"])
@@ -102,14 +102,17 @@ def _noop_model():
         {"x": _rand(1, 2, 5, 5)}
 
 
-def _pad_conv(pads=(0, 0, 0, 0, 0, 0, 1, 1), value=None, mode="constant", stride=2):
-    """A "same"-padded stride-2 convolution as transformers' ports export it: Pad, Conv."""
+def _pad_conv(pads=(0, 0, 0, 0, 0, 0, 1, 1), value=None, mode="constant", stride=2,
+              auto_pad=None):
+    """A "same"-padded stride-2 convolution as transformers' ports export it: Pad, Conv
+    (the Conv's ``auto_pad`` where given: the torchscript exporter writes VALID)."""
     inputs = ["x", "p"] + (["v"] if value is not None else [])
     inits = {"w": _rand(4, 3, 3, 3), "p": np.array(pads, np.int64)}
     if value is not None:
         inits["v"] = np.array(value, np.float32)
     nodes = [helper.make_node("Pad", inputs, ["xp"], mode=mode),
-             helper.make_node("Conv", ["xp", "w"], ["out"], strides=[stride, stride])]
+             helper.make_node("Conv", ["xp", "w"], ["out"], strides=[stride, stride],
+                              **({"auto_pad": auto_pad} if auto_pad else {}))]
     return _model(nodes, {"x": [2, 3, 9, 8]}, ["out"], inits), {"x": _rand(2, 3, 9, 8)}
 
 
@@ -243,10 +246,21 @@ def _head_split(seq=1, shared=False, batch=1):
     return model, {"x": _rand(1, seq, 8)}
 
 
+def _spatial_mean_after_conv(axes=(2, 3), keepdims=1):
+    """Conv, then ReduceMean over ``axes`` (opset 18: axes an input)."""
+    inits = {"w": _rand(8, 4, 3, 3, scale=0.3), "b": _rand(8),
+             "axes": np.array(list(axes), np.int64)}
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("ReduceMean", ["c", "axes"], ["out"], keepdims=keepdims)]
+    model = _model(nodes, {"x": ["batch", 4, 6, 6]}, ["out"], inits, opset=18)
+    return model, {"x": _rand(2, 4, 6, 6, scale=2.0)}
+
+
 # rule -> (model and feeds, the op the rule rewrites away: gone with the rule on, kept off;
 # "+Op": an op the rule adds, there with the rule on, not off)
 _RULE_CASES = {
     "noops": (_noop_model, "Identity"),
+    "global_pool": (_spatial_mean_after_conv, "ReduceMean"),
     "pad": (_pad_conv, "Pad"),
     "batchnorm": (_resnet, "BatchNormalization"),
     "linear": (_bert, "MatMul"),
@@ -278,6 +292,25 @@ def test_each_rule_switched_off_leaves_its_pattern_and_the_results(rule):
     assert any(n.op_type == op_type.lstrip("+") for n in present.graph.nodes)
     assert f"rules off: {rule}" in off.explain()
     assert "rules off" not in on.explain()
+
+
+# -- global_pool -------------------------------------------------------------------------
+@pytest.mark.parametrize("axes", [(2, 3), (-1, -2)])
+def test_a_spatial_mean_becomes_global_average_pool(axes):
+    model, feeds = _spatial_mean_after_conv(axes)
+    graph, result = _fused(model, ["global_pool"])
+    assert result.modified
+    assert [n.op_type for n in graph.nodes] == ["Conv", "GlobalAveragePool"]
+    _check(model, feeds, ["FusedConv", "GlobalAveragePool"])
+
+
+@pytest.mark.parametrize(("axes", "keepdims"), [((2,), 1), ((1, 2, 3), 1), ((2, 3), 0)])
+def test_other_means_stay(axes, keepdims):
+    model, feeds = _spatial_mean_after_conv(axes, keepdims)
+    graph, result = _fused(model, ["global_pool"])
+    assert not result.modified
+    assert [n.op_type for n in graph.nodes] == ["Conv", "ReduceMean"]
+    _check(model, feeds, ["FusedConv", "ReduceMean"])
 
 
 # -- no-ops ------------------------------------------------------------------------------
@@ -360,25 +393,28 @@ def test_views_with_an_unknown_dim_stay():
     _check(model, feeds)
 
 
+@pytest.mark.parametrize("auto_pad", [None, "VALID", "NOTSET"])
 @pytest.mark.parametrize("pads", [(0, 0, 0, 0, 0, 0, 1, 1), (0, 0, 1, 2, 0, 0, 2, 0)])
-def test_a_zero_pad_before_a_conv_becomes_its_padding(pads):
-    model, feeds = _pad_conv(pads)
+def test_a_zero_pad_before_a_conv_becomes_its_padding(pads, auto_pad):
+    model, feeds = _pad_conv(pads, auto_pad=auto_pad)
     sess = _check(model, feeds, ["FusedConv"])
     (conv,) = sess.graph.nodes
     assert list(conv.attrs["pads"]) == [pads[2], pads[3], pads[6], pads[7]]
+    assert conv.attrs.get("auto_pad", "NOTSET") == "NOTSET"
     feeds["x"][0, 1, 3, 2] = np.nan       # a NaN stays where the unpadded conv puts it
     feeds["x"][1, 0, 0, 0] = np.inf
     _check(model, feeds)
     _check(*_pad_conv(pads, value=0.0), expect_ops=["FusedConv"])
 
 
-@pytest.mark.parametrize("case", ["value", "mode", "batch", "negative"])
+@pytest.mark.parametrize("case", ["value", "mode", "batch", "negative", "same"])
 def test_pads_that_are_not_zero_padding_of_the_spatial_dims_stay(case):
     model, feeds = {
         "value": lambda: _pad_conv(value=1.5),
         "mode": lambda: _pad_conv((0, 0, 1, 1, 0, 0, 1, 1), mode="reflect"),
         "batch": lambda: _pad_conv((1, 0, 0, 0, 0, 0, 1, 1)),
         "negative": lambda: _pad_conv((0, 0, 0, -1, 0, 0, 1, 1)),
+        "same": lambda: _pad_conv(auto_pad="SAME_UPPER"),
     }[case]()
     graph, _ = _fused(model, ["pad"])
     assert [n.op_type for n in graph.nodes] == ["Pad", "Conv"]

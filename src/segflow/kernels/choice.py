@@ -30,6 +30,7 @@ class KernelKind(enum.Enum):
     WINOGRAD = "winograd"              # the direct convolution as Winograd F(4x4, 3x3)
     NATIVE_STEM = "native_stem"        # the direct convolution reading the NCHW image in place
     DIRECT_POOL = "direct_pool"        # libdnnl's pooling over a direct kernel's output
+    DIRECT_BINARY = "direct_binary"    # libdnnl's binary: a per-channel scale of one
     ONEDNN_LINEAR = "onednn_linear"    # torch's oneDNN matmul over a prepacked weight
     DIRECT_LINEAR = "direct_linear"    # libdnnl's inner product
     NATIVE_LINEAR = "native_linear"    # segflow's packed-panel kernel (kernels/linear.py)
@@ -40,7 +41,7 @@ class KernelKind(enum.Enum):
 
 # Kinds whose kernel calls libdnnl (it then writes where the run says: runtime/arena.py).
 CALLS_LIBDNNL = frozenset({KernelKind.DIRECT_CONV, KernelKind.WINOGRAD, KernelKind.NATIVE_STEM,
-                           KernelKind.DIRECT_POOL})
+                           KernelKind.DIRECT_POOL, KernelKind.DIRECT_BINARY})
 # The direct convolution and its strategies (one DirectConv op each).
 DIRECT_CONV_KINDS = frozenset({KernelKind.DIRECT_CONV, KernelKind.WINOGRAD,
                                KernelKind.NATIVE_STEM})
@@ -77,6 +78,7 @@ class KernelChoice:
     libdnnl_packed: bool = False                  # the weight constant is libdnnl's packing
     strassen_wmax: float | None = None            # Strassen's weight check (None: classic)
     direct_rows: int | None = None                # rows an inner product's weight is packed for
+    broadcast_input: int | None = None            # a binary's per-channel [N, C, 1, 1] operand
 
     @property
     def calls_libdnnl(self) -> bool:

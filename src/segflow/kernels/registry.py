@@ -11,6 +11,7 @@ from collections.abc import Mapping
 
 from segflow.ir.graph import Node
 from segflow.kernels.attention import bind_attention
+from segflow.kernels.binary import bind_direct_binary
 from segflow.kernels.choice import KernelKind
 from segflow.kernels.conv import bind_direct_conv, bind_onednn_conv
 from segflow.kernels.dense_chain import bind_dense_chain, inline_chain
@@ -27,6 +28,7 @@ KERNELS: Mapping[KernelKind, Bind] = {
     KernelKind.WINOGRAD: bind_direct_conv,       # a strategy of the direct convolution
     KernelKind.NATIVE_STEM: bind_direct_conv,    # likewise
     KernelKind.DIRECT_POOL: bind_direct_pool,
+    KernelKind.DIRECT_BINARY: bind_direct_binary,
     KernelKind.ONEDNN_LINEAR: bind_onednn_linear,
     KernelKind.DIRECT_LINEAR: bind_direct_linear,
     KernelKind.NATIVE_LINEAR: bind_native_linear,

@@ -361,7 +361,11 @@ def _layout_line(choices: KernelChoices, context: PassContext) -> str:
         why = context.target.dnnl_why
         direct = any(choices[n].calls_libdnnl for n in choices)
         pools = sum(1 for n in choices if choices[n].kind is KernelKind.DIRECT_POOL)
-        also = f" (and {pools} pooling{'s' if pools > 1 else ''})" if pools else ""
+        scales = kinds[KernelKind.DIRECT_BINARY]
+        others = [f"{pools} pooling{'s' if pools > 1 else ''}"] if pools else []
+        if scales:
+            others.append(f"{scales} channel scale{'s' if scales > 1 else ''}")
+        also = f" (and {', '.join(others)})" if others else ""
         text += f"; direct calls into {why}{also}" if direct else f"; libdnnl {why}"
         blocked = sum(1 for n in choices if choices[n].blocked)
         if blocked:

@@ -10,7 +10,9 @@ the weights are packed for it by ``passes/pack_weights.py``. In order:
 
 - With libdnnl (``CpuTarget.dnnl``, option ``direct``), a convolution is a
   ``DIRECT_CONV``: a primitive built once per input shape over libdnnl's own packing.
-  A max or global pooling reading such a convolution's output is a ``DIRECT_POOL``.
+  A max or global pooling reading such a convolution's output is a ``DIRECT_POOL``,
+  and a Mul of it by a per-channel ``[N, C, 1, 1]`` scale (:func:`broadcast_scale`) a
+  ``DIRECT_BINARY``, so that a squeeze-excitation block stays among direct kernels.
 - On a target where it is preferred (``blocked``), a depthwise/1x1 stack runs on
   nChw8c activations (:func:`blocked_region`).
 - A 3x3 stride-1 convolution outside that region that Winograd takes (``winograd``;
@@ -30,12 +32,13 @@ target prefers it).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from segflow.ir.graph import Graph, Node
-from segflow.ir.types import Device, DeviceKind
+from segflow.ir.types import Device, DeviceKind, DType
 from segflow.kernels.choice import (
     DIRECT_POOL_OPS,
     NATIVE_FUSED,
@@ -108,6 +111,12 @@ def select_kernels(graph: Graph, device: Device, target: CpuTarget, *, direct: b
             choices[node] = KernelChoice(
                 KernelKind.DIRECT_POOL,
                 blocked_input=source is not None and id(source.producer) in region)
+            continue
+        scale = broadcast_scale(node, choices) if use_dnnl else None
+        if scale is not None:
+            # In the region (its big operand nChw8c), its output is nChw8c too.
+            choices[node] = KernelChoice(KernelKind.DIRECT_BINARY, broadcast_input=scale,
+                                         blocked_input=id(node) in region)
             continue
         if node.domain != FUSED_DOMAIN or node.op_type != "FusedConv":
             continue
@@ -214,6 +223,41 @@ def _direct_pool(node: Node, choices: dict[Node, KernelChoice]) -> bool:
             and choices[producer].calls_libdnnl)
 
 
+def broadcast_scale(node: Node, choices: dict[Node, KernelChoice]) -> int | None:
+    """The input (0 or 1) of a float32 Mul that is a per-channel scale of the other:
+    ``[N, C, H, W]`` (or 5-D) from a direct kernel (channels-last) times ``[N or 1, C,
+    1, 1]``, the product the big operand's shape. None where the Mul is not one."""
+    return _per_channel_operand(
+        node, lambda producer: producer in choices and choices[producer].calls_libdnnl)
+
+
+def _per_channel_operand(node: Node, big_from: Callable[[Node], bool]) -> int | None:
+    """:func:`broadcast_scale`'s shapes, the big operand's producer one ``big_from``
+    accepts."""
+    if node.domain != "" or node.op_type != "Mul" or len(node.inputs) != 2 \
+            or len(node.outputs) != 1:
+        return None
+    a, b = node.inputs
+    out = node.outputs[0].spec.shape
+    if a is None or b is None or a is b or out is None:
+        return None
+    for scale, big in ((1, a), (0, b)):
+        small = node.inputs[scale]
+        assert small is not None
+        producer = big.producer
+        if producer is None or not big_from(producer):
+            continue
+        shape, scale_shape = big.spec.shape, small.spec.shape
+        if shape is None or scale_shape is None or tuple(out) != tuple(shape) \
+                or big.spec.dtype is not DType.FLOAT32 or small.spec.dtype is not DType.FLOAT32:
+            continue
+        if len(shape) in (4, 5) and len(scale_shape) == len(shape) \
+                and scale_shape[1] == shape[1] and scale_shape[0] in (1, shape[0]) \
+                and all(d == 1 for d in scale_shape[2:]):
+            return scale
+    return None
+
+
 def blocked_region(graph: Graph, target: CpuTarget) -> set[int]:
     """The convolutions (``id``s) that run on ``nChw8c`` activations.
 
@@ -256,31 +300,45 @@ def blocked_region(graph: Graph, target: CpuTarget) -> set[int]:
             candidates.add(id(node))
             if is_depthwise:
                 depthwise.add(id(node))
-    region = set(candidates)
+    # Per-channel scales of a candidate's output (a squeeze-excitation block's) run on
+    # its nChw8c bytes too (``DIRECT_BINARY``): by node id, the scale operand's index.
+    scales: dict[int, int] = {}
+    for node in graph.nodes:
+        scale = _per_channel_operand(node, lambda producer: id(producer) in candidates)
+        if scale is not None:
+            scales[id(node)] = scale
+    region = set(candidates) | set(scales)
     shrinking = True
     while shrinking:
         shrinking = False
         for node in graph.nodes:
-            if id(node) in region and not _fits_region(graph, node, region):
+            if id(node) in region and not _fits_region(graph, node, region, scales):
                 region.discard(id(node))
                 shrinking = True
     return region if region & depthwise else set()
 
 
-def _fits_region(graph: Graph, node: Node, region: set[int]) -> bool:
-    """Whether a region convolution's input, residual and output all stay inside it."""
-    x = node.inputs[0]
-    if x is None or (x.producer is not None and id(x.producer) not in region):
-        return False
-    z = node.inputs[3] if len(node.inputs) > 3 else None
-    if z is not None and (z.producer is None or id(z.producer) not in region):
-        return False
+def _fits_region(graph: Graph, node: Node, region: set[int], scales: dict[int, int]) -> bool:
+    """Whether a region convolution's input, residual and output (a region scale's big
+    operand and output) all stay inside it."""
+    if id(node) in scales:
+        big = node.inputs[1 - scales[id(node)]]
+        if big is None or big.producer is None or id(big.producer) not in region:
+            return False
+    else:
+        x = node.inputs[0]
+        if x is None or (x.producer is not None and id(x.producer) not in region):
+            return False
+        z = node.inputs[3] if len(node.inputs) > 3 else None
+        if z is not None and (z.producer is None or id(z.producer) not in region):
+            return False
     out = node.outputs[0]
     if out in graph.outputs or not out.uses or len(node.outputs) != 1:
         return False
     for user in out.uses:
         slots = [i for i, v in enumerate(user.inputs) if v is out]
-        if id(user) in region and all(i in (0, 3) for i in slots):
+        reads = [1 - scales[id(user)]] if id(user) in scales else [0, 3]
+        if id(user) in region and all(i in reads for i in slots):
             continue
         if user.domain == "" and user.op_type in ("GlobalAveragePool", "GlobalMaxPool") \
                 and len(user.outputs) == 1:

@@ -27,6 +27,7 @@ import torch
 
 from segflow.ir.graph import Value
 from segflow.kernels.choice import DIRECT_CONV_KINDS, KernelKind
+from segflow.kernels.onednn.binary import DirectBinary
 from segflow.kernels.onednn.conv import DirectConv
 from segflow.kernels.onednn.geometry import channels_last_strides
 from segflow.kernels.onednn.op import DirectKernel, ResidualInPlaceKernel
@@ -94,6 +95,11 @@ def prebuild(steps: Sequence[Step], graph_inputs: Sequence[Value],
             elif x is not None and step.choice.kind is KernelKind.DIRECT_POOL:
                 assert isinstance(op, DirectPool)
                 out = op.prebuild(x)
+            elif step.choice.kind is KernelKind.DIRECT_BINARY:
+                assert isinstance(op, DirectBinary)
+                a, b = (known.get(id(v)) if v is not None else None for v in node.inputs)
+                if a is not None and b is not None:
+                    out = op.prebuild(*op.operands(a, b))
         except Exception as exc:  # noqa: BLE001 - loading must not fail on a speculation
             failure = failure or f"{node.label}: {type(exc).__name__}: {exc}"
         built += op.built_at_load - before

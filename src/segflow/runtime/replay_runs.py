@@ -19,10 +19,12 @@ from segflow.kernels.conv import adds_residual_in_place
 from segflow.kernels.layer_norm import AddLayerNorm
 from segflow.kernels.linear import NativeLinear
 from segflow.kernels.native.build import NativeLibrary
+from segflow.kernels.onednn.binary import DirectBinary
 from segflow.kernels.onednn.conv import DirectConv
 from segflow.kernels.onednn.op import DirectKernel
 from segflow.kernels.onednn.pool import DirectPool
 from segflow.kernels.onednn.replay import DirectReplay, ReplayStep
+from segflow.kernels.onednn.stretch import DirectReplayOp
 from segflow.kernels.replay import NativeReplay, NativeStep, Replayable
 from segflow.kernels.report import OpKernel
 from segflow.kernels.target import CpuTarget
@@ -32,15 +34,15 @@ from segflow.runtime.inline_forms import constants_of, inline_flatten, inline_sp
 Tensor = torch.Tensor
 
 
-def _replay_op(step: Step) -> DirectConv | DirectPool | None:
-    """The direct convolution or pooling a step calls, where its choice names one (None:
+def _replay_op(step: Step) -> DirectReplayOp | None:
+    """The direct convolution, pooling or binary a step calls, where its choice names one (None:
     another kind of step, or one bound to its fallback)."""
     kernel = step.kernel
     if len(step.outputs) != 1 or not step.choice.calls_libdnnl \
             or not isinstance(kernel, DirectKernel):
         return None
     op = kernel.op
-    assert isinstance(op, DirectConv | DirectPool)
+    assert isinstance(op, DirectConv | DirectPool | DirectBinary)
     return op
 
 
@@ -107,13 +109,12 @@ def direct_replay(run: Sequence[Step], inplace_input: Callable[[Step], int | Non
     n_inputs = len(inputs)
     for offset, step in enumerate(run):
         # A direct kernel, or the linear tail after the run: its Flatten (None) and linear.
-        op: DirectConv | DirectPool | NativeLinear | None = _replay_op(step)
+        op: DirectReplayOp | NativeLinear | None = _replay_op(step)
         if op is None and step.node.op_type != "Flatten":
             native = _native_op(step)
             assert isinstance(native, NativeLinear)
             op = native
-        inplace = step.choice.kind in DIRECT_CONV_KINDS and adds_residual_in_place(
-            step.node, inplace_input(step))
+        inplace = in_place(step, inplace_input(step))
         args = tuple(position[s] if s else None for s in step.inputs)
         (slot,) = step.outputs
         position[slot] = n_inputs + offset
@@ -123,6 +124,17 @@ def direct_replay(run: Sequence[Step], inplace_input: Callable[[Step], int | Non
     replay = DirectReplay(replay_steps, n_inputs, [position[s] for s in outputs],
                           native=target.native, native_why=target.native_why)
     return replay, inputs, outputs
+
+
+def in_place(step: Step, slot: int | None) -> bool:
+    """Whether a replayed direct step writes over its input ``slot`` (None: none), which
+    the memory plan lets it overwrite: a residual convolution's residual, or a channel
+    scale's big operand."""
+    choice = step.choice
+    if choice.kind in DIRECT_CONV_KINDS:
+        return adds_residual_in_place(step.node, slot)
+    return choice.kind is KernelKind.DIRECT_BINARY and choice.broadcast_input is not None \
+        and slot == 1 - choice.broadcast_input
 
 
 def _native_op(step: Step) -> Replayable | None:

@@ -551,6 +551,21 @@ class Library:
         finally:
             self.destroy([("memory_desc", weights_md)])
 
+    def binary(self, src0: Pointer, src1: Pointer, dst: Pointer, algorithm: int
+               ) -> tuple[Pointer, str]:
+        """(primitive, implementation name) for an elementwise binary (``BINARY_*``):
+        ``dst = src0 op src1``, ``src1`` broadcast along its dims of size 1."""
+        dll = self._dll
+        pd = self._make(dll.dnnl_binary_primitive_desc_create, self.engine, algorithm,
+                        src0, src1, dst, None)
+        try:
+            impl = ctypes.c_char_p()
+            dll.dnnl_primitive_desc_query(pd, QUERY_IMPL_INFO, 0, ctypes.byref(impl))
+            prim = self._make(dll.dnnl_primitive_create, pd)
+        finally:
+            dll.dnnl_primitive_desc_destroy(pd)
+        return prim, (impl.value or b"?").decode()
+
 
 def reorder_weight(lib: Library, weight: Tensor, weights_md: Pointer,
                     dims: Sequence[int]) -> Tensor:
@@ -565,3 +580,7 @@ def reorder_weight(lib: Library, weight: Tensor, weights_md: Pointer,
     finally:
         lib.destroy([("memory_desc", dense_md)])
     return mine
+
+
+# Binary primitives (Library.binary; kernels/onednn/binary.py): dnnl_alg_kind_t.
+BINARY_MUL = 0x1FFF1

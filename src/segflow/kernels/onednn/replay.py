@@ -60,6 +60,7 @@ import torch
 from segflow.errors import ExecutionError, node_failed
 from segflow.kernels.linear import NativeLinear
 from segflow.kernels.native.build import NativeLibrary
+from segflow.kernels.onednn.binary import DirectBinary
 from segflow.kernels.onednn.conv import DirectConv
 from segflow.kernels.onednn.pool import DirectPool
 from segflow.kernels.onednn.stretch import (
@@ -67,6 +68,7 @@ from segflow.kernels.onednn.stretch import (
     TAIL_LINEAR,
     VIEW,
     Addresses,
+    DirectReplayOp,
     Entry,
     NativeStretch,
     ReplayStep,
@@ -90,7 +92,7 @@ class _Recording:
 
     __slots__ = ("values", "probe", "fixed", "fed", "plan", "program", "rest", "transient")
 
-    def __init__(self, values: list[Tensor | None], probe: tuple[DirectConv | DirectPool, Tensor],
+    def __init__(self, values: list[Tensor | None], probe: tuple[DirectReplayOp, Tensor],
                  fixed: list[int], fed: list[_Fed], plan: list[Entry],
                  program: list[Entry | NativeStretch], rest: int) -> None:
         self.values = values
@@ -283,7 +285,7 @@ class DirectReplay:
         probe = None
         n = self.n_inputs
         first = next((step.op for step in self.steps
-                      if isinstance(step.op, DirectConv | DirectPool)
+                      if isinstance(step.op, DirectConv | DirectPool | DirectBinary)
                       and step.op.destination is not None), None)
         if first is None or first.destination() is None:   # type: ignore[misc]
             return None                 # no arena block in this run: nothing to record
@@ -296,6 +298,7 @@ class DirectReplay:
             op = step.op
             args = [None if a is None else values[a] for a in step.args]
             x, out = args[0], values[step.output]
+            source_arg = scale_arg = None
             if op is None or isinstance(op, NativeLinear):
                 entry = self._tail_entry(index, step, args, fixed)
                 if entry is None:
@@ -316,16 +319,29 @@ class DirectReplay:
                         fixed.add(a)       # the weight and bias a primitive was built for
                 assert x is not None and w is not None
                 call = op.call_for(x, z, step.inplace)
+                target = z if step.inplace else given
                 ok = (call is not None and call.source is w and call.bias is b
-                      and call.in_format is None and op.after is None
-                      and out is (z if step.inplace else given))
+                      and call.in_format is None and op.after is None and out is target)
+            elif isinstance(op, DirectBinary):
+                # The big operand is the call's source, the scale its third memory; in
+                # place, the source is also its destination.
+                order = (0, 1) if op.broadcast_input == 1 else (1, 0)
+                source_arg, scale_arg = (step.args[i] for i in order)
+                x, z = (args[i] for i in order)
+                assert x is not None and z is not None
+                if step.inplace and source_arg is not None and source_arg < n:
+                    return None    # its output is a tensor from outside: not recordable
+                call = op.call_for(x, z)
+                target = x if step.inplace else given
+                ok = call is not None and out is target
             else:
                 z = None
                 assert x is not None
                 call = op.call_for(x)
+                target = given
                 ok = call is not None and out is given
             if not ok or call is None or out is None:
-                if out is None or out is not (z if step.inplace else given):
+                if out is None or out is not target:
                     rest = index     # a new tensor each run: the rest runs as before
                     break
                 plan.append((index, None, None, (ctypes.c_size_t * 3)()))
@@ -333,9 +349,13 @@ class DirectReplay:
             addresses = (ctypes.c_size_t * 3)(
                 x.data_ptr(), out.data_ptr(),
                 0 if call.residual is None or z is None else z.data_ptr())
-            residual = step.args[3] if len(step.args) > 3 and call.residual is not None \
-                else None
-            for position, a in ((0, step.args[0]), (2, residual)):
+            if isinstance(op, DirectBinary):
+                residual = scale_arg
+            else:
+                source_arg = step.args[0]
+                residual = step.args[3] if len(step.args) > 3 and call.residual is not None \
+                    else None
+            for position, a in ((0, source_arg), (2, residual)):
                 if a is not None and a < n:      # from outside the run: may be a new tensor
                     fed.setdefault(a, []).append((addresses, position))
             plan.append((index, op.execute_at, call, addresses))

@@ -20,6 +20,7 @@ import torch
 from segflow.errors import ExecutionError, node_failed
 from segflow.kernels.linear import NativeLinear
 from segflow.kernels.native.build import NativeLibrary
+from segflow.kernels.onednn.binary import DirectBinary
 from segflow.kernels.onednn.conv import DirectConv
 from segflow.kernels.onednn.library import DnnlError
 from segflow.kernels.onednn.op import Call, DirectOp
@@ -33,6 +34,8 @@ Entry = tuple[int, object, object, Addresses]
 VIEW = "view"                # a plan entry whose value is the recorded view (Flatten)
 TAIL_LINEAR = "tail linear"  # a plan entry whose prepared native linear runs afresh
 IN_STRETCH = "in stretch"    # a program entry: that linear ran in the C call before it
+# The direct kernels a replay runs as recorded executes.
+DirectReplayOp = DirectConv | DirectPool | DirectBinary
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +51,7 @@ class ReplayStep:
     # A direct kernel; or, after the run's last one, the pooled linear tail: its Flatten
     # at axis 1 (None: a view of the pooled output) and its native linear
     # (kernels/linear.py).
-    op: DirectConv | DirectPool | NativeLinear | None
+    op: DirectReplayOp | NativeLinear | None
     inplace: bool
     args: tuple[int | None, ...]
     output: int

@@ -7,39 +7,41 @@ They run in this order, each over the whole graph:
 1. ``noops`` (:mod:`.noops`): drop Identity, inference Dropout, Cast to the same
    type, Reshape/Flatten/Squeeze/Unsqueeze whose static output shape equals the
    input's, identity Transposes; merge Transpose pairs.
-2. ``pad`` (:mod:`.pad`): a zero constant Pad of a Conv's spatial dims becomes the
+2. ``global_pool`` (:mod:`.global_pool`): a ReduceMean over every spatial axis of a
+   4-D/5-D tensor, dims kept, becomes GlobalAveragePool.
+3. ``pad`` (:mod:`.pad`): a zero constant Pad of a Conv's spatial dims becomes the
    Conv's own (possibly asymmetric) padding; a Pad of nothing is dropped.
-3. ``batchnorm`` (:mod:`.batchnorm`): fold an inference BatchNormalization into the
+4. ``batchnorm`` (:mod:`.batchnorm`): fold an inference BatchNormalization into the
    Conv or Gemm before it (new weight and bias constants).
-4. ``linear`` (:mod:`.linear`): Gemm, and MatMul (+ Add of a bias) with a constant
+5. ``linear`` (:mod:`.linear`): Gemm, and MatMul (+ Add of a bias) with a constant
    2-D weight or the 2-D Transpose of one, become ``segflow.FusedGemm`` (weight stored
    once in ``[N, K]`` layout).
-5. ``gelu`` (:mod:`.gelu`): the exporters' erf pattern ``x * 0.5 * (1 + erf(x / sqrt 2))``,
+6. ``gelu`` (:mod:`.gelu`): the exporters' erf pattern ``x * 0.5 * (1 + erf(x / sqrt 2))``,
    in any association, becomes one Gelu.
-6. ``gelu_tanh`` (:mod:`.gelu_tanh`): the tanh approximation
+7. ``gelu_tanh`` (:mod:`.gelu_tanh`): the tanh approximation
    ``0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x^3)))`` becomes one
    ``Gelu(approximate="tanh")``.
-7. ``silu`` (:mod:`.silu`): ``x * sigmoid(x)`` and ``x * sigmoid(alpha * x)`` become one
+8. ``silu`` (:mod:`.silu`): ``x * sigmoid(x)`` and ``x * sigmoid(alpha * x)`` become one
    Swish.
-8. ``conv`` (:mod:`.conv`): Conv with a constant weight becomes ``segflow.FusedConv``;
+9. ``conv`` (:mod:`.conv`): Conv with a constant weight becomes ``segflow.FusedConv``;
    a following same-shape Add becomes its residual input.
-9. ``activation`` (:mod:`.activation`): a Relu / Clip / LeakyRelu / Sigmoid / Tanh /
-   HardSigmoid / HardSwish / Gelu / Swish after a fused Conv or Gemm becomes its post-op.
-10. ``attention`` (:mod:`.attention`): ``softmax(Q @ Kt * s + M) @ V`` becomes
+10. ``activation`` (:mod:`.activation`): a Relu / Clip / LeakyRelu / Sigmoid / Tanh /
+    HardSigmoid / HardSwish / Gelu / Swish after a fused Conv or Gemm becomes its post-op.
+11. ``attention`` (:mod:`.attention`): ``softmax(Q @ Kt * s + M) @ V`` becomes
     ``segflow.Attention``, as torch's exporters write it: constant scalings of Q, Kt
     or the scores, an additive mask, the safe softmax ``Where(IsNaN(p), 0, p)``
     (``nan_to_zero``), and the reshapes and transposes that split and merge heads.
-11. ``rmsnorm`` (:mod:`.rmsnorm`): the exporters' root-mean-square normalization
+12. ``rmsnorm`` (:mod:`.rmsnorm`): the exporters' root-mean-square normalization
     ``x / sqrt(mean(x^2, -1) + eps) * w`` (its Pow/Mul, Sqrt/Div/Reciprocal forms)
     becomes one ONNX RMSNormalization.
-12. ``layernorm`` (:mod:`.layernorm`): an Add read by a LayerNormalization or
+13. ``layernorm`` (:mod:`.layernorm`): an Add read by a LayerNormalization or
     RMSNormalization over the last axis becomes ``segflow.AddLayerNorm`` (a transformer's
     residual add), with the sum as its second output where something else reads it (a
     pre-LN residual); an RMSNormalization alone becomes one too (its native kernel).
-13. ``siblings`` (:mod:`.siblings`): FusedGemms reading the same input (a
+14. ``siblings`` (:mod:`.siblings`): FusedGemms reading the same input (a
     transformer's query, key and value projections) become one FusedGemm over their
     stacked weights and a Split into views.
-14. ``views`` (:mod:`.views`): a Transpose that moves only size-1 axes is a Reshape, and
+15. ``views`` (:mod:`.views`): a Transpose that moves only size-1 axes is a Reshape, and
     a run of Reshape/Flatten/Squeeze/Unsqueeze is one Reshape (or none).
 
 The order matters where rules build on each other: ``batchnorm`` folds into the
@@ -67,6 +69,7 @@ from segflow.passes.fuse.batchnorm import fuse_batchnorm
 from segflow.passes.fuse.conv import fuse_conv
 from segflow.passes.fuse.gelu import fuse_gelu
 from segflow.passes.fuse.gelu_tanh import fuse_gelu_tanh
+from segflow.passes.fuse.global_pool import fuse_global_pool
 from segflow.passes.fuse.layernorm import fuse_layernorm
 from segflow.passes.fuse.linear import fuse_linear
 from segflow.passes.fuse.noops import fuse_noops
@@ -81,6 +84,7 @@ Rule = Callable[[Graph], int]
 
 RULES: tuple[tuple[str, Rule], ...] = (
     ("noops", fuse_noops),
+    ("global_pool", fuse_global_pool),
     ("pad", fuse_pad),
     ("batchnorm", fuse_batchnorm),
     ("linear", fuse_linear),

@@ -4,8 +4,9 @@ convolution's own padding.
 Exporters write TensorFlow-style "same" padding (ports of TensorFlow models) as an
 explicit ``Pad`` before each ``Conv``, its amounts computed
 from the feature map's size (folded to constants once the shapes are known). A Pad
-read only by a ``Conv`` (``auto_pad`` NOTSET), padding with zeros, in ``constant``
-mode, by non-negative amounts on the spatial dims only, is added to the Conv's
+read only by a ``Conv`` (``auto_pad`` NOTSET, or VALID: no padding of its own),
+padding with zeros, in ``constant`` mode, by non-negative amounts on the spatial
+dims only, is added to the Conv's
 ``pads`` (which may then differ between a dim's two ends); a Pad of nothing at all is
 dropped whatever reads it. The results are the same numbers: a convolution's padding
 is zeros.
@@ -38,6 +39,7 @@ def fuse_pad(graph: Graph) -> int:
         if merged is None:
             continue
         conv.attrs["pads"] = merged
+        conv.attrs["auto_pad"] = "NOTSET"
         graph.set_input(conv, 0, x)
         graph.remove(pad)
         count += 1
@@ -78,14 +80,20 @@ def _zero_pad_amounts(pad: Node) -> list[int] | None:
 
 def _merged_pads(conv: Node, amounts: list[int]) -> list[int] | None:
     """The Conv's pads with the Pad's spatial amounts added; None where the Pad touches
-    the batch or channel dim or the Conv pads by ``auto_pad``."""
+    the batch or channel dim or the Conv pads by ``auto_pad`` SAME_*."""
     rank = len(amounts) // 2
     spatial = rank - 2
     if spatial < 1 or any(amounts[d] or amounts[rank + d] for d in (0, 1)):
         return None
-    if conv.attrs.get("auto_pad", "NOTSET") not in ("NOTSET", b"NOTSET"):
+    auto_pad = conv.attrs.get("auto_pad", "NOTSET")
+    if auto_pad in ("VALID", b"VALID"):
+        # No padding of its own: the export's explicit Pad is all of it (TensorFlow's
+        # "same" written as Pad + VALID), so the Conv becomes NOTSET with the Pad's.
+        own = [0] * (2 * spatial)
+    elif auto_pad in ("NOTSET", b"NOTSET"):
+        own = [int(p) for p in conv.attrs.get("pads", [0] * (2 * spatial))]
+    else:
         return None
-    own = [int(p) for p in conv.attrs.get("pads", [0] * (2 * spatial))]
     if len(own) != 2 * spatial:
         return None
     return [own[i] + amounts[2 + i] for i in range(spatial)] + \
