@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,8 @@ from segflow.ops.registry import NEWEST_ONNX_OPSET, OpRegistry
 
 # Initializers with more data bytes than this go to shape inference without their data.
 INFERENCE_DATA_LIMIT = 4096
+# Tensors over more bytes than this are read in place from the bytes protobuf hands back.
+SHARED_MIN_BYTES = 64
 
 
 def load_model(model: str | os.PathLike[str] | bytes | onnx.ModelProto) -> onnx.ModelProto:
@@ -328,12 +331,14 @@ def _tensor(tp: onnx.TensorProto) -> torch.Tensor:
     dtype = _raw_dtype(tp.data_type)
     if dtype is not None and tp.HasField("raw_data") and sys.byteorder == "little" \
             and tp.data_location != onnx.TensorProto.EXTERNAL:
-        # The common case in one copy, where numpy_helper.to_array and a copy after it
-        # make two (half the time for initializers whose pages are mapped; in a fresh
-        # process the new pages' faults dominate either way).
+        # The common case: reading raw_data hands back a new bytes object (protobuf
+        # copies the field out of the message), which the tensor keeps and reads in
+        # place; numpy_helper.to_array and a copy after it make two more. Only a buffer
+        # of the size the dims and type give is taken.
         raw = tp.raw_data
         if len(raw) == _data_bytes(tp):
-            return torch.from_numpy(np.frombuffer(raw, dtype).reshape(tuple(tp.dims)).copy())
+            return _over_bytes(raw, dtype, DType.from_onnx(tp.data_type).torch,
+                               tuple(tp.dims))
     try:
         array = numpy_helper.to_array(tp)
     except Exception as exc:
@@ -347,6 +352,26 @@ def _tensor(tp: onnx.TensorProto) -> torch.Tensor:
                             f"{onnx.TensorProto.DataType.Name(tp.data_type)}, "
                             "which segflow does not support")
     return torch.from_numpy(np.array(array, copy=True))
+
+
+def _over_bytes(raw: bytes, dtype: np.dtype[Any], torch_dtype: torch.dtype,
+                dims: tuple[int, ...]) -> torch.Tensor:
+    """A tensor of ``dims`` reading ``raw`` in place (its length checked by the caller),
+    or a copy where ``raw`` is small (CPython shares the one-byte and empty ones) or its
+    address is not a multiple of the element size.
+
+    torch marks a tensor over a read-only buffer as such and warns; the bytes object is
+    new and no one else holds it, so nothing observes a kernel writing into it.
+
+    >>> _over_bytes(bytes(256), np.dtype(np.float32), torch.float32, (8, 8)).shape
+    torch.Size([8, 8])
+    """
+    array = np.frombuffer(raw, dtype).reshape(dims)
+    if len(raw) <= SHARED_MIN_BYTES or array.ctypes.data % dtype.itemsize:
+        return torch.from_numpy(array.copy())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(raw, dtype=torch_dtype).reshape(dims)
 
 
 def _sparse_to_dense(sp: onnx.SparseTensorProto) -> torch.Tensor:
