@@ -316,3 +316,55 @@ def test_an_invalid_node_still_fails_at_load(monkeypatch: pytest.MonkeyPatch) ->
     oracle = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     np.testing.assert_allclose(sess.run(None, {"x": x})[0], oracle.run(None, {"x": x})[0],
                                atol=1e-6, rtol=1e-5)
+
+
+def test_a_plan_per_shape_does_not_check_the_model_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """What no dim changes (structure, attributes against the schemas, input types) is
+    checked when the session loads; its plans per shape run ONNX's shape inference."""
+    from segflow.frontend import onnx_import, validate
+    calls = {"structure": 0, "node": 0, "types": 0, "inference": 0}
+
+    def counted(name, fn):  # type: ignore[no-untyped-def]
+        def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+    monkeypatch.setattr(onnx_import, "check_structure",
+                        counted("structure", onnx_import.check_structure))
+    monkeypatch.setattr(onnx_import, "_with_inferred_shapes",
+                        counted("inference", onnx_import._with_inferred_shapes))
+    checker = validate.SchemaChecker
+    monkeypatch.setattr(checker, "check_node", counted("node", checker.check_node))
+    monkeypatch.setattr(checker, "check_types", counted("types", checker.check_types))
+    sess = segflow.InferenceSession(_model().SerializeToString())
+    assert calls == {"structure": 1, "node": 10, "types": 10, "inference": 1}
+    for batch in (1, 2):
+        sess.run(None, {"x": np.ones((batch, 4, 8), np.float32)})
+    assert len(sess.specializations) == 2
+    assert calls == {"structure": 1, "node": 10, "types": 10, "inference": 3}
+
+
+def test_a_nan_in_the_shared_weights_reaches_the_plans_per_shape() -> None:
+    """The session scans the weights its plans per shape share; a plan per shape over a
+    weight holding NaN binds every kernel exact, as the session's own plan does."""
+    model = _model()
+    # 8 KiB: over what the plans per shape read from the model, so they share it
+    weight = np.random.default_rng(0).standard_normal((8, 256)).astype(np.float32)
+    finite = {}
+    for nan in (False, True):
+        weight[3, 5] = np.nan if nan else 0.5
+        model.graph.node[-1].output[0] = "r"
+        del model.graph.node[10:]
+        model.graph.node.append(helper.make_node("MatMul", ["r", "w"], ["y"]))
+        del model.graph.initializer[6:]
+        model.graph.initializer.append(onnx.numpy_helper.from_array(weight, "w"))
+        data = model.SerializeToString()
+        sess = segflow.InferenceSession(data)
+        x = np.random.default_rng(1).standard_normal((2, 4, 8)).astype(np.float32)
+        oracle = ort.InferenceSession(data, providers=["CPUExecutionProvider"])
+        np.testing.assert_allclose(sess.run(None, {"x": x})[0], oracle.run(None, {"x": x})[0],
+                                   atol=1e-5, rtol=1e-5)
+        ((_, specialized),) = sess.specializations.items()
+        finite[nan] = (specialized._nonfinite.exact is not None, sess._nonfinite.exact is not None)
+    assert finite == {False: (True, True), True: (False, False)}

@@ -27,6 +27,7 @@ from segflow.frontend.validate import (
     SchemaChecker,
     check_ops,
     check_structure,
+    declared_opsets,
     inference_error,
     node_name,
 )
@@ -78,26 +79,34 @@ def declared_inputs(proto: onnx.ModelProto) -> list[Value]:
 
 def import_model(model: str | os.PathLike[str] | bytes | onnx.ModelProto,
                  registry: OpRegistry | None = None, *,
-                 tensors: Mapping[str, torch.Tensor] | None = None) -> Graph:
+                 tensors: Mapping[str, torch.Tensor] | None = None,
+                 checked: bool = False) -> Graph:
     """Parse and check a model; return the segflow graph.
 
     ``tensors``: initializers of the main graph by name, taken as they are instead of
     read from the model (whose copies of them may then hold dims but no data): how a
     graph planned again for one input shape shares its weights with the session's.
+    ``checked``: the model is one this function checked already, with only its inputs'
+    dims bound since (a plan per input shape): the checks no dim changes (structure and
+    single assignment, attributes against the schemas, input types) are not made
+    again; ONNX's shape inference and the op checks, which read shapes, still run.
 
     >>> graph = import_model("model.onnx")  # doctest: +SKIP
     """
     proto = load_model(model)
-    opsets = check_structure(proto, NEWEST_ONNX_OPSET)
+    opsets = (declared_opsets(proto) if checked
+              else check_structure(proto, NEWEST_ONNX_OPSET))
     inferred = _with_inferred_shapes(proto)
     schemas = SchemaChecker(opsets, proto.ir_version)
-    importer = _Importer(registry or default_registry(), opsets, schemas, tensors)
+    importer = _Importer(registry or default_registry(), opsets,
+                         None if checked else schemas, tensors)
     graph = importer.graph(inferred.graph, parent=None, scope={},
                            initializers=proto.graph.initializer)
     graph.name = proto.graph.name or "main"
     unify_dims(graph)
-    for node in graph.walk():
-        schemas.check_types(node)
+    if not checked:
+        for node in graph.walk():
+            schemas.check_types(node)
     check_ops(graph)
     return graph
 
@@ -162,11 +171,11 @@ def _unknown_negative_dims(vi: onnx.ValueInfoProto) -> onnx.ValueInfoProto:
 
 class _Importer:
     def __init__(self, registry: OpRegistry, opsets: dict[str, int],
-                 schemas: SchemaChecker,
+                 schemas: SchemaChecker | None,
                  tensors: Mapping[str, torch.Tensor] | None = None) -> None:
         self.registry = registry
         self.opsets = opsets
-        self.schemas = schemas
+        self.schemas = schemas   # None: the nodes were checked against theirs already
         self.tensors = tensors or {}
 
     def graph(self, gp: onnx.GraphProto, parent: Graph | None, scope: dict[str, Value],
@@ -228,7 +237,8 @@ class _Importer:
             raise UnsupportedOp(f"op {np_.op_type} in node {label!r} uses domain "
                                 f"{domain!r}, which the model does not import")
         opset = self.opsets[domain]
-        self.schemas.check_node(np_)
+        if self.schemas is not None:
+            self.schemas.check_node(np_)
         if np_.op_type == "Constant" and domain == "":
             const = _constant_value(np_)
             value = Value(np_.output[0], _spec_of_tensor(const), const=const)

@@ -189,7 +189,9 @@ class InferenceSession(OrtSessionApi):
         self.registry = registry or default_registry()
         given = model.tensors if isinstance(model, BoundModel) else None
         proto = load_model(model.proto if isinstance(model, BoundModel) else model)
-        graph = import_model(proto, self.registry, tensors=given)
+        # A bound model is the session's own, checked when it loaded, with its inputs'
+        # dims bound.
+        graph = import_model(proto, self.registry, tensors=given, checked=given is not None)
         self.model_info: ModelInfo = describe_model(proto)
         # A graph over symbolic dims may be planned again per input shape (see
         # _specializations): the model's nodes and the weights as read, before the passes.
@@ -229,8 +231,14 @@ class InferenceSession(OrtSessionApi):
         # (kernels/target.py), and passed to the passes, binding and codegen.
         self.target = CpuTarget.detect()
         self._holds_nonfinite = NonFiniteScan(self.target.native)
-        weights_finite = not self._holds_nonfinite(
-            v.const for v in graph.initializers.values() if v.const is not None)
+        # The weights a plan per input shape shares are scanned once, by the session
+        # that read them (``read``; a bound model's ``tensors``).
+        scanned = {*read, *(given or ())}
+        read_finite = not self._holds_nonfinite(read.values())
+        weights_finite = read_finite and (
+            model.finite if isinstance(model, BoundModel) else True) and not \
+            self._holds_nonfinite(v.const for v in graph.initializers.values()
+                                  if v.const is not None and v.name not in scanned)
         carried = nonfinite_reach(graph, self.registry)[1] if weights_finite else None
         # Planned again per input shape, its plans take the weights packed here.
         packs = (model.packs if isinstance(model, BoundModel)
@@ -262,13 +270,15 @@ class InferenceSession(OrtSessionApi):
             # whose bound model does not import); the checks that binding makes of each
             # node run now, so an invalid model still fails at load.
             check_binds(graph, self.registry, self.device.torch, self.target)
-            self._specialized = self._specializations(skeleton, read, packs, graph)
+            self._specialized = self._specializations(skeleton, read, packs, graph,
+                                                      read_finite)
             self._planning = planning
         else:
             self._plan(planning)
             if (skeleton is not None and self.options.specialize
                     and specialize_reason(self.graph) is not None):
-                self._specialized = self._specializations(skeleton, read, packs, graph)
+                self._specialized = self._specializations(skeleton, read, packs, graph,
+                                                          read_finite)
         del read
         if profile is not None:
             profile.session_span("session_initialization", init_start, time.perf_counter_ns())
@@ -497,7 +507,8 @@ class InferenceSession(OrtSessionApi):
         return runner if runner is not None else self
 
     def _specializations(self, skeleton: onnx.ModelProto, read: Mapping[str, Tensor],
-                         packs: PackStore | None, graph: Graph) -> Specializations:
+                         packs: PackStore | None, graph: Graph,
+                         finite: bool) -> Specializations:
         """Plans per input shape for this session's model (``runtime/specialized.py``):
         each a session over ``skeleton`` with the inputs' dims bound and the weights
         ``read`` at load, with this session's options less ``specialize`` (no profile,
@@ -515,7 +526,7 @@ class InferenceSession(OrtSessionApi):
         def build(bound: BoundModel) -> InferenceSession:
             return InferenceSession(bound, options, **child)
         return Specializations(skeleton, read, [v.name for v in graph.inputs], build,
-                               packs=packs)
+                               packs=packs, finite=finite)
 
     def _executor_for(self, feeds: Sequence[Tensor]) -> Executor:
         """The session's executor, or where its kernels lose NaN or Inf and ``feeds`` hold
