@@ -13,7 +13,8 @@ for another input size, its plan and its bound kernels.
 
 At most ``cap`` shapes are specialized; runs at any other shape use the session's own
 plan, as do shapes whose bound model does not import (a shape the exporter's arithmetic
-cannot take: the own plan then raises what onnxruntime raises, at run time).
+cannot take: the own plan then raises what onnxruntime raises, at run time). Since the
+runs below the cap never take it, the session makes its own plan when first needed.
 """
 
 from __future__ import annotations
