@@ -368,3 +368,18 @@ def test_a_nan_in_the_shared_weights_reaches_the_plans_per_shape() -> None:
         ((_, specialized),) = sess.specializations.items()
         finite[nan] = (specialized._nonfinite.exact is not None, sess._nonfinite.exact is not None)
     assert finite == {False: (True, True), True: (False, False)}
+
+
+def test_a_session_loaded_again_drops_its_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    counted = _Counted(monkeypatch)
+    sess = segflow.InferenceSession(_model().SerializeToString())
+    sess.explain()
+    first = sess.plan
+    assert counted.counts == (1, 1) and sess.planned
+    sess.set_providers(["CPUExecutionProvider"])     # loads the model again
+    assert counted.counts == (1, 1) and not sess.planned
+    x = np.ones((1, 4, 8), np.float32)
+    np.testing.assert_array_equal(sess.run(None, {"x": x})[0],
+                                  x.reshape(1, 4, 2, 4).transpose(0, 1, 3, 2).reshape(1, 4, 8))
+    assert counted.counts == (2, 2)
+    assert sess.plan is not first and counted.counts == (3, 3)

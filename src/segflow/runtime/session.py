@@ -272,6 +272,8 @@ class InferenceSession(OrtSessionApi):
             check_binds(graph, self.registry, self.device.torch, self.target)
             self._specialized = self._specializations(skeleton, read, packs, graph,
                                                       read_finite)
+            for name in self._PLANNED:   # a session loaded again (_rebuild) drops its plan
+                self.__dict__.pop(name, None)
             self._planning = planning
         else:
             self._plan(planning)
