@@ -2,6 +2,7 @@
 
     python benchmarks/cold_start.py                          # ResNet-50, MobileNetV2, BERT-base
     python benchmarks/cold_start.py --models mobilenet_v2 --repeats 8
+    python benchmarks/cold_start.py --corpus mobilenet_v2/torchscript,bert_base/dynamo
 
 What a process pays before its steady run: importing the runtime's session
 module (torch and onnx are already in the process: the models are built with
@@ -19,6 +20,10 @@ phase per runtime, and segflow's load + first run over onnxruntime's, the
 import left out (where ``PYTHONDONTWRITEBYTECODE`` is set, as on the development
 VMs, every process compiles segflow's sources: ~0.5 s against ~0.2 s with
 bytecode caches).
+
+``--corpus label/exporter,...`` times the corpus's exports instead (``_corpus_build.py``,
+opset 18, cached under ``SEGFLOW_CACHE_DIR``: run it once first so that no process
+exports), each session made from the file, with the corpus's feeds at its ``bench_seq``.
 """
 
 from __future__ import annotations
@@ -35,12 +40,31 @@ MODELS = ("resnet50", "mobilenet_v2", "bert_base")
 PHASES = ("import", "load", "run1", "run2", "steady")
 
 
+def _corpus_model(spec: str) -> tuple[str, dict[str, Any]]:
+    """The file of the corpus entry ``label/exporter`` and its feeds at batch 1."""
+    from _corpus_build import Corpus, EntryId, Exporter
+    from _corpus_models import MODELS as CORPUS
+
+    label, exporter = spec.split("/")
+    corpus = Corpus.open()
+    entry = corpus.obtain(EntryId(label, Exporter(exporter), 18, False))
+    if entry.path is None:
+        raise RuntimeError(f"{spec}: no export ({entry.failure})")
+    model = CORPUS[label]
+    return entry.path, model.feeds(corpus.built(label, False), 1, model.bench_seq)
+
+
 def child(runtime: str, name: str, threads: int) -> dict[str, float]:
-    """In a fresh process: ms for the session and its runs."""
+    """In a fresh process: ms for the session and its runs (``name``: a built-in model,
+    or ``label/exporter`` of the corpus)."""
     from segflow import models
 
-    data = models.build(name).SerializeToString()
-    feeds = models.example_inputs(name, batch_size=1)
+    data: str | bytes
+    if "/" in name:
+        data, feeds = _corpus_model(name)
+    else:
+        data = models.build(name).SerializeToString()
+        feeds = models.example_inputs(name, batch_size=1)
     start = time.perf_counter()
     if runtime == "onnxruntime":
         import onnxruntime as ort
@@ -81,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(MODELS),
                         help="comma-separated built-in models")
+    parser.add_argument("--corpus", default=None,
+                        help="comma-separated corpus entries (label/exporter) instead")
     parser.add_argument("--repeats", type=int, default=4, help="fresh processes per runtime")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--child", nargs=2, metavar=("RUNTIME", "MODEL"), help=argparse.SUPPRESS)
@@ -90,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from segflow import models
 
-    names = args.models.split(",")
-    unknown = [n for n in names if n not in models.available()]
+    names = args.models.split(",") if args.corpus is None else args.corpus.split(",")
+    unknown = [n for n in names if n not in models.available() and "/" not in n]
     if unknown:
         print(f"cold_start.py: unknown model {unknown[0]!r}; available: "
               f"{', '.join(models.available())}", file=sys.stderr)

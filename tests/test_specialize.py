@@ -208,3 +208,178 @@ def test_dims_no_input_declares_are_planned_per_shape() -> None:
                                atol=1e-6, rtol=0)
     ((key, specialized),) = sess.specializations.items()
     assert key == ((3, 8),) and specialized.graph.nodes[0].outputs[0].spec.shape == (3, 8)
+
+
+class _Counted:
+    """Counts the pipeline runs and the plans sessions make (each wrapped where the
+    session calls it)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from segflow.runtime import ort_session, session
+        self.pipelines = self.plans = 0
+        run_pipeline, make_plan = ort_session.run_pipeline, session.make_plan
+
+        def pipeline(*args, **kwargs):  # type: ignore[no-untyped-def]
+            self.pipelines += 1
+            return run_pipeline(*args, **kwargs)
+
+        def plan(*args, **kwargs):  # type: ignore[no-untyped-def]
+            self.plans += 1
+            return make_plan(*args, **kwargs)
+        monkeypatch.setattr(ort_session, "run_pipeline", pipeline)
+        monkeypatch.setattr(session, "make_plan", plan)
+
+    @property
+    def counts(self) -> tuple[int, int]:
+        return self.pipelines, self.plans
+
+
+def test_the_own_plan_is_made_when_first_needed(monkeypatch: pytest.MonkeyPatch) -> None:
+    counted = _Counted(monkeypatch)
+    model = _model().SerializeToString()
+    sess = segflow.InferenceSession(model)
+    # every run below the cap takes a plan per shape: loading plans nothing
+    assert counted.counts == (0, 0) and not sess.planned
+    oracle = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    for shape in [(2, 4, 8), (2, 4, 8), (3, 4, 8)]:
+        x = np.random.default_rng(shape[0]).standard_normal(shape).astype(np.float32)
+        np.testing.assert_allclose(sess.run(None, {"x": x})[0], oracle.run(None, {"x": x})[0],
+                                   atol=1e-6, rtol=0)
+    assert counted.counts == (2, 2) and not sess.planned   # one per shape
+    text = sess.explain()                                    # needs the session's plan
+    assert counted.counts == (3, 3) and sess.planned
+    assert "specialize: shapes computed at run time from x (Shape 1)" in text
+    assert "specialized for x=2x4x8: 3 nodes" in text
+    assert len(sess.graph.nodes) == 10
+    sess.explain()
+    sess.run(None, {"x": np.ones((2, 4, 8), np.float32)})
+    assert counted.counts == (3, 3)
+    sess.close()
+
+
+def test_explain_before_the_first_run_makes_the_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    counted = _Counted(monkeypatch)
+    sess = segflow.InferenceSession(_model().SerializeToString())
+    assert "specialize: shapes computed at run time from x (Shape 1)" in sess.explain()
+    assert counted.counts == (1, 1) and sess.specializations == {}
+
+
+def test_a_shape_past_the_cap_makes_the_own_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    counted = _Counted(monkeypatch)
+    model = _model().SerializeToString()
+    sess = segflow.InferenceSession(model)
+    assert sess._specialized is not None
+    sess._specialized.cap = 1
+    oracle = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    for shape, counts in [((1, 2, 8), (1, 1)), ((3, 2, 8), (2, 2)), ((4, 2, 8), (2, 2))]:
+        x = np.random.default_rng(shape[0]).standard_normal(shape).astype(np.float32)
+        np.testing.assert_allclose(sess.run(None, {"x": x})[0], oracle.run(None, {"x": x})[0],
+                                   atol=1e-6, rtol=0)
+        assert counted.counts == counts, shape
+    assert sess.planned and sess.last_run_stats is not None
+
+
+@pytest.mark.parametrize("specialize", [True, False])
+def test_a_graph_not_planned_per_shape_is_planned_at_load(
+        monkeypatch: pytest.MonkeyPatch, specialize: bool) -> None:
+    counted = _Counted(monkeypatch)
+    model = _model()
+    if specialize:   # fixed input dims: nothing to specialize
+        dims = model.graph.input[0].type.tensor_type.shape.dim
+        dims[0].dim_value, dims[1].dim_value = 2, 3
+    sess = segflow.InferenceSession(model.SerializeToString(),
+                                    optimize={"specialize": specialize})
+    assert counted.counts == (1, 1) and sess.planned
+    sess.run(None, {"x": np.ones((2, 3, 8), np.float32)})
+    assert counted.counts == (1, 1) and sess.specializations == {}
+
+
+def test_an_invalid_node_still_fails_at_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    """LpNormalization's p is checked when its kernel binds: a session that makes its
+    plan later binds every node at load all the same."""
+    from segflow.errors import InvalidModel
+    counted = _Counted(monkeypatch)
+    model = _model()
+    model.graph.node[-1].output[0] = "r"
+    model.graph.node.append(helper.make_node("LpNormalization", ["r"], ["y"], name="lp1",
+                                             axis=-1, p=3))
+    data = model.SerializeToString()
+    with pytest.raises(InvalidModel, match="lp1.*p=1 or p=2, got 3"):
+        segflow.InferenceSession(data)
+    assert counted.counts == (0, 0)
+    from onnxruntime.capi.onnxruntime_pybind11_state import Fail
+    with pytest.raises(Fail, match=r"p_ == 1 \|\| p_ == 2"):   # onnxruntime refuses it too
+        ort.InferenceSession(data, providers=["CPUExecutionProvider"])
+    model.graph.node[-1].attribute[-1].i = 2    # the same model with p=2 loads and runs
+    sess = segflow.InferenceSession(model.SerializeToString())
+    x = np.random.default_rng(0).standard_normal((2, 4, 8)).astype(np.float32)
+    oracle = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(sess.run(None, {"x": x})[0], oracle.run(None, {"x": x})[0],
+                               atol=1e-6, rtol=1e-5)
+
+
+def test_a_plan_per_shape_does_not_check_the_model_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """What no dim changes (structure, attributes against the schemas, input types) is
+    checked when the session loads; its plans per shape run ONNX's shape inference."""
+    from segflow.frontend import onnx_import, validate
+    calls = {"structure": 0, "node": 0, "types": 0, "inference": 0}
+
+    def counted(name, fn):  # type: ignore[no-untyped-def]
+        def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+    monkeypatch.setattr(onnx_import, "check_structure",
+                        counted("structure", onnx_import.check_structure))
+    monkeypatch.setattr(onnx_import, "_with_inferred_shapes",
+                        counted("inference", onnx_import._with_inferred_shapes))
+    checker = validate.SchemaChecker
+    monkeypatch.setattr(checker, "check_node", counted("node", checker.check_node))
+    monkeypatch.setattr(checker, "check_types", counted("types", checker.check_types))
+    sess = segflow.InferenceSession(_model().SerializeToString())
+    assert calls == {"structure": 1, "node": 10, "types": 10, "inference": 1}
+    for batch in (1, 2):
+        sess.run(None, {"x": np.ones((batch, 4, 8), np.float32)})
+    assert len(sess.specializations) == 2
+    assert calls == {"structure": 1, "node": 10, "types": 10, "inference": 3}
+
+
+def test_a_nan_in_the_shared_weights_reaches_the_plans_per_shape() -> None:
+    """The session scans the weights its plans per shape share; a plan per shape over a
+    weight holding NaN binds every kernel exact, as the session's own plan does."""
+    model = _model()
+    # 8 KiB: over what the plans per shape read from the model, so they share it
+    weight = np.random.default_rng(0).standard_normal((8, 256)).astype(np.float32)
+    finite = {}
+    for nan in (False, True):
+        weight[3, 5] = np.nan if nan else 0.5
+        model.graph.node[-1].output[0] = "r"
+        del model.graph.node[10:]
+        model.graph.node.append(helper.make_node("MatMul", ["r", "w"], ["y"]))
+        del model.graph.initializer[6:]
+        model.graph.initializer.append(onnx.numpy_helper.from_array(weight, "w"))
+        data = model.SerializeToString()
+        sess = segflow.InferenceSession(data)
+        x = np.random.default_rng(1).standard_normal((2, 4, 8)).astype(np.float32)
+        oracle = ort.InferenceSession(data, providers=["CPUExecutionProvider"])
+        np.testing.assert_allclose(sess.run(None, {"x": x})[0], oracle.run(None, {"x": x})[0],
+                                   atol=1e-5, rtol=1e-5)
+        ((_, specialized),) = sess.specializations.items()
+        finite[nan] = (specialized._nonfinite.exact is not None, sess._nonfinite.exact is not None)
+    assert finite == {False: (True, True), True: (False, False)}
+
+
+def test_a_session_loaded_again_drops_its_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    counted = _Counted(monkeypatch)
+    sess = segflow.InferenceSession(_model().SerializeToString())
+    sess.explain()
+    first = sess.plan
+    assert counted.counts == (1, 1) and sess.planned
+    sess.set_providers(["CPUExecutionProvider"])     # loads the model again
+    assert counted.counts == (1, 1) and not sess.planned
+    x = np.ones((1, 4, 8), np.float32)
+    np.testing.assert_array_equal(sess.run(None, {"x": x})[0],
+                                  x.reshape(1, 4, 2, 4).transpose(0, 1, 3, 2).reshape(1, 4, 8))
+    assert counted.counts == (2, 2)
+    assert sess.plan is not first and counted.counts == (3, 3)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from segflow.frontend.validate import (
     SchemaChecker,
     check_ops,
     check_structure,
+    declared_opsets,
     inference_error,
     node_name,
 )
@@ -36,6 +38,8 @@ from segflow.ops.registry import NEWEST_ONNX_OPSET, OpRegistry
 
 # Initializers with more data bytes than this go to shape inference without their data.
 INFERENCE_DATA_LIMIT = 4096
+# Tensors over more bytes than this are read in place from the bytes protobuf hands back.
+SHARED_MIN_BYTES = 64
 
 
 def load_model(model: str | os.PathLike[str] | bytes | onnx.ModelProto) -> onnx.ModelProto:
@@ -75,26 +79,34 @@ def declared_inputs(proto: onnx.ModelProto) -> list[Value]:
 
 def import_model(model: str | os.PathLike[str] | bytes | onnx.ModelProto,
                  registry: OpRegistry | None = None, *,
-                 tensors: Mapping[str, torch.Tensor] | None = None) -> Graph:
+                 tensors: Mapping[str, torch.Tensor] | None = None,
+                 checked: bool = False) -> Graph:
     """Parse and check a model; return the segflow graph.
 
     ``tensors``: initializers of the main graph by name, taken as they are instead of
     read from the model (whose copies of them may then hold dims but no data): how a
     graph planned again for one input shape shares its weights with the session's.
+    ``checked``: the model is one this function checked already, with only its inputs'
+    dims bound since (a plan per input shape): the checks no dim changes (structure and
+    single assignment, attributes against the schemas, input types) are not made
+    again; ONNX's shape inference and the op checks, which read shapes, still run.
 
     >>> graph = import_model("model.onnx")  # doctest: +SKIP
     """
     proto = load_model(model)
-    opsets = check_structure(proto, NEWEST_ONNX_OPSET)
+    opsets = (declared_opsets(proto) if checked
+              else check_structure(proto, NEWEST_ONNX_OPSET))
     inferred = _with_inferred_shapes(proto)
     schemas = SchemaChecker(opsets, proto.ir_version)
-    importer = _Importer(registry or default_registry(), opsets, schemas, tensors)
+    importer = _Importer(registry or default_registry(), opsets,
+                         None if checked else schemas, tensors)
     graph = importer.graph(inferred.graph, parent=None, scope={},
                            initializers=proto.graph.initializer)
     graph.name = proto.graph.name or "main"
     unify_dims(graph)
-    for node in graph.walk():
-        schemas.check_types(node)
+    if not checked:
+        for node in graph.walk():
+            schemas.check_types(node)
     check_ops(graph)
     return graph
 
@@ -159,11 +171,11 @@ def _unknown_negative_dims(vi: onnx.ValueInfoProto) -> onnx.ValueInfoProto:
 
 class _Importer:
     def __init__(self, registry: OpRegistry, opsets: dict[str, int],
-                 schemas: SchemaChecker,
+                 schemas: SchemaChecker | None,
                  tensors: Mapping[str, torch.Tensor] | None = None) -> None:
         self.registry = registry
         self.opsets = opsets
-        self.schemas = schemas
+        self.schemas = schemas   # None: the nodes were checked against theirs already
         self.tensors = tensors or {}
 
     def graph(self, gp: onnx.GraphProto, parent: Graph | None, scope: dict[str, Value],
@@ -225,7 +237,8 @@ class _Importer:
             raise UnsupportedOp(f"op {np_.op_type} in node {label!r} uses domain "
                                 f"{domain!r}, which the model does not import")
         opset = self.opsets[domain]
-        self.schemas.check_node(np_)
+        if self.schemas is not None:
+            self.schemas.check_node(np_)
         if np_.op_type == "Constant" and domain == "":
             const = _constant_value(np_)
             value = Value(np_.output[0], _spec_of_tensor(const), const=const)
@@ -328,12 +341,14 @@ def _tensor(tp: onnx.TensorProto) -> torch.Tensor:
     dtype = _raw_dtype(tp.data_type)
     if dtype is not None and tp.HasField("raw_data") and sys.byteorder == "little" \
             and tp.data_location != onnx.TensorProto.EXTERNAL:
-        # The common case in one copy, where numpy_helper.to_array and a copy after it
-        # make two (half the time for initializers whose pages are mapped; in a fresh
-        # process the new pages' faults dominate either way).
+        # The common case: reading raw_data hands back a new bytes object (protobuf
+        # copies the field out of the message), which the tensor keeps and reads in
+        # place; numpy_helper.to_array and a copy after it make two more. Only a buffer
+        # of the size the dims and type give is taken.
         raw = tp.raw_data
         if len(raw) == _data_bytes(tp):
-            return torch.from_numpy(np.frombuffer(raw, dtype).reshape(tuple(tp.dims)).copy())
+            return _over_bytes(raw, dtype, DType.from_onnx(tp.data_type).torch,
+                               tuple(tp.dims))
     try:
         array = numpy_helper.to_array(tp)
     except Exception as exc:
@@ -347,6 +362,26 @@ def _tensor(tp: onnx.TensorProto) -> torch.Tensor:
                             f"{onnx.TensorProto.DataType.Name(tp.data_type)}, "
                             "which segflow does not support")
     return torch.from_numpy(np.array(array, copy=True))
+
+
+def _over_bytes(raw: bytes, dtype: np.dtype[Any], torch_dtype: torch.dtype,
+                dims: tuple[int, ...]) -> torch.Tensor:
+    """A tensor of ``dims`` reading ``raw`` in place (its length checked by the caller),
+    or a copy where ``raw`` is small (CPython shares the one-byte and empty ones) or its
+    address is not a multiple of the element size.
+
+    torch marks a tensor over a read-only buffer as such and warns; the bytes object is
+    new and no one else holds it, so nothing observes a kernel writing into it.
+
+    >>> _over_bytes(bytes(256), np.dtype(np.float32), torch.float32, (8, 8)).shape
+    torch.Size([8, 8])
+    """
+    array = np.frombuffer(raw, dtype).reshape(dims)
+    if len(raw) <= SHARED_MIN_BYTES or array.ctypes.data % dtype.itemsize:
+        return torch.from_numpy(array.copy())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(raw, dtype=torch_dtype).reshape(dims)
 
 
 def _sparse_to_dense(sp: onnx.SparseTensorProto) -> torch.Tensor:

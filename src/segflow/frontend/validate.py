@@ -57,8 +57,7 @@ def check_structure(model: onnx.ModelProto, newest_opset: int) -> dict[str, int]
     A model must import the ONNX opset its nodes use (onnxruntime refuses a model that
     imports none); an opset newer than ``newest_opset`` is not implemented.
     """
-    opsets = {(imp.domain if imp.domain != "ai.onnx" else ""): imp.version
-              for imp in model.opset_import}
+    opsets = declared_opsets(model)
     first = next(_default_domain_nodes(model.graph), None)
     at = f"node {node_name(first)!r} ({first.op_type})" if first is not None else "the graph"
     if not model.opset_import:
@@ -74,6 +73,12 @@ def check_structure(model: onnx.ModelProto, newest_opset: int) -> dict[str, int]
     _check_inputs(model.graph)
     _check_single_assignment(model.graph, outer={})
     return opsets
+
+
+def declared_opsets(model: onnx.ModelProto) -> dict[str, int]:
+    """Domain -> opset version as ``model`` imports them (``""`` for ai.onnx)."""
+    return {(imp.domain if imp.domain != "ai.onnx" else ""): imp.version
+            for imp in model.opset_import}
 
 
 def _default_domain_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:

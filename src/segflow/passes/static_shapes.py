@@ -9,7 +9,8 @@ arithmetic; this rule then runs the node's own kernel over *meta* tensors (shape
 dtypes, no data) of its data inputs and the real constants of the others, and records
 the shapes it returns (where a kernel will not mix devices, the constants go on meta
 too), so the ``Shape`` nodes after it fold too and the fuse rules see
-the shapes they match on. Folding calls it on each node it does not fold, in order, so
+the shapes they match on (constants too large to be shape values go on meta at once).
+Folding calls it on each node it does not fold, in order, so
 one walk settles a chain of them.
 
 A kernel that cannot run on meta tensors (one that reads its input's values, or
@@ -36,6 +37,13 @@ _DATA_DEPENDENT = frozenset({"NonZero", "Unique", "NonMaxSuppression", "TopK", "
                              "RandomUniformLike", "Multinomial", "Bernoulli", "Dropout"})
 
 
+# Constants with at most this many elements go to the kernel as they are: the values a
+# kernel computes a shape from (a shape, axes, scales, pads) are that small. Larger ones
+# go on meta at once: a kernel that mixes a meta input with a host weight fails, and a
+# failed call costs far more than the meta one (torch formats the error and its trace).
+SHAPE_VALUES_MAX = 16
+
+
 def refine_static_shapes(node: Node, registry: OpRegistry, ctx: BindContext) -> bool:
     """Give ``node``'s outputs the fixed shapes its kernel computes over meta tensors of
     its non-constant inputs (all of fixed shape); True where a spec changed."""
@@ -43,13 +51,16 @@ def refine_static_shapes(node: Node, registry: OpRegistry, ctx: BindContext) -> 
             or all(v.spec.is_static and v.spec.dtype is not None for v in node.outputs):
         return False
     inputs: list[torch.Tensor | None] = []
+    moved = False    # a constant too large to be shape values went on meta
     for value in node.inputs:
         if value is None:
             inputs.append(None)
         elif value.const is not None:
             if value.const.is_mkldnn:
                 return False
-            inputs.append(value.const)
+            small = value.const.numel() <= SHAPE_VALUES_MAX
+            moved = moved or not small
+            inputs.append(value.const if small else value.const.to("meta"))
         elif value.spec.is_static and value.spec.dtype is not None \
                 and value.spec.dtype.torch is not None:
             shape = tuple(int(d) for d in value.spec.shape)  # type: ignore[union-attr,arg-type]
@@ -63,6 +74,10 @@ def refine_static_shapes(node: Node, registry: OpRegistry, ctx: BindContext) -> 
         outs = _run_meta(node, registry, ctx, [
             None if t is None else t if t.device.type == "meta" else t.to("meta")
             for t in inputs])
+    if outs is None and moved:   # a kernel that reads a large constant's values
+        outs = _run_meta(node, registry, ctx, [
+            None if v is None else v.const if v.const is not None else t
+            for v, t in zip(node.inputs, inputs)])
     if outs is None or len(outs) < len(node.outputs):
         return False
     changed = False

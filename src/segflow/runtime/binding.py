@@ -254,3 +254,14 @@ def _const_values(nodes: Iterable[Node], initializers: Iterable[Value]) -> list[
                     and v.name in node.graph.initializers:
                 out.setdefault(id(v), v)
     return list(out.values())
+
+
+def check_binds(graph: Graph, registry: OpRegistry, device: torch.device,
+                target: CpuTarget) -> None:
+    """Bind every node of ``graph`` to its reference kernel and drop the kernels: the
+    checks binding makes of a node's attributes and inputs (an unsupported mode, say),
+    for a session whose plan is made later. Raises what binding the plan would raise,
+    naming the node."""
+    ctx = BindContext(registry, device, ConstantCache(), target=target)
+    for node in graph.nodes:
+        ctx.bind_node(node)

@@ -16,7 +16,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -28,7 +28,7 @@ from segflow.engine.streams import StreamBackend
 from segflow.errors import InvalidInput
 from segflow.frontend.model_info import ModelInfo, describe_model
 from segflow.frontend.onnx_import import INFERENCE_DATA_LIMIT, import_model, load_model
-from segflow.ir.graph import Value
+from segflow.ir.graph import Graph, Value
 from segflow.ir.types import Device, DeviceKind, DType
 from segflow.kernels.native.build import describe_cache as describe_native_cache
 from segflow.kernels.report import ReportFamily, describe_families
@@ -45,6 +45,7 @@ from segflow.passes.specialize import shape_skeleton, specialize_reason, symboli
 from segflow.profiler.sink import EventSink, active_sink
 from segflow.runtime.aot_inductor import AotInductorSegment
 from segflow.runtime.arena import ArenaPool
+from segflow.runtime.binding import check_binds
 from segflow.runtime.compile import SegmentCompiler
 from segflow.runtime.completion import SyncMode
 from segflow.runtime.executor import Executor
@@ -102,6 +103,23 @@ class PendingRun:
             self._arrays = self._session._arrays(self._wanted, self._feeds, self._outputs)
             self._outputs = ()
         return self._arrays
+
+
+@dataclass(frozen=True, slots=True)
+class _Planning:
+    """What making a session's plan needs beyond the session: the imported graph and the
+    settings resolved at load (``InferenceSession._plan``)."""
+
+    graph: Graph
+    placement: Mapping[str, str | Device] | None
+    dims: Mapping[str, int] | None
+    carried: frozenset[str] | None   # nonfinite_reach's carried values (None: weights not finite)
+    threads: int
+    memory_policy: HostMemory
+    config: Mapping[str, Any]
+    engine: str
+    stream_backend: StreamBackend | None
+    packs: PackStore | None          # packed weights shared with the plans per input shape
 
 
 class InferenceSession(OrtSessionApi):
@@ -171,15 +189,17 @@ class InferenceSession(OrtSessionApi):
         self.registry = registry or default_registry()
         given = model.tensors if isinstance(model, BoundModel) else None
         proto = load_model(model.proto if isinstance(model, BoundModel) else model)
-        self.graph = import_model(proto, self.registry, tensors=given)
+        # A bound model is the session's own, checked when it loaded, with its inputs'
+        # dims bound.
+        graph = import_model(proto, self.registry, tensors=given, checked=given is not None)
         self.model_info: ModelInfo = describe_model(proto)
         # A graph over symbolic dims may be planned again per input shape (see
         # _specializations): the model's nodes and the weights as read, before the passes.
         skeleton, stripped = (shape_skeleton(proto, INFERENCE_DATA_LIMIT)
-                              if symbolic_inputs(self.graph) and placement is None
+                              if symbolic_inputs(graph) and placement is None
                               else (None, frozenset()))
         del proto   # the graph holds the weights now
-        initializers = self.graph.initializers
+        initializers = graph.initializers
         read: dict[str, Tensor] = {}
         for name in stripped:
             const = initializers[name].const if name in initializers else None
@@ -190,10 +210,9 @@ class InferenceSession(OrtSessionApi):
             profile.session_span(f"model_loading_{kind}", load_start, time.perf_counter_ns())
         init_start = time.perf_counter_ns()
         # onnxruntime describes the model's inputs and outputs as declared, before passes.
-        self._input_args = node_args(self.graph.inputs, self.model_info)
-        self._output_args = node_args(self.graph.outputs, self.model_info)
+        self._input_args = node_args(graph.inputs, self.model_info)
+        self._output_args = node_args(graph.outputs, self.model_info)
         self.settings = BulkSettings.resolve(inference=config.get("bulk"))
-        self.engine_name = resolve_engine(config.get("engine"))
         self.options = OptimizeOptions.resolve(config.get("optimize"),
                                                compile=config.get("compile"),
                                                intra_op_threads=config.get("intra_op_threads"))
@@ -202,11 +221,9 @@ class InferenceSession(OrtSessionApi):
         self.options = replace(self.options,
                                arena=self.options.arena and config.get("arena", True),
                                debug=max(self.options.debug, config.get("debug", 0)))
-        sync_mode = config.get("sync_mode", "event")
-        cuda_graphs = bool(config.get("cuda_graphs", False))
-        host_memory = config.get("host_memory")
         threads = configure_threads(self.options)
-        memory_policy = apply_host_memory(HostMemory.resolve(host_memory), self.device)
+        memory_policy = apply_host_memory(HostMemory.resolve(config.get("host_memory")),
+                                          self.device)
         # Weights holding NaN or Inf: no kernel may lose them (runtime/nonfinite.py).
         # Checked before the passes pack them into formats that cannot be read back, as
         # are the values a NaN may arise in (the passes fold some into constants).
@@ -214,47 +231,123 @@ class InferenceSession(OrtSessionApi):
         # (kernels/target.py), and passed to the passes, binding and codegen.
         self.target = CpuTarget.detect()
         self._holds_nonfinite = NonFiniteScan(self.target.native)
-        weights_finite = not self._holds_nonfinite(
-            v.const for v in self.graph.initializers.values() if v.const is not None)
-        carried = nonfinite_reach(self.graph, self.registry)[1] if weights_finite else None
-        # With optimized_model_filepath set, the ONNX-expressible passes run first and
-        # their graph is written (runtime/ort_session.py); their log lines lead.
+        # The weights a plan per input shape shares are scanned once, by the session
+        # that read them (``read``; a bound model's ``tensors``).
+        scanned = {*read, *(given or ())}
+        read_finite = not self._holds_nonfinite(read.values())
+        weights_finite = read_finite and (
+            model.finite if isinstance(model, BoundModel) else True) and not \
+            self._holds_nonfinite(v.const for v in graph.initializers.values()
+                                  if v.const is not None and v.name not in scanned)
+        carried = nonfinite_reach(graph, self.registry)[1] if weights_finite else None
         # Planned again per input shape, its plans take the weights packed here.
         packs = (model.packs if isinstance(model, BoundModel)
                  else PackStore(read.values()) if read and self.options.specialize else None)
-        pipeline, written = self._run_passes(None if placement else self.device, dims, packs)
         self._optimize_config = config.get("optimize")
-        self._specialized = (self._specializations(skeleton, read, packs)
-                             if skeleton is not None and self.options.specialize
-                             and specialize_reason(self.graph) is not None else None)
+        self.exact_runs = 0
+        """Runs whose feeds held NaN or Inf and ran every kernel exact (explain says why)."""
+        self._check_feeds = FeedValidator(graph.inputs)
+        self._output_names = [v.name for v in graph.outputs]
+        self._all_outputs = tuple(range(len(graph.outputs)))
+        self._local = threading.local()
+        self._warned_outputs: set[str] = set()
+        self._checked_shapes: dict[str, tuple[int, ...]] = {}
+        self._profile = profile
+        self._profile_sink: EventSink | None = profile.profiler if profile is not None else None
+        # Settings a plan reads, checked here whenever the plan is made.
+        engine = resolve_engine(config.get("engine"))
+        SyncMode.parse(config.get("sync_mode", "event"))
+        planning = _Planning(graph, placement, dims, carried, threads, memory_policy, config,
+                             engine, stream_backend, packs)
+        self._specialized: Specializations | None = None
+        self._planning: _Planning | None = None
+        self._planning_lock = threading.Lock()
+        if (skeleton is not None and self.options.specialize
+                and not self._sess_options.optimized_model_filepath
+                and specialize_reason(graph) is not None):
+            # Every run at a shape below the cap takes a plan of its own, so the session's
+            # plan is made when something needs it (explain, a shape past the cap or one
+            # whose bound model does not import); the checks that binding makes of each
+            # node run now, so an invalid model still fails at load.
+            check_binds(graph, self.registry, self.device.torch, self.target)
+            self._specialized = self._specializations(skeleton, read, packs, graph,
+                                                      read_finite)
+            for name in self._PLANNED:   # a session loaded again (_rebuild) drops its plan
+                self.__dict__.pop(name, None)
+            self._planning = planning
+        else:
+            self._plan(planning)
+            if (skeleton is not None and self.options.specialize
+                    and specialize_reason(self.graph) is not None):
+                self._specialized = self._specializations(skeleton, read, packs, graph,
+                                                          read_finite)
         del read
-        self.plan: Plan = make_plan(self.graph, self.registry, self.settings, self.device,
+        if profile is not None:
+            profile.session_span("session_initialization", init_start, time.perf_counter_ns())
+
+    # The attributes _plan sets: read before the session's plan is made, they make it.
+    _PLANNED = frozenset({
+        "graph", "plan", "engine_name", "_engine", "_executor", "_nonfinite",
+        "_exact_args", "_exact", "_exact_lock", "compile_report", "prebuild_report",
+        "_memory_plans", "_const_storages", "_numpy_run_mode", "released_at_load"})
+
+    def __getattr__(self, name: str) -> Any:
+        # Called only for attributes not set yet: those of a plan deferred at load.
+        if name in InferenceSession._PLANNED and self.__dict__.get("_planning") is not None:
+            with self._planning_lock:
+                planning = self._planning
+                if planning is not None:
+                    self._plan(planning)
+                    self._planning = None
+            return getattr(self, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    @property
+    def planned(self) -> bool:
+        """Whether the session's own plan is made (always, but where every run may take a
+        plan per input shape: then by the first thing that needs it)."""
+        return self.__dict__.get("_planning") is None
+
+    def _plan(self, planning: _Planning) -> None:
+        """Run the passes over the imported graph, plan it and bind the plan."""
+        graph, placement, config = planning.graph, planning.placement, planning.config
+        self.graph = graph
+        sync_mode = config.get("sync_mode", "event")
+        cuda_graphs = bool(config.get("cuda_graphs", False))
+        stream_backend = planning.stream_backend
+        # With optimized_model_filepath set, the ONNX-expressible passes run first and
+        # their graph is written (runtime/ort_session.py); their log lines lead.
+        pipeline, written = self._run_passes(None if placement else self.device,
+                                             planning.dims, planning.packs)
+        self.plan: Plan = make_plan(graph, self.registry, self.settings, self.device,
                                     placement, pass_log=(*written, *pipeline.log),
                                     memory=pipeline.memory, choices=pipeline.choices)
         memory = self.plan.memory
-        self.engine_name = engine_for_plan(self.engine_name,
+        self.engine_name = engine_for_plan(planning.engine,
                                            {s.device for s in self.plan.segments})
         self._engine = make_engine(self.engine_name)
         record: dict[str, object] = {"device": str(self.device), **self.settings.as_dict(),
                                      "sync_mode": SyncMode.parse(sync_mode).value,
                                      "cuda_graphs": cuda_graphs, **self.options.as_record(),
                                      "compile": pipeline.compile.value,
-                                     "intra_op_threads": threads,
-                                     "host_memory": memory_policy.value,
+                                     "intra_op_threads": planning.threads,
+                                     "host_memory": planning.memory_policy.value,
                                      **(memory.as_record() if memory is not None else {})}
         # Kernels that lose NaN or Inf only where none can reach them from inside the
         # graph; a run whose feeds hold one runs the exact executor (_executor_for).
+        carried = planning.carried
         self._nonfinite = NonFinitePolicy(
-            None if carried is None else nonfinite_reach(self.graph, self.registry, carried)[0])
+            None if carried is None else nonfinite_reach(graph, self.registry, carried)[0])
+        model = self._source[0]
         compiler = SegmentCompiler(pipeline.compile, memory, self.device.torch,
                                    cached_packages=self.options.compile is CompileMode.AUTO,
                                    replay=self.options.onednn_replay,
                                    keeps_nonfinite=self._nonfinite.keeps, target=self.target,
-                                   model=model, model_name=self.graph.name)
+                                   model=model, model_name=graph.name)
         plans = self.plan.memory_by_size
         arena = None
         if plans is not None and self.options.arena:
-            pool = ArenaPool(plans, self.graph.nodes, self.plan.choices)
+            pool = ArenaPool(plans, graph.nodes, self.plan.choices)
             arena = pool if pool else None
         self._executor = Executor(self.plan, self.registry, self._engine, record,
                                   sync_mode=sync_mode, cuda_graphs=cuda_graphs,
@@ -267,8 +360,6 @@ class InferenceSession(OrtSessionApi):
         self._exact_args = (record, SyncMode.parse(sync_mode), stream_backend)
         self._exact: Executor | None = None
         self._exact_lock = threading.Lock()
-        self.exact_runs = 0
-        """Runs whose feeds held NaN or Inf and ran every kernel exact (explain says why)."""
         # Compile time (not a setting, not run time): compile_report.compile_time_s.
         self.compile_report = compiler.report
         # libdnnl's primitives for a first run's layouts, built now rather than by that
@@ -280,9 +371,6 @@ class InferenceSession(OrtSessionApi):
         self._memory_plans = plans if memory is not None and memory.dims else None
         self._const_storages = {_storage(t) for t in self._executor.template
                                 if t is not None}
-        self._check_feeds = FeedValidator(self.graph.inputs)
-        self._output_names = [v.name for v in self.graph.outputs]
-        self._all_outputs = tuple(range(len(self.graph.outputs)))
         # run() hands back numpy arrays, so its tensors never meet autograd: on the host
         # it runs under inference_mode, which skips torch's autograd dispatch layer on
         # every op (~0.2-0.4 us an addmm, which counts where layers are tiny:
@@ -293,17 +381,10 @@ class InferenceSession(OrtSessionApi):
                         for s in self.plan.segments) and default.kind is DeviceKind.CPU
         self._numpy_run_mode: Callable[[], contextlib.AbstractContextManager[object]] = (
             torch.inference_mode if host_only else contextlib.nullcontext)
-        self._local = threading.local()
-        self._warned_outputs: set[str] = set()
-        self._checked_shapes: dict[str, tuple[int, ...]] = {}
         # What loading freed (dense weights replaced by packed ones, folded constants'
         # intermediates) goes back to the OS: under host_memory="retain" glibc would
         # keep it (runtime/host_memory.py).
         self.released_at_load = release_free_heap()
-        self._profile = profile
-        self._profile_sink: EventSink | None = profile.profiler if profile is not None else None
-        if profile is not None:
-            profile.session_span("session_initialization", init_start, time.perf_counter_ns())
 
     # -- description -------------------------------------------------------------------
     def get_inputs(self) -> list[NodeArg]:
@@ -428,7 +509,8 @@ class InferenceSession(OrtSessionApi):
         return runner if runner is not None else self
 
     def _specializations(self, skeleton: onnx.ModelProto, read: Mapping[str, Tensor],
-                         packs: PackStore | None) -> Specializations:
+                         packs: PackStore | None, graph: Graph,
+                         finite: bool) -> Specializations:
         """Plans per input shape for this session's model (``runtime/specialized.py``):
         each a session over ``skeleton`` with the inputs' dims bound and the weights
         ``read`` at load, with this session's options less ``specialize`` (no profile,
@@ -445,8 +527,8 @@ class InferenceSession(OrtSessionApi):
 
         def build(bound: BoundModel) -> InferenceSession:
             return InferenceSession(bound, options, **child)
-        return Specializations(skeleton, read, [v.name for v in self.graph.inputs], build,
-                               packs=packs)
+        return Specializations(skeleton, read, [v.name for v in graph.inputs], build,
+                               packs=packs, finite=finite)
 
     def _executor_for(self, feeds: Sequence[Tensor]) -> Executor:
         """The session's executor, or where its kernels lose NaN or Inf and ``feeds`` hold
@@ -499,7 +581,8 @@ class InferenceSession(OrtSessionApi):
     def close(self) -> None:
         if self._specialized is not None:
             self._specialized.close()
-        self._engine.close()
+        if self.planned:   # a plan never made has no engine to close
+            self._engine.close()
 
     def _rebuild(self, providers: Sequence[ProviderSpec],
                  provider_options: Sequence[Mapping[str, Any]] | None) -> None:

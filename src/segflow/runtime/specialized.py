@@ -13,7 +13,8 @@ for another input size, its plan and its bound kernels.
 
 At most ``cap`` shapes are specialized; runs at any other shape use the session's own
 plan, as do shapes whose bound model does not import (a shape the exporter's arithmetic
-cannot take: the own plan then raises what onnxruntime raises, at run time).
+cannot take: the own plan then raises what onnxruntime raises, at run time). Since the
+runs below the cap never take it, the session makes its own plan when first needed.
 """
 
 from __future__ import annotations
@@ -39,13 +40,17 @@ ShapeKey = tuple[tuple[int, ...], ...]
 @dataclass(frozen=True, slots=True)
 class BoundModel:
     """A model whose large initializers are given as tensors (by name) rather than read
-    from ``proto``, which holds their dims only; a session accepts it as its model.
+    from ``proto``, which holds their dims only; a session accepts it as its model, and
+    takes it for a model a session checked at load with only its inputs' dims bound
+    since (``import_model``'s ``checked``).
     ``packs``: what other sessions packed from those tensors (its layout pass takes a
-    weight's packing from there rather than packing it again)."""
+    weight's packing from there rather than packing it again); ``finite``: whether the
+    tensors hold no NaN or infinity (the session that read them scanned them)."""
 
     proto: onnx.ModelProto
     tensors: Mapping[str, torch.Tensor]
     packs: PackStore | None = None
+    finite: bool = True
 
 
 class Specializations:
@@ -55,12 +60,13 @@ class Specializations:
     """
 
     __slots__ = ("_skeleton", "_tensors", "_names", "_build", "cap", "_sessions",
-                 "refused", "declined", "_lock", "_packs")
+                 "refused", "declined", "_lock", "_packs", "_finite")
 
     def __init__(self, skeleton: onnx.ModelProto, tensors: Mapping[str, torch.Tensor],
                  input_names: Sequence[str],
                  build: Callable[[BoundModel], InferenceSession],
-                 cap: int = SPECIALIZE_CAP, packs: PackStore | None = None) -> None:
+                 cap: int = SPECIALIZE_CAP, packs: PackStore | None = None,
+                 finite: bool = True) -> None:
         self._skeleton = skeleton
         self._tensors = tensors
         self._names = tuple(input_names)
@@ -71,6 +77,7 @@ class Specializations:
         self.declined = 0                        # runs past the cap, on the own plan
         self._lock = threading.Lock()
         self._packs = packs
+        self._finite = finite
 
     def session_for(self, feeds: Sequence[torch.Tensor]) -> InferenceSession | None:
         """The session specialized for the feeds' shapes, built now if this is the first
@@ -88,7 +95,7 @@ class Specializations:
                 return None
             bound = bind_input_shapes(self._skeleton, dict(zip(self._names, key)))
             try:
-                session = self._build(BoundModel(bound, self._tensors, self._packs))
+                session = self._build(BoundModel(bound, self._tensors, self._packs, self._finite))
             except (InvalidModel, UnsupportedOp) as exc:
                 self.refused[key] = str(exc).splitlines()[0]
                 return None
