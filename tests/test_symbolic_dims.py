@@ -99,3 +99,36 @@ def test_bert_hidden_states_are_batch_by_seq():
                  if isinstance(d, str) and d.startswith("unk__")}
     assert not anonymous
     assert plan_memory(graph, dims={"batch": 1, "seq": 128}).unplanned == 0
+
+
+def _windows_model():
+    """Over x[N, 3, H, W]: a 3x3 Conv with pads 1, a dilated 3x3 Conv with pads 2, a 3x3
+    MaxPool with SAME_UPPER (each keeps H and W); then a stride-2 Conv and an unpadded 3x3
+    Conv (each gives new dims)."""
+    inits = {"w": np.ones((4, 3, 3, 3), np.float32), "w2": np.ones((4, 4, 3, 3), np.float32)}
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["same"], pads=[1, 1, 1, 1]),
+        helper.make_node("Conv", ["same", "w2"], ["dilated"], pads=[2, 2, 2, 2],
+                         dilations=[2, 2]),
+        helper.make_node("MaxPool", ["dilated"], ["pooled"], kernel_shape=[3, 3],
+                         auto_pad="SAME_UPPER"),
+        helper.make_node("Conv", ["pooled", "w2"], ["strided"], pads=[1, 1, 1, 1],
+                         strides=[2, 2]),
+        helper.make_node("Conv", ["pooled", "w2"], ["valid"]),
+    ]
+    return _model(nodes, {"x": (F32, ["N", 3, "H", "W"])}, ["strided", "valid"], inits)
+
+
+def test_windows_of_stride_one_that_pad_their_extent_keep_the_spatial_dims():
+    shapes = _shapes(import_model(_windows_model()))
+    for name in ("same", "dilated", "pooled"):
+        assert shapes[name] == ("N", 4, "H", "W")
+    for name in ("strided", "valid"):
+        assert shapes[name][:2] == ("N", 4)
+        assert not {"H", "W"} & set(shapes[name][2:])
+    feeds = {"x": np.random.default_rng(0).standard_normal((2, 3, 9, 7)).astype(np.float32)}
+    model = _windows_model()
+    expected = ort.InferenceSession(model.SerializeToString(),
+                                    providers=["CPUExecutionProvider"]).run(None, feeds)
+    for want, got in zip(expected, segflow.InferenceSession(model).run(None, feeds)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)

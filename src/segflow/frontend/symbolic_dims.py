@@ -13,7 +13,10 @@ output dims from the (already renamed) input specs: the length of
 ``Range(0, Gather(Shape(x), k), 1)`` -- a transformer's position ids -- is
 dim ``k`` of ``x``; the output of a multidirectional broadcasting op (Add,
 Mul, Where, ...) has the broadcast dims where they are determined (equal dims,
-a dim against 1, a symbol against a fixed size > 1). Where ONNX left an
+a dim against 1, a symbol against a fixed size > 1); a window op (Conv, MaxPool,
+AveragePool) of stride 1 whose pads cover its dilated kernel's extent keeps its
+input's spatial dims (ONNX gives a 3x3 convolution with pads 1 fresh symbols over a
+symbolic height and width). Where ONNX left an
 anonymous symbol there, the symbol is renamed in every value spec of the
 graph and its subgraphs. It never renames a symbol the model's inputs (or a
 subgraph's) declare, so two input dims are never merged.
@@ -21,7 +24,7 @@ subgraph's) declare, so two input dims are never merged.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from segflow.ir.graph import Graph, Node, Value
 from segflow.ir.types import Dim, TensorSpec, shape_window
@@ -32,6 +35,10 @@ BROADCASTING_OPS = frozenset({
     "Equal", "Greater", "GreaterOrEqual", "Less", "LessOrEqual", "And", "Or", "Xor",
     "BitShift", "BitwiseAnd", "BitwiseOr", "BitwiseXor", "PRelu",
 })
+
+
+# Ops sliding a window over the spatial dims (axes 2...) of input 0.
+WINDOW_OPS = frozenset({"Conv", "MaxPool", "AveragePool", "LpPool"})
 
 
 def unify_dims(graph: Graph) -> dict[str, Dim]:
@@ -54,6 +61,8 @@ def unify_dims(graph: Graph) -> dict[str, Dim]:
         if node.op_type == "Range":
             length = _range_length(node)
             result = None if length is None else [resolve(length)]
+        elif node.op_type in WINDOW_OPS:
+            result = _same_window(node, resolve)
         elif node.op_type in BROADCASTING_OPS:
             shapes = [v.spec.shape for v in node.inputs if v is not None]
             if not shapes or any(s is None for s in shapes):
@@ -74,6 +83,37 @@ def unify_dims(graph: Graph) -> dict[str, Dim]:
             value.spec = _renamed(value.spec, final)
         return final
     return {}
+
+
+def _same_window(node: Node, resolve: Callable[[Dim], Dim]) -> list[Dim] | None:
+    """A window op's output shape where stride 1 and its pads keep every spatial dim
+    (batch and channels left None: ONNX gives those already), else None."""
+    x = node.inputs[0] if node.inputs else None
+    if x is None or x.spec.shape is None or len(x.spec.shape) < 3:
+        return None
+    spatial = len(x.spec.shape) - 2
+    kernel = node.attrs.get("kernel_shape")
+    if kernel is None and node.op_type == "Conv" and len(node.inputs) > 1:
+        w = node.inputs[1]
+        kernel = None if w is None or w.spec.shape is None else list(w.spec.shape[2:])
+    if kernel is None or len(kernel) != spatial or not all(isinstance(k, int) for k in kernel):
+        return None
+    strides = list(node.attrs.get("strides", [1] * spatial))
+    dilations = list(node.attrs.get("dilations", [1] * spatial))
+    extents = [d * (int(k) - 1) for k, d in zip(kernel, dilations)]
+    auto_pad = node.attrs.get("auto_pad", "NOTSET")
+    if any(int(s) != 1 for s in strides):
+        return None
+    if auto_pad == "VALID":
+        keeps = all(e == 0 for e in extents)
+    elif auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        keeps = True
+    else:
+        pads = list(node.attrs.get("pads", [0] * 2 * spatial))
+        keeps = all(pads[i] + pads[i + spatial] == e for i, e in enumerate(extents))
+    if not keeps:
+        return None
+    return [None, None, *(resolve(d) for d in x.spec.shape[2:])]
 
 
 def _range_length(node: Node) -> Dim:
