@@ -16,6 +16,7 @@ from segflow.ops import (
     linalg,
     misc,
     nn,
+    qconv,
     quant,
     reduce,
     rnn,
@@ -24,7 +25,7 @@ from segflow.ops import (
 from segflow.ops.registry import BindContext, Kernel, OpDef, OpRegistry
 
 ALL_FAMILIES = (elementwise, nn, tensor, reduce, indexing, image, control, rnn, quant, linalg,
-                misc, copy, backward, fused, dense_chain)
+                misc, copy, backward, fused, dense_chain, qconv)
 
 
 

@@ -552,6 +552,56 @@ class Library:
             self.destroy([("memory_desc", weights_md)])
 
 
+# -- int8: quantized convolutions (u8/s8 activations, s8 weights, scales, zero points) ----
+U8, S8, S32 = 6, 5, 4                # dnnl_data_type_t
+ARG_ATTR_SCALES = 4096               # DNNL_ARG_ATTR_SCALES | arg: an f32 scale memory
+ARG_ATTR_ZERO_POINTS = 8192          # DNNL_ARG_ATTR_ZERO_POINTS | arg: an s32 zero point
+ELTWISE_RELU = 32
+_TORCH_TO_DNNL = {torch.uint8: U8, torch.int8: S8, torch.int32: S32, torch.float32: F32}
+
+
+def typed_desc(lib: Library, sizes: Sequence[int], strides: Sequence[int],
+               dtype: torch.dtype) -> Pointer:
+    """A descriptor of ``sizes`` and ``strides`` in ``dtype`` (u8, s8, s32 or f32)."""
+    return lib._make(lib._dll.dnnl_memory_desc_create_with_strides, len(sizes), Dims(*sizes),
+                     _TORCH_TO_DNNL[dtype], Dims(*strides))
+
+
+def typed_any_desc(lib: Library, sizes: Sequence[int], dtype: torch.dtype) -> Pointer:
+    """A descriptor of ``sizes`` in ``dtype`` whose format the primitive chooses."""
+    return lib._make(lib._dll.dnnl_memory_desc_create_with_tag, len(sizes), Dims(*sizes),
+                     _TORCH_TO_DNNL[dtype], FORMAT_ANY)
+
+
+def int8_attr(lib: Library, weight_mask: int, src_zero_point: bool, dst_zero_point: bool,
+              residual: tuple[float, int] | None, relu: bool) -> Pointer:
+    """Attributes of a quantized convolution: runtime scales of the source (one), the
+    weights (``weight_mask``: 0 one, else per output channel) and the destination (one),
+    the zero points asked for (runtime, one each), and the post-ops ``[sum(scale,
+    zero point)] -> [relu]``: the sum reads the destination's prior bytes (the residual
+    copied there) as ``scale * (r - zero point)``; libdnnl applies post-ops in float
+    before the destination's scale and zero point."""
+    dll = lib._dll
+    attr = lib._make(dll.dnnl_primitive_attr_create)
+    for arg, mask in ((ARG_SRC, 0), (ARG_WEIGHTS, weight_mask), (ARG_DST, 0)):
+        lib.check(dll.dnnl_primitive_attr_set_scales_mask(attr, arg, mask), "set scales")
+    for arg, wanted in ((ARG_SRC, src_zero_point), (ARG_DST, dst_zero_point)):
+        if wanted:
+            lib.check(dll.dnnl_primitive_attr_set_zero_points_mask(attr, arg, 0),
+                      "set zero points")
+    ops = lib._make(dll.dnnl_post_ops_create)
+    if residual is not None:
+        scale, zero_point = residual
+        lib.check(dll.dnnl_post_ops_append_sum(ops, ctypes.c_float(scale),
+                                               ctypes.c_int32(zero_point), 0), "append sum")
+    if relu:
+        lib.check(dll.dnnl_post_ops_append_eltwise(ops, ELTWISE_RELU, 0.0, 0.0),
+                  "append eltwise")
+    lib.check(dll.dnnl_primitive_attr_set_post_ops(attr, ops), "set post-ops")
+    dll.dnnl_post_ops_destroy(ops)
+    return attr
+
+
 def reorder_weight(lib: Library, weight: Tensor, weights_md: Pointer,
                     dims: Sequence[int]) -> Tensor:
     """``weight``'s values (packed or dense) shaped ``dims`` and written by this library
