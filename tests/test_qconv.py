@@ -17,11 +17,11 @@ import onnxruntime as ort
 import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
+from tests.targets import count
 
 import segflow
 from segflow.kernels.choice import KernelKind
 from segflow.kernels.onednn.library import Library
-from tests.targets import count
 
 DNNL = Library.load()
 needs_dnnl = pytest.mark.skipif(DNNL is None, reason="libdnnl is not installed")
@@ -154,7 +154,8 @@ def test_int8_kernel_equals_reference_bitwise_or_one_step() -> None:
     attrs = dict(pads=[1, 0, 1, 2], strides=[1, 2], dilations=[1, 1], group=1, x_scale=0.02,
                  x_zero_point=128, w_scale=torch.rand(cout, generator=rng).add(0.1).mul(0.01)
                  .tolist(), w_zero_point=[0] * cout, y_scale=0.05, y_zero_point=100,
-                 y_dtype="uint8", relu=1, r_scale=0.03, r_zero_point=90)
+                 y_dtype="uint8", relu=1, r_scale=0.03, r_zero_point=90, c_scale=0.04,
+                 c_zero_point=120, c_dtype="uint8")
     params = QuantParams(Node("QConv", [], [Value("y")], attrs, domain="segflow"))
     w = torch.randint(-128, 128, (cout, 16, 3, 3), dtype=torch.int8, generator=rng)
     x = torch.randint(0, 256, (2, 16, 9, 11), dtype=torch.uint8, generator=rng)

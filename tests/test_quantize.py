@@ -16,6 +16,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from tests.targets import count
 
 import segflow
 from segflow.frontend.onnx_import import import_model
@@ -23,7 +24,6 @@ from segflow.ir.graph import Graph
 from segflow.kernels.choice import KernelKind
 from segflow.kernels.onednn.library import Library
 from segflow.passes.quantize import lower_qdq
-from tests.targets import count
 
 DNNL = Library.load()
 IMAGES = 64
@@ -111,9 +111,12 @@ def test_lowering_structure(qdq_model: Path) -> None:
     assert (lowered, fused, dict(kept)) == (4, 1, {})
     ops = [n.op_type for n in graph.nodes]
     assert ops.count("QConv") == 4 and "Conv" not in ops and "Add" not in ops
-    # Q/DQ only at the region's edges: the image's Q, around the MaxPool, and the
-    # float tail (global pool, classifier) with its own Q/DQ pairs.
-    assert ops.count("QuantizeLinear") == 1 + 1 + 3
+    # Q/DQ only at the region's edges: the image's Q and the float tail (global pool,
+    # classifier) with its own Q/DQ pairs; the MaxPool runs on the uint8 tensor.
+    assert ops.count("QuantizeLinear") == 1 + 3
+    pool = next(n for n in graph.nodes if n.op_type == "MaxPool")
+    assert pool.inputs[0].producer.op_type == "QConv"
+    assert pool.outputs[0].uses[0].op_type == "QConv"
     qconvs = [n for n in graph.nodes if n.op_type == "QConv"]
     assert [len([v for v in n.inputs if v is not None]) for n in qconvs] == [3, 3, 4, 3]
     # Activations between two QConvs stay uint8: no node in between.
@@ -126,6 +129,7 @@ def test_residual_switch_leaves_add_float(qdq_model: Path) -> None:
     lowered, fused, _ = lower_qdq(graph, residual=False)
     graph.validate()
     assert (lowered, fused) == (4, 0)
+    assert [n.op_type for n in graph.nodes].count("QuantizeLinear") == 1 + 1 + 3
     assert [n.op_type for n in graph.nodes].count("Add") == 1
 
 

@@ -146,10 +146,13 @@ def _maxpool(node: Node, ctx: BindContext) -> Kernel:
     def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
         x = inputs[0]
         assert x is not None
+        if not x.is_floating_point() and not x.is_contiguous():
+            x = x.contiguous()   # torch's integer max pooling refuses channels-last input
         begin, end = pool_out_pad(x, win)
         if begin == end and all(p <= k // 2 for p, k in zip(begin, kshape)) and not want_indices:
             return [_MAXPOOL[n](x, kshape, win.strides, begin, win.dilations, ceil_mode)]
-        xp = F.pad(x, torch_pad(begin + end), value=-math.inf) if any(begin + end) else x
+        low = -math.inf if x.is_floating_point() else torch.iinfo(x.dtype).min
+        xp = F.pad(x, torch_pad(begin + end), value=low) if any(begin + end) else x
         if want_indices:
             y, idx = _MAXPOOL[n](xp, kshape, win.strides, 0, win.dilations, ceil_mode,
                                  return_indices=True)

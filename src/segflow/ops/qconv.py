@@ -8,21 +8,26 @@ its output channels first, ``bias`` float32 (the dequantized bias) or absent,
 ``residual_q`` of the output's shape or absent. The quantization parameters are
 attributes, fixed at load: ``x_scale``, ``x_zero_point``, ``w_scale`` and
 ``w_zero_point`` (one per output channel), ``y_scale``, ``y_zero_point``, ``y_dtype``,
-and, with a residual, ``r_scale`` and ``r_zero_point``; ``relu`` (0/1).
+and, with a residual, the convolution's own quantization before the Add
+(``c_scale``, ``c_zero_point``, ``c_dtype``) and the residual's (``r_scale``,
+``r_zero_point``); ``relu`` (0/1).
 
 The reference kernel is the definition::
 
     acc[m] = sum over the window of (x_q - x_zero_point) * (w_q[m] - w_zero_point[m])
     y      = acc[m] * x_scale * w_scale[m] + bias[m]
-             (+ r_scale * (residual_q - r_zero_point))     with a residual
+    with a residual:
+      c_q  = quantize(y, c_scale, c_zero_point, c_dtype)
+      y    = (c_q - c_zero_point) * c_scale + r_scale * (residual_q - r_zero_point)
     y      = max(y, 0)                                     with relu
-    y_q    = saturate(round_half_even(y / y_scale) + y_zero_point)
+    y_q    = quantize(y, y_scale, y_zero_point, y_dtype)
+
+    quantize(v, s, z, t) = saturate_t(round_half_even(v / s) + z)
 
 integer accumulation (exact in float64 for these ranges), the rest in float64, then
-rounding half to even and saturation to ``y_dtype``, as QuantizeLinear does. Without
-a residual this is onnxruntime's QLinearConv over the same parameters; with one, the
-convolution's own QuantizeLinear before the Add is not applied (the sum is formed
-unrounded), which is why the pass fuses a residual only where that is asked for.
+rounding half to even and saturation, as QuantizeLinear does: the unfused graph's
+values, the convolution's own rounding before the Add included. Without a residual
+this is onnxruntime's QLinearConv over the same parameters.
 The fast kernel (libdnnl's int8 convolution) is bound through the node's
 ``KernelChoice`` (``kernels/onednn/qconv.py``).
 """
@@ -49,7 +54,8 @@ class QuantParams:
     """A QConv node's quantization attributes, read once at bind."""
 
     __slots__ = ("x_scale", "x_zero_point", "w_scale", "w_zero_point", "y_scale",
-                 "y_zero_point", "y_dtype", "r_scale", "r_zero_point", "relu", "pads",
+                 "y_zero_point", "y_dtype", "c_scale", "c_zero_point", "c_dtype", "r_scale",
+                 "r_zero_point", "relu", "pads",
                  "strides", "dilations", "group")
 
     def __init__(self, node: Node) -> None:
@@ -61,6 +67,9 @@ class QuantParams:
         self.y_scale = float(attrs["y_scale"])
         self.y_zero_point = int(attrs["y_zero_point"])
         self.y_dtype = DTYPES[str(attrs["y_dtype"])]
+        self.c_scale = float(attrs.get("c_scale", 1.0))
+        self.c_zero_point = int(attrs.get("c_zero_point", 0))
+        self.c_dtype = DTYPES[str(attrs.get("c_dtype", "uint8"))]
         self.r_scale = float(attrs.get("r_scale", 0.0))
         self.r_zero_point = int(attrs.get("r_zero_point", 0))
         self.relu = bool(attrs.get("relu", 0))
@@ -75,9 +84,13 @@ class QuantParams:
 
     def requantize(self, y: Tensor) -> Tensor:
         """float64 ``y`` -> the output's integer type (round half to even, saturate)."""
-        lo, hi = INT_RANGES[self.y_dtype]
-        q = torch.round(y / self.y_scale) + self.y_zero_point
-        return q.clamp(lo, hi).to(self.y_dtype)
+        return quantize(y, self.y_scale, self.y_zero_point, self.y_dtype)
+
+
+def quantize(y: Tensor, scale: float, zero_point: int, dtype: torch.dtype) -> Tensor:
+    """QuantizeLinear of float64 ``y``: round half to even, then saturate to ``dtype``."""
+    lo, hi = INT_RANGES[dtype]
+    return (torch.round(y / scale) + zero_point).clamp(lo, hi).to(dtype)
 
 
 def qconv_reference(params: QuantParams, x: Tensor, w: Tensor, bias: Tensor | None,
@@ -97,7 +110,9 @@ def qconv_reference(params: QuantParams, x: Tensor, w: Tensor, bias: Tensor | No
     if bias is not None:
         y = y + bias.to(torch.float64).reshape(per_out)
     if residual is not None:
-        y = y + params.r_scale * (residual.to(torch.float64) - params.r_zero_point)
+        c_q = quantize(y, params.c_scale, params.c_zero_point, params.c_dtype)
+        y = (c_q.to(torch.float64) - params.c_zero_point) * params.c_scale \
+            + params.r_scale * (residual.to(torch.float64) - params.r_zero_point)
     if params.relu:
         y = y.clamp_min(0.0)
     return params.requantize(y)

@@ -10,9 +10,9 @@ folding and rewrites
 - ``Q(Relu?(Conv(DQ(x_q), DQ(w_q), DQ(b)?)))`` into one ``segflow.QConv`` over
   ``x_q`` and ``w_q`` (``ops/qconv.py``), whose output is the Q's integer tensor;
 - with ``residual`` on, ``Q(Relu?(Add(DQ(QConv(..)), DQ(r_q))))`` into that QConv with
-  ``r_q`` as its residual input (libdnnl's sum post-op): the convolution's own
-  rounding before the Add is then skipped, a difference from the unfused graph of at
-  most half a step of that convolution's output scale before the Add's rounding.
+  ``r_q`` as its residual input; the convolution's own rounding before the Add is kept
+  (libdnnl's post-ops round, saturate and dequantize it before adding ``r_q``), so
+  the fused node computes the unfused graph's values.
 
 Between two lowered convolutions the uint8 tensor flows directly; DequantizeLinear /
 QuantizeLinear remain only at a region's edges (the image's quantization, a pooling or
@@ -212,7 +212,9 @@ def _fuse_residual(graph: Graph, add: Node) -> bool:
                 or r_q.spec.dtype != conv_out.spec.dtype:
             continue
         inputs = [*qconv.inputs[:3], *[None] * (3 - len(qconv.inputs)), r_q]
-        attrs = dict(qconv.attrs, r_scale=r.scale[0], r_zero_point=r.zero_point[0],
+        attrs = dict(qconv.attrs, c_scale=qconv.attrs["y_scale"],
+                     c_zero_point=qconv.attrs["y_zero_point"], c_dtype=qconv.attrs["y_dtype"],
+                     r_scale=r.scale[0], r_zero_point=r.zero_point[0],
                      y_scale=y.scale[0], y_zero_point=y.zero_point[0],
                      y_dtype=_ACTIVATION_DTYPES[y.dtype], relu=int(relu))
         old = after.outputs[0]
@@ -230,11 +232,44 @@ def _fuse_residual(graph: Graph, add: Node) -> bool:
     return False
 
 
+# Ops that commute with a dequantization whose scale is positive (they select or move
+# elements, never combine them), so ``Q(op(DQ(x_q)))`` with the same parameters on both
+# sides is ``op(x_q)``: the integers are the values the Q would give back.
+ORDER_PRESERVING = ("MaxPool",)
+
+
+def _pass_through(graph: Graph, node: Node) -> bool:
+    """``Q(node(DQ(x_q)))`` -> ``node(x_q)`` where the Q's parameters are the DQ's."""
+    if len(node.outputs) != 1 or not node.inputs or node.inputs[0] is None:
+        return False
+    dq = node.inputs[0].producer
+    x = _per_tensor(dq, "DequantizeLinear")
+    q = only_consumer(graph, node.outputs[0])
+    y = _per_tensor(q, "QuantizeLinear")
+    if isinstance(x, str) or isinstance(y, str) or x != y or x.scale[0] <= 0:
+        return False
+    assert dq is not None and q is not None
+    x_q = dq.inputs[0]
+    old = q.outputs[0]
+    out = Value(old.name, TensorSpec(DType.from_torch(y.dtype), old.spec.shape))
+    moved = Node(node.op_type, [x_q, *node.inputs[1:]], [out], dict(node.attrs),
+                 name=node.name, domain=node.domain, opset=node.opset)
+    graph.insert_before(node, moved)
+    graph.replace_all_uses(old, out)
+    graph.remove(q)
+    graph.remove(node)
+    return True
+
+
 def lower_qdq(graph: Graph, residual: bool = True) -> tuple[int, int, Counter[str]]:
     """Lower ``graph``'s quantized convolutions in place: (QConvs made, residual Adds
-    fused, why each Conv left float stayed so)."""
+    fused, why each Conv left float stayed so). Order-preserving ops between a DQ and a
+    Q of the same parameters run on the integers too."""
     kept: Counter[str] = Counter()
     lowered = 0
+    for op_type in ORDER_PRESERVING:
+        for node in live_nodes(graph, op_type):
+            _pass_through(graph, node)
     for conv in live_nodes(graph, "Conv"):
         why = _lower_conv(graph, conv)
         if why:
@@ -244,9 +279,8 @@ def lower_qdq(graph: Graph, residual: bool = True) -> tuple[int, int, Counter[st
     fused = 0
     if residual and lowered:
         fused = sum(_fuse_residual(graph, add) for add in live_nodes(graph, "Add"))
-    if lowered:
-        graph.toposort()
-        remove_dead(graph)
+    graph.toposort()
+    remove_dead(graph)
     return lowered, fused, kept
 
 

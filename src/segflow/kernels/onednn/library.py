@@ -556,8 +556,11 @@ class Library:
 U8, S8, S32 = 6, 5, 4                # dnnl_data_type_t
 ARG_ATTR_SCALES = 4096               # DNNL_ARG_ATTR_SCALES | arg: an f32 scale memory
 ARG_ATTR_ZERO_POINTS = 8192          # DNNL_ARG_ATTR_ZERO_POINTS | arg: an s32 zero point
-ELTWISE_RELU = 32
+ELTWISE_RELU, ELTWISE_LINEAR, ELTWISE_CLIP_V2, ELTWISE_ROUND = 32, 38, 47, 50
 _TORCH_TO_DNNL = {torch.uint8: U8, torch.int8: S8, torch.int32: S32, torch.float32: F32}
+# A post-op of an int8 primitive: ("eltwise", algorithm, alpha, beta) or
+# ("add", descriptor of the tensor added).
+PostOp = tuple[str, int, float, float] | tuple[str, Pointer]
 
 
 def typed_desc(lib: Library, sizes: Sequence[int], strides: Sequence[int],
@@ -574,13 +577,12 @@ def typed_any_desc(lib: Library, sizes: Sequence[int], dtype: torch.dtype) -> Po
 
 
 def int8_attr(lib: Library, weight_mask: int, src_zero_point: bool, dst_zero_point: bool,
-              residual: tuple[float, int] | None, relu: bool) -> Pointer:
-    """Attributes of a quantized convolution: runtime scales of the source (one), the
+              post_ops: Sequence[PostOp]) -> Pointer:
+    """Attributes of a quantized primitive: runtime scales of the source (one), the
     weights (``weight_mask``: 0 one, else per output channel) and the destination (one),
-    the zero points asked for (runtime, one each), and the post-ops ``[sum(scale,
-    zero point)] -> [relu]``: the sum reads the destination's prior bytes (the residual
-    copied there) as ``scale * (r - zero point)``; libdnnl applies post-ops in float
-    before the destination's scale and zero point."""
+    the zero points asked for (runtime, one each), and ``post_ops`` in order. libdnnl
+    applies post-ops in float to the scaled accumulator (plus bias), then divides by the
+    destination's scale, adds its zero point, rounds and saturates."""
     dll = lib._dll
     attr = lib._make(dll.dnnl_primitive_attr_create)
     for arg, mask in ((ARG_SRC, 0), (ARG_WEIGHTS, weight_mask), (ARG_DST, 0)):
@@ -590,13 +592,13 @@ def int8_attr(lib: Library, weight_mask: int, src_zero_point: bool, dst_zero_poi
             lib.check(dll.dnnl_primitive_attr_set_zero_points_mask(attr, arg, 0),
                       "set zero points")
     ops = lib._make(dll.dnnl_post_ops_create)
-    if residual is not None:
-        scale, zero_point = residual
-        lib.check(dll.dnnl_post_ops_append_sum(ops, ctypes.c_float(scale),
-                                               ctypes.c_int32(zero_point), 0), "append sum")
-    if relu:
-        lib.check(dll.dnnl_post_ops_append_eltwise(ops, ELTWISE_RELU, 0.0, 0.0),
-                  "append eltwise")
+    for op in post_ops:
+        if op[0] == "eltwise":
+            _, algorithm, alpha, beta = op  # type: ignore[misc]
+            lib.check(dll.dnnl_post_ops_append_eltwise(ops, algorithm, alpha, beta),
+                      "append eltwise")
+        else:
+            lib.check(dll.dnnl_post_ops_append_binary(ops, BINARY_ADD, op[1]), "append add")
     lib.check(dll.dnnl_primitive_attr_set_post_ops(attr, ops), "set post-ops")
     dll.dnnl_post_ops_destroy(ops)
     return attr

@@ -3,8 +3,9 @@
 One primitive per input shape: u8 (or s8) channels-last source and destination, s8
 weights packed once into the format the primitive chooses, an f32 bias, runtime
 scales (the source's, the weights' per output channel, the destination's) and zero
-points (source, destination), and post-ops for the node's residual (a sum reading
-the destination's prior bytes, where the residual is copied first) and ReLU. libdnnl
+points (source, destination), and post-ops for the node's residual (the
+convolution's own requantization, then a binary add reading the residual's integers
+in place, see ``Int8Conv._post_ops``) and ReLU. libdnnl
 accumulates in int32, applies the scales, bias and post-ops in float, then divides by
 the destination scale, adds its zero point, rounds to nearest even and saturates: the
 node's definition (``ops/qconv.py``) up to the float32 rounding of those steps, so a
@@ -30,11 +31,18 @@ from segflow.kernels.onednn.library import (
     ARG_BIAS,
     ARG_DST,
     ARG_SRC,
+    ARG_SRC_1,
     ARG_WEIGHTS,
+    ELTWISE_CLIP_V2,
+    ELTWISE_LINEAR,
+    ELTWISE_RELU,
+    ELTWISE_ROUND,
+    POST_OP_ARG_BASE,
     DnnlError,
     ExecArg,
     Library,
     Pointer,
+    PostOp,
     int8_attr,
     typed_any_desc,
     typed_desc,
@@ -46,7 +54,7 @@ from segflow.kernels.report import (
     ReportFamily,
     short_label,
 )
-from segflow.ops.qconv import QuantParams, qconv_reference
+from segflow.ops.qconv import INT_RANGES, QuantParams, qconv_reference
 from segflow.ops.registry import BindContext
 
 Tensor = torch.Tensor
@@ -55,13 +63,14 @@ Tensor = torch.Tensor
 class _Primitive:
     """A built primitive for one input shape, its memories and execute arguments."""
 
-    __slots__ = ("primitive", "src", "dst", "args", "out_shape", "impl", "weight")
+    __slots__ = ("primitive", "src", "dst", "residual", "args", "out_shape", "impl", "weight")
 
-    def __init__(self, primitive: Pointer, src: Pointer, dst: Pointer, args: Any,
-                 out_shape: list[int], impl: str, weight: Tensor) -> None:
+    def __init__(self, primitive: Pointer, src: Pointer, dst: Pointer, residual: Pointer | None,
+                 args: Any, out_shape: list[int], impl: str, weight: Tensor) -> None:
         self.primitive = primitive
         self.src = src
         self.dst = dst
+        self.residual = residual
         self.args = args
         self.out_shape = out_shape
         self.impl = impl
@@ -97,7 +106,8 @@ class Int8Conv(NativeOrTorch):
         self._scales = {ARG_SRC: torch.tensor([params.x_scale], dtype=torch.float32),
                         ARG_WEIGHTS: torch.tensor(params.w_scale, dtype=torch.float32)
                         if params.per_channel else torch.tensor([params.w_scale[0]]),
-                        ARG_DST: torch.tensor([params.y_scale], dtype=torch.float32)}
+                        ARG_DST: torch.tensor([params.y_scale / params.r_scale if residual
+                                               else params.y_scale], dtype=torch.float32)}
         self._zero_points = {arg: torch.tensor([zp], dtype=torch.int32) for arg, zp in
                              ((ARG_SRC, params.x_zero_point), (ARG_DST, params.y_zero_point))
                              if zp}
@@ -115,7 +125,32 @@ class Int8Conv(NativeOrTorch):
         g = self.params.group
         return [m, c, kh, kw] if g == 1 else [g, m // g, c, kh, kw]
 
-    def _build(self, lib: Library, x: Tensor) -> _Primitive:
+    def _post_ops(self, residual_md: Pointer | None) -> tuple[list[PostOp], int | None]:
+        """The post-op chain and the index of its residual add (None: no residual).
+
+        With a residual the chain first quantizes the convolution's result as the graph's
+        QuantizeLinear before the Add does (scale, round, saturate), dequantizes it, and
+        adds the residual, all in units of the residual's scale so that the residual's
+        integers are added as they are (a binary add reads them unscaled); the
+        destination's scale is then ``y_scale / r_scale`` (``_dst_scale``)."""
+        p = self.params
+        ops: list[PostOp] = []
+        add_at = None
+        if residual_md is not None:
+            lo, hi = INT_RANGES[p.c_dtype]
+            ratio = p.c_scale / p.r_scale
+            ops += [("eltwise", ELTWISE_LINEAR, 1.0 / p.c_scale, float(p.c_zero_point)),
+                    ("eltwise", ELTWISE_ROUND, 0.0, 0.0),
+                    ("eltwise", ELTWISE_CLIP_V2, float(lo), float(hi)),
+                    ("eltwise", ELTWISE_LINEAR, ratio,
+                     -p.c_zero_point * ratio - p.r_zero_point)]
+            add_at = len(ops)
+            ops.append(("add", residual_md))
+        if p.relu:
+            ops.append(("eltwise", ELTWISE_RELU, 0.0, 0.0))
+        return ops, add_at
+
+    def _build(self, lib: Library, x: Tensor, residual: Tensor | None) -> _Primitive:
         p = self.params
         n, c, h, w = (int(d) for d in x.shape)
         m, _, kh, kw = (int(d) for d in self.weight.shape)
@@ -130,9 +165,13 @@ class Int8Conv(NativeOrTorch):
         bias_md = lib.vector_desc(m)
         owned += [("memory_desc", d) for d in (src_md, dst_md, any_w, bias_md)]
         weight_mask = (1 if p.group == 1 else 3) if p.per_channel else 0
-        residual = (p.r_scale, p.r_zero_point) if self.residual else None
+        residual_md = None
+        if residual is not None:
+            residual_md = typed_desc(lib, out_shape, _channels_last(out_shape), residual.dtype)
+            self._owned.append(("memory_desc", residual_md))
+        post_ops, add_at = self._post_ops(residual_md)
         attr = int8_attr(lib, weight_mask, bool(p.x_zero_point), bool(p.y_zero_point),
-                         residual, p.relu)
+                         post_ops)
         owned.append(("primitive_attr", attr))
         geometry = _Geometry(p)
         try:
@@ -160,6 +199,11 @@ class Int8Conv(NativeOrTorch):
         self._owned += [("memory", mem) for mem in (src, dst, weights, bias)]
         args = [ExecArg(ARG_SRC, src), ExecArg(ARG_WEIGHTS, weights), ExecArg(ARG_BIAS, bias),
                 ExecArg(ARG_DST, dst)]
+        residual_mem = None
+        if residual_md is not None and add_at is not None:
+            residual_mem = lib.memory(residual_md, None)
+            self._owned.append(("memory", residual_mem))
+            args.append(ExecArg(POST_OP_ARG_BASE * (add_at + 1) | ARG_SRC_1, residual_mem))
         for arg, tensor in self._scales.items():
             args.append(ExecArg(ARG_ATTR_SCALES | arg, self._vector(lib, tensor)))
         for arg, tensor in self._zero_points.items():
@@ -167,7 +211,8 @@ class Int8Conv(NativeOrTorch):
         if self._stream is None:
             self._stream = lib.stream()
             self._owned.append(("stream", self._stream))
-        return _Primitive(prim, src, dst, (ExecArg * len(args))(*args), out_shape, impl, packed)
+        return _Primitive(prim, src, dst, residual_mem, (ExecArg * len(args))(*args), out_shape,
+                          impl, packed)
 
     def _vector(self, lib: Library, tensor: Tensor) -> Pointer:
         md = typed_desc(lib, [tensor.numel()], [1], tensor.dtype)
@@ -176,7 +221,7 @@ class Int8Conv(NativeOrTorch):
         self._owned.append(("memory", mem))
         return mem
 
-    def _primitive(self, x: Tensor) -> _Primitive | None:
+    def _primitive(self, x: Tensor, residual: Tensor | None) -> _Primitive | None:
         key = tuple(int(d) for d in x.shape)
         if key in self._built:
             return self._built[key]
@@ -191,7 +236,7 @@ class Int8Conv(NativeOrTorch):
                 self.declined[key] = self.why_not
             else:
                 try:
-                    built = self._build(lib, x)
+                    built = self._build(lib, x, residual)
                 except DnnlError as exc:
                     self.declined[key] = f"libdnnl refused it ({exc})"
                 if built is not None and built.impl.startswith("ref"):
@@ -205,7 +250,10 @@ class Int8Conv(NativeOrTorch):
     # -- running --------------------------------------------------------------------
     def __call__(self, x: Tensor, w: Tensor, bias: Tensor | None = None,
                  residual: Tensor | None = None) -> Tensor:
-        call = self._primitive(x) if x.dim() == 4 else None
+        if (residual is not None) != self.residual:
+            raise ValueError("QConv: a residual input where the node has none, or none "
+                             "where it has one")
+        call = self._primitive(x, residual) if x.dim() == 4 else None
         if call is None:
             key = tuple(int(d) for d in x.shape)
             self.count_torch_call(self.declined.get(key, f"{x.dim()}-D input"))
@@ -213,13 +261,14 @@ class Int8Conv(NativeOrTorch):
         x = x.contiguous(memory_format=torch.channels_last)
         out = torch.empty(call.out_shape, dtype=self.params.y_dtype,
                           memory_format=torch.channels_last)
-        if residual is not None:
-            out.copy_(residual)    # the sum post-op reads the destination's prior bytes
         lib = self.library
         assert lib is not None
         with self._run_lock:
             lib.set_handle(call.src, x.data_ptr())
             lib.set_handle(call.dst, out.data_ptr())
+            if call.residual is not None and residual is not None:
+                residual = residual.contiguous(memory_format=torch.channels_last)
+                lib.set_handle(call.residual, residual.data_ptr())
             status = lib.execute(call.primitive, self._stream, len(call.args), call.args)
         if status != 0:
             raise DnnlError(f"int8 convolution ({call.impl}): oneDNN status {status}")
