@@ -63,11 +63,14 @@ def _segflow(path: str, feeds: Mapping[str, np.ndarray],
     return Runner("segflow", lambda: sess.run(None, feeds), cold), ran.plan.compute_nodes
 
 
-def _onnxruntime(path: str, feeds: Mapping[str, np.ndarray]) -> Runner:
+def _onnxruntime(path: str, feeds: Mapping[str, np.ndarray], threads: int = 0) -> Runner:
     import onnxruntime as ort
 
     start = time.perf_counter()
-    sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    options = ort.SessionOptions()
+    if threads:
+        options.intra_op_num_threads = threads
+    sess = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
     sess.run(None, feeds)
     cold = time.perf_counter() - start
     return Runner("onnxruntime", lambda: sess.run(None, feeds), cold, settle=True)
@@ -104,8 +107,9 @@ def _torch(built: Built, feeds: Mapping[str, np.ndarray]) -> Runner:
 
 def bench_entry(entry: Entry, built: Built, seconds: float, per_round: int = 3,
                 settle_s: float = 0.1, runtimes: Sequence[str] = RUNTIMES,
-                optimize: Mapping[str, bool] | None = None) -> BenchRow:
-    """``optimize``: segflow's pass switches (None: its defaults)."""
+                optimize: Mapping[str, bool] | None = None, ort_threads: int = 0) -> BenchRow:
+    """``optimize``: segflow's pass switches (None: its defaults); ``ort_threads``:
+    onnxruntime's intra-op threads (0: its default)."""
     row = BenchRow(entry.id.label, onnx_nodes=entry.nodes)
     if entry.path is None:
         row.missing = {r: f"no export: {entry.failure}" for r in runtimes}
@@ -118,7 +122,7 @@ def bench_entry(entry: Entry, built: Built, seconds: float, per_round: int = 3,
             if name == "segflow":
                 runner, row.segflow_nodes = _segflow(entry.path, feeds, optimize)
             elif name == "onnxruntime":
-                runner = _onnxruntime(entry.path, feeds)
+                runner = _onnxruntime(entry.path, feeds, ort_threads)
             elif name == "openvino":
                 runner = _openvino(entry.path, feeds)
             else:

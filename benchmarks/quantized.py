@@ -122,8 +122,8 @@ def _output_step(path: str) -> float:
     return 0.0
 
 
-def agreement(path: str, count: int, optimize: dict[str, bool] | None = None
-              ) -> tuple[float, float, float]:
+def agreement(path: str, count: int, optimize: dict[str, bool] | None = None,
+              threads: int = 0) -> tuple[float, float, float]:
     """(top-1 agreement, share of outputs within one step, max |difference| in steps) of
     segflow against onnxruntime over ``count`` random images."""
     import onnxruntime as ort
@@ -132,7 +132,10 @@ def agreement(path: str, count: int, optimize: dict[str, bool] | None = None
 
     name, shape = _input_shape(path)
     ours = segflow.InferenceSession(path, optimize=optimize)
-    theirs = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    options = ort.SessionOptions()
+    if threads:
+        options.intra_op_num_threads = threads
+    theirs = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
     step = _output_step(path) or 1.0
     agree = within = total = 0
     worst = 0.0
@@ -153,7 +156,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--agree", type=int, default=64, help="random images compared")
     parser.add_argument("--no-int8", action="store_true", help="segflow's int8 pass off")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="intra-op threads for both runtimes (0: their defaults)")
     args = parser.parse_args(argv)
+    if args.threads:   # segflow's kernels run on torch's intra-op pool
+        import torch
+        torch.set_num_threads(args.threads)
     corpus = Corpus.open()
     rows = []
     for model in [m.strip() for m in args.models.split(",") if m.strip()]:
@@ -163,11 +171,12 @@ def main(argv: list[str] | None = None) -> None:
             continue
         optimize = {"quantize": False} if args.no_int8 else None
         if args.agree:
-            top1, within, worst = agreement(entry.path, args.agree, optimize)
+            top1, within, worst = agreement(entry.path, args.agree, optimize, args.threads)
             print(f"{model} qdq: top-1 agreement {top1:.1%} over {args.agree} images, "
                   f"{within:.2%} of outputs within one step, worst {worst:.2f} steps")
         row = bench_entry(entry, corpus.built(model, False), args.seconds,
-                          runtimes=("segflow", "onnxruntime"), optimize=optimize)
+                          runtimes=("segflow", "onnxruntime"), optimize=optimize,
+                          ort_threads=args.threads)
         rows.append(replace(row, label=f"{model}/qdq-u8s8"))
         corpus.release(model, False)
     print(format_rows(rows, ("segflow", "onnxruntime")))

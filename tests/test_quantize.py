@@ -168,3 +168,22 @@ def test_pass_switched_off_by_environment(qdq_model: Path,
     sess = segflow.InferenceSession(str(qdq_model))
     assert "quantize: off" in sess.explain()
     assert count(sess, KernelKind.INT8_CONV) == 0
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.int8])
+@pytest.mark.parametrize("pads", [[1, 1, 1, 1], [0, 0, 0, 0]])
+def test_integer_max_pool_matches_onnxruntime(dtype: type, pads: list[int]) -> None:
+    """MaxPool over 8-bit integers (what the pass leaves between two QConvs)."""
+    elem = TensorProto.UINT8 if dtype is np.uint8 else TensorProto.INT8
+    node = helper.make_node("MaxPool", ["x"], ["y"], kernel_shape=[3, 3], strides=[2, 2],
+                            pads=pads)
+    graph = helper.make_graph([node], "pool", [helper.make_tensor_value_info(
+        "x", elem, [2, 8, 15, 15])], [helper.make_tensor_value_info("y", elem, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 9
+    info = np.iinfo(dtype)
+    x = np.random.default_rng(0).integers(info.min, info.max + 1, (2, 8, 15, 15)).astype(dtype)
+    data = model.SerializeToString()
+    ours = segflow.InferenceSession(data).run(None, {"x": x})[0]
+    theirs = ort.InferenceSession(data, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_array_equal(ours, theirs)
