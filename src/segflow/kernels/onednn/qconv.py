@@ -276,7 +276,7 @@ class Int8Conv(NativeOrTorch):
         return out
 
     def __del__(self) -> None:
-        if self.library is not None and self._owned:
+        if getattr(self, "library", None) is not None and getattr(self, "_owned", None):
             try:
                 self.library.destroy(self._owned)
             except Exception:  # noqa: BLE001 - interpreter shutdown
