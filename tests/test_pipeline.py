@@ -371,8 +371,9 @@ def test_training_runs_only_the_training_rows():
     result = run_pipeline(graph, OptimizeOptions.resolve(env={}), device=CPU, training=True)
     assert [n.op_type for n in graph.nodes] == before and result.memory is None
     assert result.log == ("quantize: off (training)", "fold_constants: off (training)",
-                          "fuse: off (training)", "dense_chain: off (training)", "layout: off (training)",
-                          "specialize: off (training)", "plan_memory: off (training)")
+                          "fuse: off (training)", "dense_chain: off (training)",
+                          "layout: off (training)", "specialize: off (training)",
+                          "plan_memory: off (training)")
 
 
 def test_debug_prints_one_line_per_pass(capsys):
