@@ -187,3 +187,23 @@ def test_integer_max_pool_matches_onnxruntime(dtype: type, pads: list[int]) -> N
     ours = segflow.InferenceSession(data).run(None, {"x": x})[0]
     theirs = ort.InferenceSession(data, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     np.testing.assert_array_equal(ours, theirs)
+
+
+def test_conv_left_float_is_named_with_why() -> None:
+    """A Conv the pass cannot lower stays float and correct, and the log says why."""
+    from tests.test_qconv import qdq_conv_model
+
+    model, _ = qdq_conv_model(cin=8, cout=8, kernel=1, pad=0)
+    w = np.random.default_rng(2).standard_normal((4, 8, 1, 1)).astype(np.float32)
+    model.graph.initializer.append(numpy_helper.from_array(w, "w_float"))
+    model.graph.node.append(helper.make_node("Conv", ["y", "w_float"], ["z"]))
+    model.graph.output[0].CopyFrom(helper.make_tensor_value_info("z", TensorProto.FLOAT, None))
+    data = model.SerializeToString()
+    sess = segflow.InferenceSession(data)
+    assert "1 Conv -> QConv (int8); Conv left float: 1 (weight not from DequantizeLinear)" \
+        in sess.explain()
+    x = np.random.default_rng(3).uniform(-2, 6, (1, 8, 12, 12)).astype(np.float32)
+    ours = sess.run(None, {"x": x})[0]
+    theirs = ort.InferenceSession(data, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    # One step of the QConv's output (0.04) times the float Conv's weights bounds the gap.
+    np.testing.assert_allclose(ours, theirs, atol=0.04 * np.abs(w).sum(axis=1).max() + 1e-5)
