@@ -103,16 +103,23 @@ class Int8Conv(NativeOrTorch):
         self._stream: Pointer | None = None
         channels = int(weight.shape[0])
         # Runtime quantization arguments: tensors kept alive, memories made once.
-        self._scales = {ARG_SRC: torch.tensor([params.x_scale], dtype=torch.float32),
-                        ARG_WEIGHTS: torch.tensor(params.w_scale, dtype=torch.float32)
-                        if params.per_channel else torch.tensor([params.w_scale[0]]),
+        # The accumulator is scaled straight into the units of the next rounding (the
+        # output's, or with a residual the convolution's own quantization), one float32
+        # multiplier per channel, x_scale * w_scale / unit, as onnxruntime's QLinearConv
+        # forms it; the bias joins in the same units.
+        unit = params.c_scale if residual else params.y_scale
+        multiplier = (torch.tensor([params.x_scale], dtype=torch.float32)
+                      * torch.tensor(params.w_scale, dtype=torch.float32)
+                      / torch.tensor([unit], dtype=torch.float32))
+        self._scales = {ARG_SRC: torch.ones(1),
+                        ARG_WEIGHTS: multiplier if params.per_channel else multiplier[:1],
                         ARG_DST: torch.tensor([params.y_scale / params.r_scale if residual
-                                               else params.y_scale], dtype=torch.float32)}
+                                               else 1.0], dtype=torch.float32)}
         self._zero_points = {arg: torch.tensor([zp], dtype=torch.int32) for arg, zp in
                              ((ARG_SRC, params.x_zero_point), (ARG_DST, params.y_zero_point))
                              if zp}
-        self._bias = (bias if bias is not None else torch.zeros(channels)).to(
-            torch.float32).contiguous()
+        self._bias = ((bias if bias is not None else torch.zeros(channels)).to(torch.float32)
+                      / unit).contiguous()
         self.why_not = ""
         if any(params.w_zero_point):
             self.why_not = "weight zero point is not 0 (libdnnl's convolution takes none)"
@@ -132,14 +139,14 @@ class Int8Conv(NativeOrTorch):
         QuantizeLinear before the Add does (scale, round, saturate), dequantizes it, and
         adds the residual, all in units of the residual's scale so that the residual's
         integers are added as they are (a binary add reads them unscaled); the
-        destination's scale is then ``y_scale / r_scale`` (``_dst_scale``)."""
+        destination's scale is then ``y_scale / r_scale``."""
         p = self.params
         ops: list[PostOp] = []
         add_at = None
         if residual_md is not None:
             lo, hi = INT_RANGES[p.c_dtype]
             ratio = p.c_scale / p.r_scale
-            ops += [("eltwise", ELTWISE_LINEAR, 1.0 / p.c_scale, float(p.c_zero_point)),
+            ops += [("eltwise", ELTWISE_LINEAR, 1.0, float(p.c_zero_point)),
                     ("eltwise", ELTWISE_ROUND, 0.0, 0.0),
                     ("eltwise", ELTWISE_CLIP_V2, float(lo), float(hi)),
                     ("eltwise", ELTWISE_LINEAR, ratio,
