@@ -63,7 +63,8 @@ Tensor = torch.Tensor
 class _Primitive:
     """A built primitive for one input shape, its memories and execute arguments."""
 
-    __slots__ = ("primitive", "src", "dst", "residual", "args", "out_shape", "impl", "weight")
+    __slots__ = ("primitive", "src", "dst", "residual", "args", "out_shape", "impl", "weight",
+                 "handles")
 
     def __init__(self, primitive: Pointer, src: Pointer, dst: Pointer, residual: Pointer | None,
                  args: Any, out_shape: list[int], impl: str, weight: Tensor) -> None:
@@ -75,6 +76,7 @@ class _Primitive:
         self.out_shape = out_shape
         self.impl = impl
         self.weight = weight           # the packed weight the weights memory points at
+        self.handles = [0, 0, 0]       # the addresses src, dst, residual point at now
 
 
 def _channels_last(shape: Sequence[int]) -> list[int]:
@@ -257,25 +259,36 @@ class Int8Conv(NativeOrTorch):
     # -- running --------------------------------------------------------------------
     def __call__(self, x: Tensor, w: Tensor, bias: Tensor | None = None,
                  residual: Tensor | None = None) -> Tensor:
-        if (residual is not None) != self.residual:
-            raise ValueError("QConv: a residual input where the node has none, or none "
-                             "where it has one")
-        call = self._primitive(x, residual) if x.dim() == 4 else None
+        call = self._built.get(x.shape)   # a torch.Size hashes as its tuple
         if call is None:
-            key = tuple(int(d) for d in x.shape)
-            self.count_torch_call(self.declined.get(key, f"{x.dim()}-D input"))
-            return qconv_reference(self.params, x, w, bias, residual)
+            if (residual is not None) != self.residual:
+                raise ValueError("QConv: a residual input where the node has none, or none "
+                                 "where it has one")
+            call = self._primitive(x, residual) if x.dim() == 4 else None
+            if call is None:
+                key = tuple(int(d) for d in x.shape)
+                self.count_torch_call(self.declined.get(key, f"{x.dim()}-D input"))
+                return qconv_reference(self.params, x, w, bias, residual)
         x = x.contiguous(memory_format=torch.channels_last)
         out = torch.empty(call.out_shape, dtype=self.params.y_dtype,
                           memory_format=torch.channels_last)
         lib = self.library
         assert lib is not None
         with self._run_lock:
-            lib.set_handle(call.src, x.data_ptr())
-            lib.set_handle(call.dst, out.data_ptr())
+            handles = call.handles
+            src, dst = x.data_ptr(), out.data_ptr()
+            if handles[0] != src:
+                lib.set_handle(call.src, src)
+                handles[0] = src
+            if handles[1] != dst:
+                lib.set_handle(call.dst, dst)
+                handles[1] = dst
             if call.residual is not None and residual is not None:
                 residual = residual.contiguous(memory_format=torch.channels_last)
-                lib.set_handle(call.residual, residual.data_ptr())
+                res = residual.data_ptr()
+                if handles[2] != res:
+                    lib.set_handle(call.residual, res)
+                    handles[2] = res
             status = lib.execute(call.primitive, self._stream, len(call.args), call.args)
         if status != 0:
             raise DnnlError(f"int8 convolution ({call.impl}): oneDNN status {status}")
