@@ -49,11 +49,12 @@ class BenchRow:
     missing: dict[str, str] = field(default_factory=dict)   # runtime -> why not measured
 
 
-def _segflow(path: str, feeds: Mapping[str, np.ndarray]) -> tuple[Runner, int]:
+def _segflow(path: str, feeds: Mapping[str, np.ndarray],
+             optimize: Mapping[str, bool] | None = None) -> tuple[Runner, int]:
     import segflow
 
     start = time.perf_counter()
-    sess = segflow.InferenceSession(path)
+    sess = segflow.InferenceSession(path, optimize=optimize)
     sess.run(None, feeds)
     cold = time.perf_counter() - start
     # The nodes of the plan the runs take: the one specialized for the feeds' shapes
@@ -62,11 +63,14 @@ def _segflow(path: str, feeds: Mapping[str, np.ndarray]) -> tuple[Runner, int]:
     return Runner("segflow", lambda: sess.run(None, feeds), cold), ran.plan.compute_nodes
 
 
-def _onnxruntime(path: str, feeds: Mapping[str, np.ndarray]) -> Runner:
+def _onnxruntime(path: str, feeds: Mapping[str, np.ndarray], threads: int = 0) -> Runner:
     import onnxruntime as ort
 
     start = time.perf_counter()
-    sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    options = ort.SessionOptions()
+    if threads:
+        options.intra_op_num_threads = threads
+    sess = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
     sess.run(None, feeds)
     cold = time.perf_counter() - start
     return Runner("onnxruntime", lambda: sess.run(None, feeds), cold, settle=True)
@@ -102,7 +106,10 @@ def _torch(built: Built, feeds: Mapping[str, np.ndarray]) -> Runner:
 
 
 def bench_entry(entry: Entry, built: Built, seconds: float, per_round: int = 3,
-                settle_s: float = 0.1, runtimes: Sequence[str] = RUNTIMES) -> BenchRow:
+                settle_s: float = 0.1, runtimes: Sequence[str] = RUNTIMES,
+                optimize: Mapping[str, bool] | None = None, ort_threads: int = 0) -> BenchRow:
+    """``optimize``: segflow's pass switches (None: its defaults); ``ort_threads``:
+    onnxruntime's intra-op threads (0: its default)."""
     row = BenchRow(entry.id.label, onnx_nodes=entry.nodes)
     if entry.path is None:
         row.missing = {r: f"no export: {entry.failure}" for r in runtimes}
@@ -113,9 +120,9 @@ def bench_entry(entry: Entry, built: Built, seconds: float, per_round: int = 3,
     for name in runtimes:
         try:
             if name == "segflow":
-                runner, row.segflow_nodes = _segflow(entry.path, feeds)
+                runner, row.segflow_nodes = _segflow(entry.path, feeds, optimize)
             elif name == "onnxruntime":
-                runner = _onnxruntime(entry.path, feeds)
+                runner = _onnxruntime(entry.path, feeds, ort_threads)
             elif name == "openvino":
                 runner = _openvino(entry.path, feeds)
             else:

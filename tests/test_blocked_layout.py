@@ -67,7 +67,7 @@ def test_mobilenet_runs_blocked_and_resnet_does_not():
     assert [n for n in blocked if not choices[n].blocked_input] == [convs[0]]
     pools = [n for n in graph.nodes if n.op_type == "GlobalAveragePool"]
     assert [choices[p].blocked_input for p in pools] == [True]
-    assert "52 convolutions on nChw8c activations" in log[3]
+    assert "52 convolutions on nChw8c activations" in log[4]
     # No blocked tensor reaches a node outside the region.
     region = {id(n) for n in blocked}
     for node in blocked:
@@ -80,7 +80,7 @@ def test_mobilenet_runs_blocked_and_resnet_does_not():
 def test_the_option_turns_the_region_off():
     log, graph, choices = _plan("mobilenet_v2", {"SEGFLOW_ONEDNN_BLOCKED": "0"}, **MOBILENET)
     assert not any(choices[n].blocked for n in graph.nodes)
-    assert "nChw8c" not in log[3]
+    assert "nChw8c" not in log[4]
     assert any(choices.calls_libdnnl(n) for n in graph.nodes)
 
 

@@ -301,11 +301,11 @@ def test_layout_marks_convolutions_direct_and_the_option_turns_it_off():
     log, graph, choices = _resnet18_log({})
     convs = [n for n in graph.nodes if n.op_type == "FusedConv"]
     assert all(choices.calls_libdnnl(n) for n in convs)
-    assert "direct calls into oneDNN" in log[3]
+    assert "direct calls into oneDNN" in log[4]
     log, graph, choices = _resnet18_log({"SEGFLOW_ONEDNN_DIRECT": "0"})
     assert not any(choices.calls_libdnnl(n) for n in graph.nodes)
     assert {choices.kind(n) for n in convs if n in choices} <= {KernelKind.ONEDNN_CONV}
-    assert log[3] == "layout: prepacked for oneDNN: 20 convolutions (channels_last)"
+    assert log[4] == "layout: prepacked for oneDNN: 20 convolutions (channels_last)"
 
 
 @pytest.mark.parametrize("name,options", [("resnet18", {"image_size": 48}),
@@ -626,7 +626,7 @@ def test_layout_marks_the_pools_after_a_direct_convolution():
     pools = [n for n in graph.nodes if n.op_type in ("MaxPool", "GlobalAveragePool")]
     assert len(pools) == 2
     assert all(choices.kind(n) is KernelKind.DIRECT_POOL for n in pools)
-    assert "(and 2 poolings)" in log[3]
+    assert "(and 2 poolings)" in log[4]
     _, graph, choices = _resnet18_log({"SEGFLOW_ONEDNN_DIRECT": "0"})
     assert not any(choices.calls_libdnnl(n) for n in graph.nodes)
 

@@ -78,18 +78,19 @@ def test_one_log_line_per_pass_and_compile():
     graph = import_model(models.build("resnet18", num_classes=10, image_size=32))
     log = optimize(graph, OptimizeOptions.resolve(compile="codegen", env={}), device=CPU)
     assert [line.split(":")[0] for line in log] == [*PASSES, "compile"]
-    assert log[1].startswith("fuse: 69 -> 24 nodes (batchnorm 20")
-    assert log[2] == "dense_chain: nothing to chain (no runs of small dense layers)"
-    assert log[3].startswith("layout: prepacked for oneDNN: 20 convolutions (channels_last)")
-    assert log[4] == "specialize: nothing computes shapes at run time"
-    assert log[6] == "compile: codegen (requested)"
+    assert log[0] == "quantize: no QuantizeLinear (not a QDQ graph)"
+    assert log[2].startswith("fuse: 69 -> 24 nodes (batchnorm 20")
+    assert log[3] == "dense_chain: nothing to chain (no runs of small dense layers)"
+    assert log[4].startswith("layout: prepacked for oneDNN: 20 convolutions (channels_last)")
+    assert log[5] == "specialize: nothing computes shapes at run time"
+    assert log[7] == "compile: codegen (requested)"
     graph.validate()
     # Without libdnnl's direct path, auto gives depthwise graphs to oneDNN Graph.
     auto = import_model(models.build("mobilenet_v2", num_classes=10, image_size=32))
     log = optimize(auto, OptimizeOptions.resolve(env={"SEGFLOW_ONEDNN_DIRECT": "0"}),
                    device=CPU)
-    assert log[3] == "layout: skipped (oneDNN Graph packs its own weights)"
-    assert log[6].startswith("compile: onednn (auto: 52 convolutions, 17 depthwise")
+    assert log[4] == "layout: skipped (oneDNN Graph packs its own weights)"
+    assert log[7].startswith("compile: onednn (auto: 52 convolutions, 17 depthwise")
 
 
 def test_everything_off_leaves_the_imported_graph():
@@ -209,8 +210,8 @@ def test_log_line_names_the_rules_switched_off():
     graph = import_model(models.build("resnet18", num_classes=10, image_size=32))
     options = OptimizeOptions.resolve({"fuse.batchnorm": False}, compile="codegen", env={})
     log = optimize(graph, options, device=CPU)
-    assert log[1].startswith("fuse: 69 -> ") and log[1].endswith("; rules off: batchnorm")
-    assert "batchnorm 20" not in log[1]
+    assert log[2].startswith("fuse: 69 -> ") and log[2].endswith("; rules off: batchnorm")
+    assert "batchnorm 20" not in log[2]
     assert sum(1 for n in graph.nodes if n.op_type == "BatchNormalization") == 20
 
 
@@ -272,8 +273,8 @@ def test_siblings_packed_for_the_avx512_kernel_stay_apart_unless_named(monkeypat
         log = optimize(graph, OptimizeOptions.resolve(chosen, env={}), device=CPU)
         splits = sum(1 for n in graph.nodes if n.op_type == "Split")
         assert splits == (1 if want else 0)
-        assert ("siblings 1" in log[1]) == want
-        assert log[1].endswith("siblings off (auto): 1 group of linears left separate, the "
+        assert ("siblings 1" in log[2]) == want
+        assert log[2].endswith("siblings off (auto): 1 group of linears left separate, the "
                                "native kernel's 48-column panels run packed sibling linears "
                                "faster as separate calls") != want
     # Small siblings (not packed for the native kernel) are merged either way.
@@ -369,9 +370,10 @@ def test_training_runs_only_the_training_rows():
     before = [n.op_type for n in graph.nodes]
     result = run_pipeline(graph, OptimizeOptions.resolve(env={}), device=CPU, training=True)
     assert [n.op_type for n in graph.nodes] == before and result.memory is None
-    assert result.log == ("fold_constants: off (training)", "fuse: off (training)",
-                          "dense_chain: off (training)", "layout: off (training)",
-                          "specialize: off (training)", "plan_memory: off (training)")
+    assert result.log == ("quantize: off (training)", "fold_constants: off (training)",
+                          "fuse: off (training)", "dense_chain: off (training)",
+                          "layout: off (training)", "specialize: off (training)",
+                          "plan_memory: off (training)")
 
 
 def test_debug_prints_one_line_per_pass(capsys):

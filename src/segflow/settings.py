@@ -27,6 +27,7 @@ ENV_DEBUG = "SEGFLOW_DEBUG"
 # Inference optimization (segflow.passes.pipeline): API values win over these.
 ENV_OPTIMIZE = "SEGFLOW_OPTIMIZE"                  # 0: run the graph as imported
 ENV_NO_FOLD = "SEGFLOW_NO_FOLD"                    # 1: skip constant folding
+ENV_NO_QUANTIZE = "SEGFLOW_NO_QUANTIZE"            # 1: QDQ convolutions stay float
 ENV_NO_FUSE = "SEGFLOW_NO_FUSE"                    # 1: skip fusion; rule names: those rules
 ENV_NO_LAYOUT = "SEGFLOW_NO_LAYOUT"                # 1: keep dense NCHW convolution weights
 ENV_NO_MEMORY_PLAN = "SEGFLOW_NO_MEMORY_PLAN"      # 1: no memory plan, no in-place ops
@@ -221,7 +222,7 @@ def cache_max_bytes(env: Mapping[str, str] | None = None) -> int:
 
 # -- the inference pipeline's variables (segflow.passes.pipeline) -------------------------
 # A pass's SEGFLOW_NO_* variable: 1 switches the pass off.
-PASS_OFF_ENV = {"fold_constants": ENV_NO_FOLD, "fuse": ENV_NO_FUSE,
+PASS_OFF_ENV = {"quantize": ENV_NO_QUANTIZE, "fold_constants": ENV_NO_FOLD, "fuse": ENV_NO_FUSE,
                 "dense_chain": ENV_NO_DENSE_CHAIN, "layout": ENV_NO_LAYOUT,
                 "specialize": ENV_NO_SPECIALIZE, "plan_memory": ENV_NO_MEMORY_PLAN}
 # The layout pass's choices that default to "where measured faster" (None when unset).

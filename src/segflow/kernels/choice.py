@@ -37,6 +37,7 @@ class KernelKind(enum.Enum):
     NATIVE_ATTENTION = "native_attention"      # Attention's native kernel
     NATIVE_ADD_LAYER_NORM = "native_add_layer_norm"  # AddLayerNorm's native kernel
     NATIVE_DENSE_CHAIN = "native_dense_chain"  # DenseChain's one native call
+    INT8_CONV = "int8_conv"            # QConv on libdnnl's int8 convolution
 
 
 # Kinds whose kernel calls libdnnl (it then writes where the run says: runtime/arena.py).

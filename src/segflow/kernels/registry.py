@@ -17,6 +17,7 @@ from segflow.kernels.conv import bind_direct_conv, bind_onednn_conv
 from segflow.kernels.dense_chain import bind_dense_chain, inline_chain
 from segflow.kernels.gemm import bind_direct_linear, bind_native_linear, bind_onednn_linear
 from segflow.kernels.layer_norm import bind_add_layer_norm
+from segflow.kernels.onednn.qconv import bind_int8_conv
 from segflow.kernels.pool import bind_direct_pool
 from segflow.kernels.report import OpKernel
 from segflow.ops.fused import Inline
@@ -35,6 +36,7 @@ KERNELS: Mapping[KernelKind, Bind] = {
     KernelKind.NATIVE_ATTENTION: bind_attention,
     KernelKind.NATIVE_ADD_LAYER_NORM: bind_add_layer_norm,
     KernelKind.NATIVE_DENSE_CHAIN: bind_dense_chain,
+    KernelKind.INT8_CONV: bind_int8_conv,
 }
 
 

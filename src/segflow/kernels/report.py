@@ -17,6 +17,7 @@ class ReportFamily(enum.Enum):
     them. A new kernel adds its row here and implements :class:`KernelReport`."""
 
     DIRECT = "direct kernels (libdnnl)"
+    INT8 = "int8 convolutions (libdnnl)"
     DENSE_CHAIN = "dense chains"
     STAGING = "NCHW input staged into channels-last"
     NATIVE_LINEAR = "native linears"

@@ -19,6 +19,7 @@ from segflow.ops import (
     linalg,
     misc,
     nn,
+    qconv,
     quant,
     reduce,
     rnn,
@@ -28,7 +29,7 @@ from segflow.ops.registry import BindContext, Kernel, OpDef, OpRegistry
 
 ALL_FAMILIES = (elementwise, nn, tensor, reduce, indexing, image, control, rnn, quant, linalg,
                 misc, copy, backward, backward_select, fused, dense_chain, contrib_quant,
-                contrib_fused)
+                contrib_fused, qconv)
 
 
 

@@ -9,6 +9,7 @@ with the other kernel binders.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -138,6 +139,26 @@ def pool_out_pad(x: Tensor, win: Window) -> tuple[list[int], list[int]]:
     return pads[:n], pads[n:]
 
 
+# 8-bit integers viewed as torch's quantized dtypes, whose max pooling is vectorized over
+# channels-last input (the plain integer kernel is a scalar loop, two orders slower).
+_QUANTIZED_VIEW = {torch.uint8: torch.quint8, torch.int8: torch.qint8}
+
+
+def _integer_max_pool(x: Tensor, kernel: list[int], strides: list[int], pads: list[int],
+                      dilations: list[int], ceil_mode: bool) -> Tensor | None:
+    """Max pooling of an 8-bit integer tensor through torch's quantized kernel (max
+    commutes with any scale, so the view's scale 1 and zero point 0 change nothing);
+    None where this torch no longer has it."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")   # the quantized dtypes are deprecated
+            view = torch._make_per_tensor_quantized_tensor(x, 1.0, 0)   # quint8 / qint8
+            pooled = F.max_pool2d(view, kernel, strides, pads, dilations, ceil_mode)
+            return pooled.int_repr()
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return None
+
+
 def _maxpool(node: Node, ctx: BindContext) -> Kernel:
     kshape = list(node.attrs["kernel_shape"])
     n = len(kshape)
@@ -150,9 +171,17 @@ def _maxpool(node: Node, ctx: BindContext) -> Kernel:
         x = inputs[0]
         assert x is not None
         begin, end = pool_out_pad(x, win)
+        if x.dtype in _QUANTIZED_VIEW and n == 2 and begin == end and not want_indices \
+                and all(p <= k // 2 for p, k in zip(begin, kshape)):
+            pooled = _integer_max_pool(x, kshape, win.strides, begin, win.dilations, ceil_mode)
+            if pooled is not None:
+                return [pooled]
+        if not x.is_floating_point() and not x.is_contiguous():
+            x = x.contiguous()   # torch's integer max pooling refuses channels-last input
         if begin == end and all(p <= k // 2 for p, k in zip(begin, kshape)) and not want_indices:
             return [_MAXPOOL[n](x, kshape, win.strides, begin, win.dilations, ceil_mode)]
-        xp = F.pad(x, torch_pad(begin + end), value=-math.inf) if any(begin + end) else x
+        low = -math.inf if x.is_floating_point() else torch.iinfo(x.dtype).min
+        xp = F.pad(x, torch_pad(begin + end), value=low) if any(begin + end) else x
         if want_indices:
             y, idx = _MAXPOOL[n](xp, kshape, win.strides, 0, win.dilations, ceil_mode,
                                  return_indices=True)

@@ -19,9 +19,12 @@ from segflow.passes.fuse import RULE_NAMES
 from segflow.settings import AUTO_CHOICE_ENV, ENV_COMPILE, PipelineEnv, parse_choice
 
 # The passes ``optimize`` switches by name (the OptimizeOptions field of the same name).
-PASSES = ("fold_constants", "fuse", "dense_chain", "layout", "specialize", "plan_memory")
+PASSES = ("quantize", "fold_constants", "fuse", "dense_chain", "layout", "specialize",
+          "plan_memory")
 # ``optimize`` keys for the layout pass's choices -> the OptimizeOptions field each sets
 # (their environment variables: settings.py).
+# ``optimize`` keys for the quantize pass's steps -> the OptimizeOptions field each sets.
+QUANTIZE_CHOICES = {"quantize.residual": "quantize_residual"}
 LAYOUT_CHOICES = {"layout.direct": "onednn_direct", "layout.blocked": "onednn_blocked",
                   "layout.winograd": "winograd", "layout.native_linear": "native_linear",
                   "layout.strassen": "strassen", "layout.native_stem": "native_stem"}
@@ -53,6 +56,10 @@ class CompileMode(enum.Enum):
 class OptimizeOptions:
     """Switches for each pass, the compile backend and the intra-op thread count."""
 
+    # QDQ convolutions become integer QConv nodes (passes/quantize.py) ...
+    quantize: bool = True
+    # ... and a residual Add between Q/DQ pairs joins the QConv before it (sum post-op).
+    quantize_residual: bool = True
     fold_constants: bool = True
     fuse: bool = True
     dense_chain: bool = True
@@ -109,17 +116,21 @@ class OptimizeOptions:
         choices: dict[str, bool] = {}     # OptimizeOptions field -> the API's value
         if isinstance(optimize, Mapping):
             rule_keys = {f"fuse.{rule}": rule for rule in RULE_NAMES}
-            unknown = sorted(set(optimize) - set(PASSES) - set(rule_keys) - set(LAYOUT_CHOICES))
+            unknown = sorted(set(optimize) - set(PASSES) - set(rule_keys) - set(LAYOUT_CHOICES)
+                             - set(QUANTIZE_CHOICES))
             if unknown:
                 raise InvalidSetting(f"optimize: unknown passes {unknown}; known: "
                                      f"{', '.join(PASSES)}, fuse.<rule> for a fuse rule "
                                      f"({', '.join(RULE_NAMES)}) and "
-                                     f"{', '.join(LAYOUT_CHOICES)}")
+                                     f"{', '.join(LAYOUT_CHOICES)}, "
+                                     f"{', '.join(QUANTIZE_CHOICES)}")
             explicit = {k: v for k, v in optimize.items() if k in PASSES}
             rules_off = {rule_keys[k] for k, v in optimize.items() if k in rule_keys and not v}
             rules_on = {rule_keys[k] for k, v in optimize.items() if k in rule_keys and v}
             choices = {LAYOUT_CHOICES[k]: bool(v) for k, v in optimize.items()
                        if k in LAYOUT_CHOICES}
+            choices.update({QUANTIZE_CHOICES[k]: bool(v) for k, v in optimize.items()
+                            if k in QUANTIZE_CHOICES})
             enabled = True
         elif optimize is None:
             enabled = read.optimize
@@ -138,6 +149,7 @@ class OptimizeOptions:
             raise InvalidSetting(f"intra_op_threads={threads}: expected a positive integer")
         auto = {name: choices.get(name, read.auto_choices.get(name)) for name in AUTO_CHOICE_ENV}
         return cls(compile=mode, intra_op_threads=threads,
+                   quantize_residual=choices.get("quantize_residual", True),
                    onednn_direct=choices.get("onednn_direct", read.onednn_direct),
                    arena=read.arena,
                    onednn_blocked=choices.get("onednn_blocked", read.onednn_blocked),
@@ -149,7 +161,8 @@ class OptimizeOptions:
 
     def as_record(self) -> dict[str, object]:
         """The options in force, for RunStats settings and benchmark records."""
-        return {"fold_constants": self.fold_constants, "fuse": self.fuse,
+        return {"quantize": self.quantize, "quantize_residual": self.quantize_residual,
+                "fold_constants": self.fold_constants, "fuse": self.fuse,
                 "fuse_off": ",".join(r for r in RULE_NAMES if r in self.fuse_off),
                 "dense_chain": self.dense_chain, "layout": self.layout,
                 "specialize": self.specialize, "plan_memory": self.plan_memory,

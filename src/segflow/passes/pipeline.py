@@ -2,8 +2,8 @@
 
 ``InferenceSession`` runs it between import and segmentation::
 
-    fold_constants -> fuse -> dense_chain -> layout -> specialize -> (contiguous constants)
-        -> plan_memory
+    quantize -> fold_constants -> fuse -> dense_chain -> layout -> specialize
+        -> (contiguous constants) -> plan_memory
 
 Every pass has one signature, ``(graph, PassContext) -> PassResult(graph, changed,
 log)``: the context holds the device, the options (``passes/options.py``, resolved
@@ -49,6 +49,7 @@ from segflow.passes.options import (
 )
 from segflow.passes.pack_weights import PackStore
 from segflow.passes.plan_memory import MemoryPlan, plan_memory
+from segflow.passes.quantize import quantize_pass
 from segflow.passes.result import PassResult
 from segflow.passes.select_kernels import select_kernels
 from segflow.passes.specialize import specialize_pass
@@ -333,6 +334,7 @@ def contiguous_constants_pass(graph: Graph, context: PassContext) -> PassResult:
 # The inference pipeline, in order. A row's switch is its OptimizeOptions field (and its
 # ``optimize`` key); ``training``: the row also runs before a graph is differentiated.
 PIPELINE: tuple[PassEntry, ...] = (
+    PassEntry("quantize", quantize_pass, "quantize"),
     PassEntry("fold_constants", fold_constants_pass, "fold_constants"),
     PassEntry("fuse", fuse_pass, "fuse"),
     PassEntry("dense_chain", dense_chain_pass, "dense_chain"),

@@ -48,6 +48,7 @@ from segflow.kernels.choice import (
 )
 from segflow.kernels.target import CpuTarget
 from segflow.ops.fused import FUSED_DOMAIN, LINEAR_PACK_MIN_WEIGHT, activation_of, conv_spec
+from segflow.ops.qconv import QCONV
 from segflow.passes.pack_weights import PackParams, PackStore, WeightPacker
 from segflow.passes.result import PassResult
 
@@ -85,6 +86,11 @@ def select_kernels(graph: Graph, device: Device, target: CpuTarget, *, direct: b
     # Not a change of the graph: these kernels read the node's own inputs.
     fused = {node: KernelChoice(NATIVE_FUSED[node.op_type]) for node in graph.nodes
              if node.domain == FUSED_DOMAIN and node.op_type in NATIVE_FUSED}
+    # A quantized convolution runs libdnnl's int8 primitive where the library is there
+    # (its kernel falls back to the reference, counted, for what that declines).
+    if direct and target.dnnl is not None:
+        fused.update({node: KernelChoice(KernelKind.INT8_CONV) for node in graph.nodes
+                      if node.domain == FUSED_DOMAIN and node.op_type == QCONV})
     if not target.onednn_ops:
         return Selection(PassResult(graph, False), KernelChoices.of_mapping(fused))
     packer = WeightPacker(graph, target, packs)

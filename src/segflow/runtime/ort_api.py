@@ -58,7 +58,8 @@ BASIC_FUSE_RULES = ("noops", "batchnorm")
 _NOT_BASIC = {f"fuse.{rule}": False for rule in RULE_NAMES if rule not in BASIC_FUSE_RULES}
 # Each level as segflow's ``optimize`` mapping; None: segflow's defaults.
 LEVEL_PASSES: dict[GraphOptimizationLevel, dict[str, bool] | None] = {
-    GraphOptimizationLevel.ORT_DISABLE_ALL: {"fold_constants": False, "fuse": False,
+    GraphOptimizationLevel.ORT_DISABLE_ALL: {"quantize": False, "fold_constants": False,
+                                             "fuse": False,
                                              "dense_chain": False, "layout": False,
                                              "specialize": False},
     GraphOptimizationLevel.ORT_ENABLE_BASIC: {**_NOT_BASIC, "dense_chain": False,

@@ -567,6 +567,58 @@ class Library:
         return prim, (impl.value or b"?").decode()
 
 
+# -- int8: quantized convolutions (u8/s8 activations, s8 weights, scales, zero points) ----
+U8, S8, S32 = 6, 5, 4                # dnnl_data_type_t
+ARG_ATTR_SCALES = 4096               # DNNL_ARG_ATTR_SCALES | arg: an f32 scale memory
+ARG_ATTR_ZERO_POINTS = 8192          # DNNL_ARG_ATTR_ZERO_POINTS | arg: an s32 zero point
+ELTWISE_RELU, ELTWISE_LINEAR, ELTWISE_CLIP_V2, ELTWISE_ROUND = 32, 38, 47, 50
+_TORCH_TO_DNNL = {torch.uint8: U8, torch.int8: S8, torch.int32: S32, torch.float32: F32}
+# A post-op of an int8 primitive: ("eltwise", algorithm, alpha, beta) or
+# ("add", descriptor of the tensor added).
+PostOp = tuple[str, int, float, float] | tuple[str, Pointer]
+
+
+def typed_desc(lib: Library, sizes: Sequence[int], strides: Sequence[int],
+               dtype: torch.dtype) -> Pointer:
+    """A descriptor of ``sizes`` and ``strides`` in ``dtype`` (u8, s8, s32 or f32)."""
+    return lib._make(lib._dll.dnnl_memory_desc_create_with_strides, len(sizes), Dims(*sizes),
+                     _TORCH_TO_DNNL[dtype], Dims(*strides))
+
+
+def typed_any_desc(lib: Library, sizes: Sequence[int], dtype: torch.dtype) -> Pointer:
+    """A descriptor of ``sizes`` in ``dtype`` whose format the primitive chooses."""
+    return lib._make(lib._dll.dnnl_memory_desc_create_with_tag, len(sizes), Dims(*sizes),
+                     _TORCH_TO_DNNL[dtype], FORMAT_ANY)
+
+
+def int8_attr(lib: Library, weight_mask: int, src_zero_point: bool, dst_zero_point: bool,
+              post_ops: Sequence[PostOp]) -> Pointer:
+    """Attributes of a quantized primitive: runtime scales of the source (one), the
+    weights (``weight_mask``: 0 one, else per output channel) and the destination (one),
+    the zero points asked for (runtime, one each), and ``post_ops`` in order. libdnnl
+    applies post-ops in float to the scaled accumulator (plus bias), then divides by the
+    destination's scale, adds its zero point, rounds and saturates."""
+    dll = lib._dll
+    attr = lib._make(dll.dnnl_primitive_attr_create)
+    for arg, mask in ((ARG_SRC, 0), (ARG_WEIGHTS, weight_mask), (ARG_DST, 0)):
+        lib.check(dll.dnnl_primitive_attr_set_scales_mask(attr, arg, mask), "set scales")
+    for arg, wanted in ((ARG_SRC, src_zero_point), (ARG_DST, dst_zero_point)):
+        if wanted:
+            lib.check(dll.dnnl_primitive_attr_set_zero_points_mask(attr, arg, 0),
+                      "set zero points")
+    ops = lib._make(dll.dnnl_post_ops_create)
+    for op in post_ops:
+        if op[0] == "eltwise":
+            _, algorithm, alpha, beta = op  # type: ignore[misc]
+            lib.check(dll.dnnl_post_ops_append_eltwise(ops, algorithm, alpha, beta),
+                      "append eltwise")
+        else:
+            lib.check(dll.dnnl_post_ops_append_binary(ops, BINARY_ADD, op[1]), "append add")
+    lib.check(dll.dnnl_primitive_attr_set_post_ops(attr, ops), "set post-ops")
+    dll.dnnl_post_ops_destroy(ops)
+    return attr
+
+
 def reorder_weight(lib: Library, weight: Tensor, weights_md: Pointer,
                     dims: Sequence[int]) -> Tensor:
     """``weight``'s values (packed or dense) shaped ``dims`` and written by this library
