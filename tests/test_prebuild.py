@@ -74,13 +74,14 @@ def test_a_later_batch_builds_its_own_layouts_at_its_run(monkeypatch: pytest.Mon
 
 
 def _conv_model(input_shape: list[int | str], scaled: bool) -> bytes:
-    """x [-> Mul by 2] -> Conv 3x3 -> Relu -> Conv 1x1: the first convolution reads the
-    graph input, or (``scaled``) a torch op's output."""
+    """x [-> Mul by 2] -> Conv 3x3 (unpadded: ONNX gives a symbolic height and width new
+    names after it) -> Relu -> Conv 1x1: the first convolution reads the graph input, or
+    (``scaled``) a torch op's output."""
     rng = np.random.default_rng(0)
     w1 = rng.standard_normal((16, 8, 3, 3)).astype(np.float32) * 0.1
     w2 = rng.standard_normal((16, 16, 1, 1)).astype(np.float32) * 0.1
     nodes = [helper.make_node("Mul", ["x", "two"], ["x2"])] if scaled else []
-    nodes += [helper.make_node("Conv", ["x2" if scaled else "x", "w1"], ["c"], pads=[1] * 4),
+    nodes += [helper.make_node("Conv", ["x2" if scaled else "x", "w1"], ["c"]),
               helper.make_node("Relu", ["c"], ["r"]),
               helper.make_node("Conv", ["r", "w2"], ["y"])]
     graph = helper.make_graph(
