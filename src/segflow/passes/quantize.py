@@ -124,12 +124,7 @@ def _lower_conv(graph: Graph, conv: Node) -> str:
     pads = _explicit_pads(conv)
     if pads is None:
         return "auto_pad over unknown spatial sizes"
-    after = only_consumer(graph, conv.outputs[0])
-    relu = is_op(after, "Relu")
-    if relu:
-        assert after is not None
-        after = only_consumer(graph, after.outputs[0])
-    y = _per_tensor(after, "QuantizeLinear")
+    relu, after, y = _quantized_output(graph, conv.outputs[0])
     if isinstance(y, str):
         return f"output {y}"
     assert after is not None
@@ -180,16 +175,23 @@ def _bias(conv: Node, channels: int) -> torch.Tensor | None | str:
     return tensor.reshape(-1).contiguous()
 
 
-def _fuse_residual(graph: Graph, add: Node) -> bool:
-    """``Q(Relu?(Add(DQ(QConv), DQ(r_q))))`` -> the QConv with residual ``r_q``."""
-    if len(add.inputs) != 2 or add.inputs[0] is None or add.inputs[1] is None:
-        return False
-    after = only_consumer(graph, add.outputs[0])
+def _quantized_output(graph: Graph, value: Value
+                      ) -> tuple[bool, Node | None, Quantization | str]:
+    """What reads ``value``: an optional Relu, then a per-tensor QuantizeLinear; returns
+    (whether the Relu is there, the QuantizeLinear node, its parameters or why not)."""
+    after = only_consumer(graph, value)
     relu = is_op(after, "Relu")
     if relu:
         assert after is not None
         after = only_consumer(graph, after.outputs[0])
-    y = _per_tensor(after, "QuantizeLinear")
+    return relu, after, _per_tensor(after, "QuantizeLinear")
+
+
+def _fuse_residual(graph: Graph, add: Node) -> bool:
+    """``Q(Relu?(Add(DQ(QConv), DQ(r_q))))`` -> the QConv with residual ``r_q``."""
+    if len(add.inputs) != 2 or add.inputs[0] is None or add.inputs[1] is None:
+        return False
+    relu, after, y = _quantized_output(graph, add.outputs[0])
     if isinstance(y, str):
         return False
     assert after is not None

@@ -65,13 +65,18 @@ class DirectBinary(DirectOp):
     def _key(x: Tensor, s: Tensor) -> tuple[object, ...]:
         return (x.shape, x.stride(), x.dtype, s.shape, s.stride(), s.dtype)
 
-    def __call__(self, a: Tensor, b: Tensor) -> Tensor:
-        x, s = self.operands(a, b)
+    def _call_for(self, x: Tensor, s: Tensor) -> Call | None:
+        """The built call for these operands (built now on first sight), or None where
+        the primitive does not serve them."""
         key = self._key(x, s)
         try:
-            call = self.calls[key]
+            return self.calls[key]
         except KeyError:
-            call = self._build(key, lambda: self._make_call(x, s))
+            return self._build(key, lambda: self._make_call(x, s))
+
+    def __call__(self, a: Tensor, b: Tensor) -> Tensor:
+        x, s = self.operands(a, b)
+        call = self._call_for(x, s)
         if call is None:
             return self._fallback(x, s)
         y = self._output(call)
@@ -84,11 +89,7 @@ class DirectBinary(DirectOp):
         runs with its destination at its source. A call the primitive does not serve
         returns a new tensor (the fallback's)."""
         x, s = self.operands(a, b)
-        key = self._key(x, s)
-        try:
-            call = self.calls[key]
-        except KeyError:
-            call = self._build(key, lambda: self._make_call(x, s))
+        call = self._call_for(x, s)
         if call is None:
             return self._fallback(x, s)
         self._run(call, x, x, s)

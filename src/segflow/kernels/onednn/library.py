@@ -253,6 +253,18 @@ class Library:
         if status != 0:
             raise DnnlError(f"{what}: oneDNN status {status}")
 
+    def _primitive(self, pd: Pointer) -> tuple[Pointer, str]:
+        """(primitive, implementation name) of primitive descriptor ``pd``, which it
+        destroys."""
+        dll = self._dll
+        try:
+            impl = ctypes.c_char_p()
+            dll.dnnl_primitive_desc_query(pd, QUERY_IMPL_INFO, 0, ctypes.byref(impl))
+            prim = self._make(dll.dnnl_primitive_create, pd)
+        finally:
+            dll.dnnl_primitive_desc_destroy(pd)
+        return prim, (impl.value or b"?").decode()
+
     def _make(self, fn: Callable[..., int], *args: object) -> Pointer:
         handle = Pointer()
         self.check(fn(ctypes.byref(handle), *args), fn.__name__)
@@ -486,13 +498,7 @@ class Library:
                         FORWARD_INFERENCE, algorithm, src, dst, Dims(*strides),
                         Dims(*kernel), Dims(*[d - 1 for d in dilations]), Dims(*begin),
                         Dims(*end), None)
-        try:
-            impl = ctypes.c_char_p()
-            dll.dnnl_primitive_desc_query(pd, QUERY_IMPL_INFO, 0, ctypes.byref(impl))
-            prim = self._make(dll.dnnl_primitive_create, pd)
-        finally:
-            dll.dnnl_primitive_desc_destroy(pd)
-        return prim, (impl.value or b"?").decode()
+        return self._primitive(pd)
 
     def preferred_desc(self, spec: ConvGeometry, input_size: Sequence[int],
                        blocked: bool = False, plain_input: bool = False) -> Pointer:
@@ -558,13 +564,7 @@ class Library:
         dll = self._dll
         pd = self._make(dll.dnnl_binary_primitive_desc_create, self.engine, algorithm,
                         src0, src1, dst, None)
-        try:
-            impl = ctypes.c_char_p()
-            dll.dnnl_primitive_desc_query(pd, QUERY_IMPL_INFO, 0, ctypes.byref(impl))
-            prim = self._make(dll.dnnl_primitive_create, pd)
-        finally:
-            dll.dnnl_primitive_desc_destroy(pd)
-        return prim, (impl.value or b"?").decode()
+        return self._primitive(pd)
 
 
 # -- int8: quantized convolutions (u8/s8 activations, s8 weights, scales, zero points) ----
