@@ -33,11 +33,12 @@ ATOL, RTOL = 1e-4, 1e-3
 # which stays for the process; the rest is heap kept under host_memory="retain" and
 # torch's own per-thread buffers. The encoder reads its sequence length off a Shape, so
 # its first 8 lengths also get plans of their own (passes/specialize.py; weights shared,
-# each with its plan, kernels and per-row packings): +56 MiB on EPYC-Z4, +69 in a fresh
-# clone's CI run on the same machine. 80 MiB leaves room for that spread and still
-# fails the unbounded behaviour by ~37 MiB.
-MAX_GROWTH_MIB = 80.0
-MAX_AFTER_DEL_MIB = 80.0
+# each with its plan, kernels and per-row packings), and a length past those 8 makes the
+# session's own plan: +59 MiB in the editable install on EPYC-Z4, +83 in the wheel that
+# CI installs on the same machine (whose process starts 80 MiB larger too). 96 MiB leaves
+# room for that spread and still fails the unbounded behaviour by ~20 MiB.
+MAX_GROWTH_MIB = 96.0
+MAX_AFTER_DEL_MIB = 96.0
 
 
 def test_rss_over_128_sequence_lengths_is_bounded_and_returned() -> None:
