@@ -229,3 +229,18 @@ def test_qlinear_softmax_saturates(dtype: type, y_zp: int) -> None:
     node = _ms("QLinearSoftmax", ["x", "xs", "xz", "ys", "yz"], ["y"], opset=13, axis=-1)
     got = _exact(make_model([node], feeds, ["y"], 17, params, MS), feeds)
     assert got[0][0, 0] == np.iinfo(dtype).max
+
+
+@pytest.mark.parametrize("op", ["QLinearAdd", "QLinearSigmoid"])
+def test_a_sixteen_bit_quantized_input_is_refused_at_load_naming_the_node(op: str) -> None:
+    feeds = {"a": _q((2, 4), np.uint16), "b": _q((2, 4), np.uint16)}
+    params = _params(np.uint16, {"as": 0.1, "bs": 0.1, "cs": 0.1},
+                     {"az": 0, "bz": 0, "cz": 0})
+    inputs = ["a", "as", "az", "b", "bs", "bz", "cs", "cz"] if op == "QLinearAdd" \
+        else ["a", "as", "az", "cs", "cz"]
+    if op != "QLinearAdd":
+        del feeds["b"]
+    node = _ms(op, inputs, ["c"], name="wide")
+    model = make_model([node], feeds, ["c"], 17, params, MS)
+    with pytest.raises(UnsupportedOp, match=r"wide.*uint16 is not supported"):
+        segflow.InferenceSession(model)

@@ -33,6 +33,7 @@ import torch
 
 from segflow.errors import UnsupportedOp
 from segflow.ir.graph import Node
+from segflow.ir.types import DType
 from segflow.ops._common import normalize_axis
 from segflow.ops.nn import _avgpool
 from segflow.ops.quant import (
@@ -78,6 +79,20 @@ def _int_range(dtype: torch.dtype) -> tuple[int, int]:
     if dtype not in (torch.uint8, torch.int8):
         raise UnsupportedOp(f"quantized type {dtype} is not supported (uint8 and int8 are)")
     return _INT_RANGES[dtype]
+
+
+def _eight_bit(binder: Callable[[Node, BindContext], Kernel]
+               ) -> Callable[[Node, BindContext], Kernel]:
+    """``binder`` refusing, when the node is bound (at load), a quantized input 0 the
+    model types as other than uint8 or int8 (onnxruntime also has some for uint16)."""
+    def bind(node: Node, ctx: BindContext) -> Kernel:
+        x = node.inputs[0] if node.inputs else None
+        dtype = x.spec.dtype if x is not None else None
+        if dtype is not None and dtype not in (DType.UINT8, DType.INT8):
+            raise UnsupportedOp(f"{node.label}: quantized type {dtype.name.lower()} is not "
+                                "supported (uint8 and int8 are)")
+        return binder(node, ctx)
+    return bind
 
 
 def _round_saturate(values: Tensor, zero_point: int, dtype: torch.dtype) -> Tensor:
@@ -395,15 +410,15 @@ def _dynamic_quantize_matmul(node: Node, ctx: BindContext) -> Kernel:
 
 
 OPS: list[OpDef] = [
-    OpDef("QLinearAdd", _qlinear_add, domain=MS_DOMAIN),
-    OpDef("QLinearMul", _qlinear_mul, domain=MS_DOMAIN),
+    OpDef("QLinearAdd", _eight_bit(_qlinear_add), domain=MS_DOMAIN),
+    OpDef("QLinearMul", _eight_bit(_qlinear_mul), domain=MS_DOMAIN),
     OpDef("QLinearConcat", _qlinear_concat, domain=MS_DOMAIN),
-    OpDef("QLinearGlobalAveragePool", _qlinear_global_average_pool, domain=MS_DOMAIN),
-    OpDef("QLinearAveragePool", _qlinear_average_pool, domain=MS_DOMAIN),
-    OpDef("QLinearSigmoid", _table_op(_sigmoid_fn), domain=MS_DOMAIN),
-    OpDef("QLinearLeakyRelu", _table_op(_leaky_relu_fn), domain=MS_DOMAIN),
-    OpDef("QLinearSoftmax", _qlinear_softmax, domain=MS_DOMAIN),
-    OpDef("QGemm", _qgemm, domain=MS_DOMAIN),
+    OpDef("QLinearGlobalAveragePool", _eight_bit(_qlinear_global_average_pool), domain=MS_DOMAIN),
+    OpDef("QLinearAveragePool", _eight_bit(_qlinear_average_pool), domain=MS_DOMAIN),
+    OpDef("QLinearSigmoid", _eight_bit(_table_op(_sigmoid_fn)), domain=MS_DOMAIN),
+    OpDef("QLinearLeakyRelu", _eight_bit(_table_op(_leaky_relu_fn)), domain=MS_DOMAIN),
+    OpDef("QLinearSoftmax", _eight_bit(_qlinear_softmax), domain=MS_DOMAIN),
+    OpDef("QGemm", _eight_bit(_qgemm), domain=MS_DOMAIN),
     OpDef("DynamicQuantizeMatMul", _dynamic_quantize_matmul, domain=MS_DOMAIN),
     OpDef("MatMulIntegerToFloat", _matmul_integer_to_float, domain=MS_DOMAIN),
     OpDef("QuantizeLinear", _quantize_linear, domain=MS_DOMAIN),
