@@ -73,6 +73,28 @@ def _scatter_nd_grad(node: Node, ctx: BindContext) -> Kernel:
     return _partial(kernel)
 
 
+def _scatter_elements_grad(node: Node, ctx: BindContext) -> Kernel:
+    """ScatterElements, as ScatterND's: the data's gradient zero where updates overwrote
+    it (whole with ``add``), the updates' gathered along the axis. Inputs: dy, the
+    indices, the updates' shape."""
+    overwrite = node.attrs.get("reduction", "none") == "none"
+    axis = int(node.attrs.get("axis", 0))
+    need_data, need_updates = _need(node, 2)
+
+    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor | None]:
+        dy, idx = inputs[0], inputs[1]
+        assert dy is not None and idx is not None
+        a = normalize_axis(axis, dy.dim())
+        index = _wrap(idx, dy.shape[a])
+        ddata = dupdates = None
+        if need_data:
+            ddata = dy.clone().scatter_(a, index, 0.0) if overwrite else dy
+        if need_updates:
+            dupdates = dy.gather(a, index)
+        return [ddata, dupdates]
+    return _partial(kernel)
+
+
 def _split_grad(node: Node, ctx: BindContext) -> Kernel:
     """Split: the parts' gradients concatenated (zeros for parts the loss does not read).
     Inputs: the n output gradients, then the n output shapes."""
@@ -178,6 +200,7 @@ OPS: list[OpDef] = [
     OpDef("GatherGrad", _gather_grad, domain=DOMAIN),
     OpDef("GatherElementsGrad", _gather_elements_grad, domain=DOMAIN),
     OpDef("ScatterNDGrad", _scatter_nd_grad, domain=DOMAIN),
+    OpDef("ScatterElementsGrad", _scatter_elements_grad, domain=DOMAIN),
     OpDef("SplitGrad", _split_grad, domain=DOMAIN),
     OpDef("WhereGrad", _where_grad, domain=DOMAIN),
     OpDef("ExtremumGrad", _extremum_grad, domain=DOMAIN, doc="Max/Min backward"),

@@ -250,17 +250,22 @@ def gather(ctx: GradContext, node: Node, douts: Sequence[Value | None]) -> Grads
                       axis=int(node.attrs.get("axis", 0))), None]
 
 
-def scatter_nd(ctx: GradContext, node: Node, douts: Sequence[Value | None]) -> Grads:
-    """ScatterND without reduction or with ``add`` (the others have no rule)."""
+def scatter(ctx: GradContext, node: Node, douts: Sequence[Value | None]) -> Grads:
+    """ScatterND and ScatterElements (Scatter before opset 11) without reduction or with
+    ``add`` (the others have no rule)."""
     reduction = str(node.attrs.get("reduction", "none"))
     if reduction not in ("none", "add"):
-        raise UnsupportedOp(f"no gradient rule for op ScatterND with reduction {reduction!r} "
-                            f"(node {node.name!r}, {node.label})")
+        raise UnsupportedOp(f"no gradient rule for op {node.op_type} with reduction "
+                            f"{reduction!r} (node {node.name!r}, {node.label})")
     data, idx, updates = node.inputs[0], node.inputs[1], node.inputs[2]
     assert updates is not None
-    ddata, dupdates = ctx.emit("ScatterNDGrad", [douts[0], idx, ctx.shape_of(updates)], 2,
+    grad = "ScatterNDGrad" if node.op_type == "ScatterND" else "ScatterElementsGrad"
+    attrs: dict[str, Any] = {"reduction": reduction}
+    if grad == "ScatterElementsGrad":
+        attrs["axis"] = int(node.attrs.get("axis", 0))
+    ddata, dupdates = ctx.emit(grad, [douts[0], idx, ctx.shape_of(updates)], 2,
                                like=[data, updates], need=[int(ctx.need(0)), int(ctx.need(2))],
-                               reduction=reduction)
+                               **attrs)
     return [ddata if ctx.need(0) else None, None, dupdates if ctx.need(2) else None]
 
 

@@ -360,9 +360,10 @@ def _eye_like(node: Node, ctx: BindContext) -> Kernel:
 OPS: list[OpDef] = [
     OpDef("GatherElements", _gather_elements, grad=gradients.gather),
     OpDef("GatherND", _gather_nd),
-    OpDef("ScatterElements", _scatter_elements),
-    OpDef("Scatter", _scatter_elements, until=10, doc="ScatterElements before opset 11"),
-    OpDef("ScatterND", _scatter_nd, grad=gradients.scatter_nd),
+    OpDef("ScatterElements", _scatter_elements, grad=gradients.scatter),
+    OpDef("Scatter", _scatter_elements, until=10, grad=gradients.scatter,
+          doc="ScatterElements before opset 11"),
+    OpDef("ScatterND", _scatter_nd, grad=gradients.scatter),
     OpDef("TensorScatter", _tensor_scatter),
     OpDef("TopK", _topk, classify=_topk_exec, host_reads=reads_on_host(1, since=10),
           doc="LOCAL when k is computed: the output shape depends on it"),
