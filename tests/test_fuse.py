@@ -523,22 +523,6 @@ def test_asymmetric_pads_run_through_the_torch_path():
 
 
 # -- linear ------------------------------------------------------------------------------
-def test_matmul_add_gelu_becomes_fused_gemm():
-    k, n = 8, 6
-    inits = {"w": _rand(k, n), "b": _rand(n), "sqrt2": np.array(math.sqrt(2), np.float32),
-             "one": np.array(1.0, np.float32), "half": np.array(0.5, np.float32)}
-    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]),
-             helper.make_node("Add", ["b", "m"], ["y"]),
-             helper.make_node("Div", ["y", "sqrt2"], ["d"]),
-             helper.make_node("Erf", ["d"], ["e"]),
-             helper.make_node("Add", ["e", "one"], ["e1"]),
-             helper.make_node("Mul", ["y", "e1"], ["p"]),
-             helper.make_node("Mul", ["p", "half"], ["out"])]
-    model = _model(nodes, {"x": ["batch", 5, k]}, ["out"], inits)
-    sess = _check(model, {"x": _rand(2, 5, k)}, ["FusedGemm"])
-    assert sess.graph.nodes[0].attrs["activation"] == "Gelu"
-
-
 @pytest.mark.parametrize("avx512", [False, True])
 def test_transcendental_post_ops_of_a_linear_follow_the_cpu(monkeypatch, avx512):
     """Sigmoid/Tanh/GELU are fused into oneDNN's matmul only on AVX-512 CPUs; elsewhere

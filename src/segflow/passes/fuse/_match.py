@@ -6,8 +6,10 @@ from collections.abc import Iterator
 
 import torch
 
+from segflow.errors import UnsupportedOp
 from segflow.ir.graph import Graph, Node, Value
 from segflow.ir.types import DType
+from segflow.ops.registry import OpRegistry, ViewOfInput
 from segflow.passes._rewrite import const_scalar
 
 
@@ -30,6 +32,16 @@ def only_consumer(graph: Graph, value: Value) -> Node | None:
         return None
     node = value.uses[0]
     return node if sum(1 for v in node.inputs if v is value) == 1 else None
+
+
+def reshapes(node: Node, registry: OpRegistry) -> bool:
+    """Whether the row says output 0 is input 0's elements under a new shape (Reshape,
+    Flatten, Squeeze, Unsqueeze)."""
+    try:
+        opdef = registry.lookup(node.domain, node.op_type, node.opset, node.name)
+    except UnsupportedOp:
+        return False
+    return opdef.view_of_input is ViewOfInput.RESHAPE
 
 
 def is_float32(value: Value | None) -> bool:

@@ -8,12 +8,11 @@ when they cancel).
 
 from __future__ import annotations
 
-from segflow.errors import UnsupportedOp
 from segflow.ir.graph import Graph, Node, Value
 from segflow.ops import default_registry
-from segflow.ops.registry import OpRegistry, ViewOfInput
+from segflow.ops.registry import OpRegistry
 from segflow.passes._rewrite import bypass, can_bypass, replace_nodes
-from segflow.passes.fuse._match import is_op, live_nodes, only_consumer
+from segflow.passes.fuse._match import is_op, live_nodes, only_consumer, reshapes
 
 
 def _noop_source(node: Node, registry: OpRegistry) -> Value | None:
@@ -32,7 +31,8 @@ def _noop_source(node: Node, registry: OpRegistry) -> Value | None:
     if op == "Cast":
         to = node.attrs.get("to")
         return x if x.spec.dtype is not None and to == x.spec.dtype.value else None
-    if _reshapes(node, registry):
+    if reshapes(node, registry):
+        # With the same static shape, the node does nothing.
         out = node.outputs[0]
         return x if x.spec.is_static and out.spec.shape == x.spec.shape else None
     if op == "Transpose":
@@ -65,15 +65,6 @@ def _merge_transposes(graph: Graph, node: Node) -> bool:
     replace_nodes(graph, node, [inner], merged)
     return True
 
-
-def _reshapes(node: Node, registry: OpRegistry) -> bool:
-    """Whether the row says output 0 is input 0's elements under a new shape (Reshape,
-    Flatten, Squeeze, Unsqueeze): with the same static shape, the node does nothing."""
-    try:
-        opdef = registry.lookup(node.domain, node.op_type, node.opset, node.name)
-    except UnsupportedOp:
-        return False
-    return opdef.view_of_input is ViewOfInput.RESHAPE
 
 
 def fuse_noops(graph: Graph) -> int:

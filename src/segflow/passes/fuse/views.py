@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import torch
 
-from segflow.errors import UnsupportedOp
 from segflow.ir.graph import Graph, Node, Value
 from segflow.ops import default_registry
-from segflow.ops.registry import OpRegistry, ViewOfInput
+from segflow.ops.registry import OpRegistry
 from segflow.passes._rewrite import bypass, can_bypass, new_const, replace_nodes
-from segflow.passes.fuse._match import live_nodes
+from segflow.passes.fuse._match import live_nodes, reshapes
 
 
 def moves_only_unit_axes(perm: list[int], shape: tuple[int, ...]) -> bool:
@@ -56,11 +55,7 @@ def _is_view(graph: Graph, node: Node, registry: OpRegistry) -> bool:
         perm = node.attrs.get("perm")
         return perm is not None and len(perm) == len(shape) and moves_only_unit_axes(
             [int(p) for p in perm], shape)
-    try:
-        opdef = registry.lookup(node.domain, node.op_type, node.opset, node.name)
-    except UnsupportedOp:
-        return False
-    return opdef.view_of_input is ViewOfInput.RESHAPE
+    return reshapes(node, registry)
 
 
 def _run_source(graph: Graph, node: Node, registry: OpRegistry) -> Value:
