@@ -147,8 +147,8 @@ def _requantize(acc: Tensor, multiplier: Tensor, zp: Tensor | None,
     """Scale an exact integer accumulator into the output's quantized type.
 
     As onnxruntime requantizes: the accumulator as float32 times the float32 multiplier,
-    rounded half to even, then the zero point added (float64 products round differently
-    on about one output in 10^5)."""
+    rounded half to even, then the zero point added (a float64 product rounds some ties
+    the other way)."""
     out = torch.round(acc.to(torch.float32) * multiplier.to(torch.float32)).to(torch.float64)
     target = like
     if zp is not None:
