@@ -21,6 +21,7 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 
+from segflow.errors import UnsupportedOp
 from segflow.ir.graph import Node
 from segflow.ops._common import ints, resolve_pads, torch_pad
 from segflow.ops.registry import BindContext, Kernel, OpDef, ViewOfInput
@@ -437,11 +438,17 @@ def _vjp(node: Node, ctx: BindContext) -> Kernel:
 
     def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor | None]:
         douts, xs = list(inputs[:n_out]), list(inputs[n_out:])
-        leaves = [x.detach().requires_grad_(True) if w and x is not None else x
-                  for x, w in zip(xs, want)]
-        with torch.enable_grad():
+        # A step run under inference_mode could not record the forward: leave it here.
+        with torch.inference_mode(False), torch.enable_grad():
+            leaves = [_leaf(x) if w and x is not None else x for x, w in zip(xs, want)]
             ys = fwd_kernel(leaves)
             pairs = [(y, g) for y, g in zip(ys, douts) if g is not None]
+            if any(not y.requires_grad for y, _ in pairs):
+                # A kernel that left torch (numpy, a native call) records nothing: its
+                # gradient would read as zero, which is a wrong answer, not a gradient.
+                raise UnsupportedOp(f"no gradient for op {forward.op_type} (node "
+                                    f"{forward.name!r}): its kernel is not differentiable "
+                                    "by recomputation for these inputs")
             targets = [x for x, w in zip(leaves, want) if w and x is not None]
             grads = torch.autograd.grad([y for y, _ in pairs], targets, [g for _, g in pairs],
                                         allow_unused=True)
@@ -455,6 +462,14 @@ def _vjp(node: Node, ctx: BindContext) -> Kernel:
                 out.append(None)
         return out
     return _partial(kernel)
+
+
+def _leaf(x: Tensor) -> Tensor:
+    """``x`` as an autograd leaf; a tensor made under ``inference_mode`` cannot be one, so
+    it is copied (outside inference mode) first."""
+    if x.is_inference():
+        x = x.clone()
+    return x.detach().requires_grad_(True)
 
 
 # -- shape ops ----------------------------------------------------------------------------

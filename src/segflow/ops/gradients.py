@@ -228,8 +228,15 @@ def global_average_pool(ctx: GradContext, node: Node, douts: Sequence[Value | No
 
 def recompute(ctx: GradContext, node: Node, douts: Sequence[Value | None]) -> Grads:
     """Backward by re-running the forward kernel under torch autograd (exact, costs a
-    second forward): for ops with many variants, e.g. AveragePool."""
-    forward = Node(node.op_type, node.inputs, node.outputs, dict(node.attrs), name=node.name,
+    second forward): for ops with many variants (AveragePool) and for the ops whose
+    forward kernel is a composition of differentiable torch calls and which no training
+    graph runs often enough to earn a closed form (Acosh, CumProd, RoiAlign ...).
+
+    The recomputed forward gets outputs of its own: the real outputs may have planned
+    storage, which a second forward must not overwrite (and autograd cannot record a
+    kernel writing into given storage)."""
+    outputs = [Value(f"{v.name}/recomputed", v.spec) for v in node.outputs]
+    forward = Node(node.op_type, node.inputs, outputs, dict(node.attrs), name=node.name,
                    domain=node.domain, opset=node.opset)
     grads = ctx.emit("Vjp", [*douts, *node.inputs], len(node.inputs), like=list(node.inputs),
                      forward=forward, bind=ctx.opdef(node).bind, need=_mask(ctx, len(node.inputs)))

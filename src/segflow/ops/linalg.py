@@ -146,7 +146,7 @@ def _flex_attention(node: Node, ctx: BindContext) -> Kernel:
 
 OPS: list[OpDef] = [
     OpDef("Einsum", _einsum, since=12, grad=gradients.recompute),
-    OpDef("Det", _det, since=11),
-    OpDef("LinearAttention", _linear_attention, since=27),
+    OpDef("Det", _det, since=11, grad=gradients.recompute),
+    OpDef("LinearAttention", _linear_attention, since=27, grad=gradients.recompute),
     OpDef("FlexAttention", _flex_attention, domain="ai.onnx.preview", since=1),
 ]

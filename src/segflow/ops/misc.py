@@ -26,6 +26,7 @@ from segflow.engine.base import ExecType
 from segflow.errors import InvalidModel, UnsupportedOp
 from segflow.ir.graph import Node
 from segflow.ir.types import DType
+from segflow.ops import gradients
 from segflow.ops._common import const_input, normalize_axis
 from segflow.ops.registry import BindContext, Kernel, OpDef
 
@@ -382,14 +383,14 @@ def _multinomial(node: Node, ctx: BindContext) -> Kernel:
 
 
 OPS: list[OpDef] = [
-    OpDef("DFT", _dft, since=17, classify=_local_unless_const(1, 2)),
-    OpDef("STFT", _stft, since=17, classify=_local_unless_const(1, 3)),
+    OpDef("DFT", _dft, since=17, classify=_local_unless_const(1, 2), grad=gradients.recompute),
+    OpDef("STFT", _stft, since=17, classify=_local_unless_const(1, 3), grad=gradients.recompute),
     OpDef("HannWindow", _window("hann"), since=17, classify=_local_unless_const(0)),
     OpDef("HammingWindow", _window("hamming"), since=17, classify=_local_unless_const(0)),
     OpDef("BlackmanWindow", _window("blackman"), since=17, classify=_local_unless_const(0)),
     OpDef("MelWeightMatrix", _mel_weight_matrix, since=17,
           classify=_local_unless_const(0, 1, 2, 3, 4)),
-    OpDef("ReverseSequence", _reverse_sequence, since=10),
+    OpDef("ReverseSequence", _reverse_sequence, since=10, grad=gradients.recompute),
     OpDef("TfIdfVectorizer", _tfidf, since=9, exec_type=ExecType.LOCAL,
           doc="host-side n-gram counting"),
     OpDef("OptionalHasElement", _optional_has_element, since=15),

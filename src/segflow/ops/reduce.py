@@ -240,17 +240,18 @@ def _cumprod(node: Node, ctx: BindContext) -> Kernel:
     return kernel
 
 
-# Gradient rules (segflow.ops.gradients) of the differentiable reductions.
+# Gradient rules (segflow.ops.gradients) of the reductions with a closed form; the
+# others (ReduceL2, ReduceLogSumExp, ReduceMax ...) recompute under autograd.
 _GRADS = {"ReduceSum": gradients.reduce, "ReduceMean": gradients.reduce}
 
 OPS: list[OpDef] = [
     *(OpDef(name, _bind_reduce(spec), doc=f"{spec.kind.value} reduction",
-            grad=_GRADS.get(name),
+            grad=_GRADS.get(name, gradients.recompute),
             creates_nonfinite=always if name == "ReduceLogSum" else None,
             host_reads=reads_on_host(1))
       for name, spec in _SPECS.items()),
     OpDef("ArgMax", _bind_arg(largest=True)),
     OpDef("ArgMin", _bind_arg(largest=False)),
-    OpDef("CumSum", _cumsum),
-    OpDef("CumProd", _cumprod),
+    OpDef("CumSum", _cumsum, grad=gradients.recompute),
+    OpDef("CumProd", _cumprod, grad=gradients.recompute),
 ]

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from segflow.errors import UnsupportedOp
 from segflow.ir.graph import Node
+from segflow.ops import gradients
 from segflow.ops._common import has_input
 from segflow.ops.registry import BindContext, Kernel, OpDef
 
@@ -247,7 +248,7 @@ def _bind(cell: Cell) -> Callable[[Node, BindContext], Kernel]:
 
 
 OPS: list[OpDef] = [
-    OpDef("RNN", _bind(Cell.RNN), since=1),
-    OpDef("GRU", _bind(Cell.GRU), since=1),
-    OpDef("LSTM", _bind(Cell.LSTM), since=1),
+    OpDef("RNN", _bind(Cell.RNN), since=1, grad=gradients.recompute),
+    OpDef("GRU", _bind(Cell.GRU), since=1, grad=gradients.recompute),
+    OpDef("LSTM", _bind(Cell.LSTM), since=1, grad=gradients.recompute),
 ]
