@@ -595,9 +595,10 @@ def int8_attr(lib: Library, weight_mask: int, src_zero_point: bool, dst_zero_poi
               post_ops: Sequence[PostOp]) -> Pointer:
     """Attributes of a quantized primitive: runtime scales of the source (one), the
     weights (``weight_mask``: 0 one, else per output channel) and the destination (one),
-    the zero points asked for (runtime, one each), and ``post_ops`` in order. libdnnl
-    applies post-ops in float to the scaled accumulator (plus bias), then divides by the
-    destination's scale, adds its zero point, rounds and saturates."""
+    the zero points asked for (runtime, one each), and ``post_ops`` in order (eltwise, or
+    ``("add" | "mul", src1 descriptor)`` binary ones). libdnnl applies post-ops in float
+    to the scaled accumulator (plus bias), then divides by the destination's scale, adds
+    its zero point, rounds and saturates."""
     dll = lib._dll
     attr = lib._make(dll.dnnl_primitive_attr_create)
     for arg, mask in ((ARG_SRC, 0), (ARG_WEIGHTS, weight_mask), (ARG_DST, 0)):
@@ -613,7 +614,9 @@ def int8_attr(lib: Library, weight_mask: int, src_zero_point: bool, dst_zero_poi
             lib.check(dll.dnnl_post_ops_append_eltwise(ops, algorithm, alpha, beta),
                       "append eltwise")
         else:
-            lib.check(dll.dnnl_post_ops_append_binary(ops, BINARY_ADD, op[1]), "append add")
+            algorithm = BINARY_MUL if op[0] == "mul" else BINARY_ADD
+            lib.check(dll.dnnl_post_ops_append_binary(ops, algorithm, op[1]),
+                      f"append {op[0]}")
     lib.check(dll.dnnl_primitive_attr_set_post_ops(attr, ops), "set post-ops")
     dll.dnnl_post_ops_destroy(ops)
     return attr

@@ -2,14 +2,18 @@
 
 One primitive per input shape: u8 (or s8) channels-last source and destination, s8
 weights packed once into the format the primitive chooses, an f32 bias, runtime
-scales (the source's, the weights' per output channel, the destination's) and zero
-points (source, destination), and post-ops for the node's residual (the
-convolution's own requantization, then a binary add reading the residual's integers
-in place, see ``Int8Conv._post_ops``) and ReLU. libdnnl
-accumulates in int32, applies the scales, bias and post-ops in float, then divides by
-the destination scale, adds its zero point, rounds to nearest even and saturates: the
-node's definition (``ops/qconv.py``) up to the float32 rounding of those steps, so a
-result may differ from the reference by one step where it lies at a rounding tie.
+scales and zero points (source, destination), and post-ops: the per-channel
+requantizing multiplication, the node's residual (the convolution's own
+requantization, then a binary add reading the residual's integers in place, see
+``Int8Conv._post_ops``), ReLU. libdnnl accumulates in int32 and adds the bias, both
+exact in float32 for a quantizer's int32 bias; the post-ops multiply once by
+x_scale * w_scale / y_scale and round; the destination's zero point is added to the
+whole value and the result saturated. That is onnxruntime's QLinearConv arithmetic
+step for step, so without a residual the outputs are onnxruntime's bit for bit. A
+bias that is not whole in accumulator units is scaled apart instead (a value at a
+rounding tie may then move by one step). With a residual, the Add is done in float32
+in libdnnl's order, not in onnxruntime's QLinearAdd order: values near a rounding tie
+may differ by one step.
 
 A call this kernel declines (a weight zero point other than 0, which libdnnl's
 convolution does not take; a shape whose primitive libdnnl has only a reference
@@ -79,6 +83,24 @@ class _Primitive:
         self.handles = [0, 0, 0]       # the addresses src, dst, residual point at now
 
 
+def _whole_bias(bias: Tensor | None, params: QuantParams, channels: int) -> Tensor | None:
+    """The bias in accumulator units (x_scale * w_scale), as float32 integers, where every
+    value is whole there up to float32 rounding (a quantizer's int32 bias dequantized by
+    that scale); None otherwise. No bias is a whole zero."""
+    if bias is None:
+        return torch.zeros(channels)
+    step = (torch.tensor([params.x_scale], dtype=torch.float32)
+            * torch.tensor(params.w_scale, dtype=torch.float32)).expand(channels).double()
+    units = bias.double().reshape(-1) / step
+    whole = torch.round(units)
+    # float32's rounding of the dequantized value: half an ulp, 2**-24 relative
+    if not bool(((units - whole).abs() <= units.abs() * 2.0**-23 + 1e-6).all()):
+        return None
+    if bool((whole.abs() >= 2.0**24).any()):
+        return None  # not exact in float32
+    return whole.to(torch.float32).contiguous()
+
+
 def _channels_last(shape: Sequence[int]) -> list[int]:
     n, c, h, w = shape
     return [c * h * w, 1, w * c, c]
@@ -106,22 +128,35 @@ class Int8Conv(NativeOrTorch):
         channels = int(weight.shape[0])
         # Runtime quantization arguments: tensors kept alive, memories made once.
         # The accumulator is scaled straight into the units of the next rounding (the
-        # output's, or with a residual the convolution's own quantization), one float32
-        # multiplier per channel, x_scale * w_scale / unit, as onnxruntime's QLinearConv
-        # forms it; the bias joins in the same units.
+        # output's, or with a residual the convolution's own quantization) by one float32
+        # multiplier per channel, x_scale * w_scale / unit, formed as onnxruntime's
+        # QLinearConv forms it.
         unit = params.c_scale if residual else params.y_scale
         multiplier = (torch.tensor([params.x_scale], dtype=torch.float32)
                       * torch.tensor(params.w_scale, dtype=torch.float32)
-                      / torch.tensor([unit], dtype=torch.float32))
+                      / torch.tensor([unit], dtype=torch.float32)).expand(channels)
+        whole = _whole_bias(bias, params, channels)
+        # A bias that is whole in accumulator units (a quantizer's int32 bias) joins the
+        # accumulator before the one multiplication, a binary post-op: (acc + bias) * m,
+        # rounded once, which is onnxruntime's arithmetic. Scaling the accumulator and the
+        # bias apart rounds three times and moves a value at a rounding tie by one step
+        # (rarely, but every later layer inherits it).
+        self.single_rounding = whole is not None
+        if whole is not None:
+            self._multiplier: Tensor | None = multiplier.contiguous()
+            weight_scale = torch.ones(channels if params.per_channel else 1)
+            self._bias = whole
+        else:
+            self._multiplier = None
+            weight_scale = multiplier.contiguous() if params.per_channel else multiplier[:1]
+            self._bias = (bias.to(torch.float32) / unit).contiguous()  # type: ignore[union-attr]
         self._scales = {ARG_SRC: torch.ones(1),
-                        ARG_WEIGHTS: multiplier if params.per_channel else multiplier[:1],
+                        ARG_WEIGHTS: weight_scale,
                         ARG_DST: torch.tensor([params.y_scale / params.r_scale if residual
                                                else 1.0], dtype=torch.float32)}
         self._zero_points = {arg: torch.tensor([zp], dtype=torch.int32) for arg, zp in
                              ((ARG_SRC, params.x_zero_point), (ARG_DST, params.y_zero_point))
                              if zp}
-        self._bias = ((bias if bias is not None else torch.zeros(channels)).to(torch.float32)
-                      / unit).contiguous()
         self.why_not = ""
         if any(params.w_zero_point):
             self.why_not = "weight zero point is not 0 (libdnnl's convolution takes none)"
@@ -134,8 +169,12 @@ class Int8Conv(NativeOrTorch):
         g = self.params.group
         return [m, c, kh, kw] if g == 1 else [g, m // g, c, kh, kw]
 
-    def _post_ops(self, residual_md: Pointer | None) -> tuple[list[PostOp], int | None]:
+    def _post_ops(self, residual_md: Pointer | None, multiplier_md: Pointer | None
+                  ) -> tuple[list[PostOp], int | None]:
         """The post-op chain and the index of its residual add (None: no residual).
+
+        With ``multiplier_md`` the chain starts with the per-channel multiplication of the
+        accumulator plus bias (``single_rounding``).
 
         With a residual the chain first quantizes the convolution's result as the graph's
         QuantizeLinear before the Add does (scale, round, saturate), dequantizes it, and
@@ -144,12 +183,16 @@ class Int8Conv(NativeOrTorch):
         destination's scale is then ``y_scale / r_scale``."""
         p = self.params
         ops: list[PostOp] = []
+        if multiplier_md is not None:
+            ops.append(("mul", multiplier_md))
         add_at = None
         if residual_md is not None:
             lo, hi = INT_RANGES[p.c_dtype]
             ratio = p.c_scale / p.r_scale
-            ops += [("eltwise", ELTWISE_LINEAR, 1.0, float(p.c_zero_point)),
-                    ("eltwise", ELTWISE_ROUND, 0.0, 0.0),
+            # Round, then add the zero point (exact on a whole value), as QuantizeLinear
+            # does: added first, in float32, it would move values just under a half.
+            ops += [("eltwise", ELTWISE_ROUND, 0.0, 0.0),
+                    ("eltwise", ELTWISE_LINEAR, 1.0, float(p.c_zero_point)),
                     ("eltwise", ELTWISE_CLIP_V2, float(lo), float(hi)),
                     ("eltwise", ELTWISE_LINEAR, ratio,
                      -p.c_zero_point * ratio - p.r_zero_point)]
@@ -157,6 +200,12 @@ class Int8Conv(NativeOrTorch):
             ops.append(("add", residual_md))
         if p.relu:
             ops.append(("eltwise", ELTWISE_RELU, 0.0, 0.0))
+        if multiplier_md is not None and residual_md is None and p.y_zero_point:
+            # libdnnl adds the destination's zero point in float before it rounds; near
+            # 150 float32 keeps too few fraction bits, and a value just under a half
+            # rounds up. Rounding first makes the zero point's add exact, as
+            # onnxruntime's round-then-add is.
+            ops.append(("eltwise", ELTWISE_ROUND, 0.0, 0.0))
         return ops, add_at
 
     def _build(self, lib: Library, x: Tensor, residual: Tensor | None) -> _Primitive:
@@ -178,7 +227,11 @@ class Int8Conv(NativeOrTorch):
         if residual is not None:
             residual_md = typed_desc(lib, out_shape, _channels_last(out_shape), residual.dtype)
             self._owned.append(("memory_desc", residual_md))
-        post_ops, add_at = self._post_ops(residual_md)
+        multiplier_md = None
+        if self._multiplier is not None:
+            multiplier_md = typed_desc(lib, [1, m, 1, 1], [m, 1, 1, 1], torch.float32)
+            self._owned.append(("memory_desc", multiplier_md))
+        post_ops, add_at = self._post_ops(residual_md, multiplier_md)
         attr = int8_attr(lib, weight_mask, bool(p.x_zero_point), bool(p.y_zero_point),
                          post_ops)
         owned.append(("primitive_attr", attr))
@@ -213,6 +266,11 @@ class Int8Conv(NativeOrTorch):
             residual_mem = lib.memory(residual_md, None)
             self._owned.append(("memory", residual_mem))
             args.append(ExecArg(POST_OP_ARG_BASE * (add_at + 1) | ARG_SRC_1, residual_mem))
+        if self._multiplier is not None:
+            assert multiplier_md is not None
+            multiplier = lib.memory(multiplier_md, self._multiplier.data_ptr())
+            self._owned.append(("memory", multiplier))
+            args.append(ExecArg(POST_OP_ARG_BASE | ARG_SRC_1, multiplier))  # post-op 0
         for arg, tensor in self._scales.items():
             args.append(ExecArg(ARG_ATTR_SCALES | arg, self._vector(lib, tensor)))
         for arg, tensor in self._zero_points.items():
