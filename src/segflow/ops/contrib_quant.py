@@ -35,6 +35,7 @@ from segflow.errors import UnsupportedOp
 from segflow.ir.graph import Node
 from segflow.ir.types import DType
 from segflow.ops._common import normalize_axis
+from segflow.ops._integer_matmul import integer_matmul
 from segflow.ops.nn import _avgpool
 from segflow.ops.quant import (
     _INT_RANGES,
@@ -42,6 +43,7 @@ from segflow.ops.quant import (
     _dequantize_linear,
     _quantize_linear,
     _saturate,
+    constant_b,
 )
 from segflow.ops.registry import BindContext, Kernel, OpDef
 
@@ -369,17 +371,13 @@ def _scale_bias(acc: Tensor, scales: Tensor, bias: Tensor | None) -> Tensor:
     return y if bias is None else y + bias.to(torch.float32)
 
 
-def _b_centered(b: Tensor, b_zp: Tensor | None) -> Tensor:
-    """B [.., K, N] less its zero point, per tensor or per column ([N])."""
-    out = b.to(torch.float64)
-    return out if b_zp is None else out - b_zp.to(torch.float64).reshape(-1)
-
-
 def _matmul_integer_to_float(node: Node, ctx: BindContext) -> Kernel:
+    prepared = constant_b(node, 1, 5)
+
     def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
         a, b, a_s, b_s, a_zp, b_zp, bias = _inputs(inputs, 7)
         assert a is not None and b is not None and a_s is not None and b_s is not None
-        acc = torch.matmul(_centered(a, a_zp), _b_centered(b, b_zp))
+        acc = integer_matmul(a, b, a_zp, b_zp, prepared)
         scales = torch.tensor(_scalar(a_s, "A")) * _float_scale(b_s)
         return [_scale_bias(acc, scales, bias)]
     return kernel
@@ -397,13 +395,15 @@ def quantize_uint8_dynamic(x: Tensor) -> tuple[Tensor, np.float32, int]:
 
 
 def _dynamic_quantize_matmul(node: Node, ctx: BindContext) -> Kernel:
+    prepared = constant_b(node, 1, 3)
+
     def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
         a, b, b_s, b_zp, bias = _inputs(inputs, 5)
         assert a is not None and b is not None and b_s is not None
         if a.device.type == "meta":   # shapes only (passes/static_shapes.py): no range
             return [torch.matmul(a, b.to(device=a.device, dtype=torch.float32))]
         qa, a_scale, a_zp = quantize_uint8_dynamic(a)
-        acc = torch.matmul(qa.to(torch.float64) - a_zp, _b_centered(b, b_zp))
+        acc = integer_matmul(qa, b, torch.tensor(a_zp, dtype=torch.int32), b_zp, prepared)
         scales = torch.tensor(a_scale) * _float_scale(b_s)
         return [_scale_bias(acc, scales, bias)]
     return kernel

@@ -17,6 +17,7 @@ from segflow.errors import UnsupportedOp
 from segflow.ir.graph import Node
 from segflow.ir.types import DType
 from segflow.ops._common import has_input, normalize_axis, resolve_pads, torch_pad
+from segflow.ops._integer_matmul import PreparedB, integer_matmul
 from segflow.ops.registry import BindContext, Kernel, OpDef
 
 Tensor = torch.Tensor
@@ -158,24 +159,39 @@ def _requantize(acc: Tensor, multiplier: Tensor, zp: Tensor | None,
     return out.clamp(lo, hi).to(target)
 
 
+def constant_b(node: Node, b_index: int, zp_index: int) -> PreparedB | None:
+    """B of an integer matmul node made ready for the int8 GEMM once, where B and its
+    zero point (if any) are constants; None otherwise (each call prepares it)."""
+    b_value = node.inputs[b_index] if len(node.inputs) > b_index else None
+    b = b_value.const if b_value is not None else None
+    zp_value = node.inputs[zp_index] if len(node.inputs) > zp_index else None
+    zp = zp_value.const if zp_value is not None else None
+    if b is None or (zp_value is not None and zp is None):
+        return None
+    return PreparedB(b, zp)
+
+
 def _matmul_integer(node: Node, ctx: BindContext) -> Kernel:
+    prepared = constant_b(node, 1, 3)
+
     def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
         a, b = inputs[0], inputs[1]
         assert a is not None and b is not None
         a_zp = inputs[2] if len(inputs) > 2 else None
         b_zp = inputs[3] if len(inputs) > 3 else None
-        acc = torch.matmul(_centered(a, a_zp, row_axis=-2), _centered(b, b_zp))
-        return [acc.to(torch.int32)]
+        return [integer_matmul(a, b, a_zp, b_zp, prepared)]
     return kernel
 
 
 def _qlinear_matmul(node: Node, ctx: BindContext) -> Kernel:
+    prepared = constant_b(node, 3, 5)
+
     def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
         a, a_scale, a_zp, b, b_scale, b_zp, y_scale, y_zp = list(inputs) + [None] * (
             8 - len(inputs))
         assert a is not None and b is not None
         assert a_scale is not None and b_scale is not None and y_scale is not None
-        acc = torch.matmul(_centered(a, a_zp, row_axis=-2), _centered(b, b_zp))
+        acc = integer_matmul(a, b, a_zp, b_zp, prepared)
         # The multiplier is formed in the scales' own type, as the reference does.
         multiplier = a_scale * b_scale / y_scale
         return [_requantize(acc, multiplier, y_zp, a.dtype)]
