@@ -121,12 +121,14 @@ def _dynamic_quantize_linear(node: Node, ctx: BindContext) -> Kernel:
         assert x is not None
         xf = x.to(torch.float32)
         zero = xf.new_zeros(())
-        hi = torch.maximum(zero, xf.max()) if xf.numel() else zero
-        lo = torch.minimum(zero, xf.min()) if xf.numel() else zero
+        lo, hi = torch.aminmax(xf) if xf.numel() else (zero, zero)   # one pass over x
+        hi = torch.maximum(zero, hi)
+        lo = torch.minimum(zero, lo)
         # An all-zero input gets scale 1 (onnxruntime's choice; the spec leaves it undefined).
         scale = torch.where(hi == lo, torch.ones_like(hi), (hi - lo) / 255.0)
         zp = torch.round(torch.clamp(-lo / scale, 0.0, 255.0))
-        y = torch.clamp(torch.round(xf / scale) + zp, 0.0, 255.0)
+        # x / scale (not times its inverse: ties would round the other way), in place.
+        y = torch.div(xf, scale).round_().add_(zp).clamp_(0.0, 255.0)
         return [y.to(torch.uint8), scale.to(x.dtype), zp.to(torch.uint8)]
     return kernel
 
