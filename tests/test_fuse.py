@@ -86,9 +86,9 @@ def test_nothing_to_fuse_leaves_the_graph_alone():
 
 def test_every_rule_is_named_and_selectable():
     names = [name for name, _ in RULES]
-    assert names == ["noops", "global_pool", "pad", "batchnorm", "linear", "gelu", "gelu_tanh",
-                     "silu", "conv", "activation", "attention", "rmsnorm", "layernorm",
-                     "siblings", "views"]
+    assert names == ["noops", "global_pool", "pad", "batchnorm", "linear", "integer_linear",
+                     "gelu", "gelu_tanh", "silu", "conv", "activation", "attention", "rmsnorm",
+                     "layernorm", "siblings", "views"]
     with pytest.raises(ValueError, match="unknown fuse rules"):
         run_rules(import_model(_model([helper.make_node("Relu", ["x"], ["y"])],
                                       {"x": [2]}, ["y"])), ["nope"])
@@ -256,6 +256,34 @@ def _spatial_mean_after_conv(axes=(2, 3), keepdims=1):
     return model, {"x": _rand(2, 4, 6, 6, scale=2.0)}
 
 
+def _dynamic_linear(scale: str = "tensor", bias: bool = True, cast_to: int = TensorProto.FLOAT,
+                    extra_reader: bool = False):
+    """One linear as onnxruntime's ``quantize_dynamic`` writes it: DynamicQuantizeLinear ->
+    MatMulInteger (constant int8 weight) -> Cast -> Mul by ``xs * ws`` (``scale``
+    "tensor"; "column": one weight scale per output column) [-> Add of a bias]."""
+    k, n = 16, 6
+    inits = {"w": RNG.integers(-128, 128, (k, n)).astype(np.int8),
+             "ws": (np.array(0.02, np.float32) if scale == "tensor"
+                    else (RNG.uniform(0.01, 0.03, n)).astype(np.float32)),
+             "b": _rand(n)}
+    nodes = [helper.make_node("DynamicQuantizeLinear", ["x"], ["xq", "xs", "xzp"]),
+             helper.make_node("MatMulInteger", ["xq", "w", "xzp"], ["acc"]),
+             helper.make_node("Cast", ["acc"], ["accf"], to=cast_to),
+             helper.make_node("Mul", ["xs", "ws"], ["s"])]
+    if cast_to != TensorProto.FLOAT:
+        nodes.append(helper.make_node("Cast", ["accf"], ["accf32"], to=TensorProto.FLOAT))
+    product = "accf" if cast_to == TensorProto.FLOAT else "accf32"
+    nodes.append(helper.make_node("Mul", [product, "s"], ["y" if not bias else "ys"]))
+    outputs = ["y"]
+    if bias:
+        nodes.append(helper.make_node("Add", ["b", "ys"], ["y"]))
+    if extra_reader:
+        nodes.append(helper.make_node("Relu", ["accf"], ["r"]))
+        outputs.append("r")
+    model = _model(nodes, {"x": [3, 4, k]}, outputs, inits, opset=13)
+    return model, {"x": _rand(3, 4, k)}
+
+
 # rule -> (model and feeds, the op the rule rewrites away: gone with the rule on, kept off;
 # "+Op": an op the rule adds, there with the rule on, not off)
 _RULE_CASES = {
@@ -264,6 +292,7 @@ _RULE_CASES = {
     "pad": (_pad_conv, "Pad"),
     "batchnorm": (_resnet, "BatchNormalization"),
     "linear": (_bert, "MatMul"),
+    "integer_linear": (_dynamic_linear, "MatMulInteger"),
     "gelu": (_bert, "Erf"),
     "gelu_tanh": (lambda: _tanh_gelu_after_linear(), "Tanh"),
     "silu": (lambda: _silu_after_conv(), "Sigmoid"),
@@ -292,6 +321,28 @@ def test_each_rule_switched_off_leaves_its_pattern_and_the_results(rule):
     assert any(n.op_type == op_type.lstrip("+") for n in present.graph.nodes)
     assert f"rules off: {rule}" in off.explain()
     assert "rules off" not in on.explain()
+
+
+# -- integer_linear ----------------------------------------------------------------------
+@pytest.mark.parametrize("scale", ["tensor", "column"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_dynamically_quantized_linear_becomes_matmul_integer_to_float(scale, bias):
+    model, feeds = _dynamic_linear(scale, bias)
+    sess = _check(model, feeds, ["DynamicQuantizeLinear", "MatMulIntegerToFloat"])
+    # The fused kernel rounds as the Cast, Mul and Add do: onnxruntime's bytes.
+    want = ort.InferenceSession(model.SerializeToString(),
+                                providers=["CPUExecutionProvider"]).run(None, feeds)
+    np.testing.assert_array_equal(sess.run(None, feeds)[0], want[0])
+
+
+@pytest.mark.parametrize("case", ["cast_to_half", "product_read_twice"])
+def test_integer_matmuls_that_are_not_a_scaled_linear_stay(case):
+    model, feeds = (_dynamic_linear(cast_to=TensorProto.FLOAT16) if case == "cast_to_half"
+                    else _dynamic_linear(extra_reader=True))
+    graph, result = _fused(model, ["integer_linear"])
+    assert not result.modified
+    assert any(n.op_type == "MatMulInteger" for n in graph.nodes)
+    _check(model, feeds)
 
 
 # -- global_pool -------------------------------------------------------------------------

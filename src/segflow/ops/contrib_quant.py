@@ -367,8 +367,9 @@ def _qgemm(node: Node, ctx: BindContext) -> Kernel:
 
 
 def _scale_bias(acc: Tensor, scales: Tensor, bias: Tensor | None) -> Tensor:
-    y = _f32(acc) * scales
-    return y if bias is None else y + bias.to(torch.float32)
+    # Rounded as the unfused Cast, Mul and Add round (no fused multiply-add), in place.
+    y = _f32(acc).mul_(scales)
+    return y if bias is None else y.add_(bias.to(torch.float32))
 
 
 def _matmul_integer_to_float(node: Node, ctx: BindContext) -> Kernel:

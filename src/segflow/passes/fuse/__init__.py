@@ -16,32 +16,35 @@ They run in this order, each over the whole graph:
 5. ``linear`` (:mod:`.linear`): Gemm, and MatMul (+ Add of a bias) with a constant
    2-D weight or the 2-D Transpose of one, become ``segflow.FusedGemm`` (weight stored
    once in ``[N, K]`` layout).
-6. ``gelu`` (:mod:`.gelu`): the exporters' erf pattern ``x * 0.5 * (1 + erf(x / sqrt 2))``,
+6. ``integer_linear`` (:mod:`.integer_linear`): ``MatMulInteger -> Cast(float) ->
+   Mul(scale) [-> Add(bias)]``, each linear of a dynamically quantized model, becomes
+   ``com.microsoft.MatMulIntegerToFloat``.
+7. ``gelu`` (:mod:`.gelu`): the exporters' erf pattern ``x * 0.5 * (1 + erf(x / sqrt 2))``,
    in any association, becomes one Gelu.
-7. ``gelu_tanh`` (:mod:`.gelu_tanh`): the tanh approximation
+8. ``gelu_tanh`` (:mod:`.gelu_tanh`): the tanh approximation
    ``0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x^3)))`` becomes one
    ``Gelu(approximate="tanh")``.
-8. ``silu`` (:mod:`.silu`): ``x * sigmoid(x)`` and ``x * sigmoid(alpha * x)`` become one
+9. ``silu`` (:mod:`.silu`): ``x * sigmoid(x)`` and ``x * sigmoid(alpha * x)`` become one
    Swish.
-9. ``conv`` (:mod:`.conv`): Conv with a constant weight becomes ``segflow.FusedConv``;
-   a following same-shape Add becomes its residual input.
-10. ``activation`` (:mod:`.activation`): a Relu / Clip / LeakyRelu / Sigmoid / Tanh /
+10. ``conv`` (:mod:`.conv`): Conv with a constant weight becomes ``segflow.FusedConv``;
+    a following same-shape Add becomes its residual input.
+11. ``activation`` (:mod:`.activation`): a Relu / Clip / LeakyRelu / Sigmoid / Tanh /
     HardSigmoid / HardSwish / Gelu / Swish after a fused Conv or Gemm becomes its post-op.
-11. ``attention`` (:mod:`.attention`): ``softmax(Q @ Kt * s + M) @ V`` becomes
+12. ``attention`` (:mod:`.attention`): ``softmax(Q @ Kt * s + M) @ V`` becomes
     ``segflow.Attention``, as torch's exporters write it: constant scalings of Q, Kt
     or the scores, an additive mask, the safe softmax ``Where(IsNaN(p), 0, p)``
     (``nan_to_zero``), and the reshapes and transposes that split and merge heads.
-12. ``rmsnorm`` (:mod:`.rmsnorm`): the exporters' root-mean-square normalization
+13. ``rmsnorm`` (:mod:`.rmsnorm`): the exporters' root-mean-square normalization
     ``x / sqrt(mean(x^2, -1) + eps) * w`` (its Pow/Mul, Sqrt/Div/Reciprocal forms)
     becomes one ONNX RMSNormalization.
-13. ``layernorm`` (:mod:`.layernorm`): an Add read by a LayerNormalization or
+14. ``layernorm`` (:mod:`.layernorm`): an Add read by a LayerNormalization or
     RMSNormalization over the last axis becomes ``segflow.AddLayerNorm`` (a transformer's
     residual add), with the sum as its second output where something else reads it (a
     pre-LN residual); an RMSNormalization alone becomes one too (its native kernel).
-14. ``siblings`` (:mod:`.siblings`): FusedGemms reading the same input (a
+15. ``siblings`` (:mod:`.siblings`): FusedGemms reading the same input (a
     transformer's query, key and value projections) become one FusedGemm over their
     stacked weights and a Split into views.
-15. ``views`` (:mod:`.views`): a Transpose that moves only size-1 axes is a Reshape, and
+16. ``views`` (:mod:`.views`): a Transpose that moves only size-1 axes is a Reshape, and
     a run of Reshape/Flatten/Squeeze/Unsqueeze is one Reshape (or none).
 
 The order matters where rules build on each other: ``batchnorm`` folds into the
@@ -70,6 +73,7 @@ from segflow.passes.fuse.conv import fuse_conv
 from segflow.passes.fuse.gelu import fuse_gelu
 from segflow.passes.fuse.gelu_tanh import fuse_gelu_tanh
 from segflow.passes.fuse.global_pool import fuse_global_pool
+from segflow.passes.fuse.integer_linear import fuse_integer_linear
 from segflow.passes.fuse.layernorm import fuse_layernorm
 from segflow.passes.fuse.linear import fuse_linear
 from segflow.passes.fuse.noops import fuse_noops
@@ -88,6 +92,7 @@ RULES: tuple[tuple[str, Rule], ...] = (
     ("pad", fuse_pad),
     ("batchnorm", fuse_batchnorm),
     ("linear", fuse_linear),
+    ("integer_linear", fuse_integer_linear),
     ("gelu", fuse_gelu),
     ("gelu_tanh", fuse_gelu_tanh),
     ("silu", fuse_silu),
