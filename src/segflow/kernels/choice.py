@@ -38,6 +38,7 @@ class KernelKind(enum.Enum):
     NATIVE_ADD_LAYER_NORM = "native_add_layer_norm"  # AddLayerNorm's native kernel
     NATIVE_DENSE_CHAIN = "native_dense_chain"  # DenseChain's one native call
     INT8_CONV = "int8_conv"            # QConv on libdnnl's int8 convolution
+    NATIVE_DYNAMIC_QUANTIZE = "native_dynamic_quantize"  # DynamicQuantizeLinear's native kernel
 
 
 # Kinds whose kernel calls libdnnl (it then writes where the run says: runtime/arena.py).
@@ -62,6 +63,8 @@ NATIVE_FUSED = {"Attention": KernelKind.NATIVE_ATTENTION,
                 "AddLayerNorm": KernelKind.NATIVE_ADD_LAYER_NORM,
                 "DenseChain": KernelKind.NATIVE_DENSE_CHAIN}
 NATIVE_FUSED_KINDS = frozenset(NATIVE_FUSED.values())
+# Standard ops with a native kernel on CPU (falling back to the op's row, counted).
+NATIVE_STANDARD = {"DynamicQuantizeLinear": KernelKind.NATIVE_DYNAMIC_QUANTIZE}
 LINEAR_KINDS = frozenset({KernelKind.ONEDNN_LINEAR, KernelKind.DIRECT_LINEAR,
                           KernelKind.NATIVE_LINEAR})
 

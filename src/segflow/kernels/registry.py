@@ -15,6 +15,7 @@ from segflow.kernels.binary import bind_direct_binary
 from segflow.kernels.choice import KernelKind
 from segflow.kernels.conv import bind_direct_conv, bind_onednn_conv
 from segflow.kernels.dense_chain import bind_dense_chain, inline_chain
+from segflow.kernels.dynamic_quantize import bind_dynamic_quantize
 from segflow.kernels.gemm import bind_direct_linear, bind_native_linear, bind_onednn_linear
 from segflow.kernels.layer_norm import bind_add_layer_norm
 from segflow.kernels.onednn.qconv import bind_int8_conv
@@ -37,6 +38,7 @@ KERNELS: Mapping[KernelKind, Bind] = {
     KernelKind.NATIVE_ADD_LAYER_NORM: bind_add_layer_norm,
     KernelKind.NATIVE_DENSE_CHAIN: bind_dense_chain,
     KernelKind.INT8_CONV: bind_int8_conv,
+    KernelKind.NATIVE_DYNAMIC_QUANTIZE: bind_dynamic_quantize,
 }
 
 

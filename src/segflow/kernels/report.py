@@ -23,6 +23,7 @@ class ReportFamily(enum.Enum):
     NATIVE_LINEAR = "native linears"
     ADD_LAYER_NORM = "add + layer norm"
     ATTENTION = "attention"
+    DYNAMIC_QUANTIZE = "dynamic quantization"
     DIRECT_REPLAY = "replayed runs (libdnnl)"
     NATIVE_REPLAY = "replayed runs (native kernels)"
 

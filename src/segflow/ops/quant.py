@@ -115,21 +115,27 @@ def _dequantize_linear(node: Node, ctx: BindContext) -> Kernel:
     return kernel
 
 
+def dynamic_quantize_u8(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """DynamicQuantizeLinear's ``(y, y_scale, y_zero_point)`` of ``x`` through torch
+    (the reference; ``kernels/dynamic_quantize.py`` runs it natively)."""
+    xf = x.to(torch.float32)
+    zero = xf.new_zeros(())
+    lo, hi = torch.aminmax(xf) if xf.numel() else (zero, zero)   # one pass over x
+    hi = torch.maximum(zero, hi)
+    lo = torch.minimum(zero, lo)
+    # An all-zero input gets scale 1 (onnxruntime's choice; the spec leaves it undefined).
+    scale = torch.where(hi == lo, torch.ones_like(hi), (hi - lo) / 255.0)
+    zp = torch.round(torch.clamp(-lo / scale, 0.0, 255.0))
+    # x / scale (not times its inverse: ties would round the other way), in place.
+    y = torch.div(xf, scale).round_().add_(zp).clamp_(0.0, 255.0)
+    return y.to(torch.uint8), scale.to(x.dtype), zp.to(torch.uint8)
+
+
 def _dynamic_quantize_linear(node: Node, ctx: BindContext) -> Kernel:
     def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
         x = inputs[0]
         assert x is not None
-        xf = x.to(torch.float32)
-        zero = xf.new_zeros(())
-        lo, hi = torch.aminmax(xf) if xf.numel() else (zero, zero)   # one pass over x
-        hi = torch.maximum(zero, hi)
-        lo = torch.minimum(zero, lo)
-        # An all-zero input gets scale 1 (onnxruntime's choice; the spec leaves it undefined).
-        scale = torch.where(hi == lo, torch.ones_like(hi), (hi - lo) / 255.0)
-        zp = torch.round(torch.clamp(-lo / scale, 0.0, 255.0))
-        # x / scale (not times its inverse: ties would round the other way), in place.
-        y = torch.div(xf, scale).round_().add_(zp).clamp_(0.0, 255.0)
-        return [y.to(torch.uint8), scale.to(x.dtype), zp.to(torch.uint8)]
+        return list(dynamic_quantize_u8(x))
     return kernel
 
 

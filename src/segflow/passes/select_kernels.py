@@ -42,6 +42,7 @@ from segflow.ir.types import Device, DeviceKind, DType
 from segflow.kernels.choice import (
     DIRECT_POOL_OPS,
     NATIVE_FUSED,
+    NATIVE_STANDARD,
     KernelChoice,
     KernelChoices,
     KernelKind,
@@ -86,6 +87,8 @@ def select_kernels(graph: Graph, device: Device, target: CpuTarget, *, direct: b
     # Not a change of the graph: these kernels read the node's own inputs.
     fused = {node: KernelChoice(NATIVE_FUSED[node.op_type]) for node in graph.nodes
              if node.domain == FUSED_DOMAIN and node.op_type in NATIVE_FUSED}
+    fused.update({node: KernelChoice(NATIVE_STANDARD[node.op_type]) for node in graph.nodes
+                  if node.domain == "" and node.op_type in NATIVE_STANDARD})
     # A quantized convolution runs libdnnl's int8 primitive where the library is there
     # (its kernel falls back to the reference, counted, for what that declines).
     if direct and target.dnnl is not None:

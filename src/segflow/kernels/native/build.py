@@ -55,11 +55,11 @@ from segflow.settings import ENV_NATIVE, c_compiler, environment, native_kernels
 # Compiled together into one library; dense_chain.c defines segflow_native_abi().
 SOURCES = tuple(Path(__file__).parent / name
                 for name in ("attention.c", "dense_chain.c", "finite.c", "gemm.c",
-                             "layer_norm.c", "replay.c", "staging.c", "stem.c", "strassen.c",
-                             "winograd.c"))
+                             "layer_norm.c", "quantize.c", "replay.c", "staging.c", "stem.c",
+                             "strassen.c", "winograd.c"))
 # Included by the sources (part of the build's key, not compiled on their own).
 HEADERS = tuple(Path(__file__).parent / name for name in ("linear.h", "panel.h"))
-ABI = 17         # segflow_native_abi() of the sources this module speaks to
+ABI = 18         # segflow_native_abi() of the sources this module speaks to
 FLAGS = ("-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 120
 # How long a process waits for another that is building the same library (then builds its own).
@@ -68,7 +68,7 @@ LOCK_WAIT_S = BUILD_TIMEOUT_S + 30
 # notice and explain() name it, so that a missing compiler's cost is visible where it is paid.
 FALLBACKS = ("dense chains", "packed linears (and Strassen)", "add + LayerNorm/RMSNorm",
              "attention", "the convolution stem", "Winograd transforms", "image staging",
-             "replayed runs")
+             "replayed runs", "dynamic quantization")
 # What that costs, as measured (docs/performance.md, "Without a C compiler").
 FALLBACK_COST = ("measured at 1.1x the time for ResNet-50 and BERT-tiny, 1.3x for ResNet-18, "
                  "10x for a chain of tiny layers")

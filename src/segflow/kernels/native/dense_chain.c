@@ -16,7 +16,7 @@
 #include <stddef.h>
 
 /* The ABI of the whole library (every file in kernels/native/): kernels/native/build.py ABI. */
-#define SEGFLOW_NATIVE_ABI 17
+#define SEGFLOW_NATIVE_ABI 18
 
 enum { ACT_NONE, ACT_RELU, ACT_LEAKY_RELU, ACT_CLIP, ACT_SIGMOID, ACT_TANH,
        ACT_HARD_SIGMOID, ACT_HARD_SWISH, ACT_GELU, ACT_GELU_TANH, ACT_COUNT };
