@@ -8,6 +8,8 @@ from collections.abc import Sequence
 import torch
 
 from segflow.engine.base import ExecType
+from segflow.errors import InvalidModel
+from segflow.ir import lowbit
 from segflow.ir.graph import Node
 from segflow.ir.types import DType
 from segflow.ops import gradients
@@ -230,13 +232,34 @@ def _size(node: Node, ctx: BindContext) -> Kernel:
 
 
 def _cast(node: Node, ctx: BindContext) -> Kernel:
-    target = DType.from_onnx(int(node.attrs["to"]))
+    return _cast_to(node, DType.from_onnx(int(node.attrs["to"])))
 
-    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+
+def _cast_to(node: Node, target: DType) -> Kernel:
+    """Cast (and CastLike) to ``target``: torch's conversion, or ONNX's rounding and
+    saturation (``ir/lowbit.py``) where either side is a float8, 4-bit or 2-bit type."""
+    x_value = node.inputs[0]
+    source = x_value.spec.dtype if x_value is not None else None
+    if not target.is_lowbit and not (source is not None and source.is_lowbit):
+        def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+            x = inputs[0]
+            assert x is not None
+            return [x.to(target.torch)]
+        return kernel
+    saturate = bool(int(node.attrs.get("saturate", 1)))
+    round_mode = str(node.attrs.get("round_mode", "up"))
+    if round_mode not in lowbit.ROUND_MODES:
+        raise InvalidModel(f"{node.label}: round_mode {round_mode!r} is not one of "
+                           f"{', '.join(lowbit.ROUND_MODES)}")
+
+    def lowbit_kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
         x = inputs[0]
         assert x is not None
-        return [x.to(target.torch)]
-    return kernel
+        got = DType.from_container(x.dtype, source)
+        if got is target:
+            return [x]
+        return [lowbit.cast(x, got, target, saturate, round_mode)]
+    return lowbit_kernel
 
 
 def _bitcast(node: Node, ctx: BindContext) -> Kernel:
@@ -253,6 +276,10 @@ def _bitcast(node: Node, ctx: BindContext) -> Kernel:
 
 
 def _cast_like(node: Node, ctx: BindContext) -> Kernel:
+    like = node.inputs[1] if len(node.inputs) > 1 else None
+    if like is not None and like.spec.dtype is not None:
+        return _cast_to(node, like.spec.dtype)
+
     def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
         x, like = inputs[0], inputs[1]
         assert x is not None and like is not None
