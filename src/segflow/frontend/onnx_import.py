@@ -361,10 +361,10 @@ def _tensor(tp: onnx.TensorProto) -> torch.Tensor:
     if tp.data_type == onnx.TensorProto.BFLOAT16:
         return torch.from_numpy(array.astype(np.float32)).to(torch.bfloat16)
     try:
-        dtype = DType.from_onnx(tp.data_type)
+        element = DType.from_onnx(tp.data_type)
     except ValueError:
-        dtype = None
-    if dtype is not None and dtype.is_lowbit:   # an ml_dtypes array, one element a byte
+        element = None
+    if element is not None and element.is_lowbit:   # an ml_dtypes array, one element a byte
         return lowbit.to_tensor(array)
     if array.dtype.kind not in "biufc?":  # float6 and other types segflow lacks
         raise UnsupportedOp(f"tensor {tp.name!r} has element type "
