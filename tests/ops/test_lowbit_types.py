@@ -13,11 +13,11 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
+from ort_compare import make_model, run_both
 
 import segflow
 from segflow.ir import lowbit
 from segflow.ir.types import DType
-from tests.ops.ort_compare import make_model, run_both
 
 FLOAT8 = {
     TensorProto.FLOAT8E4M3FN: ml_dtypes.float8_e4m3fn,
