@@ -297,3 +297,33 @@ def test_container_dtypes_map_back_to_ordinary_types() -> None:
     x = np.array([-6, -0.5, 0, 3], ml_dtypes.float4_e2m1fn)
     assert lowbit.to_tensor(x).tolist() == [15, 9, 0, 5]   # float4's bit patterns
     _assert_same_bits(lowbit.to_numpy(lowbit.to_tensor(x), DType.FLOAT4E2M1), x)
+
+
+def test_folded_casts_keep_the_sub_byte_type() -> None:
+    # Cast(to=float4) of an initializer folds into a constant held as uint8 bit patterns:
+    # the Cast after it must still read them as float4.
+    c = numpy_helper.from_array(np.array([0.5, 3.0, -6.0, 100], np.float32), "c")
+    graph = helper.make_graph(
+        [helper.make_node("Cast", ["c"], ["q"], to=TensorProto.FLOAT4E2M1),
+         helper.make_node("Cast", ["q"], ["y"], to=TensorProto.FLOAT)], "fold", [],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4]),
+         helper.make_tensor_value_info("q", TensorProto.FLOAT4E2M1, [4])], initializer=[c])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 25)])
+    y, q = segflow.InferenceSession(model).run(None, {})
+    assert y.tolist() == [0.5, 3.0, -6.0, 6.0]
+    assert q.dtype == np.dtype(ml_dtypes.float4_e2m1fn)
+
+
+def test_optimized_model_file_keeps_int4_initializers(tmp_path) -> None:
+    w = np.array([[-8, 7, 3], [0, -1, 5]], ml_dtypes.int4)
+    s = np.array(0.5, np.float32)   # a feed: the dequantization is not folded away
+    nodes = [helper.make_node("DequantizeLinear", ["w", "s"], ["y"])]
+    model = make_model(nodes, {"s": s}, ["y"], 21, initializers={"w": w})
+    options = segflow.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "int4.onnx")
+    (y,) = segflow.InferenceSession(model, options).run(None, {"s": s})
+    np.testing.assert_array_equal(y, w.astype(np.float32) * 0.5)
+    written = onnx.load(options.optimized_model_filepath)
+    (init,) = [t for t in written.graph.initializer if t.name == "w"]
+    assert init.data_type == TensorProto.INT4
+    _assert_same_bits(numpy_helper.to_array(init), w)
