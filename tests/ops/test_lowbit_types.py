@@ -327,3 +327,24 @@ def test_optimized_model_file_keeps_int4_initializers(tmp_path) -> None:
     (init,) = [t for t in written.graph.initializer if t.name == "w"]
     assert init.data_type == TensorProto.INT4
     _assert_same_bits(numpy_helper.to_array(init), w)
+
+
+def test_int4_qdq_convolution_stays_in_int4_ranges_like_onnxruntime() -> None:
+    # The QDQ lowering would run this as an int8 convolution (int4 shares int8's container)
+    # and saturate to int8's range; it must leave int4 regions to the float ops.
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((1, 2, 5, 5)).astype(np.float32) * 3
+    w = rng.integers(-8, 8, (3, 2, 3, 3)).astype(ml_dtypes.int4)
+    inits = {"w": w, "ws": np.array(0.5, np.float32), "s": np.array(0.25, np.float32),
+             "zp": np.array(1, ml_dtypes.int4), "ys": np.array(0.5, np.float32),
+             "yzp": np.array(-2, ml_dtypes.int4)}
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "zp"], ["xq"]),
+             helper.make_node("DequantizeLinear", ["xq", "s", "zp"], ["xf"]),
+             helper.make_node("DequantizeLinear", ["w", "ws"], ["wf"]),
+             helper.make_node("Conv", ["xf", "wf"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("QuantizeLinear", ["c", "ys", "yzp"], ["cq"]),
+             helper.make_node("DequantizeLinear", ["cq", "ys", "yzp"], ["y"])]
+    model = make_model(nodes, {"x": x}, ["y"], 21, initializers=inits)
+    expected, got = run_both(model, {"x": x})
+    np.testing.assert_array_equal(got[0], expected[0])
+    assert got[0].max() <= (7 + 2) * 0.5 and got[0].min() >= (-8 + 2) * 0.5
