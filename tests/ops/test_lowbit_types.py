@@ -348,3 +348,31 @@ def test_int4_qdq_convolution_stays_in_int4_ranges_like_onnxruntime() -> None:
     expected, got = run_both(model, {"x": x})
     np.testing.assert_array_equal(got[0], expected[0])
     assert got[0].max() <= (7 + 2) * 0.5 and got[0].min() >= (-8 + 2) * 0.5
+
+
+def _chain(nodes: list[onnx.NodeProto], elem: int) -> onnx.ModelProto:
+    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", elem, [4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+
+
+def test_host_casts_are_their_own_tasks_and_their_waits_are_counted() -> None:
+    # Rounding to float8 runs through ml_dtypes on the host: a LOCAL task each way, whose
+    # wait for its input is a counted synchronization.
+    model = _chain([helper.make_node("Relu", ["x"], ["a"]),
+                    helper.make_node("Cast", ["a"], ["q"], to=TensorProto.FLOAT8E4M3FN),
+                    helper.make_node("Cast", ["q"], ["b"], to=TensorProto.FLOAT),
+                    helper.make_node("Relu", ["b"], ["y"])], TensorProto.FLOAT)
+    sess = segflow.InferenceSession(model, engine="inline")
+    (y,) = sess.run(None, {"x": np.array([-1, 0.3, 500, 2], np.float32)})
+    assert y.tolist() == [0, 0.3125, 448, 2]
+    stats = sess.last_run_stats
+    assert (stats.segments, stats.pushes, stats.syncs) == (4, 4, 3)
+    assert "non-sync op Cast (local)" in sess.explain()
+    # An int4's value reads into float as a torch conversion: one bulk segment.
+    model = _chain([helper.make_node("Cast", ["x"], ["a"], to=TensorProto.FLOAT),
+                    helper.make_node("Relu", ["a"], ["y"])], TensorProto.INT4)
+    sess = segflow.InferenceSession(model, engine="inline")
+    (y,) = sess.run(None, {"x": np.array([-8, -1, 0, 7], ml_dtypes.int4)})
+    assert y.tolist() == [0, 0, 0, 7]
+    assert sess.last_run_stats.segments == 1

@@ -64,12 +64,26 @@ def to_numpy(tensor: Tensor, dtype: DType) -> np.ndarray:
     return t.numpy()
 
 
+def on_host(source: DType | None, target: DType | None) -> bool:
+    """Whether :func:`cast` from ``source`` to ``target`` (None: not known) runs on the host,
+    through ml_dtypes, rather than as a torch conversion: where either is a low-bit type,
+    except a sub-byte integer's value read into an ordinary type (exact in torch).
+
+    >>> on_host(DType.FLOAT32, DType.FLOAT8E4M3FN), on_host(DType.INT4, DType.FLOAT32)
+    (True, False)
+    """
+    if target is not None and not target.is_lowbit and source is not None \
+            and source.is_lowbit and source not in _BIT_PATTERNS:
+        return False
+    return any(t is not None and t.is_lowbit for t in (source, target))
+
+
 def cast(tensor: Tensor, source: DType, target: DType, saturate: bool = True,
          round_mode: str = "up") -> Tensor:
     """ONNX's Cast from ``source`` to ``target`` where either is a low-bit type, on the
-    device ``tensor`` is on."""
-    if not target.is_lowbit and source.is_lowbit and source not in _BIT_PATTERNS:
-        return tensor.to(target.torch)   # a sub-byte integer's value converts exactly
+    device ``tensor`` is on (through the host where :func:`on_host` says so)."""
+    if not on_host(source, target):
+        return tensor.to(target.torch)
     array = to_numpy(tensor, source)
     if target is DType.FLOAT8E8M0:
         out = _to_e8m0(array, saturate, round_mode)

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from segflow.engine.base import ExecType
 from segflow.errors import UnsupportedOp
 from segflow.ir import lowbit
 from segflow.ir.graph import Node
@@ -22,13 +23,6 @@ from segflow.ops.registry import BindContext, Kernel, OpDef
 
 Tensor = torch.Tensor
 
-_INT_RANGES: dict[torch.dtype, tuple[int, int]] = {
-    torch.uint8: (0, 255),
-    torch.int8: (-128, 127),
-    torch.uint16: (0, 65535),
-    torch.int16: (-32768, 32767),
-    torch.int32: (-(2**31), 2**31 - 1),
-}
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
 
@@ -60,6 +54,9 @@ _QUANT_RANGES: dict[DType, tuple[int, int]] = {
     DType.UINT2: (0, 3),
     DType.INT2: (-2, 1),
 }
+# The ordinary ones by torch dtype, for the integer kernels.
+_INT_RANGES: dict[torch.dtype, tuple[int, int]] = {
+    d.torch: r for d, r in _QUANT_RANGES.items() if not d.is_lowbit}
 # The float types QuantizeLinear rounds to (ir/lowbit.py): float8 honours ``saturate``.
 _QUANT_FLOATS = frozenset({DType.FLOAT8E4M3FN, DType.FLOAT8E4M3FNUZ, DType.FLOAT8E5M2,
                            DType.FLOAT8E5M2FNUZ, DType.FLOAT4E2M1})
@@ -87,6 +84,22 @@ def _declared(node: Node, index: int) -> DType | None:
     return value.spec.dtype if value is not None else None
 
 
+def _quantized_type(node: Node) -> DType | None:
+    """QuantizeLinear's output type: its zero point's, else ``output_dtype``, else uint8."""
+    zp_type = _declared(node, 2) if has_input(node, 2) else None
+    return zp_type or _attr_dtype(node, "output_dtype", DType.UINT8)
+
+
+def _quantize_exec(node: Node) -> ExecType:
+    # Rounding to float8/float4 goes through the host (ir/lowbit.py): a LOCAL task.
+    return ExecType.LOCAL if _quantized_type(node) in _QUANT_FLOATS else ExecType.SYNC
+
+
+def _dequantize_exec(node: Node) -> ExecType:
+    return ExecType.LOCAL if lowbit.on_host(_declared(node, 0), DType.FLOAT32) \
+        else ExecType.SYNC
+
+
 def _quantize_linear(node: Node, ctx: BindContext) -> Kernel:
     attrs = node.attrs
     axis_attr = int(attrs.get("axis", 1))
@@ -94,7 +107,7 @@ def _quantize_linear(node: Node, ctx: BindContext) -> Kernel:
     saturate = bool(int(attrs.get("saturate", 1)))
     has_zp = has_input(node, 2)
     zp_type = _declared(node, 2) if has_zp else None
-    out_type = zp_type or _attr_dtype(node, "output_dtype", DType.UINT8)
+    out_type = _quantized_type(node)
     compute = _attr_dtype(node, "precision", None)
     if out_type not in _QUANT_RANGES and out_type not in _QUANT_FLOATS:
         raise UnsupportedOp(f"{node.label}: QuantizeLinear to "
@@ -292,8 +305,8 @@ def _qlinear_conv(node: Node, ctx: BindContext) -> Kernel:
 
 
 OPS: list[OpDef] = [
-    OpDef("QuantizeLinear", _quantize_linear, since=10),
-    OpDef("DequantizeLinear", _dequantize_linear, since=10),
+    OpDef("QuantizeLinear", _quantize_linear, since=10, classify=_quantize_exec),
+    OpDef("DequantizeLinear", _dequantize_linear, since=10, classify=_dequantize_exec),
     OpDef("DynamicQuantizeLinear", _dynamic_quantize_linear, since=11),
     OpDef("MatMulInteger", _matmul_integer, since=10),
     OpDef("QLinearMatMul", _qlinear_matmul, since=10),

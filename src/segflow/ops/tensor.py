@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from segflow.engine.base import ExecType
-from segflow.errors import InvalidModel
+from segflow.errors import InvalidModel, UnsupportedOp
 from segflow.ir import lowbit
 from segflow.ir.graph import Node
 from segflow.ir.types import DType
@@ -231,8 +231,33 @@ def _size(node: Node, ctx: BindContext) -> Kernel:
     return kernel
 
 
+def _cast_target(node: Node) -> DType:
+    code = int(node.attrs["to"])
+    try:
+        return DType.from_onnx(code)
+    except ValueError:
+        raise UnsupportedOp(f"{node.label}: Cast to element type {code}, which segflow "
+                            "does not support") from None
+
+
 def _cast(node: Node, ctx: BindContext) -> Kernel:
-    return _cast_to(node, DType.from_onnx(int(node.attrs["to"])))
+    return _cast_to(node, _cast_target(node))
+
+
+def _like_type(node: Node) -> DType | None:
+    like = node.inputs[1] if len(node.inputs) > 1 else None
+    return like.spec.dtype if like is not None else None
+
+
+def _casts_on_host(target: Callable[[Node], DType | None]) -> Callable[[Node], ExecType]:
+    """LOCAL where the cast goes through the host (``lowbit.on_host``): the task then waits
+    for its inputs as a counted synchronization, which a device kernel reading back
+    to the host would hide."""
+    def classify(node: Node) -> ExecType:
+        x = node.inputs[0]
+        source = x.spec.dtype if x is not None else None
+        return ExecType.LOCAL if lowbit.on_host(source, target(node)) else ExecType.SYNC
+    return classify
 
 
 def _cast_to(node: Node, target: DType) -> Kernel:
@@ -276,9 +301,9 @@ def _bitcast(node: Node, ctx: BindContext) -> Kernel:
 
 
 def _cast_like(node: Node, ctx: BindContext) -> Kernel:
-    like = node.inputs[1] if len(node.inputs) > 1 else None
-    if like is not None and like.spec.dtype is not None:
-        return _cast_to(node, like.spec.dtype)
+    like = _like_type(node)
+    if like is not None:
+        return _cast_to(node, like)
 
     def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
         x, like = inputs[0], inputs[1]
@@ -389,9 +414,11 @@ OPS: list[OpDef] = [
           view_of_input=ViewOfInput.RESHAPE),
     OpDef("Shape", _shape),
     OpDef("Size", _size),
-    OpDef("Cast", _cast, grad=gradients.cast, view_of_input=ViewOfInput.MAY_ALIAS),
+    OpDef("Cast", _cast, grad=gradients.cast, view_of_input=ViewOfInput.MAY_ALIAS,
+          classify=_casts_on_host(_cast_target)),
     OpDef("BitCast", _bitcast, since=26),
-    OpDef("CastLike", _cast_like, view_of_input=ViewOfInput.MAY_ALIAS, grad=gradients.recompute),
+    OpDef("CastLike", _cast_like, view_of_input=ViewOfInput.MAY_ALIAS, grad=gradients.recompute,
+          classify=_casts_on_host(_like_type)),
     OpDef("Identity", _identity, grad=gradients.identity, view_of_input=ViewOfInput.MAY_ALIAS),
     OpDef("ConstantOfShape", _constant_of_shape, creates_nonfinite=_fills_nonfinite,
           host_reads=reads_on_host(0)),
