@@ -19,6 +19,7 @@ import onnx.backend.base as onnx_backend
 import torch
 
 from segflow.errors import InvalidInput
+from segflow.ir import lowbit
 from segflow.ir.types import DType
 from segflow.runtime.session import InferenceSession
 
@@ -41,6 +42,8 @@ def _to_tensor(array: Any) -> Tensor:
     if isinstance(array, (list, tuple)) or array is None:
         raise InvalidInput("segflow runs tensors only; got a sequence or optional feed")
     arr = np.asarray(array)
+    if arr.dtype in lowbit.NUMPY_DTYPES:
+        return lowbit.to_tensor(arr)   # float8, int4 ...: their torch form
     if arr.dtype.name == "bfloat16":
         bits = np.array(arr, copy=True, order="C").view(np.int16)
         return torch.from_numpy(bits).view(torch.bfloat16)  # same bits, torch's bfloat16
@@ -49,8 +52,12 @@ def _to_tensor(array: Any) -> Tensor:
     return torch.from_numpy(np.array(arr, copy=True, order="C"))  # keeps 0-d arrays 0-d
 
 
-def _to_numpy(tensor: Tensor) -> np.ndarray:
+def _to_numpy(tensor: Tensor, dtype: DType | None) -> np.ndarray:
+    """An output as numpy; ``dtype``, the graph's type of it, tells a sub-byte type from the
+    ordinary type of its container."""
     t = tensor.detach().cpu()
+    if dtype is not None and dtype.is_lowbit:
+        return np.array(lowbit.to_numpy(t, dtype), copy=True)
     if t.dtype == torch.bfloat16:
         import ml_dtypes  # onnx depends on it; only needed for bfloat16 outputs
 
@@ -65,6 +72,7 @@ class SegflowRep(onnx_backend.BackendRep):
         self.session = session
         self.input_names = [arg.name for arg in session.get_inputs()]
         self.output_names = [arg.name for arg in session.get_outputs()]
+        self.output_dtypes = [v.spec.dtype for v in session.graph.outputs]
 
     def run(self, inputs: Any, **kwargs: Any) -> tuple[Any, ...]:
         if isinstance(inputs, Mapping):
@@ -78,7 +86,7 @@ class SegflowRep(onnx_backend.BackendRep):
                                    f"({', '.join(self.input_names)}), got {len(values)}")
             feeds = {name: _to_tensor(v) for name, v in zip(self.input_names, values)}
         outputs = self.session.run_tensors(feeds)
-        arrays = [_to_numpy(t) for t in outputs]
+        arrays = [_to_numpy(t, dtype) for t, dtype in zip(outputs, self.output_dtypes)]
         return onnx_backend.namedtupledict("Outputs", self.output_names)(*arrays)
 
 

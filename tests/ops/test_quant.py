@@ -143,7 +143,7 @@ def test_quantize_rejects_exotic_output_type() -> None:
 
     x = np.ones((2,), np.float32)
     node = helper.make_node("QuantizeLinear", ["x", "s"], ["y"],
-                            output_dtype=TensorProto.FLOAT8E4M3FN)
-    model = make_model([node], {"x": x, "s": np.array(1.0, np.float32)}, ["y"], 21)
+                            output_dtype=TensorProto.FLOAT6E2M3)
+    model = make_model([node], {"x": x, "s": np.array(1.0, np.float32)}, ["y"], 25)
     with pytest.raises(segflow.SegflowError):
         segflow.InferenceSession(model, engine="inline")

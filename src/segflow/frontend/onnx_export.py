@@ -22,6 +22,7 @@ from onnx import helper, numpy_helper
 
 from segflow.errors import InvalidModel
 from segflow.frontend.model_info import ModelInfo
+from segflow.ir import lowbit
 from segflow.ir.graph import Graph, Node, Value
 from segflow.ir.types import DType, TensorSpec
 
@@ -118,12 +119,16 @@ def _initializer(value: Value) -> onnx.TensorProto:
     if tensor.is_mkldnn or tensor.layout != torch.strided:
         raise InvalidModel(f"constant {value.name!r} is packed for a segflow kernel and has "
                            "no ONNX form")
-    return _tensor_proto(tensor, value.name)
+    return _tensor_proto(tensor, value.name, value.spec.dtype)
 
 
-def _tensor_proto(tensor: torch.Tensor, name: str) -> onnx.TensorProto:
+def _tensor_proto(tensor: torch.Tensor, name: str,
+                  declared: DType | None = None) -> onnx.TensorProto:
     t = tensor.detach().cpu().contiguous()
-    if t.dtype == torch.bfloat16:
+    dtype = DType.from_container(t.dtype, declared)
+    if dtype.is_lowbit:   # as ml_dtypes' array, which onnx packs (two int4 a byte ...)
+        array = lowbit.to_numpy(t, dtype)
+    elif t.dtype == torch.bfloat16:
         array = t.view(torch.uint16).numpy().view(DType.BFLOAT16.numpy)
     else:
         array = t.numpy()

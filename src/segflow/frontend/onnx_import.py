@@ -31,6 +31,7 @@ from segflow.frontend.validate import (
     inference_error,
     node_name,
 )
+from segflow.ir import lowbit
 from segflow.ir.graph import Graph, Node, Value
 from segflow.ir.types import Dim, DType, TensorSpec
 from segflow.ops import default_registry
@@ -191,7 +192,7 @@ class _Importer:
         for tensor in gp.initializer if initializers is None else initializers:
             const = given.get(tensor.name)
             value = Value(tensor.name, const=_tensor(tensor) if const is None else const)
-            value.spec = _spec_of_tensor(value.const)
+            value.spec = _spec_of_tensor(value.const, tensor.data_type)
             graph.add_initializer(value)
             names[tensor.name] = value
         for tensor in gp.sparse_initializer:
@@ -241,7 +242,8 @@ class _Importer:
             self.schemas.check_node(np_)
         if np_.op_type == "Constant" and domain == "":
             const = _constant_value(np_)
-            value = Value(np_.output[0], _spec_of_tensor(const), const=const)
+            value = Value(np_.output[0], _spec_of_tensor(const, _constant_type(np_)),
+                          const=const)
             graph.add_initializer(value)
             names[value.name] = value
             return
@@ -321,7 +323,8 @@ def _raw_dtype(code: int) -> np.dtype[Any] | None:
     lacks (float8, int4, ...)."""
     try:
         dtype = DType.from_onnx(code)
-        return None if dtype in (DType.STRING, DType.BFLOAT16) else dtype.numpy
+        return None if dtype in (DType.STRING, DType.BFLOAT16) or dtype.is_lowbit \
+            else dtype.numpy
     except ValueError:
         return None
 
@@ -357,7 +360,13 @@ def _tensor(tp: onnx.TensorProto) -> torch.Tensor:
         raise UnsupportedOp(f"tensor {tp.name!r} holds strings, which segflow does not support")
     if tp.data_type == onnx.TensorProto.BFLOAT16:
         return torch.from_numpy(array.astype(np.float32)).to(torch.bfloat16)
-    if array.dtype.kind not in "biufc?":  # float8/int4 and other exotic types
+    try:
+        element = DType.from_onnx(tp.data_type)
+    except ValueError:
+        element = None
+    if element is not None and element.is_lowbit:   # an ml_dtypes array, one element a byte
+        return lowbit.to_tensor(array)
+    if array.dtype.kind not in "biufc?":  # float6 and other types segflow lacks
         raise UnsupportedOp(f"tensor {tp.name!r} has element type "
                             f"{onnx.TensorProto.DataType.Name(tp.data_type)}, "
                             "which segflow does not support")
@@ -419,10 +428,24 @@ def _spec(tp: onnx.TypeProto) -> TensorSpec:
     return TensorSpec(dtype, tuple(dims))
 
 
-def _spec_of_tensor(t: torch.Tensor | None) -> TensorSpec:
+def _spec_of_tensor(t: torch.Tensor | None, code: int = 0) -> TensorSpec:
+    """The spec of ``t``, read from a TensorProto of element type ``code`` (0: not one),
+    which tells a sub-byte type from the ordinary type of its container."""
     if t is None:
         return TensorSpec()
-    return TensorSpec(DType.from_torch(t.dtype), tuple(int(d) for d in t.shape))
+    try:
+        declared = DType.from_onnx(code) if code else None
+    except ValueError:
+        declared = None
+    return TensorSpec(DType.from_container(t.dtype, declared), tuple(int(d) for d in t.shape))
+
+
+def _constant_type(np_: onnx.NodeProto) -> int:
+    """The element type code of a Constant node's ``value`` tensor (0: another attribute)."""
+    for attr in np_.attribute:
+        if attr.name == "value" and attr.type == onnx.AttributeProto.TENSOR:
+            return int(attr.t.data_type)
+    return 0
 
 
 def _one_line(exc: BaseException) -> str:

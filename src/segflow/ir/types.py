@@ -36,6 +36,16 @@ class DType(enum.Enum):
     COMPLEX64 = 14
     COMPLEX128 = 15
     BFLOAT16 = 16
+    FLOAT8E4M3FN = 17
+    FLOAT8E4M3FNUZ = 18
+    FLOAT8E5M2 = 19
+    FLOAT8E5M2FNUZ = 20
+    UINT4 = 21
+    INT4 = 22
+    FLOAT4E2M1 = 23
+    FLOAT8E8M0 = 24
+    UINT2 = 25
+    INT2 = 26
 
     @classmethod
     def from_onnx(cls, code: int) -> DType:
@@ -65,6 +75,21 @@ class DType(enum.Enum):
             return member
         raise ValueError(f"torch dtype {dtype} has no segflow equivalent")
 
+    @classmethod
+    def from_container(cls, dtype: torch.dtype, declared: DType | None) -> DType:
+        """The type of a tensor of torch ``dtype`` that a spec declares ``declared``.
+
+        The sub-byte types are held one element per byte in a container that an
+        ordinary type shares (int4 in int8, float4 as uint8 bit patterns), so the
+        tensor alone cannot tell them apart; the declared type settles it.
+
+        >>> DType.from_container(torch.int8, DType.INT4)
+        <DType.INT4: 22>
+        """
+        if declared is not None and declared.is_lowbit and _TORCH[declared] == dtype:
+            return declared
+        return cls.from_torch(dtype)
+
     @property
     def torch(self) -> torch.dtype:
         try:
@@ -82,6 +107,12 @@ class DType(enum.Enum):
     @property
     def is_float(self) -> bool:
         return self in (DType.FLOAT16, DType.BFLOAT16, DType.FLOAT32, DType.FLOAT64)
+
+    @property
+    def is_lowbit(self) -> bool:
+        """A float8, 4-bit or 2-bit type: converted on the host with ml_dtypes' rounding
+        (``ir/lowbit.py``), never by torch's own casts."""
+        return self.value in _LOWBIT_CODES
 
     @property
     def onnx_name(self) -> str:
@@ -104,6 +135,17 @@ _TORCH: dict[DType, torch.dtype] = {
     DType.BOOL: torch.bool,
     DType.COMPLEX64: torch.complex64,
     DType.COMPLEX128: torch.complex128,
+    DType.FLOAT8E4M3FN: torch.float8_e4m3fn,
+    DType.FLOAT8E4M3FNUZ: torch.float8_e4m3fnuz,
+    DType.FLOAT8E5M2: torch.float8_e5m2,
+    DType.FLOAT8E5M2FNUZ: torch.float8_e5m2fnuz,
+    DType.FLOAT8E8M0: torch.float8_e8m0fnu,
+    # Containers, one element a byte: the integer value itself, and float4's bit pattern.
+    DType.INT4: torch.int8,
+    DType.UINT4: torch.uint8,
+    DType.INT2: torch.int8,
+    DType.UINT2: torch.uint8,
+    DType.FLOAT4E2M1: torch.uint8,
 }
 
 _NUMPY: dict[DType, np.dtype] = {
@@ -122,10 +164,26 @@ _NUMPY: dict[DType, np.dtype] = {
     DType.COMPLEX64: np.dtype(np.complex64),
     DType.COMPLEX128: np.dtype(np.complex128),
     DType.BFLOAT16: np.dtype(ml_dtypes.bfloat16),  # numpy has none; onnx's own choice
+    DType.FLOAT8E4M3FN: np.dtype(ml_dtypes.float8_e4m3fn),
+    DType.FLOAT8E4M3FNUZ: np.dtype(ml_dtypes.float8_e4m3fnuz),
+    DType.FLOAT8E5M2: np.dtype(ml_dtypes.float8_e5m2),
+    DType.FLOAT8E5M2FNUZ: np.dtype(ml_dtypes.float8_e5m2fnuz),
+    DType.FLOAT8E8M0: np.dtype(ml_dtypes.float8_e8m0fnu),
+    DType.INT4: np.dtype(ml_dtypes.int4),
+    DType.UINT4: np.dtype(ml_dtypes.uint4),
+    DType.INT2: np.dtype(ml_dtypes.int2),
+    DType.UINT2: np.dtype(ml_dtypes.uint2),
+    DType.FLOAT4E2M1: np.dtype(ml_dtypes.float4_e2m1fn),
 }
 
+_LOWBIT_CODES = frozenset(range(17, 27))
+
 # Reverse lookups for the per-run feed checks (a dict hit instead of a scan).
-_FROM_TORCH: dict[torch.dtype, DType] = {t: d for d, t in _TORCH.items()}
+# A container (torch.int8 of an int4) maps back to its ordinary type: from_container decides.
+_IN_SHARED_CONTAINER = frozenset({DType.INT4, DType.UINT4, DType.INT2, DType.UINT2,
+                                  DType.FLOAT4E2M1})
+_FROM_TORCH: dict[torch.dtype, DType] = {
+    t: d for d, t in _TORCH.items() if d not in _IN_SHARED_CONTAINER}
 _FROM_NUMPY: dict[np.dtype, DType] = {n: d for d, n in _NUMPY.items()}
 
 _ONNX_NAMES = {

@@ -13,7 +13,9 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from segflow.engine.base import ExecType
 from segflow.errors import UnsupportedOp
+from segflow.ir import lowbit
 from segflow.ir.graph import Node
 from segflow.ir.types import DType
 from segflow.ops._common import has_input, normalize_axis, resolve_pads, torch_pad
@@ -22,13 +24,6 @@ from segflow.ops.registry import BindContext, Kernel, OpDef
 
 Tensor = torch.Tensor
 
-_INT_RANGES: dict[torch.dtype, tuple[int, int]] = {
-    torch.uint8: (0, 255),
-    torch.int8: (-128, 127),
-    torch.uint16: (0, 65535),
-    torch.int16: (-32768, 32767),
-    torch.int32: (-(2**31), 2**31 - 1),
-}
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
 
@@ -48,16 +43,36 @@ def broadcast_param(param: Tensor, shape: Sequence[int], axis: int, block_size: 
     return expanded.narrow(axis, 0, shape[axis])
 
 
-def _attr_dtype(node: Node, name: str, default: torch.dtype | None) -> torch.dtype | None:
-    """An element-type attribute (0 or absent: ``default``); exotic types are unsupported."""
+# The integer types QuantizeLinear saturates to, by value range.
+_QUANT_RANGES: dict[DType, tuple[int, int]] = {
+    DType.UINT8: (0, 255),
+    DType.INT8: (-128, 127),
+    DType.UINT16: (0, 65535),
+    DType.INT16: (-32768, 32767),
+    DType.INT32: (-(2**31), 2**31 - 1),
+    DType.UINT4: (0, 15),
+    DType.INT4: (-8, 7),
+    DType.UINT2: (0, 3),
+    DType.INT2: (-2, 1),
+}
+# The ordinary ones by torch dtype, for the integer kernels.
+_INT_RANGES: dict[torch.dtype, tuple[int, int]] = {
+    d.torch: r for d, r in _QUANT_RANGES.items() if not d.is_lowbit}
+# The float types QuantizeLinear rounds to (ir/lowbit.py): float8 honours ``saturate``.
+_QUANT_FLOATS = frozenset({DType.FLOAT8E4M3FN, DType.FLOAT8E4M3FNUZ, DType.FLOAT8E5M2,
+                           DType.FLOAT8E5M2FNUZ, DType.FLOAT4E2M1})
+
+
+def _attr_dtype(node: Node, name: str, default: DType | None) -> DType | None:
+    """An element-type attribute (0 or absent: ``default``)."""
     code = int(node.attrs.get(name, 0) or 0)
     if not code:
         return default
     try:
-        return DType.from_onnx(code).torch
+        return DType.from_onnx(code)
     except ValueError:
         raise UnsupportedOp(f"{node.label}: {name}={code} names an element type segflow "
-                            "does not support (float8/4-bit types)") from None
+                            "does not support") from None
 
 
 def _saturate(values: Tensor, dtype: torch.dtype) -> Tensor:
@@ -65,15 +80,40 @@ def _saturate(values: Tensor, dtype: torch.dtype) -> Tensor:
     return values.clamp(lo, hi).to(dtype)
 
 
+def _declared(node: Node, index: int) -> DType | None:
+    value = node.inputs[index] if len(node.inputs) > index else None
+    return value.spec.dtype if value is not None else None
+
+
+def _quantized_type(node: Node) -> DType | None:
+    """QuantizeLinear's output type: its zero point's, else ``output_dtype``, else uint8."""
+    zp_type = _declared(node, 2) if has_input(node, 2) else None
+    return zp_type or _attr_dtype(node, "output_dtype", DType.UINT8)
+
+
+def _quantize_exec(node: Node) -> ExecType:
+    # Rounding to float8/float4 goes through the host (ir/lowbit.py): a LOCAL task.
+    return ExecType.LOCAL if _quantized_type(node) in _QUANT_FLOATS else ExecType.SYNC
+
+
+def _dequantize_exec(node: Node) -> ExecType:
+    return ExecType.LOCAL if lowbit.on_host(_declared(node, 0), DType.FLOAT32) \
+        else ExecType.SYNC
+
+
 def _quantize_linear(node: Node, ctx: BindContext) -> Kernel:
     attrs = node.attrs
     axis_attr = int(attrs.get("axis", 1))
     block_size = int(attrs.get("block_size", 0))
+    saturate = bool(int(attrs.get("saturate", 1)))
     has_zp = has_input(node, 2)
-    out_dtype = _attr_dtype(node, "output_dtype", torch.uint8)
+    zp_type = _declared(node, 2) if has_zp else None
+    out_type = _quantized_type(node)
     compute = _attr_dtype(node, "precision", None)
-    if out_dtype not in _INT_RANGES:
-        raise UnsupportedOp(f"{node.label}: QuantizeLinear to {out_dtype} is not supported")
+    if out_type not in _QUANT_RANGES and out_type not in _QUANT_FLOATS:
+        raise UnsupportedOp(f"{node.label}: QuantizeLinear to "
+                            f"{out_type.onnx_name if out_type else '?'} is not supported")
+    assert out_type is not None
 
     def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
         x, scale = inputs[0], inputs[1]
@@ -82,24 +122,41 @@ def _quantize_linear(node: Node, ctx: BindContext) -> Kernel:
         axis = normalize_axis(axis_attr, x.dim())
         s = broadcast_param(scale, x.shape, axis, block_size)
         if compute is not None:
-            scaled = x.to(compute) / s.to(compute)
+            scaled = x.to(compute.torch) / s.to(compute.torch)
         else:
             scaled = x / s
+        # A zero point of a type the graph does not declare is an ordinary one: its own.
+        target = out_type if zp is None or zp_type is not None else DType.from_torch(zp.dtype)
+        if target in _QUANT_FLOATS:
+            return [_quantize_float(scaled, zp, target, saturate, axis, block_size)]
         q = torch.round(scaled).to(torch.int32)  # round half to even, like np.rint
-        target = out_dtype
         if zp is not None:
-            target = zp.dtype
             q = q + broadcast_param(zp, x.shape, axis, block_size).to(torch.int32)
-        return [_saturate(q, target)]
+        lo, hi = _QUANT_RANGES[target]
+        return [q.clamp(lo, hi).to(target.torch)]
     return kernel
+
+
+def _quantize_float(scaled: Tensor, zp: Tensor | None, out_type: DType, saturate: bool,
+                    axis: int, block_size: int) -> Tensor:
+    """``x / scale`` rounded to a float8 or float4 type as ONNX's reference does: float8's
+    zero point must be zero and is not added; float4's is."""
+    source = DType.from_torch(scaled.dtype)
+    if zp is not None and out_type is DType.FLOAT4E2M1:
+        offset = lowbit.cast(zp, out_type, source)
+        scaled = scaled + broadcast_param(offset, scaled.shape, axis, block_size)
+    return lowbit.cast(scaled, source, out_type, saturate)
 
 
 def _dequantize_linear(node: Node, ctx: BindContext) -> Kernel:
     attrs = node.attrs
     axis_attr = int(attrs.get("axis", 1))
     block_size = int(attrs.get("block_size", 0))
-    out_dtype = _attr_dtype(node, "output_dtype", None)
-    has_zp = has_input(node, 2)
+    out_type = _attr_dtype(node, "output_dtype", None)
+    x_type = _declared(node, 0)
+    # A float8 or float4 input's zero point is zero by definition: ONNX's reference reads
+    # none (and float8's must be 0).
+    has_zp = has_input(node, 2) and x_type not in _QUANT_FLOATS
 
     def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
         x, scale = inputs[0], inputs[1]
@@ -107,11 +164,13 @@ def _dequantize_linear(node: Node, ctx: BindContext) -> Kernel:
         zp = inputs[2] if has_zp else None
         axis = normalize_axis(axis_attr, x.dim())
         # float32 arithmetic as the reference does; then the scale's (or requested) type.
-        dx = x.to(torch.float32)
+        source = DType.from_container(x.dtype, x_type)
+        dx = lowbit.cast(x, source, DType.FLOAT32) if source.is_lowbit \
+            else x.to(torch.float32)
         if zp is not None:
             dx = dx - broadcast_param(zp, x.shape, axis, block_size).to(torch.float32)
         y = dx * broadcast_param(scale, x.shape, axis, block_size).to(torch.float32)
-        return [y.to(out_dtype or scale.dtype)]
+        return [y.to(out_type.torch if out_type else scale.dtype)]
     return kernel
 
 
@@ -270,8 +329,8 @@ def _qlinear_conv(node: Node, ctx: BindContext) -> Kernel:
 
 
 OPS: list[OpDef] = [
-    OpDef("QuantizeLinear", _quantize_linear, since=10),
-    OpDef("DequantizeLinear", _dequantize_linear, since=10),
+    OpDef("QuantizeLinear", _quantize_linear, since=10, classify=_quantize_exec),
+    OpDef("DequantizeLinear", _dequantize_linear, since=10, classify=_dequantize_exec),
     OpDef("DynamicQuantizeLinear", _dynamic_quantize_linear, since=11),
     OpDef("MatMulInteger", _matmul_integer, since=10),
     OpDef("QLinearMatMul", _qlinear_matmul, since=10),

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from segflow.engine.base import ExecType
+from segflow.errors import InvalidModel, UnsupportedOp
+from segflow.ir import lowbit
 from segflow.ir.graph import Node
 from segflow.ir.types import DType
 from segflow.ops import gradients
@@ -229,14 +231,60 @@ def _size(node: Node, ctx: BindContext) -> Kernel:
     return kernel
 
 
-def _cast(node: Node, ctx: BindContext) -> Kernel:
-    target = DType.from_onnx(int(node.attrs["to"]))
+def _cast_target(node: Node) -> DType:
+    code = int(node.attrs["to"])
+    try:
+        return DType.from_onnx(code)
+    except ValueError:
+        raise UnsupportedOp(f"{node.label}: Cast to element type {code}, which segflow "
+                            "does not support") from None
 
-    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+
+def _cast(node: Node, ctx: BindContext) -> Kernel:
+    return _cast_to(node, _cast_target(node))
+
+
+def _like_type(node: Node) -> DType | None:
+    like = node.inputs[1] if len(node.inputs) > 1 else None
+    return like.spec.dtype if like is not None else None
+
+
+def _casts_on_host(target: Callable[[Node], DType | None]) -> Callable[[Node], ExecType]:
+    """LOCAL where the cast goes through the host (``lowbit.on_host``): the task then waits
+    for its inputs as a counted synchronization, which a device kernel reading back
+    to the host would hide."""
+    def classify(node: Node) -> ExecType:
+        x = node.inputs[0]
+        source = x.spec.dtype if x is not None else None
+        return ExecType.LOCAL if lowbit.on_host(source, target(node)) else ExecType.SYNC
+    return classify
+
+
+def _cast_to(node: Node, target: DType) -> Kernel:
+    """Cast (and CastLike) to ``target``: torch's conversion, or ONNX's rounding and
+    saturation (``ir/lowbit.py``) where either side is a float8, 4-bit or 2-bit type."""
+    x_value = node.inputs[0]
+    source = x_value.spec.dtype if x_value is not None else None
+    if not target.is_lowbit and not (source is not None and source.is_lowbit):
+        def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
+            x = inputs[0]
+            assert x is not None
+            return [x.to(target.torch)]
+        return kernel
+    saturate = bool(int(node.attrs.get("saturate", 1)))
+    round_mode = str(node.attrs.get("round_mode", "up"))
+    if round_mode not in lowbit.ROUND_MODES:
+        raise InvalidModel(f"{node.label}: round_mode {round_mode!r} is not one of "
+                           f"{', '.join(lowbit.ROUND_MODES)}")
+
+    def lowbit_kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
         x = inputs[0]
         assert x is not None
-        return [x.to(target.torch)]
-    return kernel
+        got = DType.from_container(x.dtype, source)
+        if got is target:
+            return [x]
+        return [lowbit.cast(x, got, target, saturate, round_mode)]
+    return lowbit_kernel
 
 
 def _bitcast(node: Node, ctx: BindContext) -> Kernel:
@@ -253,6 +301,10 @@ def _bitcast(node: Node, ctx: BindContext) -> Kernel:
 
 
 def _cast_like(node: Node, ctx: BindContext) -> Kernel:
+    like = _like_type(node)
+    if like is not None:
+        return _cast_to(node, like)
+
     def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
         x, like = inputs[0], inputs[1]
         assert x is not None and like is not None
@@ -362,9 +414,11 @@ OPS: list[OpDef] = [
           view_of_input=ViewOfInput.RESHAPE),
     OpDef("Shape", _shape),
     OpDef("Size", _size),
-    OpDef("Cast", _cast, grad=gradients.cast, view_of_input=ViewOfInput.MAY_ALIAS),
+    OpDef("Cast", _cast, grad=gradients.cast, view_of_input=ViewOfInput.MAY_ALIAS,
+          classify=_casts_on_host(_cast_target)),
     OpDef("BitCast", _bitcast, since=26),
-    OpDef("CastLike", _cast_like, view_of_input=ViewOfInput.MAY_ALIAS, grad=gradients.recompute),
+    OpDef("CastLike", _cast_like, view_of_input=ViewOfInput.MAY_ALIAS, grad=gradients.recompute,
+          classify=_casts_on_host(_like_type)),
     OpDef("Identity", _identity, grad=gradients.identity, view_of_input=ViewOfInput.MAY_ALIAS),
     OpDef("ConstantOfShape", _constant_of_shape, creates_nonfinite=_fills_nonfinite,
           host_reads=reads_on_host(0)),

@@ -24,19 +24,24 @@ def const_scalar(value: Value | None) -> float | None:
     return float(value.const.reshape(-1)[0])
 
 
-def spec_of(tensor: torch.Tensor) -> TensorSpec:
-    return TensorSpec(DType.from_torch(tensor.dtype), tuple(int(d) for d in tensor.shape))
+def spec_of(tensor: torch.Tensor, declared: DType | None = None) -> TensorSpec:
+    """``tensor``'s spec; ``declared``, the type its value had, tells an int4 or float4 from
+    the ordinary type of its one-byte container."""
+    return TensorSpec(DType.from_container(tensor.dtype, declared),
+                      tuple(int(d) for d in tensor.shape))
 
 
-def new_const(graph: Graph, name: str, tensor: torch.Tensor) -> Value:
-    """A fresh initializer named ``name`` (made unique within ``graph``)."""
+def new_const(graph: Graph, name: str, tensor: torch.Tensor,
+              declared: DType | None = None) -> Value:
+    """A fresh initializer named ``name`` (made unique within ``graph``); ``declared`` as
+    for :func:`spec_of`."""
     taken = graph.initializers
     unique = name
     suffix = 1
     while unique in taken:
         unique = f"{name}~{suffix}"
         suffix += 1
-    return graph.add_initializer(Value(unique, spec_of(tensor), const=tensor))
+    return graph.add_initializer(Value(unique, spec_of(tensor, declared), const=tensor))
 
 
 def replace_value(graph: Graph, old: Value, new: Value) -> None:

@@ -158,7 +158,7 @@ def _replace_with_constants(graph: Graph, node: Node, results: Sequence[torch.Te
     for value, tensor in zip(node.outputs, results):
         if not value.uses and value not in graph.outputs:
             continue
-        const = new_const(graph, value.name, tensor)
+        const = new_const(graph, value.name, tensor, value.spec.dtype)
         graph.replace_all_uses(value, const)
     if all(not v.uses and v not in graph.outputs for v in node.outputs):
         graph.remove(node)

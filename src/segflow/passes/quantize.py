@@ -70,6 +70,10 @@ def _params(node: Node) -> Quantization | str:
         return "zero point is not a constant"
     if scale.dtype != torch.float32:
         return f"scale is {scale.dtype}"
+    for value in (node.inputs[0], zp_value, node.outputs[0]):
+        if value is not None and value.spec.dtype is not None and value.spec.dtype.is_lowbit:
+            # int4 shares int8's container: the int8 kernels would saturate to the wrong range.
+            return f"{value.spec.dtype.onnx_name} values"
     dtype = zp.dtype if zp is not None else torch.uint8
     if node.op_type == "DequantizeLinear" and node.inputs[0] is not None \
             and node.inputs[0].spec.dtype is not None:

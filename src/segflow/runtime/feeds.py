@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from segflow.errors import InvalidInput
+from segflow.ir import lowbit
 from segflow.ir.graph import Value
 from segflow.ir.types import Dim, DType, TensorSpec
 
@@ -77,7 +78,7 @@ def check_feed(value: Value, data: Any, symbols: dict[str, tuple[int, str]]) -> 
     spec = value.spec
     if isinstance(data, Tensor):
         tensor = data
-        got = DType.from_torch(data.dtype)
+        got = DType.from_container(data.dtype, spec.dtype)
     elif data is None:
         raise InvalidInput(f"input {value.name!r} is None; expected an array "
                            f"({spec.describe()})")
@@ -134,9 +135,12 @@ def as_tensor(array: np.ndarray) -> Tensor:
 
     A byte-swapped array (``>f4`` on a little-endian host) is converted to native
     order; an ``ml_dtypes.bfloat16`` one, which torch cannot read, is shared as its
-    16-bit patterns viewed as bfloat16.
+    16-bit patterns viewed as bfloat16; the other ml_dtypes types (float8, int4, ...)
+    are copied into their torch form (``ir/lowbit.py``).
     """
     dtype = array.dtype
+    if dtype in lowbit.NUMPY_DTYPES:
+        return lowbit.to_tensor(array)
     if not dtype.isnative:
         array = array.astype(dtype.newbyteorder("="))
     flags = array.flags

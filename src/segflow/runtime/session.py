@@ -28,6 +28,7 @@ from segflow.engine.streams import StreamBackend
 from segflow.errors import InvalidInput
 from segflow.frontend.model_info import ModelInfo, describe_model
 from segflow.frontend.onnx_import import INFERENCE_DATA_LIMIT, import_model, load_model
+from segflow.ir import lowbit
 from segflow.ir.graph import Graph, Value
 from segflow.ir.types import Device, DeviceKind, DType
 from segflow.kernels.native.build import describe_cache as describe_native_cache
@@ -629,6 +630,8 @@ class InferenceSession(OrtSessionApi):
             t = t.cpu()
         if t.dtype == torch.bfloat16:  # numpy has no bfloat16: ml_dtypes' (as onnx's)
             array = t.view(torch.uint16).numpy().view(_BFLOAT16)
+        elif value.spec.dtype is not None and value.spec.dtype.is_lowbit:
+            array = lowbit.to_numpy(t, value.spec.dtype)   # float8, int4 ...: ml_dtypes'
         else:
             array = t.numpy()
         if aliased or not array.flags.c_contiguous:
