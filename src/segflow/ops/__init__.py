@@ -18,6 +18,7 @@ from segflow.ops import (
     indexing,
     linalg,
     misc,
+    ml,
     nn,
     preview_training,
     qconv,
@@ -30,7 +31,7 @@ from segflow.ops.registry import BindContext, Kernel, OpDef, OpRegistry
 
 ALL_FAMILIES = (elementwise, nn, tensor, reduce, indexing, image, control, rnn, quant, linalg,
                 misc, copy, backward, backward_select, fused, dense_chain, contrib_quant,
-                contrib_fused, qconv, preview_training)
+                contrib_fused, qconv, preview_training, ml)
 
 
 
