@@ -43,6 +43,18 @@ class Outcome(enum.Enum):
 
 
 _NOT_FAILURES = (Outcome.PASS, Outcome.SKIPPED, Outcome.RANDOM)
+# Why a case still fails where the expected output carries another implementation's
+# rounding beyond the case's tolerance. The outcome stays what the run says; the report
+# prints the note beside it.
+_KNOWN_DEVIATIONS = {
+    "test_dft_inverse": "the expected output is numpy's float32 FFT with ~1.9e-7 of rounding "
+                        "in parts that are exactly 0, over the case's atol of 1e-7 "
+                        "(onnxruntime fails it too)",
+    "test_attention_4d_causal_fp16_expanded": "the expected output rounds to float16 after "
+                                              "every step of the softmax; the case's rtol is "
+                                              "one float16 step",
+}
+_KNOWN_DEVIATIONS["test_dft_inverse_opset19"] = _KNOWN_DEVIATIONS["test_dft_inverse"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -337,6 +349,11 @@ def markdown_report(results: Sequence[CaseResult], seconds: float) -> str:
     for r in sorted(failures, key=lambda r: (r.outcome.value, r.op, r.name)):
         reason = r.reason.replace("|", "\\|").replace("\n", " ")
         lines.append(f"| {r.name} | {r.op} | {r.outcome.value} | {reason} |")
+    known = [r for r in failures if r.name in _KNOWN_DEVIATIONS]
+    if known:
+        lines += ["", "Known deviations (failures whose expected output carries another "
+                  "implementation's rounding):", ""]
+        lines += [f"- {r.name}: {_KNOWN_DEVIATIONS[r.name]}" for r in known]
     random = [r for r in results if r.outcome is Outcome.RANDOM]
     if random:
         lines += ["", f"## Out of scope: random outputs ({len(random)})", "",
