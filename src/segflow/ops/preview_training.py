@@ -99,7 +99,6 @@ def _momentum(node: Node, ctx: BindContext) -> Kernel:
     beta = _float(node, "beta")
     norm = _float(node, "norm_coefficient")
     mode = node.attrs.get("mode")
-    mode = mode.decode() if isinstance(mode, bytes) else mode
     if mode not in ("standard", "nesterov"):
         raise InvalidModel(f"{node.label}: Momentum mode must be 'standard' or 'nesterov', "
                            f"got {mode!r}")
