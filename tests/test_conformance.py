@@ -35,3 +35,19 @@ def test_recorded_pass_still_passes(name: str, cases: dict[str, Any]) -> None:
 def test_record_exists() -> None:
     assert _RECORD.exists(), "docs/conformance.json is missing; regenerate it"
     assert len(_PASSING) > 0
+
+
+def test_report_counts_random_outputs_apart_and_notes_known_deviations() -> None:
+    from segflow.conformance import CaseResult, markdown_report, summary
+
+    results = [CaseResult("test_a", "Add", Outcome.PASS),
+               CaseResult("test_bernoulli", "Bernoulli", Outcome.RANDOM, "random"),
+               CaseResult("test_dft_inverse", "DFT", Outcome.WRONG, "Mismatched"),
+               CaseResult("test_b", "Foo", Outcome.SKIPPED, "string tensors")]
+    s = summary(results)
+    assert s["attempted"] == 2 and s["counts"][Outcome.RANDOM.value] == 1
+    report = markdown_report(results, 1.0)
+    assert "## Out of scope: random outputs (1)" in report
+    assert "- test_bernoulli (Bernoulli)" in report
+    assert "## Failures (1)" in report
+    assert "- test_dft_inverse: the expected output is numpy's float32 FFT" in report

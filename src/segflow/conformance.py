@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import onnx
 
 from segflow.errors import InvalidModel, UnsupportedOp
@@ -38,6 +39,22 @@ class Outcome(enum.Enum):
     ERROR = "runtime error"
     INVALID = "invalid model"
     SKIPPED = "skipped by design"
+    RANDOM = "out of scope: random outputs"
+
+
+_NOT_FAILURES = (Outcome.PASS, Outcome.SKIPPED, Outcome.RANDOM)
+# Why a case still fails where the expected output carries another implementation's
+# rounding beyond the case's tolerance. The outcome stays what the run says; the report
+# prints the note beside it.
+_KNOWN_DEVIATIONS = {
+    "test_dft_inverse": "the expected output is numpy's float32 FFT with ~1.9e-7 of rounding "
+                        "in parts that are exactly 0, over the case's atol of 1e-7 "
+                        "(onnxruntime fails it too)",
+    "test_attention_4d_causal_fp16_expanded": "the expected output rounds to float16 after "
+                                              "every step of the softmax; the case's rtol is "
+                                              "one float16 step",
+}
+_KNOWN_DEVIATIONS["test_dft_inverse_opset19"] = _KNOWN_DEVIATIONS["test_dft_inverse"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,8 +71,14 @@ _EXOTIC_TYPES = {
     onnx.TensorProto.STRING: "string tensors",
     **{code: "float6 types" for code in (27, 28)},
 }
-_TRAINING_DOMAINS = ("ai.onnx.preview.training",)
 _TIMEOUT_S = 30.0
+# Ops whose outputs are draws from a random stream. ONNX's expected outputs for them come
+# from numpy's global generator at the time the cases were written (a ``seed`` attribute
+# does not reproduce them), so no implementation can match them bit for bit: such a case
+# is run and its outputs' count, shapes and dtypes are checked, not their values
+# (tests/ops/test_random_ops.py checks the distributions).
+_RANDOM_OPS = frozenset({"Bernoulli", "Multinomial", "RandomNormal", "RandomNormalLike",
+                         "RandomUniform", "RandomUniformLike"})
 
 
 class CaseTimeout(Exception):
@@ -65,9 +88,6 @@ class CaseTimeout(Exception):
 # -- classification helpers ------------------------------------------------------------------
 def skip_reason(model: onnx.ModelProto) -> str | None:
     """Why segflow does not attempt this model by design, or None."""
-    for opset in model.opset_import:
-        if opset.domain in _TRAINING_DOMAINS:
-            return "training-only op"
     for type_proto in _all_types(model.graph):
         which = type_proto.WhichOneof("value")
         if which in ("sequence_type", "optional_type", "map_type"):
@@ -105,6 +125,23 @@ def _all_tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
                     and attr.i in _EXOTIC_TYPES:
                 # Cast(to=FLOAT8...) and friends name the type only in an int attribute.
                 yield onnx.helper.make_tensor("", attr.i, [0], [])
+
+
+def draws_random(model: onnx.ModelProto) -> bool:
+    """Whether the model's outputs come from a random op (see ``_RANDOM_OPS``)."""
+    return any(node.op_type in _RANDOM_OPS for node in model.graph.node)
+
+
+def _same_layout(refs: Sequence[Any], outputs: Sequence[Any]) -> str | None:
+    """None when the outputs agree with the expected ones in count, shape and dtype."""
+    if len(refs) != len(outputs):
+        return f"{len(outputs)} outputs, expected {len(refs)}"
+    for i, (ref, out) in enumerate(zip(refs, outputs)):
+        ref, out = np.asarray(ref), np.asarray(out)
+        if ref.shape != out.shape or ref.dtype != out.dtype:
+            return (f"output {i}: {out.dtype}{list(out.shape)}, "
+                    f"expected {ref.dtype}{list(ref.shape)}")
+    return None
 
 
 def _one_line(exc: BaseException) -> str:
@@ -200,6 +237,7 @@ def run_case(case: Any, op: str = "", timeout_s: float = _TIMEOUT_S) -> CaseResu
     reason = skip_reason(case.model)
     if reason is not None:
         return result(Outcome.SKIPPED, reason)
+    random_outputs = draws_random(case.model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
@@ -219,6 +257,11 @@ def run_case(case: Any, op: str = "", timeout_s: float = _TIMEOUT_S) -> CaseResu
                         outputs = list(rep.run(feeds))
                     except Exception as exc:  # noqa: BLE001
                         return result(Outcome.ERROR, _one_line(exc))
+                    if random_outputs:
+                        layout = _same_layout(refs, outputs)
+                        if layout is not None:
+                            return result(Outcome.WRONG, layout)
+                        continue
                     try:
                         Runner.assert_similar_outputs(refs, outputs, rtol=case.rtol,
                                                       atol=case.atol)
@@ -228,6 +271,9 @@ def run_case(case: Any, op: str = "", timeout_s: float = _TIMEOUT_S) -> CaseResu
                         return result(Outcome.WRONG, _one_line(exc))
         except CaseTimeout as exc:
             return result(Outcome.ERROR, str(exc))
+    if random_outputs:
+        return result(Outcome.RANDOM, "expected values are one random stream; shapes and "
+                                      "dtypes match")
     return result(Outcome.PASS)
 
 
@@ -246,7 +292,7 @@ def run_all(pattern: str | None = None, progress: bool = False) -> list[CaseResu
 def summary(results: Sequence[CaseResult]) -> dict[str, Any]:
     counts = Counter(r.outcome for r in results)
     total = len(results)
-    attempted = total - counts[Outcome.SKIPPED]
+    attempted = total - counts[Outcome.SKIPPED] - counts[Outcome.RANDOM]
     passed = counts[Outcome.PASS]
     return {
         "total": total,
@@ -268,7 +314,7 @@ def markdown_report(results: Sequence[CaseResult], seconds: float) -> str:
         "",
         f"**Pass rate: {s['passed']} / {s['total']} = {100 * s['pass_rate']:.1f}%** of all "
         f"node cases ({100 * s['pass_rate_attempted']:.1f}% of the {s['attempted']} cases "
-        "not skipped by design).",
+        "neither skipped by design nor out of scope).",
         "",
         "## Outcomes",
         "",
@@ -285,22 +331,36 @@ def markdown_report(results: Sequence[CaseResult], seconds: float) -> str:
     for r in results:
         by_op.setdefault(r.op, Counter())[r.outcome] += 1
     short = {Outcome.PASS: "pass", Outcome.UNSUPPORTED: "unsupp", Outcome.WRONG: "wrong",
-             Outcome.ERROR: "error", Outcome.INVALID: "invalid", Outcome.SKIPPED: "skip"}
+             Outcome.ERROR: "error", Outcome.INVALID: "invalid", Outcome.SKIPPED: "skip",
+             Outcome.RANDOM: "random"}
     lines += ["", "## Per op", "",
               "| op | cases | " + " | ".join(short.values()) + " |",
               "|---|---:|" + "---:|" * len(short)]
     for op in sorted(by_op, key=lambda o: (-(sum(by_op[o].values()) - by_op[o][Outcome.PASS]
-                                             - by_op[o][Outcome.SKIPPED]), o)):
+                                             - by_op[o][Outcome.SKIPPED]
+                                             - by_op[o][Outcome.RANDOM]), o)):
         c = by_op[op]
         cells = " | ".join(str(c[o]) if c[o] else "" for o in short)
         lines.append(f"| {op} | {sum(c.values())} | {cells} |")
 
-    failures = [r for r in results if r.outcome not in (Outcome.PASS, Outcome.SKIPPED)]
+    failures = [r for r in results if r.outcome not in _NOT_FAILURES]
     lines += ["", f"## Failures ({len(failures)})", "",
               "| case | op | outcome | reason |", "|---|---|---|---|"]
     for r in sorted(failures, key=lambda r: (r.outcome.value, r.op, r.name)):
         reason = r.reason.replace("|", "\\|").replace("\n", " ")
         lines.append(f"| {r.name} | {r.op} | {r.outcome.value} | {reason} |")
+    known = [r for r in failures if r.name in _KNOWN_DEVIATIONS]
+    if known:
+        lines += ["", "Known deviations (failures whose expected output carries another "
+                  "implementation's rounding):", ""]
+        lines += [f"- {r.name}: {_KNOWN_DEVIATIONS[r.name]}" for r in known]
+    random = [r for r in results if r.outcome is Outcome.RANDOM]
+    if random:
+        lines += ["", f"## Out of scope: random outputs ({len(random)})", "",
+                  "Their expected values are one draw of numpy's global generator; each is "
+                  "run and its outputs' count, shapes and dtypes checked "
+                  "(the distributions are tested in tests/ops/test_random_ops.py).", ""]
+        lines += [f"- {r.name} ({r.op})" for r in sorted(random, key=lambda r: r.name)]
     skipped = [r for r in results if r.outcome is Outcome.SKIPPED]
     lines += ["", f"## Skipped by design ({len(skipped)})", ""]
     lines += [f"- {r.name} ({r.op}): {r.reason}" for r in sorted(skipped, key=lambda r: r.name)]
@@ -330,7 +390,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     s = summary(results)
     if args.verbose:
         for r in results:
-            if r.outcome not in (Outcome.PASS, Outcome.SKIPPED):
+            if r.outcome not in _NOT_FAILURES:
                 print(f"{r.name}: {r.outcome.value}: {r.reason}")
     print(f"{s['passed']}/{s['total']} passed ({100 * s['pass_rate']:.1f}%; "
           f"{100 * s['pass_rate_attempted']:.1f}% of {s['attempted']} attempted) "

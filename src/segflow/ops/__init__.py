@@ -15,10 +15,13 @@ from segflow.ops import (
     elementwise,
     fused,
     image,
+    image_decoder,
     indexing,
     linalg,
     misc,
+    ml,
     nn,
+    preview_training,
     qconv,
     quant,
     reduce,
@@ -29,7 +32,7 @@ from segflow.ops.registry import BindContext, Kernel, OpDef, OpRegistry
 
 ALL_FAMILIES = (elementwise, nn, tensor, reduce, indexing, image, control, rnn, quant, linalg,
                 misc, copy, backward, backward_select, fused, dense_chain, contrib_quant,
-                contrib_fused, qconv)
+                contrib_fused, qconv, preview_training, ml, image_decoder)
 
 
 

@@ -12,6 +12,7 @@ import math
 import warnings
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -445,6 +446,17 @@ def _hardmax(node: Node, ctx: BindContext) -> Kernel:
 
 def _dropout(node: Node, ctx: BindContext) -> Kernel:
     n_out = len(node.outputs)
+    # With a seed, the mask comes from numpy's Mersenne Twister seeded once per bound
+    # kernel, which is how ONNX's reference draws it: a session's first run reproduces
+    # the reference's mask, and later runs continue the sequence (as with every seeded
+    # random op, ops/misc.py). Without a seed, torch's own generator is faster.
+    seeded = np.random.RandomState(int(node.attrs["seed"])) if "seed" in node.attrs else None
+
+    def draw_keep(x: Tensor, ratio: float) -> Tensor:
+        if seeded is None:
+            return torch.rand_like(x, dtype=torch.float32) >= ratio
+        uniform = seeded.uniform(0.0, 1.0, tuple(x.shape))
+        return torch.from_numpy(uniform >= ratio).to(x.device)
 
     def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
         x = inputs[0]
@@ -452,7 +464,7 @@ def _dropout(node: Node, ctx: BindContext) -> Kernel:
         training = len(inputs) > 2 and inputs[2] is not None and bool(inputs[2])
         ratio = float(inputs[1]) if len(inputs) > 1 and inputs[1] is not None else 0.5
         if training and ratio > 0:
-            mask = torch.rand_like(x, dtype=torch.float32) >= ratio
+            mask = draw_keep(x, ratio)
             y = x * mask / (1 - ratio)
         else:
             mask = torch.ones_like(x, dtype=torch.bool)
