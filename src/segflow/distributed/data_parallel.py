@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -293,7 +294,7 @@ def _gather(state: _BucketState, env: list[Tensor | None]) -> None:
 def _check_same_model(state: Mapping[str, Tensor], fingerprint: str, rank: int,
                       group: Any) -> None:
     """Every rank has the same model and the same parameter names, shapes and dtypes."""
-    mine = (fingerprint, [(n, tuple(t.shape), str(t.dtype)) for n, t in sorted(state.items())])
+    mine = (fingerprint, [(n, tuple(t.shape), str(t.dtype)) for n, t in state.items()])
     gathered: list[Any] = [None] * dist.get_world_size(group)
     try:
         dist.all_gather_object(gathered, mine, group=group)
@@ -306,7 +307,7 @@ def _check_same_model(state: Mapping[str, Tensor], fingerprint: str, rank: int,
             continue
         ours = dict((n, (s, d)) for n, s, d in reference[1])
         theirs = dict((n, (s, d)) for n, s, d in other_state)
-        for name in sorted(set(ours) | set(theirs)):
+        for name in [*ours, *(n for n in theirs if n not in ours)]:  # in the model's order
             if name not in theirs or name not in ours:
                 where = f"rank {other}" if name in theirs else "rank 0"
                 raise InvalidModel(f"parameter {name!r} exists only on {where}: every rank "
@@ -335,5 +336,11 @@ def _error_of(fut: Any) -> BaseException | None:
 
 
 def _first_line(exc: BaseException) -> str:
+    """The first sentence of a collective's error, without gloo's source location."""
     lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
+    text = _SOURCE_LOCATION.sub("", lines[0]) if lines else ""
+    sentence = text.split(". ", 1)[0].rstrip(".")
+    return sentence or type(exc).__name__
+
+
+_SOURCE_LOCATION = re.compile(r"^\[[^\]]*:\d+\]\s*")  # gloo's "[path/pair.cc:537] "
