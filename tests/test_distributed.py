@@ -245,3 +245,32 @@ def test_results_or_raise_names_the_failed_rank():
 
     with pytest.raises(CommunicationError, match="rank 1 failed: timed out"):
         results_or_raise([RankOutcome(0, 1), RankOutcome(1, error="timed out", exitcode=None)])
+
+
+def test_train_demo_with_two_workers_reports_accuracy_and_overlap(capsys):
+    from segflow.training_demo import main
+
+    code = main(["--workers", "2", "--epochs", "1", "--quiet", "--min-accuracy", "50%"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "test accuracy" in out and "after 1 epochs" in out
+    line = next(line for line in out.splitlines() if line.startswith("data-parallel:"))
+    # fc2, fc1 and the convolutions with their BatchNorms: three 64 KiB buckets.
+    assert line.startswith("data-parallel: 2 processes, 3 all-reduces a step, ")
+    assert line.endswith("of the all-reduce time overlapped backward segments (last epoch)")
+
+
+def test_overlap_is_the_share_of_all_reduce_time_under_backward_segments():
+    from segflow.distributed.overlap import communication_overlap
+
+    def span(category: Category, start: int, end: int, segment: int | None = None) -> Event:
+        args = {} if segment is None else {"segment": segment}
+        return Event(category, "x", start, end, "t", 1, "cpu:0", args)
+
+    events = [span(Category.SEGMENT, 0, 100, segment=1),      # forward: not counted
+              span(Category.SEGMENT, 100, 200, segment=5),
+              span(Category.SEGMENT, 250, 300, segment=6),
+              span(Category.COMM, 150, 260), span(Category.COMM, 180, 400)]
+    # all-reduces cover 150..400 (250 ns); backward segments 150..200 and 250..300 of it.
+    assert communication_overlap(events, {5, 6}) == pytest.approx(100 / 250)
+    assert communication_overlap(events[:3], {5, 6}) == 0.0

@@ -104,11 +104,13 @@ def results_or_raise(outcomes: Sequence[RankOutcome]) -> list[Any]:
 
 
 def run_torchrun_rank(fn: Callable[..., Any], *, args: Sequence[Any] = (),
-                      group_timeout_s: float = 60.0) -> Any:
-    """Run ``fn(rank, world_size, *args)`` in a process ``torchrun`` started (``env://``)."""
+                      group_timeout_s: float = 60.0) -> RankOutcome:
+    """Run ``fn(rank, world_size, *args)`` in a process ``torchrun`` started (``env://``
+    rendezvous); its outcome, which names the rank."""
     dist.init_process_group("gloo", timeout=timedelta(seconds=group_timeout_s))
     try:
-        return fn(dist.get_rank(), dist.get_world_size(), *args)
+        rank = dist.get_rank()
+        return RankOutcome(rank, fn(rank, dist.get_world_size(), *args))
     finally:
         dist.destroy_process_group()
 
