@@ -124,13 +124,16 @@ def test_a_distributed_step_counts_its_all_reduces(single_rank):
     plain.close()
     sess = workers.session(workers.build_model(0), DataParallelOptions(bucket_bytes=1))
     stats = sess.step(feeds).stats
-    # One bucket per backward segment that ends at a gradient (conv, fc1, fc2).
+    # One bucket per backward segment that ends at a gradient: fc2, fc1, conv (backward order).
     assert stats.allreduces == 3
     assert stats.allreduce_bytes == 4 * sum(p.numel() for p in sess.parameters().values())
     assert stats.engine == "threaded"                # auto: communication to overlap
     assert stats.pushes == plain_stats.pushes + 3    # an all-reduce task per bucket
     assert stats.syncs == plain_stats.syncs + 1      # the wait for the step's all-reduces
     sess.close()
+    assert sess.explain().splitlines()[-1] == (
+        "data-parallel: rank 0 of 1, 3 gradient buckets (680 B, 16448 B, 160 B; cap 1 B), "
+        "each an all-reduce task after the backward segments it reads, averaged")
     one = workers.session(workers.build_model(0), True)   # 25 MiB: one bucket
     assert one.step(feeds).stats.allreduces == 1
     one.close()

@@ -155,6 +155,14 @@ class DataParallel:
     def _global_rank(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
+    def describe(self) -> str:
+        """One line for ``TrainingSession.explain()``: the ranks and the buckets."""
+        sizes = ", ".join(f"{s.bucket.nbytes} B" for s in self.buckets)
+        return (f"data-parallel: rank {self.rank} of {self.world_size}, "
+                f"{len(self.buckets)} gradient buckets ({sizes}; cap "
+                f"{self.options.bucket_bytes} B), each an all-reduce task after the backward "
+                f"segments it reads, {'averaged' if self.options.average else 'summed'}")
+
     # -- the session's update tasks ----------------------------------------------------
     def route(self, update: Update) -> Update:
         """``update`` (a gradient update after plan task ``update.after``) reading its

@@ -216,6 +216,8 @@ class TrainingSession:
                      f"({len(trained)} parameters, optimizer "
                      f"{opt.name + f' lr={opt.lr:g}' if opt else 'none'}, "
                      f"{len(self._running)} running statistics)")
+        if self._data_parallel is not None:
+            lines.append(self._data_parallel.describe())
         if self.unreachable:
             lines.append(f"no gradient path from the loss to: {', '.join(self.unreachable)}")
         return "\n".join(lines)
