@@ -135,18 +135,20 @@ def train(epochs: int = 12, batch_size: int = 32, lr: float = 0.05, optimizer: s
 
 def train_data_parallel(workers: int, epochs: int = 12, batch_size: int = 32, lr: float = 0.05,
                         optimizer: str = "sgd", seed: int = 0, bucket_bytes: int = 64 << 10,
-                        progress: bool = True) -> DemoResult:
+                        engine: str | None = None, progress: bool = True) -> DemoResult:
     """Train on ``workers`` local processes, each on ``batch_size`` rows of every global
     batch; rank 0's result (every rank holds the same parameters)."""
     from segflow.distributed.launch import results_or_raise, spawn
 
     outcomes = spawn(_train_rank, workers,
-                     args=(epochs, batch_size, lr, optimizer, seed, bucket_bytes, progress))
+                     args=(epochs, batch_size, lr, optimizer, seed, bucket_bytes, engine,
+                           progress))
     return results_or_raise(outcomes)[0]  # type: ignore[no-any-return]
 
 
 def _train_rank(rank: int, world_size: int, epochs: int, batch_size: int, lr: float,
-                optimizer: str, seed: int, bucket_bytes: int, progress: bool) -> DemoResult:
+                optimizer: str, seed: int, bucket_bytes: int, engine: str | None,
+                progress: bool) -> DemoResult:
     """One rank of :func:`train_data_parallel` (or of a ``torchrun`` launch): the same
     shuffle on every rank, rank r taking rows r*batch_size.. of each global batch (the
     last, incomplete one dropped); the last epoch's steps profiled for the overlap."""
@@ -158,7 +160,7 @@ def _train_rank(rank: int, world_size: int, epochs: int, batch_size: int, lr: fl
     opt: Optimizer = (SGD(lr=lr, momentum=0.9, weight_decay=1e-4) if optimizer == "sgd"
                       else Adam(lr=lr))
     sess = TrainingSession(build_model(seed).to_model(), loss=CrossEntropyLoss(labels="label"),
-                           optimizer=opt,
+                           optimizer=opt, engine=engine,
                            distributed=DataParallelOptions(bucket_bytes=bucket_bytes))
     rng = np.random.default_rng(seed)
     per_step = batch_size * world_size
@@ -260,14 +262,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         outcome = run_torchrun_rank(_train_rank, args=(
             args.epochs, args.batch_size, lr, args.optimizer, args.seed, args.bucket_kb << 10,
-            not args.quiet))
+            args.engine, not args.quiet))
         if outcome.rank != 0:  # every rank holds the same parameters: rank 0 reports
             return 0
         result = outcome.result
     elif args.workers > 1:
         result = train_data_parallel(args.workers, args.epochs, args.batch_size, lr,
                                      args.optimizer, args.seed, args.bucket_kb << 10,
-                                     progress=not args.quiet)
+                                     args.engine, progress=not args.quiet)
     else:
         result = train(args.epochs, args.batch_size, lr, args.optimizer, args.seed,
                        args.engine, progress=not args.quiet)
