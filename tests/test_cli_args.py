@@ -149,6 +149,7 @@ def test_a_cuda_device_torch_does_not_see_is_one_line(capsys, models, monkeypatc
     (["train-demo", "--lr", "-0.1"], "argument --lr: expected a number > 0, got -0.1"),
     (["train-demo", "--lr", "0"], "argument --lr: expected a number > 0"),
     (["train-demo", "--seed", "-3"], "argument --seed: expected an integer >= 0"),
+    (["train-demo", "--workers", "0"], "argument --workers: expected a positive integer"),
     (["train-demo", "--min-accuracy", "101"], "expected a percent from 0 to 100, got 101"),
     (["train-demo", "--min-accuracy", "high"], "expected a percent such as 95%"),
 ])

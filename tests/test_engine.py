@@ -134,6 +134,25 @@ def test_async_task_completes_through_callback(engine):
     assert log == ["started", "after"]
 
 
+def test_an_async_task_made_ready_with_sync_ones_is_queued_first():
+    engine = ThreadedEngine()
+    v, out_sync, out_async = Var("v"), Var("sync"), Var("async")
+    release = threading.Event()
+    log: list[str] = []
+
+    def launch(on_complete):
+        log.append("async")
+        on_complete(None)
+
+    engine.push(release.wait, [], [v])            # holds both readers until they are pushed
+    engine.push(lambda: log.append("sync"), [v], [out_sync])
+    engine.push(launch, [v], [out_async], exec_type=ExecType.ASYNC)
+    release.set()
+    engine.wait(out_sync, out_async)
+    engine.close()
+    assert log == ["async", "sync"]
+
+
 def test_unknown_engine_name():
     with pytest.raises(ValueError, match="unknown engine"):
         make_engine("turbo")

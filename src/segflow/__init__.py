@@ -13,6 +13,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from segflow.errors import (
+    CommunicationError,
     ExecutionError,
     InvalidInput,
     InvalidModel,
@@ -87,6 +88,7 @@ def __dir__() -> list[str]:
 __version__ = "0.1.0"
 
 __all__ = [
+    "CommunicationError",
     "CrossEntropyLoss",
     "ExecutionError",
     "ExecutionMode",

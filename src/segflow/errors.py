@@ -27,6 +27,11 @@ class ExecutionError(SegflowError, RuntimeError):
     """A kernel failed at run time; the message names the node (``While executing ...``)."""
 
 
+class CommunicationError(SegflowError, RuntimeError):
+    """Data-parallel communication failed: a rank failed, was killed or did not answer in
+    time; the message names the rank and the collective."""
+
+
 class SegflowWarning(UserWarning):
     """Base class of every warning segflow issues: ``-W error::segflow.SegflowWarning``
     (or ``warnings.filterwarnings``) selects them all."""
@@ -57,3 +62,4 @@ def _first_line(exc: BaseException) -> str:
     """``<type>: <first line of the message>``."""
     lines = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {lines[0] if lines else ''}"
+

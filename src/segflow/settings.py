@@ -143,17 +143,19 @@ def resolve_engine(name: str | None, env: Mapping[str, str] | None = None) -> st
     return chosen
 
 
-def engine_for_plan(choice: str, devices: Collection[object]) -> str:
+def engine_for_plan(choice: str, devices: Collection[object], *,
+                    communicates: bool = False) -> str:
     """Resolve ``"auto"``: the threaded engine only where it has concurrency to exploit.
 
     A plan on one device is a chain of tasks the host waits for anyway; handing it
     to a worker thread costs a thread switch per run and, on CPU, a second OpenMP
     thread team that oversubscribes the cores (docs/performance.md). Plans spanning
-    devices get the threaded engine.
+    devices get the threaded engine, and so do data-parallel steps (``communicates``):
+    their all-reduces run while the worker goes on with the backward segments.
     """
     if choice != "auto":
         return choice
-    return "threaded" if len(set(devices)) > 1 else "inline"
+    return "threaded" if len(set(devices)) > 1 or communicates else "inline"
 
 
 def environment(env: Mapping[str, str] | None = None) -> Mapping[str, str]:

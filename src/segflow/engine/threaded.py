@@ -200,7 +200,9 @@ class ThreadedEngine:
                 self._idle.notify_all()
         if event is not None:
             event.set()
-        for dep in ready:
+        # An ASYNC task only launches work that completes elsewhere (a collective): queued
+        # before the SYNC tasks that became ready with it, that work overlaps theirs.
+        for dep in sorted(ready, key=lambda t: t.exec_type is not ExecType.ASYNC):
             self._dispatch(dep)
 
     # -- waiting -----------------------------------------------------------------------

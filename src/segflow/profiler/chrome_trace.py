@@ -3,7 +3,9 @@
 Layout: one process (the segflow host process), one lane (tid) per recording
 thread -- the caller's thread with its run/push/sync/LOCAL spans, one lane per
 engine worker with its segment spans enclosing their node spans -- plus one
-lane per CUDA device for device-timed spans. Every span is a complete ("X")
+lane per CUDA device for device-timed spans, and the communication lanes: a
+data-parallel step's all-reduces, from launch to completion, whichever thread
+completed them (a second lane where two are in flight at once). Every span is a complete ("X")
 event, so nesting follows from time containment on a lane. A counter track
 ("C" events) shows pushes and syncs so far.
 
@@ -21,6 +23,8 @@ from segflow.profiler.events import TASK_CATEGORIES, Category, Event
 
 # First tid of device lanes, well clear of the host thread lanes (1, 2, ...).
 _DEVICE_TID_BASE = 1000
+# First tid of the communication lanes, between the host and the device lanes.
+_COMM_TID_BASE = 900
 # Tolerance for containment checks, in microseconds (timestamps are ns / 1000 floats).
 _EPS_US = 1e-3
 
@@ -40,7 +44,7 @@ def _lanes(events: Sequence[Event]) -> dict[int, tuple[int, str]]:
     lanes: dict[int, tuple[int, str]] = {}
     host = device = 0
     for e in events:  # already ordered by start time
-        if e.thread_id in lanes:
+        if e.thread_id in lanes or e.category is Category.COMM:
             continue
         if e.category is Category.DEVICE or e.thread_id < 0:
             lanes[e.thread_id] = (_DEVICE_TID_BASE + device, e.thread)
@@ -51,24 +55,46 @@ def _lanes(events: Sequence[Event]) -> dict[int, tuple[int, str]]:
     return lanes
 
 
+def _comm_lanes(events: Sequence[Event]) -> dict[int, int]:
+    """Event index -> tid of each all-reduce span: the first communication lane free at
+    its start, so spans on one lane never overlap (collectives in flight together)."""
+    ends: list[int] = []  # per communication lane, the end of its last span
+    found = {}
+    for i, e in enumerate(events):  # ordered by start time
+        if e.category is not Category.COMM:
+            continue
+        lane = next((k for k, end in enumerate(ends) if end <= e.start_ns), len(ends))
+        if lane == len(ends):
+            ends.append(e.end_ns)
+        else:
+            ends[lane] = e.end_ns
+        found[i] = _COMM_TID_BASE + lane
+    return found
+
+
 def to_chrome_trace(events: Sequence[Event], *, pid: int = 1,
                     process_name: str = "segflow") -> dict[str, Any]:
     """Events (ordered by start) -> a Chrome trace dict with ``traceEvents``."""
     events = sorted(events, key=lambda ev: (ev.start_ns, -ev.end_ns))
     t0 = min((e.start_ns for e in events), default=0)
     lanes = _lanes(events)
+    comm = _comm_lanes(events)
+    named = {*lanes.values(), *((tid, "communication" if tid == _COMM_TID_BASE else
+                                 f"communication {tid - _COMM_TID_BASE + 1}")
+                                for tid in set(comm.values()))}
     trace: list[dict[str, Any]] = [
         {"name": "process_name", "ph": "M", "pid": pid, "args": {"name": process_name}}]
-    for tid, name in sorted(lanes.values()):
+    for tid, name in sorted(named):
         trace.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid,
                       "args": {"name": name}})
         trace.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid,
                       "args": {"sort_index": tid}})
-    for e in events:
+    for i, e in enumerate(events):
         args = {"device": e.device, **e.args} if e.device else dict(e.args)
+        tid = comm[i] if i in comm else lanes[e.thread_id][0]
         trace.append({"name": e.name, "cat": e.category.value, "ph": "X",
                       "ts": (e.start_ns - t0) / 1e3, "dur": e.duration_ns / 1e3,
-                      "pid": pid, "tid": lanes[e.thread_id][0], "args": _jsonable(args)})
+                      "pid": pid, "tid": tid, "args": _jsonable(args)})
     pushes = syncs = 0
     for e in sorted((e for e in events if e.category in (Category.PUSH, Category.SYNC)),
                     key=lambda ev: ev.end_ns):

@@ -20,6 +20,7 @@ class Category(enum.Enum):
     NODE = "node"        # one node's kernel call, host clock
     DEVICE = "device"    # one node's device time (CUDA events), on a device lane
     SYNC = "sync"        # a host wait on a device or worker
+    COMM = "comm"        # a data-parallel all-reduce, from its launch to its completion
     OTHER = "other"      # a category this profiler version does not know
 
     @classmethod

@@ -23,6 +23,7 @@ ENGINE_ROWS: tuple[tuple[Category, str], ...] = (
     (Category.SEGMENT, "segment"),
     (Category.LOCAL, "local"),
     (Category.COPY, "copy"),
+    (Category.COMM, "all-reduce"),
     (Category.NODE, "kernel"),
     (Category.DEVICE, "kernel (device)"),
     (Category.OTHER, "other"),

@@ -28,6 +28,8 @@ class RunStats:
     - ``copies``: cross-device copies
     - ``forward_segments``, ``backward_segments``: the training plan's tasks per phase
       (0 for inference); ``updates``: optimizer/statistics tasks a training step pushed
+    - ``allreduces``, ``allreduce_bytes``: gradient all-reduces a data-parallel step
+      finished and the bytes they reduced (counted as each completes; 0 otherwise)
     - ``native_calls``: calls from Python into native code that replays made (a
       replayed run is one call for many kernels; the same run the usual way one per
       kernel); 0 where no replay ran. Not part of :meth:`counters`: it depends on
@@ -47,6 +49,8 @@ class RunStats:
     backward_segments: int = 0
     updates: int = 0
     native_calls: int = 0
+    allreduces: int = 0
+    allreduce_bytes: int = 0
 
     def counters(self) -> dict[str, int]:
         """The deterministic counters only (what the benchmark gate compares)."""

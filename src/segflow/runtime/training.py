@@ -19,7 +19,8 @@ from __future__ import annotations
 import copy
 import enum
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -27,6 +28,8 @@ import numpy as np
 import onnx
 import torch
 
+from segflow.distributed.buckets import GradientGroup
+from segflow.distributed.data_parallel import DataParallel, DataParallelOptions, model_fingerprint
 from segflow.engine import make_engine
 from segflow.engine.base import Var
 from segflow.errors import InvalidInput, InvalidModel
@@ -90,6 +93,10 @@ class TrainingSession:
             ones) and Dropout drops; False keeps the model's inference behaviour.
         host_memory: ``"retain"`` or ``"system"``, as for
             :class:`segflow.InferenceSession` (None: ``SEGFLOW_HOST_MEMORY``, default retain).
+        distributed: train data-parallel under the initialized ``torch.distributed``
+            process group: True, or :class:`segflow.distributed.DataParallelOptions`
+            (bucket size, averaging, timeout). Each rank steps on its own batch; the
+            gradients are all-reduced while the backward segments run.
     """
 
     def __init__(self, model: ModelSource, *, loss: str | CrossEntropyLoss | None = None,
@@ -98,7 +105,8 @@ class TrainingSession:
                  device: str | Device = "cpu", engine: str | None = None,
                  bulk: bool | None = None, max_nodes_fwd: int | None = None,
                  max_nodes_bwd: int | None = None, train_mode: bool = True,
-                 registry: OpRegistry | None = None, host_memory: str | None = None) -> None:
+                 registry: OpRegistry | None = None, host_memory: str | None = None,
+                 distributed: bool | DataParallelOptions = False) -> None:
         self.device = Device.parse(device)
         memory_policy = apply_host_memory(HostMemory.resolve(host_memory), self.device)
         self.registry = registry or default_registry()
@@ -149,8 +157,10 @@ class TrainingSession:
         self.plan = make_training_plan(graph, self.registry, self.settings, self.device,
                                        frozenset(self.differentiated.backward_nodes),
                                        frozenset(grads.values()), pass_log)
+        parallel = DataParallelOptions.resolve(distributed)
         self.engine_name = engine_for_plan(resolve_engine(engine),
-                                           {s.device for s in self.plan.segments})
+                                           {s.device for s in self.plan.segments},
+                                           communicates=parallel is not None)
         self._engine = make_engine(self.engine_name)
         record: dict[str, object] = {"device": str(self.device), **self.settings.as_dict(),
                                      "host_memory": memory_policy.value}
@@ -169,6 +179,16 @@ class TrainingSession:
         self._check_feeds = FeedValidator([v for v in graph.inputs if v.name not in self.state])
         self._check_predict_feeds: FeedValidator | None = None
         self._update_tasks: dict[bool, list[Update]] = {}  # built once per mode
+        self._data_parallel: DataParallel | None = None
+        if parallel is not None:
+            groups = [GradientGroup(task, tuple(n for n, _ in group),
+                                    tuple(self._executor.slots[v] for _, v in group),
+                                    tuple(tuple(self.state[n].shape) for n, _ in group),
+                                    self.state[group[0][0]].dtype)
+                      for task, group in self._gradient_groups().items()]
+            self._data_parallel = DataParallel(
+                self.state, groups, model_fingerprint([n.op_type for n in graph.nodes]),
+                parallel, self._engine, self.device)
         self.last_run_stats: RunStats | None = None
 
     @property
@@ -196,6 +216,8 @@ class TrainingSession:
                      f"({len(trained)} parameters, optimizer "
                      f"{opt.name + f' lr={opt.lr:g}' if opt else 'none'}, "
                      f"{len(self._running)} running statistics)")
+        if self._data_parallel is not None:
+            lines.append(self._data_parallel.describe())
         if self.unreachable:
             lines.append(f"no gradient path from the loss to: {', '.join(self.unreachable)}")
         return "\n".join(lines)
@@ -241,12 +263,20 @@ class TrainingSession:
 
     # -- running -----------------------------------------------------------------------
     def step(self, feeds: Mapping[str, Any], *, update: bool = True) -> StepResult:
-        """One forward + backward (+ optimizer update unless ``update=False``)."""
+        """One forward + backward (+ optimizer update unless ``update=False``).
+
+        Distributed, the gradients are those of every rank's batch, averaged."""
+        parallel = self._data_parallel
+        if parallel is not None:
+            parallel.check_step(update)
         tensors = self._feeds(feeds) + [self.state[n] for n in self._state_order()]
         updates = self._update_tasks.get(update)
         if updates is None:
             updates = self._update_tasks[update] = self._updates(update)
-        outputs, stats = self._executor.run_step(tensors, updates)
+        outputs, stats = self._executor.run_step(
+            tensors, updates, parallel.communicate if parallel is not None else None)
+        if parallel is not None:
+            stats = parallel.finish_step(stats)
         self.last_run_stats = stats
         if self._aliased_outputs:
             self._engine.wait_all()
@@ -278,6 +308,15 @@ class TrainingSession:
                                    f"{', '.join(names)}")
         return [_to_numpy(outputs[names.index(n)]) for n in wanted]
 
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Distributed: steps in the block (``update=False``) accumulate gradients locally;
+        the next step outside it all-reduces their sum (as DDP's ``no_sync``)."""
+        if self._data_parallel is None:
+            raise InvalidInput("no_sync() is for sessions made with distributed=True")
+        with self._data_parallel.no_sync():
+            yield
+
     def close(self) -> None:
         self._engine.close()
 
@@ -300,21 +339,28 @@ class TrainingSession:
             return tensors
         return [t.to(self.device.torch) for t in tensors]
 
-    def _updates(self, apply: bool) -> list[Update]:
-        """Update tasks, one per task that produces gradients or running statistics."""
+    def _gradient_groups(self) -> dict[int | None, list[tuple[str, Value]]]:
+        """The gradients by the plan task that produces them (None: no task)."""
         executor = self._executor
-        slots = executor.slots
         by_task: dict[int | None, list[tuple[str, Value]]] = {}
         for name, value in self._gradient_values.items():
             task = executor.task_of.get(value.producer) if value.producer else None
             by_task.setdefault(task, []).append((name, value))
+        return by_task
+
+    def _updates(self, apply: bool) -> list[Update]:
+        """Update tasks, one per task that produces gradients or running statistics."""
+        executor = self._executor
+        slots = executor.slots
         updates = []
-        for task, group in by_task.items():
+        for task, group in self._gradient_groups().items():
             names = tuple(n for n, _ in group)
-            updates.append(Update(task, tuple(slots[v] for _, v in group),
-                                   self._apply_fn(names, apply),
-                                   tuple(self._vars[n] for n in names),
-                                   f"update {', '.join(names)}"))
+            update = Update(task, tuple(slots[v] for _, v in group),
+                            self._apply_fn(names, apply), tuple(self._vars[n] for n in names),
+                            f"update {', '.join(names)}")
+            if self._data_parallel is not None:
+                update = self._data_parallel.route(update)
+            updates.append(update)
         stats: dict[int | None, list[tuple[str, Value]]] = {}
         for name, value in self._running.items():
             task = executor.task_of.get(value.producer) if value.producer else None

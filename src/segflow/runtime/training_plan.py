@@ -21,7 +21,7 @@ from segflow.ops.registry import OpRegistry
 from segflow.passes.place import place
 from segflow.passes.segment import Phase, segment_nodes
 from segflow.profiler.sink import active_sink
-from segflow.runtime.executor import Executor
+from segflow.runtime.executor import AfterTasks, Executor
 from segflow.runtime.plan import Plan, resolve_opdefs
 from segflow.runtime.stats import RunStats
 from segflow.settings import BulkSettings
@@ -38,6 +38,10 @@ class Update:
     apply: Callable[[list[Tensor]], None]
     writes: tuple[Var, ...]
     name: str
+    # Further Vars it waits for (a gradient bucket's all-reduce), and where its inputs
+    # come from when not the env slots (that bucket's reduced gradients).
+    reads: tuple[Var, ...] = ()
+    values: Callable[[list[Tensor | None]], list[Tensor]] | None = None
 
 
 def make_training_plan(graph: Graph, registry: OpRegistry, settings: BulkSettings,
@@ -80,15 +84,19 @@ class TrainingExecutor(Executor):
         self.phase_counts = {phase: sum(1 for s in plan.segments if s.phase is phase)
                              for phase in (Phase.FORWARD, Phase.BACKWARD)}
 
-    def run_step(self, feeds: Sequence[Tensor], updates: Sequence[Update]
-                 ) -> tuple[list[Tensor], RunStats]:
-        """One forward+backward run, with ``updates`` pushed after the plan's tasks."""
+    def run_step(self, feeds: Sequence[Tensor], updates: Sequence[Update],
+                 communicate: AfterTasks | None = None) -> tuple[list[Tensor], RunStats]:
+        """One forward+backward run, with ``updates`` pushed after the plan's tasks
+        (and after the tasks ``communicate`` pushes, which updates may read)."""
         engine, device = self.engine, self.plan.default_device
 
         def push_updates(run_vars: list[Var], env: list[Tensor | None],
                          counts: RunCounters) -> None:
+            if communicate is not None:
+                communicate(run_vars, env, counts)
             for update in updates:
                 reads = [] if update.after is None else [run_vars[update.after]]
+                reads.extend(update.reads)
                 engine.push(_update_fn(update, env), reads, update.writes, ExecType.SYNC,
                             device, update.name, counts)
 
@@ -100,5 +108,8 @@ class TrainingExecutor(Executor):
 
 def _update_fn(update: Update, env: list[Tensor | None]) -> Callable[[], None]:
     def task() -> None:
-        update.apply([env[s] for s in update.slots])  # type: ignore[misc]
+        if update.values is not None:
+            update.apply(update.values(env))
+        else:
+            update.apply([env[s] for s in update.slots])  # type: ignore[misc]
     return task
