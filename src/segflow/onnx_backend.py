@@ -32,14 +32,15 @@ def _device_name(device: str) -> str:
     return f"{kind}:{index or 0}" if kind == "cuda" else "cpu"
 
 
-def _to_tensor(array: Any) -> Tensor:
-    """A feed as a torch tensor; bfloat16 arrays (ml_dtypes) are reinterpreted bitwise."""
-    if isinstance(array, Tensor):
+def _to_tensor(array: Any) -> Any:
+    """A feed as a torch tensor; bfloat16 arrays (ml_dtypes) are reinterpreted bitwise.
+    A sequence (a list) becomes a list of tensors, an empty optional (None) stays None."""
+    if isinstance(array, Tensor) or array is None:
         return array
     if isinstance(array, onnx.TensorProto):
         array = onnx.numpy_helper.to_array(array)
-    if isinstance(array, (list, tuple)) or array is None:
-        raise InvalidInput("segflow runs tensors only; got a sequence or optional feed")
+    if isinstance(array, (list, tuple)):
+        return [_to_tensor(x) for x in array]
     arr = np.asarray(array)
     if arr.dtype.name == "bfloat16":
         bits = np.array(arr, copy=True, order="C").view(np.int16)
@@ -49,7 +50,12 @@ def _to_tensor(array: Any) -> Tensor:
     return torch.from_numpy(np.array(arr, copy=True, order="C"))  # keeps 0-d arrays 0-d
 
 
-def _to_numpy(tensor: Tensor) -> np.ndarray:
+def _to_numpy(tensor: Any) -> Any:
+    """An output as numpy: a sequence (a list) as a list of arrays, None as None."""
+    if tensor is None:
+        return None
+    if isinstance(tensor, list):
+        return [_to_numpy(t) for t in tensor]
     t = tensor.detach().cpu()
     if t.dtype == torch.bfloat16:
         import ml_dtypes  # onnx depends on it; only needed for bfloat16 outputs

@@ -19,17 +19,19 @@ from segflow.ops import (
     linalg,
     misc,
     nn,
+    optional,
     qconv,
     quant,
     reduce,
     rnn,
+    sequence,
     tensor,
 )
 from segflow.ops.registry import BindContext, Kernel, OpDef, OpRegistry
 
 ALL_FAMILIES = (elementwise, nn, tensor, reduce, indexing, image, control, rnn, quant, linalg,
                 misc, copy, backward, backward_select, fused, dense_chain, contrib_quant,
-                contrib_fused, qconv)
+                contrib_fused, qconv, sequence, optional)
 
 
 
