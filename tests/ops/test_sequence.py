@@ -15,6 +15,7 @@ from seq_compare import assert_matches_ort, assert_same, model, seq, tensor
 
 import segflow
 from segflow.engine.base import ExecType
+from segflow.engine.streams import FakeBackend
 from segflow.errors import ExecutionError, InvalidInput
 
 RNG = np.random.default_rng(0)
@@ -294,3 +295,23 @@ def test_threaded_engine_runs_sequences() -> None:
     got = segflow.InferenceSession(proto, engine="threaded").run(None, feeds)
     for g, e in zip(got, expected):
         assert_same(g, e)
+
+
+@pytest.mark.parametrize("io_on_compute", [True, False])
+def test_sequences_on_a_device_with_streams(io_on_compute: bool) -> None:
+    """The stream path (CUDA's, on the CPU through FakeBackend): a sequence feed goes to
+    the device tensor by tensor, with one event for the lot on the copy stream, and a
+    sequence output comes back the same way."""
+    fake = FakeBackend()
+    sess = segflow.InferenceSession(_passthrough(), stream_backend=fake)
+    sess._executor.completion.io_on_compute = io_on_compute
+    s = [_f32(3, 2), _f32(1, 2)]
+    t = _f32(1, 2)
+    fake.calls.clear()
+    out, n = sess.run(None, {"s": s, "t": t})
+    assert_same(out, [s[0], s[1], t])
+    assert int(n) == 2
+    assert fake.count("to_device") == 3           # two tensors of the sequence, and t
+    assert fake.count("to_host") == 4             # the three of the output, and n
+    out, n = sess.run(None, {"s": [], "t": t})
+    assert_same(out, [t])
