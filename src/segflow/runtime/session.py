@@ -458,6 +458,7 @@ class InferenceSession(OrtSessionApi):
     def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
             run_options: RunOptions | None = None) -> list[np.ndarray]:
         """Run the model; returns numpy arrays in ``output_names`` order (None or []: all).
+        A sequence is a list of arrays and an empty optional None, feeds and outputs alike.
 
         ``run_options``: a :class:`segflow.RunOptions`; with ``terminate`` set the run
         raises instead. On the host (inline engine) the kernels run under
@@ -577,7 +578,8 @@ class InferenceSession(OrtSessionApi):
     def run_tensors(self, feeds: Mapping[str, Tensor]) -> list[Tensor]:
         """Run on torch tensors; returns torch tensors (no numpy round trip).
 
-        The outputs are ordinary tensors (not inference tensors), usable with autograd.
+        The outputs are ordinary tensors (not inference tensors), usable with autograd;
+        a sequence is a list of tensors and an empty optional None, feeds and outputs alike.
         """
         tensors, dims = self._validate(feeds)
         runner = self._runner_for(tensors)
