@@ -431,6 +431,19 @@ def test_run_and_check_a_model_with_sequence_and_optional_outputs(tmp_path, caps
     assert code == 0 and "  s: worst 0  max abs err 0  ok" in out
 
 
+def test_sequence_inputs_are_refused_in_one_line(tmp_path, capsys):
+    graph = helper.make_graph(
+        [helper.make_node("SequenceLength", ["s"], ["n"])], "seq_in",
+        [helper.make_tensor_sequence_value_info("s", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("n", TensorProto.INT64, [])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    path = tmp_path / "seq_in.onnx"
+    onnx.save(model, path)
+    for command in ("run", "check"):
+        err = one_line_error(capsys, command, str(path))
+        assert "input 's' is seq(float[2]): the command line makes tensor inputs only" in err
+
+
 # -- run's output ---------------------------------------------------------------------------
 def test_run_prints_a_few_lines_and_the_kernel_report_under_verbose(capsys):
     code, out, _ = run_cli(capsys, "run", "builtin:bert_tiny")
