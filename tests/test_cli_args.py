@@ -13,7 +13,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from segflow import cli
-from segflow.cli import compare_outputs
+from segflow.cli import compare_outputs, compare_values
 from segflow.errors import ExecutionError, SegflowError
 from segflow.frontend.onnx_import import declared_inputs
 from segflow.model_args import make_feeds, parse_input_arg
@@ -395,6 +395,54 @@ def test_compare_outputs_metric_and_nonfinite_values():
         assert not verdict.ok and "differ from onnxruntime's at 1 positions" in verdict.problem
     verdict = compare_outputs(np.zeros(3), np.zeros(4), atol=1, rtol=1)
     assert not verdict.ok and verdict.describe() == "shape [3] != onnxruntime [4]  FAIL"
+
+
+def test_compare_values_over_sequences_and_optionals():
+    a = [np.zeros(2), np.ones(3)]
+    assert compare_values(a, [x.copy() for x in a], atol=0, rtol=0).ok
+    assert compare_values(None, None, atol=0, rtol=0).ok
+    verdict = compare_values([np.zeros(2), np.ones(3) * 1.01], a, atol=0, rtol=1e-3)
+    assert not verdict.ok and verdict.worst == pytest.approx(10, rel=1e-3)
+    verdict = compare_values([np.zeros(2), np.ones(4)], a, atol=1, rtol=1)
+    assert not verdict.ok and "[1] shape [4] != onnxruntime [3]" in verdict.describe()
+    for got, want, problem in ([a[:1], a, "a sequence of 1 != onnxruntime 2"],
+                               [None, np.zeros(2), "an empty optional != onnxruntime a tensor"],
+                               [np.zeros(2), a, "a tensor != onnxruntime a sequence of 2"]):
+        verdict = compare_values(got, want, atol=1, rtol=1)
+        assert not verdict.ok and verdict.problem == problem
+
+
+def test_run_and_check_a_model_with_sequence_and_optional_outputs(tmp_path, capsys):
+    held = helper.make_tensor_type_proto(TensorProto.FLOAT, [2, 3])
+    graph = helper.make_graph(
+        [helper.make_node("SplitToSequence", ["x"], ["s"], axis=0),
+         helper.make_node("Optional", ["x"], ["o"])], "seq",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_sequence_value_info("s", TensorProto.FLOAT, None),
+         helper.make_value_info("o", helper.make_optional_type_proto(held))])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 10
+    path = tmp_path / "seq.onnx"
+    onnx.save(model, path)
+    code, out, _ = run_cli(capsys, "run", str(path))
+    assert code == 0
+    assert "output s: sequence of 2\n    [0] float32[1, 3] checksum=" in out
+    assert "output o: float32[2, 3] checksum=" in out
+    code, out, _ = run_cli(capsys, "check", str(path))
+    assert code == 0 and "  s: worst 0  max abs err 0  ok" in out
+
+
+def test_sequence_inputs_are_refused_in_one_line(tmp_path, capsys):
+    graph = helper.make_graph(
+        [helper.make_node("SequenceLength", ["s"], ["n"])], "seq_in",
+        [helper.make_tensor_sequence_value_info("s", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("n", TensorProto.INT64, [])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    path = tmp_path / "seq_in.onnx"
+    onnx.save(model, path)
+    for command in ("run", "check"):
+        err = one_line_error(capsys, command, str(path))
+        assert "input 's' is seq(float[2]): the command line makes tensor inputs only" in err
 
 
 # -- run's output ---------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import torch
 import segflow
 from segflow.errors import InvalidInput
 from segflow.ir import DType, TensorSpec, Value
+from segflow.ir.types import OptionalSpec, SequenceSpec
 from segflow.runtime.feeds import FeedValidator
 
 
@@ -53,3 +54,38 @@ def test_both_sessions_use_it():
     for run in (lambda f: inference.run(None, f), lambda f: training.step(f)):
         with pytest.raises(InvalidInput, match="unknown input name 'q'"):
             run({"q": np.ones(1)})
+
+
+def _container_validator() -> FeedValidator:
+    return FeedValidator([
+        Value("s", container=SequenceSpec(TensorSpec(DType.FLOAT32, ("n", 2)))),
+        Value("o", container=OptionalSpec(TensorSpec(DType.INT64, (3,)))),
+        Value("x", TensorSpec(DType.FLOAT32, ("batch",)))])
+
+
+def test_sequence_and_optional_feeds():
+    """A sequence is a list of tensors, each checked against the element spec; its
+    tensors may differ in a symbolic dim, which binds no graph-wide size."""
+    check = _container_validator()
+    a, b = np.ones((1, 2), np.float32), np.ones((4, 2), np.float32)
+    feeds, dims = check({"s": [a, b], "o": None, "x": np.zeros(5, np.float32)})
+    assert isinstance(feeds[0], list) and [t.shape for t in feeds[0]] == [(1, 2), (4, 2)]
+    assert feeds[0][0].data_ptr() == a.ctypes.data and feeds[1] is None
+    assert dims == {"batch": 5}
+    feeds, _ = check({"s": (), "o": np.arange(3), "x": np.zeros(1, np.float32)})
+    assert feeds[0] == [] and feeds[1].tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("feeds,match", [
+    ({"s": np.ones((1, 2), np.float32)}, r"'s' is an array; expected a list of arrays"),
+    ({"s": [np.ones((1, 2), np.int64)]}, r"dtype int64.*element 0 of the sequence"),
+    ({"s": [np.ones((1, 2, 1), np.float32)]}, r"rank 3.*element 0"),
+    ({"o": [np.arange(3)]}, r"'o' is a list; expected an array or None"),
+    ({"o": np.arange(4)}, r"dimension 4 at axis 0, expected 3"),
+    ({"x": [np.zeros(1, np.float32)]}, r"'x' is a list of arrays \(a sequence\)"),
+])
+def test_wrong_kind_feeds_name_the_input(feeds, match):
+    full = {"s": [np.ones((1, 2), np.float32)], "o": None, "x": np.zeros(1, np.float32),
+            **feeds}
+    with pytest.raises(InvalidInput, match=match):
+        _container_validator()(full)

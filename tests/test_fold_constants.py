@@ -161,3 +161,15 @@ def test_folded_unsqueeze_and_slice_across_opsets(opset):
     graph = import_model(model)
     assert fold_constants(graph).modified and [n.op_type for n in graph.nodes] == ["Mul"]
     _check(model, {"x": np.full((1, 3, 2), 2.0, np.float32)})
+
+
+def test_sequences_of_constants_are_left_alone():
+    """Every input constant, yet nothing folds: a sequence is no tensor a constant can hold,
+    so the nodes that make or read one run (unchanged case of the pass)."""
+    nodes = [helper.make_node("SequenceConstruct", ["w", "w"], ["s"]),
+             helper.make_node("SequenceLength", ["s"], ["n"])]
+    graph = import_model(_model(nodes, {}, ["n"], {"w": np.array([1.0, 2.0], np.float32)},
+                                opset=17, out_type=TensorProto.INT64))
+    result = fold_constants(graph)
+    assert not result.changed
+    assert [n.op_type for n in graph.nodes] == ["SequenceConstruct", "SequenceLength"]

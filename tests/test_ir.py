@@ -6,7 +6,7 @@ import pytest
 
 from segflow.frontend.onnx_import import import_model
 from segflow.ir import DType, Graph, IRError, Node, TensorSpec, Value
-from segflow.ir.types import Device
+from segflow.ir.types import Device, OptionalSpec, SequenceSpec
 from segflow.models import build
 
 
@@ -168,3 +168,21 @@ def test_an_input_that_is_also_an_output_keeps_the_shapes_after_it():
     relu = next(n for n in imported.nodes if n.op_type == "Relu")
     assert relu.outputs[0].spec.shape == ("N", 3, 4)
     assert [v.name for v in imported.outputs] == ["x", "z"]
+
+
+def test_container_values_and_the_nodes_that_touch_them():
+    g = Graph("g")
+    x = g.add_input(Value("x", TensorSpec(DType.FLOAT32, (2,))))
+    s = Value("s", container=SequenceSpec(TensorSpec(DType.FLOAT32, (2,))))
+    y = Value("y", TensorSpec(DType.FLOAT32))
+    relu = g.append(Node("Relu", [x], [Value("r")]))
+    construct = g.append(Node("SequenceConstruct", [relu.outputs[0]], [s]))
+    concat = g.append(Node("ConcatFromSequence", [s], [y], {"axis": 0}))
+    g.outputs.append(y)
+    g.validate()
+    assert x.is_tensor and not s.is_tensor
+    assert not relu.touches_containers
+    assert construct.touches_containers and concat.touches_containers
+    assert s.describe() == "seq(float[2])"
+    assert Value("o", container=OptionalSpec(SequenceSpec())).describe() == \
+        "optional(seq(?[?]))"

@@ -64,3 +64,39 @@ def test_fused_ops_are_refused_by_name() -> None:
     assert fuse(imported, ["linear"]).changed
     with pytest.raises(InvalidModel, match=r"segflow\.FusedGemm, which has no ONNX form"):
         export_model(imported, describe_model(model))
+
+
+def test_sequence_and_optional_types_are_exported() -> None:
+    """A sequence input and output, and an If returning an optional: the exported model
+    declares their types, so onnxruntime runs it as it runs the original."""
+    held = helper.make_tensor_type_proto(TensorProto.FLOAT, [2])
+    then = helper.make_graph([helper.make_node("Optional", ["t"], ["o_then"])], "then", [],
+                             [helper.make_value_info("o_then",
+                                                     helper.make_optional_type_proto(held))])
+    other = helper.make_graph([helper.make_node("Optional", [], ["o_else"], type=held)],
+                              "else", [],
+                              [helper.make_value_info("o_else",
+                                                      helper.make_optional_type_proto(held))])
+    nodes = [helper.make_node("SequenceInsert", ["s", "t"], ["out"]),
+             helper.make_node("If", ["flag"], ["opt"], then_branch=then, else_branch=other)]
+    graph = helper.make_graph(
+        nodes, "g",
+        [helper.make_tensor_sequence_value_info("s", TensorProto.FLOAT, [2]),
+         helper.make_tensor_value_info("t", TensorProto.FLOAT, [2]),
+         helper.make_tensor_value_info("flag", TensorProto.BOOL, [])],
+        [helper.make_tensor_sequence_value_info("out", TensorProto.FLOAT, [2]),
+         helper.make_value_info("opt", helper.make_optional_type_proto(held))])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 10
+    exported = export_model(import_model(model), describe_model(model))
+    onnx.checker.check_model(exported)
+    kinds = [v.type.WhichOneof("value") for v in [*exported.graph.input, *exported.graph.output]]
+    assert kinds == ["sequence_type", "tensor_type", "tensor_type", "sequence_type",
+                     "optional_type"]
+    feeds = {"s": [np.ones(2, np.float32)], "t": np.zeros(2, np.float32),
+             "flag": np.array(False)}
+    ours = onnxruntime.InferenceSession(exported.SerializeToString(),
+                                        providers=["CPUExecutionProvider"]).run(None, feeds)
+    theirs = onnxruntime.InferenceSession(model.SerializeToString(),
+                                          providers=["CPUExecutionProvider"]).run(None, feeds)
+    assert len(ours[0]) == len(theirs[0]) == 2 and ours[1] is None and theirs[1] is None

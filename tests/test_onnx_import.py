@@ -14,6 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from segflow.errors import InvalidModel
 from segflow.frontend.onnx_import import import_model
+from segflow.ir.types import DType, OptionalSpec, SequenceSpec, TensorSpec
 
 
 def _address(raw: bytes) -> int:
@@ -69,3 +70,43 @@ def test_raw_data_of_the_wrong_size_is_refused() -> None:
     weight.raw_data = weight.raw_data[:-4]
     with pytest.raises(InvalidModel, match="'w'"):
         import_model(_model(weight))
+
+
+def test_sequence_and_optional_types_are_imported() -> None:
+    """ONNX's sequence and optional types become the values' ``container`` specs: graph
+    inputs, node outputs (from shape inference) and the inputs and outputs of a Loop
+    body; tensors keep ``container`` None."""
+    float2 = helper.make_tensor_type_proto(TensorProto.FLOAT, [2])
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["c"], ["c_out"]),
+         helper.make_node("SequenceInsert", ["acc", "x"], ["acc_out"])], "body",
+        [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+         helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+         helper.make_tensor_sequence_value_info("acc", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("c_out", TensorProto.BOOL, []),
+         helper.make_tensor_sequence_value_info("acc_out", TensorProto.FLOAT, [2])])
+    nodes = [helper.make_node("Loop", ["n", "", "s"], ["acc_final"], body=body),
+             helper.make_node("Optional", ["x"], ["o"]),
+             helper.make_node("OptionalHasElement", ["o"], ["has"])]
+    graph = helper.make_graph(
+        nodes, "g",
+        [helper.make_tensor_sequence_value_info("s", TensorProto.FLOAT, [2]),
+         helper.make_tensor_value_info("x", TensorProto.FLOAT, [2]),
+         helper.make_tensor_value_info("n", TensorProto.INT64, [])],
+        [helper.make_tensor_sequence_value_info("acc_final", TensorProto.FLOAT, [2]),
+         helper.make_value_info("o", helper.make_optional_type_proto(float2)),
+         helper.make_tensor_value_info("has", TensorProto.BOOL, [])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    imported = import_model(model)
+    float_spec = TensorSpec(DType.FLOAT32, (2,))
+    s, x, _ = imported.inputs
+    assert s.container == SequenceSpec(float_spec) and not s.is_tensor
+    assert x.container is None and x.is_tensor
+    loop, wrap, has = imported.nodes
+    assert loop.outputs[0].container == SequenceSpec(float_spec)
+    assert wrap.outputs[0].container == OptionalSpec(float_spec)
+    assert has.outputs[0].is_tensor and has.touches_containers   # it reads an optional
+    acc = loop.subgraphs["body"].inputs[2]
+    assert acc.container == SequenceSpec(float_spec)
+    assert loop.subgraphs["body"].outputs[1].container == SequenceSpec(float_spec)
+    assert acc.describe() == "seq(float[2])" and wrap.outputs[0].describe() == "optional(float[2])"

@@ -15,6 +15,7 @@ import sys
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -50,8 +51,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     for name, array in feeds.items():
         print(f"  input  {name}: {array.dtype}{list(array.shape)}")
     for name, out in zip(names, outputs):
-        print(f"  output {name}: {out.dtype}{list(out.shape)} checksum={checksum(out)} "
-              f"mean={float(np.mean(out)) if out.size else 0.0:.6g}")
+        print(f"  output {name}: {_describe_output(out)}")
     if stats is not None:
         print(f"run: {stats.wall_time_s * 1e3:.2f} ms  segments={stats.segments} "
               f"pushes={stats.pushes} syncs={stats.syncs} kernels={stats.kernels} "
@@ -98,7 +98,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
           "where onnxruntime has them")
     failed = False
     for out, a, b in zip(sess.get_outputs(), got, expected):
-        verdict = compare_outputs(a, b, args.atol, args.rtol)
+        verdict = compare_values(a, b, args.atol, args.rtol)
         print(f"  {out.name}: {verdict.describe()}")
         failed = failed or not verdict.ok
     return 1 if failed else 0
@@ -125,6 +125,43 @@ class Verdict:
         problem = f"  {self.problem}" if self.problem else ""
         return (f"worst {self.worst:.3g}  max abs err {self.max_abs:.3g}{same}{problem}  "
                 f"{'ok' if self.ok else 'FAIL'}")
+
+
+def _describe_output(out: Any) -> str:
+    """An output line's text: dtype, shape, checksum and mean; a sequence's per tensor."""
+    if out is None:
+        return "empty optional"
+    if isinstance(out, list):
+        return f"sequence of {len(out)}" + "".join(
+            f"\n    [{i}] {_describe_output(t)}" for i, t in enumerate(out))
+    mean = float(np.mean(out)) if out.size else 0.0
+    return f"{out.dtype}{list(out.shape)} checksum={checksum(out)} mean={mean:.6g}"
+
+
+def compare_values(a: Any, b: Any, atol: float, rtol: float) -> Verdict:
+    """:func:`compare_outputs` over any output: a sequence (a list) tensor by tensor, its
+    worst ratio the worst of them; an empty optional (None) only matches None."""
+    if a is None or b is None or isinstance(a, list) != isinstance(b, list):
+        if a is None and b is None:
+            return Verdict(0.0, 0.0)
+        return Verdict(math.nan, math.nan, problem=f"{_kind(a)} != onnxruntime {_kind(b)}")
+    if not isinstance(a, list):
+        return compare_outputs(a, b, atol, rtol)
+    if len(a) != len(b):
+        return Verdict(math.nan, math.nan, problem=f"a sequence of {len(a)} != onnxruntime "
+                                                   f"{len(b)}")
+    verdicts = [compare_outputs(x, y, atol, rtol) for x, y in zip(a, b)]
+    problems = [f"[{i}] {v.problem}" for i, v in enumerate(verdicts) if v.problem]
+    def worst(values: list[float]) -> float:   # NaN (a tensor not compared) wins
+        return math.nan if any(math.isnan(v) for v in values) else max(values, default=0.0)
+    return Verdict(worst([v.worst for v in verdicts]), worst([v.max_abs for v in verdicts]),
+                   nonfinite=sum(v.nonfinite for v in verdicts), problem="; ".join(problems))
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "an empty optional"
+    return f"a sequence of {len(value)}" if isinstance(value, list) else "a tensor"
 
 
 def compare_outputs(a: np.ndarray, b: np.ndarray, atol: float, rtol: float) -> Verdict:
@@ -171,7 +208,6 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 def _cmd_cache(args: argparse.Namespace) -> int:
     import time
     from pathlib import Path
-    from typing import Any
 
     from segflow.cache_descriptions import NativeBuildDescription, PackageDescription, age
     from segflow.cache_store import ArtifactStore

@@ -244,6 +244,11 @@ def make_feeds(inputs: Sequence[Value], given: Sequence[InputArg],
     Every mismatch with the model is a one-line :class:`SegflowError`."""
     from segflow.runtime.feeds import check_feed
 
+    for value in inputs:
+        if value.container is not None:
+            raise SegflowError(f"input {value.name!r} is {value.describe()}: the command "
+                               "line makes tensor inputs only (feed it from Python: "
+                               "InferenceSession.run takes a list or None)")
     dims = dict(dims or {})
     by_name = {v.name: v for v in inputs}
     symbols: dict[str, tuple[int, str]] = {}

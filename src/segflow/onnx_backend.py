@@ -33,14 +33,15 @@ def _device_name(device: str) -> str:
     return f"{kind}:{index or 0}" if kind == "cuda" else "cpu"
 
 
-def _to_tensor(array: Any) -> Tensor:
-    """A feed as a torch tensor; bfloat16 arrays (ml_dtypes) are reinterpreted bitwise."""
-    if isinstance(array, Tensor):
+def _to_tensor(array: Any) -> Any:
+    """A feed as a torch tensor; bfloat16 arrays (ml_dtypes) are reinterpreted bitwise.
+    A sequence (a list) becomes a list of tensors, an empty optional (None) stays None."""
+    if isinstance(array, Tensor) or array is None:
         return array
     if isinstance(array, onnx.TensorProto):
         array = onnx.numpy_helper.to_array(array)
-    if isinstance(array, (list, tuple)) or array is None:
-        raise InvalidInput("segflow runs tensors only; got a sequence or optional feed")
+    if isinstance(array, (list, tuple)):
+        return [_to_tensor(x) for x in array]
     arr = np.asarray(array)
     if arr.dtype in lowbit.NUMPY_DTYPES:
         return lowbit.to_tensor(arr)   # float8, int4 ...: their torch form
@@ -52,9 +53,13 @@ def _to_tensor(array: Any) -> Tensor:
     return torch.from_numpy(np.array(arr, copy=True, order="C"))  # keeps 0-d arrays 0-d
 
 
-def _to_numpy(tensor: Tensor, dtype: DType | None) -> np.ndarray:
-    """An output as numpy; ``dtype``, the graph's type of it, tells a sub-byte type from the
-    ordinary type of its container."""
+def _to_numpy(tensor: Any, dtype: DType | None) -> Any:
+    """An output as numpy: a sequence (a list) as a list of arrays, None as None; ``dtype``,
+    the graph's type of it, tells a sub-byte type from the ordinary type of its container."""
+    if tensor is None:
+        return None
+    if isinstance(tensor, list):
+        return [_to_numpy(t, dtype) for t in tensor]
     t = tensor.detach().cpu()
     if dtype is not None and dtype.is_lowbit:
         return np.array(lowbit.to_numpy(t, dtype), copy=True)

@@ -303,16 +303,6 @@ def test_tfidf_vectorizer_strings_unsupported() -> None:
         segflow.InferenceSession(make_model([node], feeds, ["y"], 9))
 
 
-def test_optional_ops_on_tensors() -> None:
-    feeds = {"x": RNG.standard_normal(3).astype(np.float32)}
-    nodes = [helper.make_node("OptionalHasElement", ["x"], ["has"]),
-             helper.make_node("OptionalHasElement", [""], ["none"]),
-             helper.make_node("OptionalGetElement", ["x"], ["y"])]
-    has, none, y = _run(make_model(nodes, feeds, ["has", "none", "y"], 18), feeds)
-    assert bool(has) and not bool(none)
-    np.testing.assert_array_equal(y, feeds["x"])
-
-
 # -- random generators (statistical and determinism checks: values cannot match other RNGs) --
 
 @pytest.mark.parametrize(("op", "attrs"), [

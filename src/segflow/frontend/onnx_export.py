@@ -24,7 +24,7 @@ from segflow.errors import InvalidModel
 from segflow.frontend.model_info import ModelInfo
 from segflow.ir import lowbit
 from segflow.ir.graph import Graph, Node, Value
-from segflow.ir.types import DType, TensorSpec
+from segflow.ir.types import DType, OptionalSpec, SequenceSpec, TensorSpec
 
 
 def export_model(graph: Graph, info: ModelInfo,
@@ -136,8 +136,20 @@ def _tensor_proto(tensor: torch.Tensor, name: str,
 
 
 def _value_info(value: Value, specs: Mapping[str, TensorSpec]) -> onnx.ValueInfoProto:
+    if value.container is not None:
+        return helper.make_value_info(value.name, _type_proto(value.container))
     spec = value.spec if value.spec.dtype is not None else specs.get(value.name, value.spec)
     if spec.dtype is None:
         return helper.make_empty_tensor_value_info(value.name)
     shape = None if spec.shape is None else list(spec.shape)
     return helper.make_tensor_value_info(value.name, spec.dtype.value, shape)
+
+
+def _type_proto(spec: TensorSpec | SequenceSpec | OptionalSpec) -> onnx.TypeProto:
+    """A sequence's or an optional's type, down to the tensors it holds."""
+    if isinstance(spec, SequenceSpec):
+        return helper.make_sequence_type_proto(_type_proto(spec.elem))
+    if isinstance(spec, OptionalSpec):
+        return helper.make_optional_type_proto(_type_proto(spec.elem))
+    shape = None if spec.shape is None else list(spec.shape)
+    return helper.make_tensor_type_proto(spec.dtype.value if spec.dtype else 0, shape)

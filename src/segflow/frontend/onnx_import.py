@@ -33,7 +33,7 @@ from segflow.frontend.validate import (
 )
 from segflow.ir import lowbit
 from segflow.ir.graph import Graph, Node, Value
-from segflow.ir.types import Dim, DType, TensorSpec
+from segflow.ir.types import ContainerSpec, Dim, DType, OptionalSpec, SequenceSpec, TensorSpec
 from segflow.ops import default_registry
 from segflow.ops.registry import NEWEST_ONNX_OPSET, OpRegistry
 
@@ -74,7 +74,7 @@ def declared_inputs(proto: onnx.ModelProto) -> list[Value]:
     ['float[N,3,H,W]']
     """
     initializers = {t.name for t in proto.graph.initializer}
-    return [Value(vi.name, _spec(vi.type)) for vi in proto.graph.input
+    return [_typed_value(vi.name, vi.type) for vi in proto.graph.input
             if vi.name not in initializers]
 
 
@@ -204,7 +204,7 @@ class _Importer:
         for vi in gp.input:
             if vi.name in graph.initializers:
                 continue  # an overridable default (old-style models): stays a constant
-            value = Value(vi.name, _spec(vi.type))
+            value = _typed_value(vi.name, vi.type)
             graph.add_input(value)
             names[vi.name] = value
 
@@ -218,11 +218,14 @@ class _Importer:
             if parent is not None and value is scope.get(vi.name):
                 # A subgraph returning an outer value as is: route it through an Identity
                 # so the subgraph visibly reads (captures) it.
-                copy = Value(f"{vi.name}:{graph.name}_out", value.spec)
+                copy = Value(f"{vi.name}:{graph.name}_out", value.spec,
+                             container=value.container)
                 graph.append(Node("Identity", [value], [copy], name=copy.name,
                                   opset=self.opsets.get("", 1)))
                 value = copy
             declared = _spec(vi.type)
+            if value.container is None:
+                value.container = _container(vi.type)
             if value.spec.shape is None and declared.shape is not None:
                 value.spec = declared
             elif value.spec.dtype is None:
@@ -270,8 +273,8 @@ class _Importer:
                 attrs[attr.name] = _attribute(attr)
         outputs: list[Value] = []
         for name in np_.output:
-            spec = _spec(infos[name].type) if name in infos else TensorSpec()
-            outputs.append(Value(name or f"{label}:unused{len(outputs)}", spec))
+            outputs.append(_typed_value(name or f"{label}:unused{len(outputs)}",
+                                        infos[name].type if name in infos else None))
         node = Node(np_.op_type, inputs, outputs, attrs, name=np_.name or label,
                     domain=domain, opset=opset, subgraphs=subgraphs)
         graph.append(node)
@@ -426,6 +429,25 @@ def _spec(tp: onnx.TypeProto) -> TensorSpec:
         else:
             dims.append(None)
     return TensorSpec(dtype, tuple(dims))
+
+
+def _container(tp: onnx.TypeProto) -> ContainerSpec | None:
+    """A sequence or optional type as the IR's spec of it; None for a tensor type."""
+    if tp.HasField("sequence_type"):
+        return SequenceSpec(_spec(tp.sequence_type.elem_type))
+    if tp.HasField("optional_type"):
+        inner = tp.optional_type.elem_type
+        held = _container(inner)
+        return OptionalSpec(held if isinstance(held, SequenceSpec) else _spec(inner))
+    return None
+
+
+def _typed_value(name: str, tp: onnx.TypeProto | None) -> Value:
+    """A value of the declared (or inferred) type ``tp``: a tensor's spec, or the
+    sequence or optional it holds (None: nothing known)."""
+    if tp is None:
+        return Value(name)
+    return Value(name, _spec(tp), container=_container(tp))
 
 
 def _spec_of_tensor(t: torch.Tensor | None, code: int = 0) -> TensorSpec:

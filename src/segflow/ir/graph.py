@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from segflow.ir.types import Device, TensorSpec
+from segflow.ir.types import ContainerSpec, Device, TensorSpec
 
 
 class IRError(Exception):
@@ -22,14 +22,21 @@ class IRError(Exception):
 
 
 class Value:
-    """A tensor-valued edge of the graph."""
+    """An edge of the graph: a tensor, or a sequence or optional value (``container``).
 
-    __slots__ = ("name", "spec", "producer", "uses", "const")
+    ``spec`` describes a tensor value; a sequence's or an optional's is empty (nothing
+    about it is a tensor's shape), and ``container`` says what it holds instead.
+    """
+
+    __slots__ = ("name", "spec", "producer", "uses", "const", "container")
 
     def __init__(self, name: str, spec: TensorSpec | None = None,
-                 const: torch.Tensor | None = None) -> None:
+                 const: torch.Tensor | None = None,
+                 container: ContainerSpec | None = None) -> None:
         self.name = name
         self.spec = spec or TensorSpec()
+        # The value's kind beyond tensors (a sequence, an optional); None: a tensor.
+        self.container = container
         self.producer: Node | None = None
         self.uses: list[Node] = []
         # Initializer / folded constant data; None for computed values.
@@ -38,6 +45,14 @@ class Value:
     @property
     def is_const(self) -> bool:
         return self.const is not None
+
+    @property
+    def is_tensor(self) -> bool:
+        return self.container is None
+
+    def describe(self) -> str:
+        """The value's type as errors show it: ``float[1,3]``, ``seq(float[?])``."""
+        return self.spec.describe() if self.container is None else self.container.describe()
 
     def __repr__(self) -> str:
         return f"%{self.name}"
@@ -70,6 +85,13 @@ class Node:
         ins = ", ".join("None" if v is None else f"%{v.name}" for v in self.inputs)
         name = f" [{self.name}]" if self.name else ""
         return f"{outs} = {self.op_type}({ins}){name}"
+
+    @property
+    def touches_containers(self) -> bool:
+        """Whether the node reads or writes a sequence or optional value: such a node runs
+        on the host as a LOCAL task, and passes that rewrite tensors leave it alone."""
+        return any(v is not None and v.container is not None
+                   for v in (*self.inputs, *self.outputs))
 
     def __repr__(self) -> str:
         return f"<Node {self.label}>"

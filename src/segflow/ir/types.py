@@ -222,6 +222,33 @@ class TensorSpec:
         return f"{dtype}[{dims}]"
 
 
+@dataclass(frozen=True, slots=True)
+class SequenceSpec:
+    """A sequence value: an ordered list of tensors, each described by ``elem``.
+
+    At run time a sequence is a Python list of tensors (it may be empty).
+    """
+
+    elem: TensorSpec = TensorSpec()
+
+    def describe(self) -> str:
+        return f"seq({self.elem.describe()})"
+
+
+@dataclass(frozen=True, slots=True)
+class OptionalSpec:
+    """An optional value: empty (None at run time) or one tensor or sequence."""
+
+    elem: TensorSpec | SequenceSpec = TensorSpec()
+
+    def describe(self) -> str:
+        return f"optional({self.elem.describe()})"
+
+
+ContainerSpec = SequenceSpec | OptionalSpec
+"""The value kinds beyond tensors: what ``Value.container`` holds (None for a tensor)."""
+
+
 def shape_window(start: int | None, end: int | None, rank: int) -> slice:
     """The axes ONNX ``Shape(start=, end=)`` returns for a rank-``rank`` input (clamped)."""
     def clamp(index: int | None) -> int | None:

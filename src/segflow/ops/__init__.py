@@ -21,19 +21,21 @@ from segflow.ops import (
     misc,
     ml,
     nn,
+    optional,
     preview_training,
     qconv,
     quant,
     reduce,
     rnn,
+    sequence,
     tensor,
 )
 from segflow.ops.registry import BindContext, Kernel, OpDef, OpRegistry
 
 ALL_FAMILIES = (elementwise, nn, tensor, reduce, indexing, image, control, rnn, quant, linalg,
                 misc, copy, backward, backward_select, fused, dense_chain, contrib_quant,
-                contrib_fused, qconv, preview_training, ml, image_decoder)
-
+                contrib_fused, qconv, preview_training, ml, image_decoder, sequence,
+                optional)
 
 
 def default_registry() -> OpRegistry:

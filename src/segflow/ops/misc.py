@@ -1,7 +1,6 @@
 """Signal processing, text features, random generators and sequence-reordering ops: DFT,
 STFT, window functions, MelWeightMatrix, TfIdfVectorizer (integer tokens), RandomNormal/
-RandomUniform(Like), Bernoulli, Multinomial, ReverseSequence, and OptionalHasElement/
-OptionalGetElement over plain tensors.
+RandomUniform(Like), Bernoulli, Multinomial and ReverseSequence.
 
 A ``seed`` attribute seeds a generator owned by the bound kernel: runs of one session
 continue its sequence (as onnxruntime does), and two sessions with the same seed agree.
@@ -294,24 +293,6 @@ def _tfidf(node: Node, ctx: BindContext) -> Kernel:
     return kernel
 
 
-# -- optionals over plain tensors --------------------------------------------------------
-
-def _optional_has_element(node: Node, ctx: BindContext) -> Kernel:
-    def kernel(inputs: Inputs) -> list[Tensor]:
-        present = len(inputs) > 0 and inputs[0] is not None
-        return [torch.tensor(present, device=ctx.device)]
-    return kernel
-
-
-def _optional_get_element(node: Node, ctx: BindContext) -> Kernel:
-    def kernel(inputs: Inputs) -> list[Tensor]:
-        x = inputs[0] if inputs else None
-        if x is None:
-            raise ValueError("OptionalGetElement: the optional input holds no value")
-        return [x]
-    return kernel
-
-
 # -- random generators -------------------------------------------------------------------
 
 def _generator(node: Node, ctx: BindContext) -> torch.Generator | None:
@@ -393,8 +374,6 @@ OPS: list[OpDef] = [
     OpDef("ReverseSequence", _reverse_sequence, since=10, grad=gradients.recompute),
     OpDef("TfIdfVectorizer", _tfidf, since=9, exec_type=ExecType.LOCAL,
           doc="host-side n-gram counting"),
-    OpDef("OptionalHasElement", _optional_has_element, since=15),
-    OpDef("OptionalGetElement", _optional_get_element, since=15),
     OpDef("RandomNormal", _random(normal=True, like=False)),
     OpDef("RandomUniform", _random(normal=False, like=False)),
     OpDef("RandomNormalLike", _random(normal=True, like=True)),

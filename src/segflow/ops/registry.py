@@ -172,6 +172,11 @@ class OpDef:
     inline: InlineOp | None = None
 
     def exec_type_of(self, node: Node) -> ExecType:
+        # Sequences and optionals are host-side lists and Nones, which no bulk segment,
+        # generated program or device stream carries: any node moving one (an Identity
+        # of a sequence, say) runs as a LOCAL task.
+        if node.touches_containers:
+            return ExecType.LOCAL
         return self.classify(node) if self.classify else self.exec_type
 
     def covers(self, opset: int) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -313,10 +314,9 @@ def _cast_like(node: Node, ctx: BindContext) -> Kernel:
 
 
 def _identity(node: Node, ctx: BindContext) -> Kernel:
-    def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
-        x = inputs[0]
-        assert x is not None
-        return [x]
+    # Passes any value through: a tensor, a sequence (a list) or an empty optional (None).
+    def kernel(inputs: Sequence[Any]) -> list[Any]:
+        return [inputs[0]]
     return kernel
 
 

@@ -11,7 +11,8 @@ A node left unfolded whose data inputs have static shapes and whose other inputs
 constants gets the static output shapes its kernel computes over meta tensors
 (``passes/static_shapes.py``), so a chain of computed reshapes settles in one walk.
 
-Not folded: nodes with subgraphs, random ops, and results larger than
+Not folded: nodes with subgraphs, random ops, nodes reading or writing a sequence or an
+optional, and results larger than
 ``max_bytes`` (folding must not turn a cheap ``Expand`` into a huge weight).
 Dead nodes and unused initializers are removed afterwards.
 
@@ -103,7 +104,9 @@ def fold_constants(graph: Graph, registry: OpRegistry | None = None, *,
 
 
 def _foldable(node: Node) -> bool:
-    if node.subgraphs or node.op_type in _NONDETERMINISTIC or not node.inputs:
+    # A sequence or optional is no constant tensor a Value can hold.
+    if node.subgraphs or node.op_type in _NONDETERMINISTIC or not node.inputs \
+            or node.touches_containers:
         return False
     present = [v for v in node.inputs if v is not None]
     return bool(present) and all(v.is_const and not v.const.is_mkldnn  # type: ignore[union-attr]

@@ -211,6 +211,8 @@ def plan_memory(graph: Graph, order: Sequence[Node] | None = None, *,
             defined[value] = index
             last_use.setdefault(value, index)
         if node.op_type not in FRESH_OUTPUT_OPS:
+            # A view shares its input's storage; a sequence holds its input tensors
+            # (no sequence op is fresh): either way the inputs live as long as the output.
             for source in node.inputs:
                 if source is not None:
                     for out in node.outputs:

@@ -94,6 +94,8 @@ def specialize_reason(graph: Graph) -> str | None:
     """Why a plan per input shape pays for ``graph`` (None: it does not): shapes it
     computes at run time (:func:`runtime_shape_nodes`), or dims of its values that are
     unknown until run time (:func:`unbound_dims`)."""
+    if not all(v.is_tensor for v in graph.inputs):
+        return None   # a sequence or optional feed has no one shape to plan for
     nodes = runtime_shape_nodes(graph)
     if nodes:
         counts = ", ".join(f"{op} {n}" for op, n in sorted(nodes.items()))

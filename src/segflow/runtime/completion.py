@@ -67,6 +67,7 @@ from segflow.runtime.cudagraph import (
     capture_decision,
     describe_decisions,
 )
+from segflow.runtime.feeds import feed_tensors
 from segflow.runtime.plan import Plan
 
 Tensor = torch.Tensor
@@ -375,28 +376,42 @@ class _StreamRun:
         owner = self.owner
         if not owner.stage:
             return feeds
-        backend, device = owner.backend, owner.default_device
+        device = owner.default_device
         compute = owner.pool.compute(device)
-        staged = []
-        for tensor in feeds:
-            upload = backend.needs_upload(tensor, device)
-            if upload and owner.io_on_compute:
-                # On the stream of every task that reads it: ordered without an event.
-                staged.append(backend.to_device(tensor, device, compute))
+        staged: list[Any] = []
+        for feed in feeds:
+            if feed is None:   # an empty optional
+                staged.append(None)
                 self.feed_events.append(None)
-                continue
-            if upload:
-                copy_stream = owner.pool.copy(device)
-                moved = backend.to_device(tensor, device, copy_stream)
-                event = backend.record_event(copy_stream)
+            elif isinstance(feed, list):
+                # A sequence: its tensors staged one by one, one event for them all.
+                pairs = [self._stage(t, device, compute) for t in feed]
+                staged.append([moved for moved, _ in pairs])
+                self.feed_events.append(self._joined([e for _, e in pairs], compute))
             else:
-                # Already on the device: order after whatever the caller queued for it.
-                moved = tensor
-                event = backend.record_event(backend.current_stream(device))
-            backend.record_stream(moved, compute)
-            staged.append(moved)
-            self.feed_events.append(event)
+                moved, event = self._stage(feed, device, compute)
+                staged.append(moved)
+                self.feed_events.append(event)
         return staged
+
+    def _stage(self, tensor: Tensor, device: Device, compute: StreamHandle
+               ) -> tuple[Tensor, EventHandle | None]:
+        """One feed tensor on ``device``, and the event the tasks reading it wait for."""
+        owner, backend = self.owner, self.owner.backend
+        upload = backend.needs_upload(tensor, device)
+        if upload and owner.io_on_compute:
+            # On the stream of every task that reads it: ordered without an event.
+            return backend.to_device(tensor, device, compute), None
+        if upload:
+            copy_stream = owner.pool.copy(device)
+            moved = backend.to_device(tensor, device, copy_stream)
+            event = backend.record_event(copy_stream)
+        else:
+            # Already on the device: order after whatever the caller queued for it.
+            moved = tensor
+            event = backend.record_event(backend.current_stream(device))
+        backend.record_stream(moved, compute)
+        return moved, event
 
     # -- tasks -------------------------------------------------------------------------------
     def wrap(self, index: int, fn: TaskFn, profiled: bool = False) -> TaskFn:
@@ -508,10 +523,10 @@ class _StreamRun:
             # A copy reads on one stream what another allocated, and the other way round.
             other = self.owner.pool.compute(plan.stream_device)  # type: ignore[arg-type]
             for slot in plan.slots:
-                tensor = self.env[slot]
-                if tensor is not None and backend.on_device(tensor):
-                    backend.record_stream(tensor, stream)
-                    backend.record_stream(tensor, other)
+                for tensor in feed_tensors([self.env[slot]]):   # a sequence's one by one
+                    if backend.on_device(tensor):
+                        backend.record_stream(tensor, stream)
+                        backend.record_stream(tensor, other)
         if plan.end is End.SYNC_STREAM:
             backend.synchronize_stream(stream)
         elif plan.end is End.RECORD_EVENT:
@@ -541,7 +556,11 @@ class _StreamRun:
                     backend.wait_event(stream, event)
                 for i, d in on_device:
                     if d == device:
-                        outputs[i] = backend.to_host(outputs[i], stream)  # type: ignore[arg-type]
+                        out: Any = outputs[i]
+                        # A sequence output (a list) comes back tensor by tensor.
+                        back: Any = [backend.to_host(t, stream) for t in out] \
+                            if isinstance(out, list) else backend.to_host(out, stream)
+                        outputs[i] = back
                 final.append(backend.record_event(stream))
                 waits += 1
         elif events:

@@ -13,7 +13,7 @@ torch can share it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -22,7 +22,7 @@ import torch
 from segflow.errors import InvalidInput
 from segflow.ir import lowbit
 from segflow.ir.graph import Value
-from segflow.ir.types import Dim, DType, TensorSpec
+from segflow.ir.types import Dim, DType, OptionalSpec, SequenceSpec, TensorSpec
 
 Tensor = torch.Tensor
 
@@ -44,7 +44,7 @@ class FeedValidator:
         # they bound, as the last fully checked run accepted them.
         self._accepted: tuple[list[tuple[np.dtype, tuple[int, ...]]], dict[str, int]] | None = None
 
-    def __call__(self, feeds: Mapping[str, Any]) -> tuple[list[Tensor], dict[str, int]]:
+    def __call__(self, feeds: Mapping[str, Any]) -> tuple[list[Any], dict[str, int]]:
         if type(feeds) is not dict and not isinstance(feeds, Mapping):  # the ABC check is slow
             raise InvalidInput(f"feeds must be a dict of input name -> array, "
                                f"got {type(feeds).__name__}")
@@ -64,8 +64,11 @@ class FeedValidator:
         for value in self.inputs:
             if value.name not in feeds:
                 raise InvalidInput(f"missing input {value.name!r} "
-                                   f"(expected {value.spec.describe()})")
-            tensors.append(check_feed(value, feeds[value.name], symbols))
+                                   f"(expected {value.describe()})")
+            if value.container is not None:
+                tensors.append(check_container_feed(value, feeds[value.name]))
+            else:
+                tensors.append(check_feed(value, feeds[value.name], symbols))
         dims = {name: size for name, (size, _) in symbols.items()}
         signature = _numpy_signature([feeds[name] for name in expected])
         self._accepted = (signature, dims) if signature is not None else None
@@ -82,6 +85,10 @@ def check_feed(value: Value, data: Any, symbols: dict[str, tuple[int, str]]) -> 
     elif data is None:
         raise InvalidInput(f"input {value.name!r} is None; expected an array "
                            f"({spec.describe()})")
+    elif isinstance(data, (list, tuple)) and any(isinstance(x, (np.ndarray, Tensor))
+                                                 for x in data):
+        raise InvalidInput(f"input {value.name!r} is a list of arrays (a sequence); "
+                           f"expected one array ({spec.describe()})")
     else:
         array = np.asarray(data)
         if array.dtype.kind in "OUS":  # object, unicode, bytes
@@ -107,6 +114,64 @@ def check_feed(value: Value, data: Any, symbols: dict[str, tuple[int, str]]) -> 
             _check_dim(value.name, axis, want, have, spec, symbols)
     # The executor uploads feeds to the device (pinned memory, copy stream).
     return tensor if tensor is not None else as_tensor(array)
+
+
+def check_container_feed(value: Value, data: Any) -> Any:
+    """A feed for a sequence or optional input: a list of tensors for a sequence, None
+    or the held value for an optional (as onnxruntime takes them). Each tensor is checked
+    against the element spec (dtype, rank, fixed dims); the tensors of one sequence may
+    differ in their symbolic dims, so those bind nothing."""
+    container = value.container
+    if isinstance(container, OptionalSpec):
+        if data is None:
+            return None
+        return _check_held(value, container.elem, data, container.describe())
+    assert isinstance(container, SequenceSpec)
+    return _check_held(value, container, data, container.describe())
+
+
+def _check_held(value: Value, spec: TensorSpec | SequenceSpec, data: Any,
+                expected: str) -> Any:
+    if isinstance(spec, SequenceSpec):
+        if not isinstance(data, (list, tuple)):
+            raise InvalidInput(f"input {value.name!r} is {_kind_of(data)}; expected a list "
+                               f"of arrays ({expected})")
+        item = Value(value.name, spec.elem)
+        return [_check_element(item, x, i, expected) for i, x in enumerate(data)]
+    if isinstance(data, (list, tuple)):
+        raise InvalidInput(f"input {value.name!r} is a list; expected an array or None "
+                           f"({expected})")
+    return check_feed(Value(value.name, spec), data, {})
+
+
+def _check_element(item: Value, data: Any, index: int, expected: str) -> Tensor:
+    if data is None or isinstance(data, (list, tuple)):
+        raise InvalidInput(f"input {item.name!r}: element {index} is {_kind_of(data)}; "
+                           f"expected an array ({expected})")
+    try:
+        return check_feed(item, data, {})
+    except InvalidInput as exc:
+        raise InvalidInput(f"{exc} (element {index} of the sequence)") from None
+
+
+def _kind_of(data: Any) -> str:
+    """How an error names what a feed is."""
+    if data is None:
+        return "None"
+    if isinstance(data, (list, tuple)):
+        return f"a {type(data).__name__}"
+    if isinstance(data, (np.ndarray, Tensor)):
+        return "an array"
+    return f"a {type(data).__name__}"
+
+
+def feed_tensors(feeds: Iterable[Any]) -> Iterator[Tensor]:
+    """The tensors of checked feeds: a sequence's one by one, an empty optional none."""
+    for feed in feeds:
+        if isinstance(feed, list):
+            yield from feed
+        elif feed is not None:
+            yield feed
 
 
 def _check_dim(name: str, axis: int, want: Dim, have: int, spec: TensorSpec,

@@ -22,7 +22,7 @@ from segflow.errors import ExecutionError, InvalidSetting
 from segflow.frontend.model_info import ModelInfo, ModelMetadata
 from segflow.frontend.onnx_export import export_model
 from segflow.ir.graph import Graph, Value
-from segflow.ir.types import Device, DType
+from segflow.ir.types import Device, DType, OptionalSpec, SequenceSpec, TensorSpec
 from segflow.kernels.target import CpuTarget
 from segflow.ops.registry import OpRegistry
 from segflow.passes.fuse import RULE_NAMES
@@ -210,11 +210,24 @@ def node_args(values: Sequence[Value], info: ModelInfo) -> list[NodeArg]:
     (one shape inference invented) is None."""
     args = []
     for value in values:
-        spec = value.spec
-        type_name = f"tensor({spec.dtype.onnx_name})" if spec.dtype else "tensor(unknown)"
+        # onnxruntime's shape of an optional tensor is the tensor's; a sequence has none.
+        held = value.container.elem if isinstance(value.container, OptionalSpec) \
+            else value.container
+        spec = held if isinstance(held, TensorSpec) else value.spec
+        type_name = _type_name(value.container if value.container is not None else spec)
         shape = [info.reported_dim(d) for d in spec.shape] if spec.shape is not None else []
         args.append(NodeArg(value.name, type_name, shape, spec.dtype))
     return args
+
+
+def _type_name(spec: TensorSpec | SequenceSpec | OptionalSpec) -> str:
+    """onnxruntime's name of a type: ``tensor(float)``, ``seq(tensor(float))``,
+    ``optional(seq(tensor(int64)))``."""
+    if isinstance(spec, SequenceSpec):
+        return f"seq({_type_name(spec.elem)})"
+    if isinstance(spec, OptionalSpec):
+        return f"optional({_type_name(spec.elem)})"
+    return f"tensor({spec.dtype.onnx_name})" if spec.dtype else "tensor(unknown)"
 
 
 def session_providers(device: str | Device | None, chosen: ProviderChoice | None) -> ProviderChoice:

@@ -51,7 +51,7 @@ from segflow.runtime.compile import SegmentCompiler
 from segflow.runtime.completion import SyncMode
 from segflow.runtime.executor import Executor
 from segflow.runtime.explain import format_plan
-from segflow.runtime.feeds import FeedValidator
+from segflow.runtime.feeds import FeedValidator, feed_tensors
 from segflow.runtime.host_memory import HostMemory, apply_host_memory, release_free_heap
 from segflow.runtime.nonfinite import (
     NonFinitePolicy,
@@ -459,6 +459,7 @@ class InferenceSession(OrtSessionApi):
     def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
             run_options: RunOptions | None = None) -> list[np.ndarray]:
         """Run the model; returns numpy arrays in ``output_names`` order (None or []: all).
+        A sequence is a list of arrays and an empty optional None, feeds and outputs alike.
 
         ``run_options``: a :class:`segflow.RunOptions`; with ``terminate`` set the run
         raises instead. On the host (inline engine) the kernels run under
@@ -535,7 +536,7 @@ class InferenceSession(OrtSessionApi):
         """The session's executor, or where its kernels lose NaN or Inf and ``feeds`` hold
         one, the exact one: the same plan, every kernel bound to keep them (built by the
         first such run; no compiled segments, no planned arena)."""
-        if not self._nonfinite.inexact or not self._holds_nonfinite(feeds):
+        if not self._nonfinite.inexact or not self._holds_nonfinite(feed_tensors(feeds)):
             return self._executor
         with self._exact_lock:
             if self._exact is None:
@@ -557,20 +558,29 @@ class InferenceSession(OrtSessionApi):
         through them.
         """
         weights = self._const_storages
-        seen = {_storage(t) for t in tensors}
-        arrays = []
-        for i in wanted:
-            tensor = outputs[i]
+        seen = {_storage(t) for t in feed_tensors(tensors)}
+        arrays: list[Any] = []
+
+        def array(value: Value, tensor: Tensor) -> np.ndarray:
             storage = _storage(tensor)
             aliased = storage in seen or storage in weights
-            arrays.append(self._to_numpy(self.graph.outputs[i], tensor, aliased))
             seen.add(storage)
+            return self._to_numpy(value, tensor, aliased)
+        for i in wanted:
+            value, out = self.graph.outputs[i], outputs[i]
+            # A sequence output is a list of arrays and an empty optional None, as
+            # onnxruntime returns them.
+            if isinstance(out, list):
+                arrays.append([array(Value(value.name), t) for t in out])
+            else:
+                arrays.append(None if out is None else array(value, out))
         return arrays
 
     def run_tensors(self, feeds: Mapping[str, Tensor]) -> list[Tensor]:
         """Run on torch tensors; returns torch tensors (no numpy round trip).
 
-        The outputs are ordinary tensors (not inference tensors), usable with autograd.
+        The outputs are ordinary tensors (not inference tensors), usable with autograd;
+        a sequence is a list of tensors and an empty optional None, feeds and outputs alike.
         """
         tensors, dims = self._validate(feeds)
         runner = self._runner_for(tensors)
