@@ -23,13 +23,14 @@ from segflow.ops import (
     quant,
     reduce,
     rnn,
+    strings,
     tensor,
 )
 from segflow.ops.registry import BindContext, Kernel, OpDef, OpRegistry
 
 ALL_FAMILIES = (elementwise, nn, tensor, reduce, indexing, image, control, rnn, quant, linalg,
                 misc, copy, backward, backward_select, fused, dense_chain, contrib_quant,
-                contrib_fused, qconv)
+                contrib_fused, qconv, strings)
 
 
 
@@ -38,6 +39,8 @@ def default_registry() -> OpRegistry:
     registry = OpRegistry()
     for family in ALL_FAMILIES:
         registry.extend(family.OPS)
+    for row in (*strings.OPS, *strings.STRING_FORMS):
+        registry.register_string_form(row)
     return registry
 
 

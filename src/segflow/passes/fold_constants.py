@@ -31,7 +31,7 @@ from segflow.kernels.choice import REFERENCE, KernelChoice
 from segflow.kernels.target import CpuTarget
 from segflow.kernels.workspace import Workspace
 from segflow.ops import default_registry
-from segflow.ops.registry import Kernel, OpRegistry, SubgraphRunner
+from segflow.ops.registry import Kernel, OpRegistry, SubgraphRunner, touches_strings
 from segflow.passes._rewrite import new_const, remove_dead
 from segflow.passes.result import PassResult
 from segflow.passes.static_shapes import refine_static_shapes
@@ -103,7 +103,8 @@ def fold_constants(graph: Graph, registry: OpRegistry | None = None, *,
 
 
 def _foldable(node: Node) -> bool:
-    if node.subgraphs or node.op_type in _NONDETERMINISTIC or not node.inputs:
+    if node.subgraphs or node.op_type in _NONDETERMINISTIC or not node.inputs \
+            or touches_strings(node):  # string values are host arrays, never constants' tensors
         return False
     present = [v for v in node.inputs if v is not None]
     return bool(present) and all(v.is_const and not v.const.is_mkldnn  # type: ignore[union-attr]
@@ -135,7 +136,7 @@ def _static_shape(node: Node) -> list[torch.Tensor] | None:
 
 def _evaluate(node: Node, registry: OpRegistry, ctx: _FoldContext) -> list[torch.Tensor] | None:
     try:
-        opdef = registry.lookup(node.domain, node.op_type, node.opset, node.name)
+        opdef = registry.resolve(node)
         kernel = opdef.bind(node, ctx)
         inputs: Sequence[torch.Tensor | None] = [None if v is None else v.const
                                                  for v in node.inputs]

@@ -179,7 +179,7 @@ class BindContext:
         return self.choices[node]
 
     def reference(self, node: Node) -> Kernel:
-        opdef = self.registry.lookup(node.domain, node.op_type, node.opset, node.name)
+        opdef = self.registry.resolve(node)
         try:
             return opdef.bind(node, self)
         except SegflowError:
@@ -194,7 +194,7 @@ class BindContext:
         return SubgraphProgram(graph, self)
 
     def bind_node(self, node: Node) -> Kernel:
-        opdef = self.registry.lookup(node.domain, node.op_type, node.opset, node.name)
+        opdef = self.registry.resolve(node)
         return bind_kernel(opdef, node, self)
 
 

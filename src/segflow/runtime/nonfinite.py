@@ -160,7 +160,7 @@ def nonfinite_reach(graph: Graph, registry: OpRegistry, carried: Collection[str]
 
 def _creates(node: Node, registry: OpRegistry) -> bool:
     """Whether ``node`` (or a node of its bodies) may create NaN or Inf from finite inputs."""
-    opdef = registry.lookup(node.domain, node.op_type, node.opset, node.name)
+    opdef = registry.resolve(node)
     if opdef.creates_nonfinite is not None and opdef.creates_nonfinite(node):
         return True
     return any(_creates(inner, registry) for sub in node.subgraphs.values()

@@ -1,0 +1,483 @@
+"""String tensors: the string ops, and the string forms of the general ops.
+
+A string value is a numpy object array of ``str`` on the host; it never becomes a torch
+tensor. Every node that reads or writes one runs as a LOCAL host task over these arrays
+(``OpRegistry.resolve`` picks the rows of :data:`STRING_FORMS` for the general ops); the
+numeric values such a node reads arrive as tensors and the ones it writes leave as tensors
+on the node's device. onnx's reference implementation (``onnx/reference/ops``) is the
+spec; where onnxruntime differs from it on a detail the node suite fixes (Cast's number
+formatting), onnxruntime's behaviour is the one followed.
+"""
+
+from __future__ import annotations
+
+import locale as pylocale
+import math
+import re
+import unicodedata
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from segflow.engine.base import ExecType
+from segflow.errors import InvalidInput, InvalidModel, UnsupportedOp
+from segflow.ir.graph import Node
+from segflow.ir.types import DType
+from segflow.ops._common import normalize_axis
+from segflow.ops.registry import BindContext, Kernel, OpDef
+
+Host = np.ndarray
+ML_DOMAIN = "ai.onnx.ml"
+
+
+def string_array(data: Any) -> Host:
+    """``data`` (str/bytes/object array-like) as an object array of ``str``.
+
+    >>> string_array(np.array([b"a", "b"], dtype=object)).tolist()
+    ['a', 'b']
+    """
+    array = np.asarray(data)
+    if array.dtype.kind == "U" or array.dtype == object and all(
+            type(s) is str for s in array.flat):
+        return array.astype(object)
+    out = np.empty(array.shape, dtype=object)
+    for index, item in np.ndenumerate(array):
+        out[index] = item.decode("utf-8") if isinstance(item, bytes) else str(item)
+    return out
+
+
+def _host(value: Any) -> Host:
+    """An input as a numpy array: string arrays as they are, tensors copied to the host."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy()
+    return np.asarray(value)
+
+
+def _hosted(bind: Callable[[Node], Callable[[list[Any]], list[Any]]]) -> Callable[
+        [Node, BindContext], Kernel]:
+    """An OpDef ``bind`` from a host kernel: inputs as numpy arrays (None kept), numeric
+    outputs back as tensors on the node's device, string outputs as object arrays."""
+    def bind_node(node: Node, ctx: BindContext) -> Kernel:
+        kernel = bind(node)
+        device = ctx.device
+
+        def run(inputs: Sequence[Any]) -> list[Any]:
+            arrays = [None if x is None else _host(x) for x in inputs]
+            outputs = kernel(arrays)
+            return [out if out.dtype == object
+                    else torch.from_numpy(np.ascontiguousarray(out)).to(device)
+                    for out in outputs]
+        return run
+    return bind_node
+
+
+def _ints(array: Host | None) -> list[int]:
+    return [] if array is None else [int(v) for v in array.reshape(-1)]
+
+
+# -- string ops ------------------------------------------------------------------------------
+def _strip_accents(text: str) -> str:
+    if text.isascii():
+        return text
+    return "".join(c for c in unicodedata.normalize("NFKD", text)
+                   if not unicodedata.combining(c))
+
+
+def _string_normalizer(node: Node) -> Callable[[list[Any]], list[Any]]:
+    action = str(node.attrs.get("case_change_action", "NONE"))
+    if action not in ("NONE", "LOWER", "UPPER"):
+        raise InvalidModel(f"{node.label}: case_change_action must be NONE, LOWER or UPPER, "
+                           f"got {action!r}")
+    sensitive = bool(int(node.attrs.get("is_case_sensitive", 0)))
+    name = node.attrs.get("locale")
+    if name:
+        # Validated once, at bind: case change follows Python's Unicode rules, which are
+        # the same for every locale the suite names; an unknown locale is the model's error.
+        try:
+            pylocale.normalize(str(name))
+        except (ValueError, TypeError):
+            raise InvalidModel(f"{node.label}: unknown locale {name!r}") from None
+    change: Callable[[str], str] = {"NONE": lambda s: s, "LOWER": str.lower,
+                                    "UPPER": str.upper}[action]
+    words = [str(w) for w in node.attrs.get("stopwords", [])]
+    stops = set(words) if sensitive else {change(w) for w in words}
+
+    def drop_stops(text: str) -> str:
+        return " ".join(w for w in text.split(" ") if w not in stops)
+
+    def normalize(text: str) -> str:
+        text = _strip_accents(text)
+        if sensitive and stops:
+            text = drop_stops(text)
+        text = change(text)
+        if not sensitive and stops:
+            text = drop_stops(text)
+        return text
+
+    def kernel(inputs: list[Any]) -> list[Any]:
+        x = inputs[0]
+        if x.ndim not in (1, 2) or x.ndim == 2 and x.shape[0] != 1:
+            raise InvalidInput(f"{node.label}: StringNormalizer takes [C] or [1, C] strings, "
+                               f"got shape {list(x.shape)}")
+        kept = [t for t in (normalize(s) for s in x.reshape(-1)) if t]
+        out = np.array(kept or [""], dtype=object)
+        return [out.reshape(1, -1) if x.ndim == 2 else out]
+    return kernel
+
+
+def _string_concat(node: Node) -> Callable[[list[Any]], list[Any]]:
+    def kernel(inputs: list[Any]) -> list[Any]:
+        x, y = np.broadcast_arrays(inputs[0], inputs[1])
+        out = np.empty(x.shape, dtype=object)
+        for index in np.ndindex(x.shape):
+            out[index] = x[index] + y[index]
+        return [out]
+    return kernel
+
+
+def _string_split(node: Node) -> Callable[[list[Any]], list[Any]]:
+    delimiter = node.attrs.get("delimiter") or None  # "" splits on runs of whitespace
+    maxsplit = node.attrs.get("maxsplit")
+    limit = -1 if maxsplit is None else int(maxsplit)
+
+    def kernel(inputs: list[Any]) -> list[Any]:
+        x = inputs[0]
+        parts = [s.split(delimiter, limit) for s in x.reshape(-1)]
+        width = max((len(p) for p in parts), default=0)
+        out = np.full((len(parts), width), "", dtype=object)
+        for row, pieces in enumerate(parts):
+            out[row, :len(pieces)] = pieces
+        counts = np.array([len(p) for p in parts], dtype=np.int64)
+        return [out.reshape(*x.shape, width), counts.reshape(x.shape)]
+    return kernel
+
+
+# RE2 constructs Python's re reads differently or not at all, and Python-only ones RE2
+# refuses: a pattern holding any of them is refused rather than matched another way.
+_NOT_RE2 = (
+    (re.compile(r"\(\?(?:=|!|<=|<!)"), "lookaround assertions"),
+    (re.compile(r"\(\?P=|\\[1-9]|\\g<"), "backreferences"),
+    (re.compile(r"\(\?>|\(\?\("), "atomic groups and conditionals"),
+    (re.compile(r"(?:[*+?}])\+"), "possessive quantifiers"),
+    (re.compile(r"\\[pPCQEz]"), "\\p, \\C, \\Q...\\E and \\z escapes"),
+    (re.compile(r"\[\[:"), "POSIX character classes"),
+)
+
+
+def re2_subset(pattern: str, where: str) -> re.Pattern[str]:
+    """``pattern`` compiled by Python's re, where it lies in the syntax RE2 and re share.
+
+    >>> re2_subset(r"[a-z]+@\\w+\\.com", "node").fullmatch("ab@cd.com") is not None
+    True
+    """
+    plain = re.sub(r"\\\\", "", pattern)  # an escaped backslash starts no construct
+    for construct, what in _NOT_RE2:
+        if construct.search(plain):
+            raise UnsupportedOp(f"{where}: pattern {pattern!r} uses {what}, outside the RE2 "
+                                "syntax segflow runs with Python's re")
+    try:
+        return re.compile(pattern)
+    except re.error as exc:
+        raise InvalidModel(f"{where}: invalid pattern {pattern!r}: {exc}") from None
+
+
+def _regex_full_match(node: Node) -> Callable[[list[Any]], list[Any]]:
+    regex = re2_subset(str(node.attrs.get("pattern", "")), node.label)
+
+    def kernel(inputs: list[Any]) -> list[Any]:
+        x = inputs[0]
+        matched = [regex.fullmatch(s) is not None for s in x.reshape(-1)]
+        return [np.array(matched, dtype=np.bool_).reshape(x.shape)]
+    return kernel
+
+
+def _label_encoder(node: Node) -> Callable[[list[Any]], list[Any]]:
+    attrs = node.attrs
+    keys = _first_present(attrs, "keys_strings", "keys_int64s", "keys_floats", "keys_tensor")
+    values = _first_present(attrs, "values_strings", "values_int64s", "values_floats",
+                            "values_tensor")
+    if keys is None or values is None or len(keys) != len(values):
+        raise InvalidModel(f"{node.label}: LabelEncoder needs as many values as keys")
+    if "default_tensor" in attrs:
+        default: Any = _listed(attrs["default_tensor"])[0]
+    elif "values_strings" in attrs:
+        default = str(attrs.get("default_string", "_Unused"))
+    elif "values_int64s" in attrs:
+        default = int(attrs.get("default_int64", -1))
+    elif "values_floats" in attrs:
+        default = float(attrs.get("default_float", -0.0))
+    else:
+        default = {DType.STRING: "_Unused", DType.INT64: -1}.get(node.outputs[0].spec.dtype,
+                                                                  -0.0)
+    out_dtype = node.outputs[0].spec.dtype
+    np_dtype = np.dtype(object) if out_dtype in (None, DType.STRING) else out_dtype.numpy
+    # NaN keys match NaN inputs, as in onnxruntime.
+    table = {_key(k): v for k, v in zip(keys, values, strict=True)}
+
+    def kernel(inputs: list[Any]) -> list[Any]:
+        x = inputs[0]
+        looked = [table.get(_key(k), default) for k in x.reshape(-1).tolist()]
+        out = np.empty(len(looked), dtype=np_dtype)
+        out[:] = looked
+        return [out.reshape(x.shape)]
+    return kernel
+
+
+def _first_present(attrs: dict[str, Any], *names: str) -> list[Any] | None:
+    for name in names:
+        if name in attrs:
+            return _listed(attrs[name])
+    return None
+
+
+def _listed(value: Any) -> list[Any]:
+    if isinstance(value, torch.Tensor):
+        return value.reshape(-1).tolist()
+    if isinstance(value, np.ndarray):
+        return value.reshape(-1).tolist()
+    return list(value)
+
+
+def _key(item: Any) -> Any:
+    return "nan" if isinstance(item, float) and math.isnan(item) else item
+
+
+# -- the general ops over strings ------------------------------------------------------------
+def _identity(node: Node) -> Callable[[list[Any]], list[Any]]:
+    return lambda inputs: [inputs[0]]
+
+
+def _reshape(node: Node) -> Callable[[list[Any]], list[Any]]:
+    allowzero = bool(int(node.attrs.get("allowzero", 0)))
+
+    def kernel(inputs: list[Any]) -> list[Any]:
+        x = inputs[0]
+        shape = _ints(inputs[1]) if node.opset >= 5 else [int(d) for d in node.attrs["shape"]]
+        if not allowzero:
+            shape = [x.shape[i] if d == 0 else d for i, d in enumerate(shape)]
+        try:
+            return [x.reshape(shape)]
+        except ValueError:
+            raise InvalidInput(f"{node.label}: cannot reshape {list(x.shape)} to "
+                               f"{shape}") from None
+    return kernel
+
+
+def _flatten(node: Node) -> Callable[[list[Any]], list[Any]]:
+    def kernel(inputs: list[Any]) -> list[Any]:
+        x = inputs[0]
+        axis = normalize_axis(int(node.attrs.get("axis", 1)), x.ndim)
+        rows = math.prod(x.shape[:axis])
+        return [x.reshape(rows, math.prod(x.shape[axis:]))]
+    return kernel
+
+
+def _axes(node: Node, inputs: list[Any]) -> list[int] | None:
+    if node.opset >= 13:
+        return _ints(inputs[1]) if len(inputs) > 1 and inputs[1] is not None else None
+    axes = node.attrs.get("axes")
+    return None if axes is None else [int(a) for a in axes]
+
+
+def _squeeze(node: Node) -> Callable[[list[Any]], list[Any]]:
+    def kernel(inputs: list[Any]) -> list[Any]:
+        x = inputs[0]
+        axes = _axes(node, inputs)
+        if axes is None:
+            return [x.reshape([d for d in x.shape if d != 1])]
+        return [np.squeeze(x, tuple(normalize_axis(a, x.ndim) for a in axes))]
+    return kernel
+
+
+def _unsqueeze(node: Node) -> Callable[[list[Any]], list[Any]]:
+    def kernel(inputs: list[Any]) -> list[Any]:
+        x = inputs[0]
+        axes = _axes(node, inputs) or []
+        rank = x.ndim + len(axes)
+        return [np.expand_dims(x, tuple(normalize_axis(a, rank) for a in axes))]
+    return kernel
+
+
+def _transpose(node: Node) -> Callable[[list[Any]], list[Any]]:
+    perm = node.attrs.get("perm")
+    return lambda inputs: [np.transpose(inputs[0], None if perm is None else list(perm))]
+
+
+def _gather(node: Node) -> Callable[[list[Any]], list[Any]]:
+    def kernel(inputs: list[Any]) -> list[Any]:
+        x, indices = inputs[0], inputs[1].astype(np.int64)
+        axis = normalize_axis(int(node.attrs.get("axis", 0)), x.ndim)
+        size = x.shape[axis]
+        if indices.size and (indices.min() < -size or indices.max() >= size):
+            raise InvalidInput(f"{node.label}: an index is outside [-{size}, {size - 1}]")
+        return [np.take(x, np.where(indices < 0, indices + size, indices), axis=axis)]
+    return kernel
+
+
+def _concat(node: Node) -> Callable[[list[Any]], list[Any]]:
+    def kernel(inputs: list[Any]) -> list[Any]:
+        parts = [x for x in inputs if x is not None]
+        axis = normalize_axis(int(node.attrs["axis"]), parts[0].ndim)
+        return [np.concatenate(parts, axis=axis)]
+    return kernel
+
+
+def _unique(node: Node) -> Callable[[list[Any]], list[Any]]:
+    if node.attrs.get("axis") is not None:
+        raise UnsupportedOp(f"{node.label}: Unique over strings along an axis is not "
+                            "supported (only over all elements)")
+    keep_sorted = bool(int(node.attrs.get("sorted", 1)))
+
+    def kernel(inputs: list[Any]) -> list[Any]:
+        flat = inputs[0].reshape(-1)
+        first: dict[str, int] = {}
+        for position, item in enumerate(flat):
+            first.setdefault(item, position)
+        order = sorted(first) if keep_sorted else list(first)
+        rank = {item: i for i, item in enumerate(order)}
+        inverse = np.array([rank[item] for item in flat], dtype=np.int64)
+        counts = np.bincount(inverse, minlength=len(order)).astype(np.int64)
+        return [np.array(order, dtype=object).reshape(-1),
+                np.array([first[item] for item in order], dtype=np.int64),
+                inverse, counts]
+    return kernel
+
+
+def _equal(node: Node) -> Callable[[list[Any]], list[Any]]:
+    def kernel(inputs: list[Any]) -> list[Any]:
+        return [np.asarray(np.equal(inputs[0], inputs[1]), dtype=np.bool_)]
+    return kernel
+
+
+def _where(node: Node) -> Callable[[list[Any]], list[Any]]:
+    def kernel(inputs: list[Any]) -> list[Any]:
+        return [np.where(inputs[0].astype(np.bool_), inputs[1], inputs[2]).astype(object)]
+    return kernel
+
+
+def _shape(node: Node) -> Callable[[list[Any]], list[Any]]:
+    start, end = node.attrs.get("start"), node.attrs.get("end")
+
+    def kernel(inputs: list[Any]) -> list[Any]:
+        from segflow.ir.types import shape_window
+        dims = inputs[0].shape
+        return [np.array(dims[shape_window(start, end, len(dims))], dtype=np.int64)]
+    return kernel
+
+
+def _size(node: Node) -> Callable[[list[Any]], list[Any]]:
+    return lambda inputs: [np.array(inputs[0].size, dtype=np.int64)]
+
+
+# -- Cast ------------------------------------------------------------------------------------
+# The numbers strtod/strtoll read from the start of a string (onnxruntime's parsers).
+_FLOAT_PREFIX = re.compile(r"\s*[+-]?(?:0[xX](?:[0-9a-fA-F]+\.?[0-9a-fA-F]*|\.[0-9a-fA-F]+)"
+                           r"(?:[pP][+-]?\d+)?|(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?"
+                           r"|inf(?:inity)?|nan)", re.IGNORECASE)
+_INT_PREFIX = re.compile(r"\s*[+-]?\d+")
+
+
+def _parse_float(text: str, where: str) -> float:
+    found = _FLOAT_PREFIX.match(text)
+    if found is None:
+        raise InvalidInput(f"{where}: cannot cast {text!r} to a number")
+    number = found.group().strip()
+    if "x" in number.lower():
+        return float.fromhex(number)
+    return float(number)
+
+
+def _parse_int(text: str, where: str, signed: bool) -> int:
+    """The integer strtoll (``signed``) or strtoull reads from the start of ``text``; the
+    caller wraps it to the target's width, as a C cast does."""
+    found = _INT_PREFIX.match(text)
+    if found is None:
+        raise InvalidInput(f"{where}: cannot cast {text!r} to an integer")
+    number = int(found.group())
+    if signed and not -(1 << 63) <= number < 1 << 63 or not signed and abs(number) >= 1 << 64:
+        raise InvalidInput(f"{where}: {text!r} is out of the 64-bit integer range")
+    return number if signed else number % (1 << 64)
+
+
+def _format_number(item: Any, is_float: bool) -> str:
+    if isinstance(item, (bool, np.bool_)):
+        return "1" if item else "0"
+    if not is_float:
+        return str(int(item))
+    value = float(item)
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "INF" if value > 0 else "-INF"
+    return f"{value:.8g}"
+
+
+def _from_strings(x: Host, to: DType, where: str) -> Host:
+    flat = x.reshape(-1)
+    if to.is_float:
+        numbers = np.array([_parse_float(s, where) for s in flat], dtype=np.float64)
+        with np.errstate(over="ignore"):
+            return numbers.astype(to.numpy).reshape(x.shape)
+    if to is DType.BOOL:
+        parsed = [_parse_int(s, where, False) != 0 for s in flat]
+        return np.array(parsed, dtype=np.bool_).reshape(x.shape)
+    if to.numpy.kind in "iu":
+        signed = to.numpy.kind == "i"
+        parsed = [_parse_int(s, where, signed) for s in flat]
+        wrapped = np.array(parsed, dtype=np.uint64 if not signed else np.int64)
+        return wrapped.astype(to.numpy).reshape(x.shape)
+    raise UnsupportedOp(f"{where}: Cast from string to {to.onnx_name} is not supported")
+
+
+def _cast(node: Node) -> Callable[[list[Any]], list[Any]]:
+    def kernel(inputs: list[Any]) -> list[Any]:
+        x = inputs[0]
+        to = node.outputs[0].spec.dtype
+        if to is None:
+            raise InvalidModel(f"{node.label}: Cast's target type is unknown")
+        if to is DType.STRING:
+            if x.dtype == object:
+                return [x]
+            is_float = x.dtype.kind in "fc" or x.dtype == DType.BFLOAT16.numpy
+            out = np.empty(x.shape, dtype=object)
+            for index, item in np.ndenumerate(x):
+                out[index] = _format_number(item, is_float)
+            return [out]
+        return [_from_strings(x, to, node.label)]
+    return kernel
+
+
+def _row(name: str, bind: Callable[[Node], Callable[[list[Any]], list[Any]]],
+         domain: str = "", since: int = 1) -> OpDef:
+    return OpDef(name, _hosted(bind), domain=domain, since=since, exec_type=ExecType.LOCAL)
+
+
+OPS = [
+    _row("StringNormalizer", _string_normalizer, since=10),
+    _row("StringConcat", _string_concat, since=20),
+    _row("StringSplit", _string_split, since=20),
+    _row("RegexFullMatch", _regex_full_match, since=20),
+    _row("LabelEncoder", _label_encoder, domain=ML_DOMAIN),
+]
+
+STRING_FORMS = [
+    _row("Identity", _identity),
+    _row("Reshape", _reshape),
+    _row("Flatten", _flatten),
+    _row("Squeeze", _squeeze),
+    _row("Unsqueeze", _unsqueeze),
+    _row("Transpose", _transpose),
+    _row("Gather", _gather),
+    _row("Concat", _concat),
+    _row("Unique", _unique),
+    _row("Equal", _equal),
+    _row("Where", _where),
+    _row("Shape", _shape),
+    _row("Size", _size),
+    _row("Cast", _cast),
+    _row("CastLike", _cast),
+]
+"""The rows a node of these general ops resolves to where it reads or writes strings; the
+opset range is the general row's (checked first), so these cover every opset."""
