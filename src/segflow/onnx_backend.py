@@ -11,7 +11,7 @@ op raises :class:`segflow.UnsupportedOp` from :meth:`SegflowBackend.prepare`.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import onnx
@@ -45,11 +45,13 @@ def _to_tensor(array: Any) -> Tensor:
         bits = np.array(arr, copy=True, order="C").view(np.int16)
         return torch.from_numpy(bits).view(torch.bfloat16)  # same bits, torch's bfloat16
     if arr.dtype == object or arr.dtype.kind in ("U", "S"):
-        raise InvalidInput("string tensors are not supported by segflow")
+        return cast(Tensor, arr)  # a string feed: the session checks and converts it
     return torch.from_numpy(np.array(arr, copy=True, order="C"))  # keeps 0-d arrays 0-d
 
 
 def _to_numpy(tensor: Tensor) -> np.ndarray:
+    if isinstance(tensor, np.ndarray):  # a string output
+        return tensor
     t = tensor.detach().cpu()
     if t.dtype == torch.bfloat16:
         import ml_dtypes  # onnx depends on it; only needed for bfloat16 outputs
