@@ -243,7 +243,7 @@ class OpRegistry:
         form = self.string_forms.get((_DOMAIN_ALIASES.get(node.domain, node.domain),
                                       node.op_type))
         if form is None:
-            if node.domain == "segflow" and node.op_type == "Copy":
+            if node.domain == "segflow" and node.op_type == "Copy" and node.inputs[0]:
                 raise UnsupportedOp(f"string value {node.inputs[0].name!r} would have to go "
                                     f"to {node.attrs.get('to')}: string tensors stay on the "
                                     "host (place the nodes that read it on the CPU)")

@@ -200,18 +200,19 @@ def _label_encoder(node: Node) -> Callable[[list[Any]], list[Any]]:
                             "values_tensor")
     if keys is None or values is None or len(keys) != len(values):
         raise InvalidModel(f"{node.label}: LabelEncoder needs as many values as keys")
+    out_dtype = node.outputs[0].spec.dtype
+    default: Any
     if "default_tensor" in attrs:
-        default: Any = _listed(attrs["default_tensor"])[0]
+        default = _listed(attrs["default_tensor"])[0]
     elif "values_strings" in attrs:
         default = str(attrs.get("default_string", "_Unused"))
     elif "values_int64s" in attrs:
         default = int(attrs.get("default_int64", -1))
     elif "values_floats" in attrs:
         default = float(attrs.get("default_float", -0.0))
-    else:
-        default = {DType.STRING: "_Unused", DType.INT64: -1}.get(node.outputs[0].spec.dtype,
-                                                                  -0.0)
-    out_dtype = node.outputs[0].spec.dtype
+    else:  # values_tensor without default_tensor: the schema's default for its type
+        kind = "O" if out_dtype in (None, DType.STRING) else out_dtype.numpy.kind
+        default = "_Unused" if kind == "O" else -1 if kind in "iu" else -0.0
     np_dtype = np.dtype(object) if out_dtype in (None, DType.STRING) else out_dtype.numpy
     # NaN keys match NaN inputs, as in onnxruntime.
     table = {_key(k): v for k, v in zip(keys, values, strict=True)}
@@ -421,8 +422,8 @@ def _from_strings(x: Host, to: DType, where: str) -> Host:
         with np.errstate(over="ignore"):
             return numbers.astype(to.numpy).reshape(x.shape)
     if to is DType.BOOL:
-        parsed = [_parse_int(s, where, False) != 0 for s in flat]
-        return np.array(parsed, dtype=np.bool_).reshape(x.shape)
+        truths = [_parse_int(s, where, False) != 0 for s in flat]
+        return np.array(truths, dtype=np.bool_).reshape(x.shape)
     if to.numpy.kind in "iu":
         signed = to.numpy.kind == "i"
         parsed = [_parse_int(s, where, signed) for s in flat]

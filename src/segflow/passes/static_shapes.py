@@ -48,7 +48,8 @@ def refine_static_shapes(node: Node, registry: OpRegistry, ctx: BindContext) -> 
     """Give ``node``'s outputs the fixed shapes its kernel computes over meta tensors of
     its non-constant inputs (all of fixed shape); True where a spec changed."""
     if node.subgraphs or node.domain not in _DOMAINS or node.op_type in _DATA_DEPENDENT \
-            or touches_strings(node) or all(v.spec.is_static and v.spec.dtype is not None for v in node.outputs):
+            or touches_strings(node) \
+            or all(v.spec.is_static and v.spec.dtype is not None for v in node.outputs):
         return False
     inputs: list[torch.Tensor | None] = []
     moved = False    # a constant too large to be shape values went on meta
