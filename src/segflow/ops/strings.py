@@ -11,10 +11,8 @@ formatting), onnxruntime's behaviour is the one followed.
 
 from __future__ import annotations
 
-import locale as pylocale
 import math
 import re
-import unicodedata
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -78,50 +76,50 @@ def _ints(array: Host | None) -> list[int]:
 
 
 # -- string ops ------------------------------------------------------------------------------
-def _strip_accents(text: str) -> str:
-    if text.isascii():
-        return text
-    return "".join(c for c in unicodedata.normalize("NFKD", text)
-                   if not unicodedata.combining(c))
+def _simple_upper(c: str) -> str:
+    # Python maps by Unicode's full case mapping ("ß" -> "SS"); onnxruntime's towupper
+    # by the simple one, which for these few characters is their titlecase where that is
+    # one character ("ᾳ" -> "ᾼ") and none otherwise ("ß" stays).
+    full = c.upper()
+    if len(full) == 1:
+        return full
+    title = c.title()
+    return title if len(title) == 1 else c
+
+
+def _simple_lower(c: str) -> str:
+    full = c.lower()
+    return full if len(full) == 1 else full[0]   # "İ" -> "i̇": the simple mapping is "i"
+
+
+def _upper(text: str) -> str:
+    return "".join(map(_simple_upper, text))
+
+
+def _lower(text: str) -> str:
+    return "".join(map(_simple_lower, text))
 
 
 def _string_normalizer(node: Node) -> Callable[[list[Any]], list[Any]]:
+    """onnxruntime's StringNormalizer: stopwords are whole elements (compared case-folded
+    unless ``is_case_sensitive``), removed before the case change; case maps by Unicode
+    whatever the ``locale`` (onnxruntime's in any UTF-8 locale), accents kept."""
     action = str(node.attrs.get("case_change_action", "NONE"))
     if action not in ("NONE", "LOWER", "UPPER"):
         raise InvalidModel(f"{node.label}: case_change_action must be NONE, LOWER or UPPER, "
                            f"got {action!r}")
     sensitive = bool(int(node.attrs.get("is_case_sensitive", 0)))
-    name = node.attrs.get("locale")
-    if name:
-        # Validated once, at bind: case change follows Python's Unicode rules, which are
-        # the same for every locale the suite names; an unknown locale is the model's error.
-        try:
-            pylocale.normalize(str(name))
-        except (ValueError, TypeError):
-            raise InvalidModel(f"{node.label}: unknown locale {name!r}") from None
-    change: Callable[[str], str] = {"NONE": lambda s: s, "LOWER": str.lower,
-                                    "UPPER": str.upper}[action]
-    words = [str(w) for w in node.attrs.get("stopwords", [])]
-    stops = set(words) if sensitive else {change(w) for w in words}
-
-    def drop_stops(text: str) -> str:
-        return " ".join(w for w in text.split(" ") if w not in stops)
-
-    def normalize(text: str) -> str:
-        text = _strip_accents(text)
-        if sensitive and stops:
-            text = drop_stops(text)
-        text = change(text)
-        if not sensitive and stops:
-            text = drop_stops(text)
-        return text
+    change: Callable[[str], str] = {"NONE": lambda s: s, "LOWER": _lower,
+                                    "UPPER": _upper}[action]
+    fold: Callable[[str], str] = (lambda s: s) if sensitive else _lower
+    stops = {fold(str(w)) for w in node.attrs.get("stopwords", [])}
 
     def kernel(inputs: list[Any]) -> list[Any]:
         x = inputs[0]
         if x.ndim not in (1, 2) or x.ndim == 2 and x.shape[0] != 1:
             raise InvalidInput(f"{node.label}: StringNormalizer takes [C] or [1, C] strings, "
                                f"got shape {list(x.shape)}")
-        kept = [t for t in (normalize(s) for s in x.reshape(-1)) if t]
+        kept = [change(s) for s in x.reshape(-1) if fold(s) not in stops]
         out = np.array(kept or [""], dtype=object)
         return [out.reshape(1, -1) if x.ndim == 2 else out]
     return kernel

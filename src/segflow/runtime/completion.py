@@ -379,6 +379,11 @@ class _StreamRun:
         compute = owner.pool.compute(device)
         staged = []
         for tensor in feeds:
+            if not isinstance(tensor, Tensor):
+                # A string feed: a host array only host tasks read (ops/strings.py).
+                staged.append(tensor)
+                self.feed_events.append(None)
+                continue
             upload = backend.needs_upload(tensor, device)
             if upload and owner.io_on_compute:
                 # On the stream of every task that reads it: ordered without an event.
@@ -528,7 +533,7 @@ class _StreamRun:
         final: list[EventHandle] = []  # what the host waits for
         waits = 0
         on_device = [(i, d) for i, d in enumerate(owner.output_devices)
-                     if d is not None and host_outputs and outputs[i] is not None]
+                     if d is not None and host_outputs and isinstance(outputs[i], Tensor)]
         if on_device:
             outputs = list(outputs)
             # On the compute stream, the tasks' work is already ahead of the copies.
