@@ -140,9 +140,19 @@ def _string_split(node: Node) -> Callable[[list[Any]], list[Any]]:
     maxsplit = node.attrs.get("maxsplit")
     limit = -1 if maxsplit is None else int(maxsplit)
 
+    def split_one(text: str) -> list[str]:
+        # onnxruntime's: an empty string has no pieces, and on whitespace the rest left
+        # after maxsplit pieces loses its trailing whitespace too.
+        if not text:
+            return []
+        parts = text.split(delimiter, limit)
+        if delimiter is None and 0 <= limit < len(parts):
+            parts[-1] = parts[-1].rstrip()
+        return parts
+
     def kernel(inputs: list[Any]) -> list[Any]:
         x = inputs[0]
-        parts = [s.split(delimiter, limit) for s in x.reshape(-1)]
+        parts = [split_one(s) for s in x.reshape(-1)]
         width = max((len(p) for p in parts), default=0)
         out = np.full((len(parts), width), "", dtype=object)
         for row, pieces in enumerate(parts):
@@ -449,8 +459,9 @@ def _cast(node: Node) -> Callable[[list[Any]], list[Any]]:
 
 
 def _row(name: str, bind: Callable[[Node], Callable[[list[Any]], list[Any]]],
-         domain: str = "", since: int = 1) -> OpDef:
-    return OpDef(name, _hosted(bind), domain=domain, since=since, exec_type=ExecType.LOCAL)
+         domain: str = "", since: int = 1, makes_nonfinite: bool = False) -> OpDef:
+    return OpDef(name, _hosted(bind), domain=domain, since=since, exec_type=ExecType.LOCAL,
+                 creates_nonfinite=(lambda node: True) if makes_nonfinite else None)
 
 
 OPS = [
@@ -458,7 +469,7 @@ OPS = [
     _row("StringConcat", _string_concat, since=20),
     _row("StringSplit", _string_split, since=20),
     _row("RegexFullMatch", _regex_full_match, since=20),
-    _row("LabelEncoder", _label_encoder, domain=ML_DOMAIN),
+    _row("LabelEncoder", _label_encoder, domain=ML_DOMAIN, makes_nonfinite=True),
 ]
 
 STRING_FORMS = [
@@ -475,8 +486,9 @@ STRING_FORMS = [
     _row("Where", _where),
     _row("Shape", _shape),
     _row("Size", _size),
-    _row("Cast", _cast),
-    _row("CastLike", _cast),
+    # "NaN" and "INF" become NaN and infinity: no kernel that loses them may read the result.
+    _row("Cast", _cast, makes_nonfinite=True),
+    _row("CastLike", _cast, makes_nonfinite=True),
 ]
 """The rows a node of these general ops resolves to where it reads or writes strings; the
 opset range is the general row's (checked first), so these cover every opset."""

@@ -206,6 +206,8 @@ class ConstantCache:
 
     def get(self, value: Value, device: torch.device) -> Tensor:
         assert value.const is not None
+        if not isinstance(value.const, Tensor):
+            return value.const   # a string constant: a host array (ops/strings.py)
         key = (id(value), str(device))
         tensor = self._cache.get(key)
         if tensor is None:

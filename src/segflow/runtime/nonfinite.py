@@ -118,6 +118,8 @@ class NonFiniteScan:
     def __call__(self, tensors: Iterable[Tensor]) -> bool:
         native = self._native
         for tensor in tensors:
+            if not isinstance(tensor, Tensor):
+                continue   # a string value (a host array); a Cast of it may make NaN
             if not tensor.is_floating_point() or tensor.numel() == 0:
                 continue
             if native is not None and tensor.dtype == torch.float32 \
