@@ -335,3 +335,16 @@ def test_onnx_backend_runs_string_models():
     model = make_model([node], {"x": strings("a"), "y": strings("b")}, ["z"], 21)
     (z,) = SegflowBackend.run_model(model, [strings("a"), strings("b")])
     assert z.dtype == object and z.tolist() == ["ab"]
+
+
+def test_explain_and_the_optimized_model_keep_string_values(tmp_path):
+    path = tmp_path / "optimized.onnx"
+    options = segflow.SessionOptions()
+    options.optimized_model_filepath = str(path)
+    sess = segflow.InferenceSession(_mixed_model(), options)
+    assert "StringConcat" in sess.explain()
+    written = onnx.load(str(path))
+    unit = [t for t in written.graph.initializer if t.name == "unit"]
+    assert onnx.numpy_helper.to_array(unit[0]).tolist() == [" kg"]
+    again = segflow.InferenceSession(written)
+    assert_same(again.run(None, MIXED_FEED), sess.run(None, MIXED_FEED))
