@@ -239,6 +239,15 @@ def test_cast_to_strings_matches_onnxruntime(dtype):
     check([node], {"x": x}, ["y"])
 
 
+def test_cast_between_strings_and_bfloat16_round_trips():
+    to = helper.make_node("Cast", ["x"], ["b"], to=TensorProto.BFLOAT16)
+    back = helper.make_node("Cast", ["b"], ["y"], to=TensorProto.STRING)
+    x = strings("1.5", "-2", "NaN", "3.015625")
+    model = make_model([to, back], {"x": x}, ["y"], 21)
+    (y,) = segflow.InferenceSession(model).run(None, {"x": x})
+    assert y.tolist() == ["1.5", "-2", "NaN", "3.015625"]  # all exact in bfloat16
+
+
 def test_cast_of_a_word_to_a_number_is_a_clear_error():
     node = helper.make_node("Cast", ["x"], ["y"], to=TensorProto.INT64)
     sess = segflow.InferenceSession(make_model([node], {"x": strings("12")}, ["y"], 21))

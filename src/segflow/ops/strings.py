@@ -5,8 +5,9 @@ tensor. Every node that reads or writes one runs as a LOCAL host task over these
 (``OpRegistry.resolve`` picks the rows of :data:`STRING_FORMS` for the general ops); the
 numeric values such a node reads arrive as tensors and the ones it writes leave as tensors
 on the node's device. onnx's reference implementation (``onnx/reference/ops``) is the
-spec; where onnxruntime differs from it on a detail the node suite fixes (Cast's number
-formatting), onnxruntime's behaviour is the one followed.
+spec; where onnxruntime differs from it on what the node suite leaves open (Cast's number
+formatting, StringNormalizer's stopwords and accents, StringSplit of an empty string),
+onnxruntime's behaviour is the one followed.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from segflow.ops.registry import BindContext, Kernel, OpDef
 
 Host = np.ndarray
 ML_DOMAIN = "ai.onnx.ml"
+_BFLOAT16 = DType.BFLOAT16.numpy
 
 
 def string_array(data: Any) -> Host:
@@ -49,8 +51,17 @@ def string_array(data: Any) -> Host:
 def _host(value: Any) -> Host:
     """An input as a numpy array: string arrays as they are, tensors copied to the host."""
     if isinstance(value, torch.Tensor):
+        if value.dtype == torch.bfloat16:  # numpy reads no torch bfloat16
+            return value.detach().cpu().view(torch.uint16).numpy().view(_BFLOAT16)
         return value.detach().cpu().numpy()
     return np.asarray(value)
+
+
+def _tensor(array: Host, device: torch.device) -> torch.Tensor:
+    array = np.ascontiguousarray(array)
+    if array.dtype == _BFLOAT16:
+        return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16).to(device)
+    return torch.from_numpy(array).to(device)
 
 
 def _hosted(bind: Callable[[Node], Callable[[list[Any]], list[Any]]]) -> Callable[
@@ -64,9 +75,7 @@ def _hosted(bind: Callable[[Node], Callable[[list[Any]], list[Any]]]) -> Callabl
         def run(inputs: Sequence[Any]) -> list[Any]:
             arrays = [None if x is None else _host(x) for x in inputs]
             outputs = kernel(arrays)
-            return [out if out.dtype == object
-                    else torch.from_numpy(np.ascontiguousarray(out)).to(device)
-                    for out in outputs]
+            return [out if out.dtype == object else _tensor(out, device) for out in outputs]
         return run
     return bind_node
 
