@@ -342,6 +342,55 @@ def _concat(node: Node) -> Callable[[list[Any]], list[Any]]:
     return kernel
 
 
+def _slice(node: Node) -> Callable[[list[Any]], list[Any]]:
+    def kernel(inputs: list[Any]) -> list[Any]:
+        x = inputs[0]
+        if node.opset >= 10:
+            starts, ends = _ints(inputs[1]), _ints(inputs[2])
+            axes = _ints(inputs[3]) if len(inputs) > 3 and inputs[3] is not None \
+                else list(range(len(starts)))
+            steps = _ints(inputs[4]) if len(inputs) > 4 and inputs[4] is not None \
+                else [1] * len(starts)
+        else:
+            starts, ends = list(node.attrs["starts"]), list(node.attrs["ends"])
+            axes = list(node.attrs.get("axes", range(len(starts))))
+            steps = [1] * len(starts)
+        window = [slice(None)] * x.ndim
+        for start, end, axis, step in zip(starts, ends, axes, steps, strict=True):
+            axis = normalize_axis(axis, x.ndim)
+            window[axis] = _onnx_slice(start, end, step, x.shape[axis], node.label)
+        return [x[tuple(window)]]
+    return kernel
+
+
+def _onnx_slice(start: int, end: int, step: int, size: int, where: str) -> slice:
+    """ONNX's clamped start/end/step along an axis of ``size`` as a Python slice."""
+    if step == 0:
+        raise InvalidInput(f"{where}: a Slice step is 0")
+    start = start + size if start < 0 else start
+    end = end + size if end < 0 else end
+    if step > 0:
+        return slice(min(max(start, 0), size), min(max(end, 0), size), step)
+    start, end = min(max(start, 0), size - 1), min(max(end, -1), size - 1)
+    return slice(start, None if end < 0 else end, step)
+
+
+def _expand(node: Node) -> Callable[[list[Any]], list[Any]]:
+    def kernel(inputs: list[Any]) -> list[Any]:
+        x, shape = inputs[0], _ints(inputs[1])
+        try:
+            target = np.broadcast_shapes(x.shape, tuple(shape))
+        except ValueError:
+            raise InvalidInput(f"{node.label}: cannot expand {list(x.shape)} to "
+                               f"{shape}") from None
+        return [np.array(np.broadcast_to(x, target))]
+    return kernel
+
+
+def _tile(node: Node) -> Callable[[list[Any]], list[Any]]:
+    return lambda inputs: [np.tile(inputs[0], _ints(inputs[1]))]
+
+
 def _unique(node: Node) -> Callable[[list[Any]], list[Any]]:
     if node.attrs.get("axis") is not None:
         raise UnsupportedOp(f"{node.label}: Unique over strings along an axis is not "
@@ -490,6 +539,9 @@ STRING_FORMS = [
     _row("Transpose", _transpose),
     _row("Gather", _gather),
     _row("Concat", _concat),
+    _row("Slice", _slice),
+    _row("Expand", _expand),
+    _row("Tile", _tile),
     _row("Unique", _unique),
     _row("Equal", _equal),
     _row("Where", _where),
