@@ -362,3 +362,8 @@ def test_explain_and_the_optimized_model_keep_string_values(tmp_path):
     assert onnx.numpy_helper.to_array(unit[0]).tolist() == [" kg"]
     again = segflow.InferenceSession(written)
     assert_same(again.run(None, MIXED_FEED), sess.run(None, MIXED_FEED))
+
+
+def test_a_string_ortvalue_is_refused_with_a_clear_error():
+    with pytest.raises(InvalidInput, match="string arrays are not bound as OrtValues"):
+        segflow.OrtValue.ortvalue_from_numpy(strings("a"))
