@@ -23,6 +23,7 @@ from segflow.ops import (
     quant,
     reduce,
     rnn,
+    string_forms,
     strings,
     tensor,
 )
@@ -39,7 +40,7 @@ def default_registry() -> OpRegistry:
     registry = OpRegistry()
     for family in ALL_FAMILIES:
         registry.extend(family.OPS)
-    for row in (*strings.OPS, *strings.STRING_FORMS):
+    for row in (*strings.OPS, *string_forms.STRING_FORMS):
         registry.register_string_form(row)
     return registry
 
