@@ -163,10 +163,12 @@ INVALID = {
         [h.make_node("Relu", ["x"], ["y"], name="a")], [_vi("x")], [_vi("y", elem=T.INT64)]),
         InvalidModel, ("'a'", "Relu")),
     # graph inputs
-    "string graph input": Case(lambda: _model(
-        [h.make_node("Identity", ["x"], ["y"], name="a")], [_vi("x", (2,), T.STRING)],
-        [_vi("y", (2,), T.STRING)]), UnsupportedOp, ("'x'", "string"),
-        {"x": np.array(["a", "b"], dtype=object)}, invalid=False),
+    "op without a string form over strings": Case(lambda: _model(
+        [h.make_node("ReverseSequence", ["x", "n"], ["y"], name="a")],
+        [_vi("x", (2, 2), T.STRING)], [_vi("y", (2, 2), T.STRING)],
+        [onnx.numpy_helper.from_array(np.array([1, 2], np.int64), "n")]), UnsupportedOp,
+        ("'a'", "ReverseSequence", "string"),
+        {"x": np.array([["a", "b"], ["c", "d"]], dtype=object)}, invalid=False),
     # schema and type constraints (onnxruntime verifies every node against its schema)
     "unknown attribute": Case(lambda: _model(
         [h.make_node("Relu", ["x"], ["y"], name="a", foo=1)], [_vi("x")], [_vi("y")]),

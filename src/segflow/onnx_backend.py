@@ -11,7 +11,7 @@ op raises :class:`segflow.UnsupportedOp` from :meth:`SegflowBackend.prepare`.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import onnx
@@ -49,7 +49,7 @@ def _to_tensor(array: Any) -> Any:
         bits = np.array(arr, copy=True, order="C").view(np.int16)
         return torch.from_numpy(bits).view(torch.bfloat16)  # same bits, torch's bfloat16
     if arr.dtype == object or arr.dtype.kind in ("U", "S"):
-        raise InvalidInput("string tensors are not supported by segflow")
+        return cast(Tensor, arr)  # a string feed: the session checks and converts it
     return torch.from_numpy(np.array(arr, copy=True, order="C"))  # keeps 0-d arrays 0-d
 
 
@@ -60,6 +60,8 @@ def _to_numpy(tensor: Any, dtype: DType | None) -> Any:
         return None
     if isinstance(tensor, list):
         return [_to_numpy(t, dtype) for t in tensor]
+    if isinstance(tensor, np.ndarray):  # a string output
+        return tensor
     t = tensor.detach().cpu()
     if dtype is not None and dtype.is_lowbit:
         return np.array(lowbit.to_numpy(t, dtype), copy=True)

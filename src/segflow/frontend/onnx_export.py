@@ -116,6 +116,8 @@ _ATTR_TYPES: dict[Any, tuple[int, Callable[[Any], Any]]] = {
 def _initializer(value: Value) -> onnx.TensorProto:
     tensor = value.const
     assert tensor is not None
+    if isinstance(tensor, np.ndarray):  # a string constant (ops/strings.py)
+        return onnx.numpy_helper.from_array(tensor, value.name)
     if tensor.is_mkldnn or tensor.layout != torch.strided:
         raise InvalidModel(f"constant {value.name!r} is packed for a segflow kernel and has "
                            "no ONNX form")

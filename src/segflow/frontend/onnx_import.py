@@ -14,7 +14,7 @@ import sys
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import onnx
@@ -36,6 +36,7 @@ from segflow.ir.graph import Graph, Node, Value
 from segflow.ir.types import ContainerSpec, Dim, DType, OptionalSpec, SequenceSpec, TensorSpec
 from segflow.ops import default_registry
 from segflow.ops.registry import NEWEST_ONNX_OPSET, OpRegistry
+from segflow.ops.strings import string_array
 
 # Initializers with more data bytes than this go to shape inference without their data.
 INFERENCE_DATA_LIMIT = 4096
@@ -315,8 +316,7 @@ def _constant_value(np_: onnx.NodeProto) -> torch.Tensor:
         if attr.name == "value_ints":
             return torch.tensor(list(v), dtype=torch.int64)
         if attr.name in ("value_string", "value_strings"):
-            raise UnsupportedOp(f"Constant node {np_.name!r} holds strings, "
-                                "which segflow's torch kernels do not support")
+            return _strings(onnx.helper.get_attribute_value(attr))
     raise InvalidModel(f"Constant node {np_.name!r} has no value attribute")
 
 
@@ -359,8 +359,8 @@ def _tensor(tp: onnx.TensorProto) -> torch.Tensor:
         array = numpy_helper.to_array(tp)
     except Exception as exc:
         raise InvalidModel(f"cannot read tensor {tp.name!r}: {_one_line(exc)}") from None
-    if array.dtype == object or array.dtype.kind in ("U", "S"):
-        raise UnsupportedOp(f"tensor {tp.name!r} holds strings, which segflow does not support")
+    if tp.data_type == onnx.TensorProto.STRING:
+        return _strings(array)
     if tp.data_type == onnx.TensorProto.BFLOAT16:
         return torch.from_numpy(array.astype(np.float32)).to(torch.bfloat16)
     try:
@@ -374,6 +374,12 @@ def _tensor(tp: onnx.TensorProto) -> torch.Tensor:
                             f"{onnx.TensorProto.DataType.Name(tp.data_type)}, "
                             "which segflow does not support")
     return torch.from_numpy(np.array(array, copy=True))
+
+
+def _strings(data: Any) -> torch.Tensor:
+    """String data as the object array of ``str`` string values are (``ops/strings.py``):
+    they stay on the host, and only the string rows, which take arrays, read them."""
+    return cast("torch.Tensor", string_array(data))
 
 
 def _over_bytes(raw: bytes, dtype: np.dtype[Any], torch_dtype: torch.dtype,
@@ -455,6 +461,8 @@ def _spec_of_tensor(t: torch.Tensor | None, code: int = 0) -> TensorSpec:
     which tells a sub-byte type from the ordinary type of its container."""
     if t is None:
         return TensorSpec()
+    if isinstance(t, np.ndarray):  # a string constant (_strings)
+        return TensorSpec(DType.STRING, tuple(int(d) for d in t.shape))
     try:
         declared = DType.from_onnx(code) if code else None
     except ValueError:

@@ -96,9 +96,6 @@ def _check_inputs(graph: onnx.GraphProto) -> None:
         if vi.name in initializers or not vi.type.HasField("tensor_type"):
             continue
         tensor = vi.type.tensor_type
-        if tensor.elem_type == onnx.TensorProto.STRING:
-            raise UnsupportedOp(f"graph input {vi.name!r} is a string tensor, which segflow "
-                                "does not support")
         for axis, dim in enumerate(tensor.shape.dim):
             if dim.HasField("dim_value") and dim.dim_value < 0 \
                     and dim.dim_value != UNKNOWN_DIM:

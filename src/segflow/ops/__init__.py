@@ -28,6 +28,8 @@ from segflow.ops import (
     reduce,
     rnn,
     sequence,
+    string_forms,
+    strings,
     tensor,
 )
 from segflow.ops.registry import BindContext, Kernel, OpDef, OpRegistry
@@ -35,7 +37,7 @@ from segflow.ops.registry import BindContext, Kernel, OpDef, OpRegistry
 ALL_FAMILIES = (elementwise, nn, tensor, reduce, indexing, image, control, rnn, quant, linalg,
                 misc, copy, backward, backward_select, fused, dense_chain, contrib_quant,
                 contrib_fused, qconv, preview_training, ml, image_decoder, sequence,
-                optional)
+                optional, strings)
 
 
 def default_registry() -> OpRegistry:
@@ -43,6 +45,8 @@ def default_registry() -> OpRegistry:
     registry = OpRegistry()
     for family in ALL_FAMILIES:
         registry.extend(family.OPS)
+    for row in (*strings.OPS, *string_forms.STRING_FORMS):
+        registry.register_string_form(row)
     return registry
 
 

@@ -22,6 +22,7 @@ import torch
 
 from segflow.engine.base import ExecType
 from segflow.errors import UnsupportedOp
+from segflow.ir.types import DType
 
 if TYPE_CHECKING:
     from segflow.ir.graph import Graph, Node, Value
@@ -190,11 +191,22 @@ class OpDef:
 _DOMAIN_ALIASES = {"ai.onnx": ""}
 
 
+def touches_strings(node: Node) -> bool:
+    """Whether ``node`` reads or writes a string value: it then runs its string row, on
+    the host (:meth:`OpRegistry.resolve`), and no pass hands its values to torch."""
+    return any(v is not None and v.spec.dtype is DType.STRING
+               for v in (*node.inputs, *node.outputs))
+
+
 @dataclass(slots=True)
 class OpRegistry:
     """Lookup of OpDefs by (domain, op type, opset)."""
 
     rows: dict[tuple[str, str], list[OpDef]] = field(default_factory=dict)
+    # The host rows a node resolves to where it reads or writes string values, by
+    # (domain, op type): the string ops' own rows and the general ops' string forms
+    # (ops/strings.py).
+    string_forms: dict[tuple[str, str], OpDef] = field(default_factory=dict)
 
     def register(self, opdef: OpDef) -> None:
         key = (_DOMAIN_ALIASES.get(opdef.domain, opdef.domain), opdef.name)
@@ -222,6 +234,27 @@ class OpRegistry:
         ranges = ", ".join(f"{r.since}..{r.until or 'latest'}" for r in rows)
         raise UnsupportedOp(f"unsupported opset {opset} for op {op_type} (domain {shown}; "
                             f"implemented for opsets {ranges}){where}")
+
+    def register_string_form(self, opdef: OpDef) -> None:
+        """``opdef`` runs the nodes of its op that read or write strings."""
+        self.string_forms[(_DOMAIN_ALIASES.get(opdef.domain, opdef.domain), opdef.name)] = opdef
+
+    def resolve(self, node: Node) -> OpDef:
+        """The row that runs ``node``: :meth:`lookup`'s, or its string form where the node
+        reads or writes a string value (a node of another op over strings is refused)."""
+        row = self.lookup(node.domain, node.op_type, node.opset, node.name)
+        if not touches_strings(node):
+            return row
+        form = self.string_forms.get((_DOMAIN_ALIASES.get(node.domain, node.domain),
+                                      node.op_type))
+        if form is None:
+            if node.domain == "segflow" and node.op_type == "Copy" and node.inputs[0]:
+                raise UnsupportedOp(f"string value {node.inputs[0].name!r} would have to go "
+                                    f"to {node.attrs.get('to')}: string tensors stay on the "
+                                    "host (place the nodes that read it on the CPU)")
+            raise UnsupportedOp(f"{node.op_type} over string tensors is not supported "
+                                f"(node {node.name!r})")
+        return form
 
     def contains(self, domain: str, op_type: str) -> bool:
         return (_DOMAIN_ALIASES.get(domain, domain), op_type) in self.rows

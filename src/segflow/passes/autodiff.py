@@ -162,7 +162,7 @@ class GradContext:
         return self.emit1("SumToShape", [grad, self.shape_of(like)], like=like)
 
     def opdef(self, node: Node) -> OpDef:
-        return self.registry.lookup(node.domain, node.op_type, node.opset, node.name)
+        return self.registry.resolve(node)
 
     # -- internals ---------------------------------------------------------------------
     def _fresh(self, stem: str) -> str:

@@ -32,7 +32,7 @@ from segflow.kernels.choice import REFERENCE, KernelChoice
 from segflow.kernels.target import CpuTarget
 from segflow.kernels.workspace import Workspace
 from segflow.ops import default_registry
-from segflow.ops.registry import Kernel, OpRegistry, SubgraphRunner
+from segflow.ops.registry import Kernel, OpRegistry, SubgraphRunner, touches_strings
 from segflow.passes._rewrite import new_const, remove_dead
 from segflow.passes.result import PassResult
 from segflow.passes.static_shapes import refine_static_shapes
@@ -104,9 +104,10 @@ def fold_constants(graph: Graph, registry: OpRegistry | None = None, *,
 
 
 def _foldable(node: Node) -> bool:
-    # A sequence or optional is no constant tensor a Value can hold.
+    # A sequence or optional is no constant tensor a Value can hold, nor is a string
+    # value (a host array).
     if node.subgraphs or node.op_type in _NONDETERMINISTIC or not node.inputs \
-            or node.touches_containers:
+            or node.touches_containers or touches_strings(node):
         return False
     present = [v for v in node.inputs if v is not None]
     return bool(present) and all(v.is_const and not v.const.is_mkldnn  # type: ignore[union-attr]
@@ -138,7 +139,7 @@ def _static_shape(node: Node) -> list[torch.Tensor] | None:
 
 def _evaluate(node: Node, registry: OpRegistry, ctx: _FoldContext) -> list[torch.Tensor] | None:
     try:
-        opdef = registry.lookup(node.domain, node.op_type, node.opset, node.name)
+        opdef = registry.resolve(node)
         kernel = opdef.bind(node, ctx)
         inputs: Sequence[torch.Tensor | None] = [None if v is None else v.const
                                                  for v in node.inputs]

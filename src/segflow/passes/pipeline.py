@@ -182,7 +182,9 @@ def contiguous_constants(graph: Graph) -> int:
     count = 0
     for value in graph.initializers.values():
         tensor = value.const
-        if tensor is not None and tensor.layout == torch.strided and not tensor.is_mkldnn \
+        # (A string constant is a host array, not a tensor: ops/strings.py.)
+        if isinstance(tensor, torch.Tensor) and tensor.layout == torch.strided \
+                and not tensor.is_mkldnn \
                 and not tensor.is_contiguous():
             value.const = tensor.contiguous()
             count += 1

@@ -26,7 +26,7 @@ import torch
 
 from segflow.ir.graph import Node
 from segflow.ir.types import DType, TensorSpec
-from segflow.ops.registry import BindContext, OpRegistry
+from segflow.ops.registry import BindContext, OpRegistry, touches_strings
 
 # The domains whose rows' kernels run here: ONNX's, and onnxruntime's contrib ops, whose
 # outputs ONNX's shape inference leaves unknown (it has no schemas for them).
@@ -49,6 +49,7 @@ def refine_static_shapes(node: Node, registry: OpRegistry, ctx: BindContext) -> 
     its non-constant inputs (all of fixed shape); True where a spec changed."""
     if node.subgraphs or node.domain not in _DOMAINS or node.op_type in _DATA_DEPENDENT \
             or node.touches_containers \
+            or touches_strings(node) \
             or all(v.spec.is_static and v.spec.dtype is not None for v in node.outputs):
         return False
     inputs: list[torch.Tensor | None] = []
@@ -93,7 +94,7 @@ def refine_static_shapes(node: Node, registry: OpRegistry, ctx: BindContext) -> 
 def _run_meta(node: Node, registry: OpRegistry, ctx: BindContext,
               inputs: Sequence[torch.Tensor | None]) -> list[torch.Tensor] | None:
     try:
-        opdef = registry.lookup(node.domain, node.op_type, node.opset, node.name)
+        opdef = registry.resolve(node)
         kernel = opdef.bind(node, ctx)
         with torch.inference_mode(False), torch.no_grad():
             outs = list(kernel(inputs))

@@ -179,7 +179,7 @@ class BindContext:
         return self.choices[node]
 
     def reference(self, node: Node) -> Kernel:
-        opdef = self.registry.lookup(node.domain, node.op_type, node.opset, node.name)
+        opdef = self.registry.resolve(node)
         try:
             return opdef.bind(node, self)
         except SegflowError:
@@ -194,7 +194,7 @@ class BindContext:
         return SubgraphProgram(graph, self)
 
     def bind_node(self, node: Node) -> Kernel:
-        opdef = self.registry.lookup(node.domain, node.op_type, node.opset, node.name)
+        opdef = self.registry.resolve(node)
         return bind_kernel(opdef, node, self)
 
 
@@ -206,6 +206,8 @@ class ConstantCache:
 
     def get(self, value: Value, device: torch.device) -> Tensor:
         assert value.const is not None
+        if not isinstance(value.const, Tensor):
+            return value.const   # a string constant: a host array (ops/strings.py)
         key = (id(value), str(device))
         tensor = self._cache.get(key)
         if tensor is None:

@@ -380,8 +380,10 @@ class _StreamRun:
         compute = owner.pool.compute(device)
         staged: list[Any] = []
         for feed in feeds:
-            if feed is None:   # an empty optional
-                staged.append(None)
+            if feed is None or not isinstance(feed, Tensor | list):
+                # An empty optional, or a string feed: a host array only host tasks
+                # read (ops/strings.py).
+                staged.append(feed)
                 self.feed_events.append(None)
             elif isinstance(feed, list):
                 # A sequence: its tensors staged one by one, one event for them all.
@@ -543,7 +545,7 @@ class _StreamRun:
         final: list[EventHandle] = []  # what the host waits for
         waits = 0
         on_device = [(i, d) for i, d in enumerate(owner.output_devices)
-                     if d is not None and host_outputs and outputs[i] is not None]
+                     if d is not None and host_outputs and isinstance(outputs[i], Tensor)]
         if on_device:
             outputs = list(outputs)
             # On the compute stream, the tasks' work is already ahead of the copies.

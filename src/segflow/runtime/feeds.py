@@ -23,6 +23,7 @@ from segflow.errors import InvalidInput
 from segflow.ir import lowbit
 from segflow.ir.graph import Value
 from segflow.ir.types import Dim, DType, OptionalSpec, SequenceSpec, TensorSpec
+from segflow.ops.strings import string_array
 
 Tensor = torch.Tensor
 
@@ -57,7 +58,8 @@ class FeedValidator:
         if accepted is not None and len(feeds) == len(expected):
             arrays = [feeds.get(name) for name in expected]
             if _numpy_signature(arrays) == accepted[0]:
-                return ([as_tensor(a) for a in cast("list[np.ndarray]", arrays)],
+                return ([as_tensor(a, name) for a, name in
+                         zip(cast("list[np.ndarray]", arrays), expected, strict=True)],
                         dict(accepted[1]))
         symbols: dict[str, tuple[int, str]] = {}
         tensors = []
@@ -91,11 +93,8 @@ def check_feed(value: Value, data: Any, symbols: dict[str, tuple[int, str]]) -> 
                            f"expected one array ({spec.describe()})")
     else:
         array = np.asarray(data)
-        if array.dtype.kind in "OUS":  # object, unicode, bytes
-            raise InvalidInput(f"input {value.name!r}: string/object arrays are not "
-                               f"supported (expected {spec.describe()})")
         try:
-            got = DType.from_numpy(array.dtype)
+            got = DType.from_numpy(array.dtype)  # object, unicode, bytes: STRING
         except ValueError:
             raise InvalidInput(f"input {value.name!r} has numpy dtype {array.dtype}, which "
                                f"segflow does not read (expected {spec.describe()})"
@@ -113,7 +112,7 @@ def check_feed(value: Value, data: Any, symbols: dict[str, tuple[int, str]]) -> 
         for axis, (want, have) in enumerate(zip(spec.shape, shape)):
             _check_dim(value.name, axis, want, have, spec, symbols)
     # The executor uploads feeds to the device (pinned memory, copy stream).
-    return tensor if tensor is not None else as_tensor(array)
+    return tensor if tensor is not None else as_tensor(array, value.name)
 
 
 def check_container_feed(value: Value, data: Any) -> Any:
@@ -195,15 +194,19 @@ def _numpy_signature(feeds: Sequence[Any]) -> list[tuple[np.dtype, tuple[int, ..
     return [(a.dtype, a.shape) for a in feeds]
 
 
-def as_tensor(array: np.ndarray) -> Tensor:
+def as_tensor(array: np.ndarray, name: str = "") -> Tensor:
     """A feed array as a tensor over the same memory where torch can share it.
 
     A byte-swapped array (``>f4`` on a little-endian host) is converted to native
     order; an ``ml_dtypes.bfloat16`` one, which torch cannot read, is shared as its
     16-bit patterns viewed as bfloat16; the other ml_dtypes types (float8, int4, ...)
-    are copied into their torch form (``ir/lowbit.py``).
+    are copied into their torch form (``ir/lowbit.py``). A string feed (``str``,
+    ``bytes`` or an object array of them) stays an array: an object array of ``str``
+    (``ops/strings.py``).
     """
     dtype = array.dtype
+    if dtype.kind in "OUS":
+        return cast(Tensor, _strings(array, name))
     if dtype in lowbit.NUMPY_DTYPES:
         return lowbit.to_tensor(array)
     if not dtype.isnative:
@@ -215,6 +218,15 @@ def as_tensor(array: np.ndarray) -> Tensor:
     if dtype == _BFLOAT16:
         return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)
     return torch.from_numpy(array)
+
+
+def _strings(array: np.ndarray, name: str) -> np.ndarray:
+    if array.dtype == object:
+        for item in array.flat:
+            if not isinstance(item, (str, bytes)):
+                raise InvalidInput(f"input {name!r} is a string tensor; an element is "
+                                   f"{type(item).__name__} {item!r}, not str")
+    return string_array(array)
 
 
 _BFLOAT16 = DType.BFLOAT16.numpy

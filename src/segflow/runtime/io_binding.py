@@ -94,6 +94,9 @@ class OrtValue:
         if not isinstance(array, np.ndarray):
             raise InvalidInput(f"ortvalue_from_numpy: expected a numpy array, got "
                                f"{type(array).__name__}")
+        if array.dtype.kind in "OUS":
+            raise InvalidInput("ortvalue_from_numpy: string arrays are not bound as OrtValues "
+                               "(a string tensor is fed to run() as a numpy array)")
         tensor = torch.from_numpy(np.ascontiguousarray(array))
         return OrtValue(tensor if device.type == "cpu" else tensor.to(device))
 

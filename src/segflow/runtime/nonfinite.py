@@ -118,6 +118,8 @@ class NonFiniteScan:
     def __call__(self, tensors: Iterable[Tensor]) -> bool:
         native = self._native
         for tensor in tensors:
+            if not isinstance(tensor, Tensor):
+                continue   # a string value (a host array); a Cast of it may make NaN
             if not tensor.is_floating_point() or tensor.numel() == 0:
                 continue
             if native is not None and tensor.dtype == torch.float32 \
@@ -160,7 +162,7 @@ def nonfinite_reach(graph: Graph, registry: OpRegistry, carried: Collection[str]
 
 def _creates(node: Node, registry: OpRegistry) -> bool:
     """Whether ``node`` (or a node of its bodies) may create NaN or Inf from finite inputs."""
-    opdef = registry.lookup(node.domain, node.op_type, node.opset, node.name)
+    opdef = registry.resolve(node)
     if opdef.creates_nonfinite is not None and opdef.creates_nonfinite(node):
         return True
     return any(_creates(inner, registry) for sub in node.subgraphs.values()

@@ -46,7 +46,7 @@ class Plan:
 
 
 def resolve_opdefs(graph: Graph, registry: OpRegistry) -> dict[Node, OpDef]:
-    return {node: registry.lookup(node.domain, node.op_type, node.opset, node.name)
+    return {node: registry.resolve(node)
             for node in graph.nodes}
 
 

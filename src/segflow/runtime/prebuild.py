@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from segflow.ir.graph import Value
+from segflow.ir.types import DType
 from segflow.kernels.choice import DIRECT_CONV_KINDS, KernelKind
 from segflow.kernels.onednn.binary import DirectBinary
 from segflow.kernels.onednn.conv import DirectConv
@@ -69,7 +70,9 @@ def prebuild(steps: Sequence[Step], graph_inputs: Sequence[Value],
             continue
         sizes = static_sizes(value, dims)
         # A negative declared dim is the importer's to refuse; a speculation skips it.
-        if sizes is not None and value.spec.dtype is not None and min(sizes, default=0) >= 0:
+        # A string input is a host array no direct kernel reads.
+        if sizes is not None and value.spec.dtype not in (None, DType.STRING) \
+                and min(sizes, default=0) >= 0:
             known[id(value)] = torch.empty(sizes, dtype=value.spec.dtype.torch, device="meta")
     built = left = 0
     failure = ""

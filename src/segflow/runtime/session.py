@@ -635,6 +635,12 @@ class InferenceSession(OrtSessionApi):
         return self._check_feeds(feeds)
 
     def _to_numpy(self, value: Value, tensor: Tensor, aliased: bool) -> np.ndarray:
+        if isinstance(tensor, np.ndarray):  # a string value: already a host array
+            array = tensor
+            if aliased or not array.flags.c_contiguous:
+                array = np.array(array, copy=True, order="C")
+            self._check_declared(value, array.shape)
+            return array
         t = tensor.detach() if tensor.requires_grad else tensor
         if not t.is_cpu:
             t = t.cpu()
@@ -667,6 +673,8 @@ _BFLOAT16 = DType.BFLOAT16.numpy
 
 
 def _storage(tensor: Tensor) -> int:
+    if isinstance(tensor, np.ndarray):  # a string value (ops/strings.py)
+        return int(tensor.__array_interface__["data"][0])
     if tensor.is_mkldnn:  # an opaque prepacked weight (passes/pack_weights.py): never an output
         return id(tensor)
     return tensor.untyped_storage().data_ptr()

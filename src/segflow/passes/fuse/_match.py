@@ -38,7 +38,7 @@ def reshapes(node: Node, registry: OpRegistry) -> bool:
     """Whether the row says output 0 is input 0's elements under a new shape (Reshape,
     Flatten, Squeeze, Unsqueeze)."""
     try:
-        opdef = registry.lookup(node.domain, node.op_type, node.opset, node.name)
+        opdef = registry.resolve(node)
     except UnsupportedOp:
         return False
     return opdef.view_of_input is ViewOfInput.RESHAPE
