@@ -545,7 +545,7 @@ class _StreamRun:
         final: list[EventHandle] = []  # what the host waits for
         waits = 0
         on_device = [(i, d) for i, d in enumerate(owner.output_devices)
-                     if d is not None and host_outputs and isinstance(outputs[i], Tensor)]
+                     if d is not None and host_outputs and isinstance(outputs[i], Tensor | list)]
         if on_device:
             outputs = list(outputs)
             # On the compute stream, the tasks' work is already ahead of the copies.
