@@ -815,3 +815,19 @@ def test_the_preferred_weight_format_is_asked_of_libdnnl_once_per_geometry(
     torch.testing.assert_close(lib.unpack_weight(packed, spec, [1, 40, 13, 11]), dense,
                                atol=0, rtol=0)
     assert asked == [False, False]
+
+
+def test_a_vendored_libgomp_leaves_libdnnl_on() -> None:
+    # scikit-learn's wheel ships its own libgomp under a hashed name; importing it before
+    # segflow maps a second libgomp file into the process that nothing else binds to.
+    import subprocess
+
+    probe = ("from segflow.kernels.onednn.library import Library; "
+             "print(Library.probe()[0] is not None)")
+    alone = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                           timeout=120)
+    if alone.stdout.strip() != "True":
+        pytest.skip("libdnnl is not used in this environment")
+    after = subprocess.run([sys.executable, "-c", "import sklearn.tree; " + probe],
+                           capture_output=True, text=True, timeout=120)
+    assert after.stdout.strip() == "True", after.stderr

@@ -140,13 +140,17 @@ def _libgomp_copies() -> int:
 
 
 def _libgomp_paths() -> set[str]:
-    """The libgomp files mapped into this process (empty: none, or no /proc)."""
+    """The libgomp files mapped into this process that a library linked against
+    ``libgomp.so.1`` can bind to (empty: none, or no /proc). A copy vendored under a
+    hashed name (``libgomp-e985bcbb.so.1.0.0``, as auditwheel renames scikit-learn's)
+    serves only the package that ships it: it is not the runtime torch and libdnnl share,
+    and its presence must not turn libdnnl off."""
     try:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
         return set()
     return {line.split()[-1] for line in maps.splitlines()
-            if "libgomp" in line.rsplit("/", 1)[-1]}
+            if line.rsplit("/", 1)[-1].startswith("libgomp.so")}
 
 
 @functools.cache
