@@ -36,16 +36,21 @@ def _to_int8(t: Tensor) -> tuple[Tensor, int]:
     return t, 0
 
 
+def centered(t: Tensor, zp: Tensor | None, row_axis: int | None = None) -> Tensor:
+    """``t - zp`` widened to float64 (exact for these integer ranges); with ``row_axis``,
+    a 1-D zero point of several values is one per row of A ``[.., M, K]``."""
+    out = t.to(torch.float64)
+    if zp is None:
+        return out
+    z = zp.to(torch.float64)
+    if row_axis is not None and z.dim() == 1 and z.numel() > 1:
+        z = z.reshape(-1, 1)
+    return out - z
+
+
 def _reference(a: Tensor, b: Tensor, a_zp: Tensor | None, b_zp: Tensor | None) -> Tensor:
-    ac = a.to(torch.float64)
-    if a_zp is not None:
-        z = a_zp.to(torch.float64)
-        # A per-row zero point of A [.., M, K] is given as [M].
-        ac = ac - (z.reshape(-1, 1) if z.dim() == 1 and z.numel() > 1 else z)
-    bc = b.to(torch.float64)
-    if b_zp is not None:
-        bc = bc - b_zp.to(torch.float64).reshape(-1)   # per tensor or per column [N]
-    return torch.matmul(ac, bc).to(torch.int32)
+    # B's zero point is per tensor or per column ([N]): it broadcasts along B's last axis.
+    return torch.matmul(centered(a, a_zp, row_axis=-2), centered(b, b_zp)).to(torch.int32)
 
 
 class PreparedB:

@@ -35,11 +35,10 @@ from segflow.errors import UnsupportedOp
 from segflow.ir.graph import Node
 from segflow.ir.types import DType
 from segflow.ops._common import normalize_axis
-from segflow.ops._integer_matmul import integer_matmul
+from segflow.ops._integer_matmul import centered, integer_matmul
 from segflow.ops.nn import _avgpool
 from segflow.ops.quant import (
     _INT_RANGES,
-    _centered,
     _dequantize_linear,
     _quantize_linear,
     _saturate,
@@ -346,7 +345,7 @@ def _qgemm(node: Node, ctx: BindContext) -> Kernel:
     def kernel(inputs: Sequence[Tensor | None]) -> list[Tensor]:
         a, a_s, a_zp, b, b_s, b_zp, c, y_s, y_zp = _inputs(inputs, 9)
         assert a is not None and b is not None and b_s is not None
-        a_c = _centered(a, a_zp)
+        a_c = centered(a, a_zp)
         b_zp_cols = None if b_zp is None else b_zp.reshape(-1)
         b_c = b.to(torch.float64)
         if b_zp_cols is not None:

@@ -19,7 +19,7 @@ from segflow.ir import lowbit
 from segflow.ir.graph import Node
 from segflow.ir.types import DType
 from segflow.ops._common import has_input, normalize_axis, resolve_pads, torch_pad
-from segflow.ops._integer_matmul import PreparedB, integer_matmul
+from segflow.ops._integer_matmul import PreparedB, centered, integer_matmul
 from segflow.ops.registry import BindContext, Kernel, OpDef
 
 Tensor = torch.Tensor
@@ -198,18 +198,6 @@ def _dynamic_quantize_linear(node: Node, ctx: BindContext) -> Kernel:
     return kernel
 
 
-def _centered(t: Tensor, zp: Tensor | None, row_axis: int | None = None) -> Tensor:
-    """``t - zp`` widened to float64 (exact for these integer ranges)."""
-    out = t.to(torch.float64)
-    if zp is None:
-        return out
-    z = zp.to(torch.float64)
-    if row_axis is not None and z.dim() == 1 and z.numel() > 1:
-        # A per-row zero point of A [.., M, K] is given as [M].
-        z = z.reshape(-1, 1)
-    return out - z
-
-
 def _requantize(acc: Tensor, multiplier: Tensor, zp: Tensor | None,
                 like: torch.dtype) -> Tensor:
     """Scale an exact integer accumulator into the output's quantized type.
@@ -305,8 +293,8 @@ def _conv_integer(node: Node, ctx: BindContext) -> Kernel:
         x_zp = inputs[2] if len(inputs) > 2 else None
         w_zp = inputs[3] if len(inputs) > 3 else None
         # Subtract zero points before padding: padded positions contribute nothing.
-        xc = _centered(x, x_zp)
-        wc = _centered(w, _per_channel(w_zp, w.dim()))
+        xc = centered(x, x_zp)
+        wc = centered(w, _per_channel(w_zp, w.dim()))
         return [geometry.run(xc, wc).to(torch.int32)]
     return kernel
 
@@ -319,7 +307,7 @@ def _qlinear_conv(node: Node, ctx: BindContext) -> Kernel:
         bias = inputs[8] if len(inputs) > 8 else None
         assert x is not None and w is not None
         assert x_scale is not None and w_scale is not None and y_scale is not None
-        acc = geometry.run(_centered(x, x_zp), _centered(w, _per_channel(w_zp, w.dim())))
+        acc = geometry.run(centered(x, x_zp), centered(w, _per_channel(w_zp, w.dim())))
         if bias is not None:
             acc = acc + bias.to(torch.float64).reshape([-1] + [1] * (acc.dim() - 2))
         ws = w_scale.reshape([-1] + [1] * (acc.dim() - 2)) if w_scale.numel() > 1 else w_scale
